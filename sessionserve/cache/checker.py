@@ -1,0 +1,131 @@
+"""The memory invariant (DESIGN.md section 5): no KV slot lost, none counted twice.
+
+    free + evictable + protected + held + in_flight == total
+
+`held` is the idle session slots' `ceil_align(allocated) - protected`; `in_flight` the same over
+the live requests the scheduler passes in. A slot whose row a live request borrows counts once,
+as in-flight. Which rows are borrowed is computed from the live batch at every check, never from
+a stored flag; the slots' `borrower` marks are only *checked* against it, so a stuck mark is
+caught instead of trusted. Metrics read the same terms (`terms()`), so they cannot drift.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
+
+from sessionserve.cache.allocator import ceil_align
+from sessionserve.cache.request_kv import RequestKV
+from sessionserve.cache.session_cache import SessionCache
+from sessionserve.errors import MemoryInvariantError
+
+
+class MemoryTerms(NamedTuple):
+    total: int
+    free: int
+    evictable: int
+    protected: int
+    held: int  # idle session slots' KV
+    in_flight: int  # live requests' own KV
+    held_sessions: int  # idle slots holding KV
+    live_requests: int
+    rows_total: int
+    rows_free: int
+    rows_used: int  # distinct rows of live requests and slots
+
+    @property
+    def accounted(self) -> int:
+        return self.free + self.evictable + self.protected + self.held + self.in_flight
+
+    def __str__(self) -> str:
+        return " ".join(f"{k}={v}" for k, v in self._asdict().items()) + f" sum={self.accounted}"
+
+
+class MemoryChecker:
+    def __init__(self, cache: SessionCache) -> None:
+        self.cache = cache
+        self.busy_checks = 0
+        self.failures = 0
+
+    def terms(self, live: Sequence[RequestKV] = ()) -> MemoryTerms:
+        c, p = self.cache, self.cache.page_size
+        problems: list[str] = []
+        live_rows = {r.row: r for r in live}
+        if len(live_rows) != len(live):
+            problems.append("two live requests share a row")
+        in_flight = 0
+        for r in live:
+            if not r.is_live or r.row is None:
+                problems.append(f"request {r.rid!r} passed as live but is {r.state.value}")
+                continue
+            problems += _ordering(f"request {r.rid!r}", r, p)
+            in_flight += ceil_align(r.allocated_len, p) - r.protected_len
+        held = held_sessions = 0
+        slot_rows: set[int] = set()
+        for s in c.slots.values():
+            if s.row is None:
+                if s.borrower is not None:
+                    problems.append(f"session {s.session_id!r} lent no row but marks a borrower")
+                continue
+            slot_rows.add(s.row)
+            problems += _ordering(f"session {s.session_id!r}", s, p)
+            borrower = live_rows.get(s.row)
+            if (borrower.rid if borrower else None) != s.borrower:
+                problems.append(
+                    f"session {s.session_id!r} marks borrower {s.borrower!r} but the live batch "
+                    f"has {borrower.rid if borrower else None!r} on row {s.row}"
+                )
+            if borrower is None:
+                if len(s.kv_tokens) != s.committed_len:
+                    problems.append(f"session {s.session_id!r}: kv_tokens != committed_len")
+                held += ceil_align(s.allocated_len, p) - s.protected_len
+                held_sessions += 1
+        rows_used = len(slot_rows | set(live_rows))
+        t = MemoryTerms(
+            total=c.allocator.num_slots,
+            free=c.allocator.available_size(),
+            evictable=c.radix.evictable_size(),
+            protected=c.radix.protected_size(),
+            held=held,
+            in_flight=in_flight,
+            held_sessions=held_sessions,
+            live_requests=len(live),
+            rows_total=c.rows.num_rows,
+            rows_free=c.rows.num_free(),
+            rows_used=rows_used,
+        )
+        if t.accounted != t.total:
+            problems.append(f"slots: accounted {t.accounted} != total {t.total}")
+        if t.rows_free + t.rows_used != t.rows_total:
+            problems.append(f"rows: free {t.rows_free} + used {t.rows_used} != {t.rows_total}")
+        if problems:
+            self.failures += 1
+            raise MemoryInvariantError("memory invariant broken: " + "; ".join(problems) + f" [{t}]")
+        return t
+
+    def check_busy(self, live: Iterable[RequestKV]) -> MemoryTerms:
+        """After every scheduler step: `live` is every request holding KV (running, prefilling)."""
+        self.busy_checks += 1
+        return self.terms(list(live))
+
+    def check_idle(self) -> MemoryTerms:
+        """When nothing runs: no in-flight KV, and no slot may claim a borrower."""
+        return self.terms(())
+
+    def held_tokens(self, live: Sequence[RequestKV] = ()) -> int:
+        return self.terms(live).held
+
+    def held_sessions(self, live: Sequence[RequestKV] = ()) -> int:
+        return self.terms(live).held_sessions
+
+
+def _ordering(who: str, o, page_size: int) -> list[str]:
+    out = []
+    if not 0 <= o.protected_len <= o.committed_len <= o.allocated_len:
+        out.append(
+            f"{who}: expected 0 <= protected {o.protected_len} <= committed "
+            f"{o.committed_len} <= allocated {o.allocated_len}"
+        )
+    if o.protected_len % page_size:
+        out.append(f"{who}: protected {o.protected_len} not page-aligned ({page_size})")
+    return out

@@ -1,0 +1,57 @@
+"""Request rows: row r, position i -> KV slot index.
+
+A row belongs to exactly one owner at a time: a running request, or a session slot between turns.
+A restored session turn borrows its slot's row (the slot keeps pointing at it); the row is
+returned to the pool only by whoever holds it last (`free`). Rows are never shared otherwise.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sessionserve.errors import DoubleFreeError, InvalidConfigError, NoFreeRowError
+
+
+class RequestRows:
+    def __init__(self, num_rows: int, max_context_len: int) -> None:
+        if num_rows < 1 or max_context_len < 1:
+            raise InvalidConfigError(
+                f"num_rows={num_rows}, max_context_len={max_context_len}: both must be >= 1"
+            )
+        self.num_rows = num_rows
+        self.max_context_len = max_context_len
+        self.table = torch.zeros(num_rows, max_context_len, dtype=torch.int64)
+        self._free_rows: list[int] = list(range(num_rows - 1, -1, -1))
+        self._in_use = [False] * num_rows
+
+    def num_free(self) -> int:
+        return len(self._free_rows)
+
+    def alloc(self) -> int:
+        if not self._free_rows:
+            raise NoFreeRowError(
+                f"all {self.num_rows} request rows are in use by running requests and session "
+                "slots; raise cache.max_rows or lower the number of open sessions"
+            )
+        row = self._free_rows.pop()
+        self._in_use[row] = True
+        return row
+
+    def free(self, row: int) -> None:
+        if not 0 <= row < self.num_rows or not self._in_use[row]:
+            raise DoubleFreeError(f"double free of request row {row}")
+        self._in_use[row] = False
+        self._free_rows.append(row)
+
+    def write(self, row: int, start: int, slots: torch.Tensor) -> None:
+        end = start + slots.numel()
+        if end > self.max_context_len:
+            raise ValueError(f"positions up to {end} exceed max_context_len={self.max_context_len}")
+        self.table[row, start:end] = slots
+
+    def read(self, row: int, start: int, end: int) -> torch.Tensor:
+        return self.table[row, start:end]
+
+    def last_slot(self, row: int, length: int) -> int | None:
+        """Slot of position `length - 1`, the anchor for filling a partial page."""
+        return int(self.table[row, length - 1]) if length > 0 else None

@@ -1,0 +1,247 @@
+"""Streaming sessions over the request cache: a session's KV stays resident between turns.
+
+The rules (DESIGN.md 4.4), each closing a bug the reference system had:
+- One turn in flight: `start_turn` raises SessionBusyError *before* creating anything, so a
+  rejected turn never carries the session and can never clear the running turn's mark or touch
+  its slot. Only the request that owns the turn ends it.
+- Abort (queued, pre-abort, mid-abort) keeps what is committed: the slot is rolled back to its
+  checkpoint (`history`), the turn ends, and the session stays usable.
+- Retract parks the KV in the slot but never moves the checkpoint or ends the turn; the retried
+  turn restores the parked KV (stale tail freed page-aligned).
+- Finish trims speculative overshoot (tokens and KV) before the save.
+- Append mode is append-only (AppendOnlyViolationError); chat mode may rewind to the divergence.
+- Idle sessions are evicted LRU under pressure: KV freed, `history` kept for re-prefill.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from sessionserve.cache.allocator import ceil_align, floor_align
+from sessionserve.cache.request_cache import RequestCache
+from sessionserve.cache.request_kv import KVState, RequestKV, SessionSlot, lru_tick
+from sessionserve.errors import (
+    AppendOnlyViolationError,
+    InvalidConfigError,
+    SessionBusyError,
+    SessionClosingError,
+    SessionExistsError,
+    TooManySessionsError,
+    UnknownSessionError,
+)
+
+TurnMode = Literal["append", "chat"]
+
+
+@dataclass(frozen=True)
+class SessionLimits:
+    max_sessions: int = 1024  # open sessions per replica (with or without resident KV)
+    max_held_tokens: int | None = None  # resident KV of idle sessions, replica-wide
+    max_session_tokens: int | None = None  # resident KV one session keeps between turns
+
+    def __post_init__(self) -> None:
+        for name in ("max_sessions", "max_held_tokens", "max_session_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise InvalidConfigError(f"{name}={value}: must be >= 1 (or None for no limit)")
+
+
+class SessionCache(RequestCache):
+    def __init__(self, *args, limits: SessionLimits | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.limits = limits or SessionLimits()
+        self.slots: dict[str, SessionSlot] = {}
+        self.evicted_sessions_total = 0
+
+    # ---- session lifecycle ----
+    def open_session(self, session_id: str) -> SessionSlot:
+        if session_id in self.slots:
+            raise SessionExistsError(session_id)
+        if len(self.slots) >= self.limits.max_sessions:
+            raise TooManySessionsError(
+                f"{len(self.slots)} sessions are open, the limit (max_sessions) is "
+                f"{self.limits.max_sessions}; close idle sessions or raise the limit"
+            )
+        slot = self.slots[session_id] = SessionSlot(session_id)
+        return slot
+
+    def close_session(self, session_id: str) -> bool:
+        """Close and free everything. Deferred while a turn runs: returns False, and the session
+        is released when that turn ends; new turns are refused meanwhile."""
+        slot = self.session(session_id)
+        if slot.turn_rid is not None:
+            slot.closing = True
+            return False
+        self._release_slot_kv(slot)
+        del self.slots[session_id]
+        return True
+
+    def session(self, session_id: str) -> SessionSlot:
+        slot = self.slots.get(session_id)
+        if slot is None:
+            raise UnknownSessionError(session_id)
+        return slot
+
+    def start_turn(self, session_id: str, rid: str) -> RequestKV:
+        """Mark a turn in flight and return its KV record. Raises, changing nothing, if busy."""
+        slot = self.session(session_id)
+        if slot.closing:
+            raise SessionClosingError(session_id)
+        if slot.turn_rid is not None:
+            raise SessionBusyError(session_id, slot.turn_rid)
+        slot.turn_rid = rid
+        slot.last_used = lru_tick()
+        return RequestKV(rid=rid, session_id=session_id)
+
+    # ---- admission ----
+    def match(self, req: RequestKV, tokens: Sequence[int], mode: TurnMode = "append") -> int:
+        """Admit `req`. A session turn restores its slot's KV (the longest prefix of `tokens`
+        the slot holds; chat mode may rewind, append mode must extend); otherwise radix match."""
+        self._expect(req, KVState.WAITING, "match")
+        if not tokens:
+            raise ValueError(f"request {req.rid!r}: empty input; send at least one token")
+        slot = self._turn_slot(req) if req.session_id else None
+        if slot is None or not slot.holds_kv:
+            return self._match_radix(req, tokens)
+        key = tokens[:-1]  # the last token is always computed: it yields the next logits
+        prefix_len = _common_prefix_len(slot.kv_tokens, key)
+        if mode == "append" and prefix_len < min(slot.committed_len, len(key)):
+            raise AppendOnlyViolationError(
+                f"session {slot.session_id!r}: append-mode input diverges from the held KV at "
+                f"token {prefix_len} (holds {slot.committed_len})"
+            )
+        if prefix_len < slot.protected_len:  # diverged inside the shared first prompt
+            self._release_slot_kv(slot)
+            return self._match_radix(req, tokens)
+        self._free_tail(slot, prefix_len)
+        del slot.kv_tokens[prefix_len:]
+        slot.borrower = req.rid
+        req.row, req.lock_node, req.state = slot.row, None, KVState.LIVE
+        req.committed_len, req.allocated_len = slot.committed_len, slot.allocated_len
+        req.protected_len = slot.protected_len
+        self._set_cached(req, len(tokens), prefix_len, "session")
+        return prefix_len
+
+    # ---- exits ----
+    def finish(self, req: RequestKV, final_tokens: Sequence[int]) -> None:
+        if req.session_id is None:
+            return super().finish(req, final_tokens)
+        self._expect(req, KVState.LIVE, "finish")
+        slot = self._turn_slot(req)
+        self._free_tail(req, min(req.allocated_len, len(final_tokens)))  # speculative overshoot
+        self._park(req, slot, final_tokens)
+        slot.history = list(final_tokens)
+        self._end_turn(req, slot)
+
+    def abort(self, req: RequestKV, tokens: Sequence[int] = ()) -> None:
+        if req.session_id is None or req.state is KVState.DONE:
+            return super().abort(req, tokens)
+        slot = self._turn_slot(req)
+        if req.is_live:
+            self._park(req, slot, tokens)
+        self._rollback(slot)
+        self._end_turn(req, slot)
+
+    def retract(self, req: RequestKV, tokens: Sequence[int]) -> None:
+        if req.session_id is None:
+            return super().retract(req, tokens)
+        self._expect(req, KVState.LIVE, "retract")
+        self._park(req, self._turn_slot(req), tokens)
+        req.state = KVState.WAITING
+
+    # ---- sizes ----
+    def idle_slots(self) -> Iterator[SessionSlot]:
+        """Slots holding KV that no live request borrows."""
+        return (s for s in self.slots.values() if s.holds_kv and s.borrower is None)
+
+    def slot_held_tokens(self, slot: SessionSlot) -> int:
+        return ceil_align(slot.allocated_len, self.page_size) - slot.protected_len
+
+    def reclaimable_size(self) -> int:
+        idle = sum(self.slot_held_tokens(s) for s in self.idle_slots())
+        return super().reclaimable_size() + idle
+
+    # ---- internals ----
+    def _turn_slot(self, req: RequestKV) -> SessionSlot:
+        slot = self.session(req.session_id)
+        if slot.turn_rid != req.rid:
+            raise SessionBusyError(req.session_id, slot.turn_rid or "<none>")
+        return slot
+
+    def _park(self, req: RequestKV, slot: SessionSlot, tokens: Sequence[int]) -> None:
+        """Move req's committed KV into the slot; req ends up holding nothing."""
+        self._free_tail(req, req.committed_len)
+        if not slot.holds_kv:  # first turn (or after eviction): the slot adopts req's row
+            prompt = floor_align(min(req.committed_len, req.prompt_len), self.page_size)
+            self._insert_prefix(req, tokens, prompt)  # the prompt becomes shareable
+            slot.row, slot.lock_node, slot.protected_len = req.row, req.lock_node, req.protected_len
+        slot.committed_len, slot.allocated_len = req.committed_len, req.allocated_len
+        slot.kv_tokens = list(tokens[: req.committed_len])
+        slot.borrower = None
+        self._reset(req)
+        self._enforce_limits(slot)
+
+    def _rollback(self, slot: SessionSlot) -> None:
+        """Drop KV of an unfinished turn: keep only what matches the checkpoint."""
+        if not slot.holds_kv:
+            return
+        keep = _common_prefix_len(slot.kv_tokens, slot.history)
+        if keep == 0 or keep < slot.protected_len:
+            self._release_slot_kv(slot)
+            return
+        self._free_tail(slot, keep)
+        del slot.kv_tokens[keep:]
+
+    def _end_turn(self, req: RequestKV, slot: SessionSlot) -> None:
+        slot.turn_rid = None
+        slot.last_used = lru_tick()
+        req.state = KVState.DONE
+        if slot.closing:
+            self._release_slot_kv(slot)
+            del self.slots[slot.session_id]
+
+    def _release_slot_kv(self, slot: SessionSlot) -> None:
+        """The only place a slot's row and `[protected, allocated)` are freed."""
+        if not slot.holds_kv:
+            return
+        if slot.allocated_len > slot.protected_len:
+            rows = self.rows.read(slot.row, slot.protected_len, slot.allocated_len)
+            self.allocator.free(rows)
+        if slot.lock_node is not None:
+            self.radix.unlock(slot.lock_node)
+        self.rows.free(slot.row)
+        slot.row, slot.lock_node, slot.borrower = None, None, None
+        slot.committed_len = slot.allocated_len = slot.protected_len = 0
+        slot.kv_tokens = []
+
+    def _evict_idle_session(self) -> bool:
+        victim = min(self.idle_slots(), key=lambda s: s.last_used, default=None)
+        if victim is None:
+            return False
+        self._release_slot_kv(victim)
+        victim.evictions += 1
+        self.evicted_sessions_total += 1
+        return True
+
+    def _enforce_limits(self, slot: SessionSlot) -> None:
+        cap = self.limits.max_session_tokens
+        if cap is not None and slot.allocated_len > cap:
+            keep = max(floor_align(cap, self.page_size), slot.protected_len)
+            self._free_tail(slot, keep)
+            del slot.kv_tokens[keep:]
+        limit = self.limits.max_held_tokens
+        if limit is not None:
+            while sum(self.slot_held_tokens(s) for s in self.idle_slots()) > limit:
+                self._evict_idle_session()
+
+
+def _common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    if list(a[:n]) == list(b[:n]):  # the usual case, at C speed
+        return n
+    i = 0
+    while a[i] == b[i]:
+        i += 1
+    return i

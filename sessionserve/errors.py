@@ -1,0 +1,92 @@
+"""Typed errors. Each message says what went wrong and what to change.
+
+The HTTP layer maps these to OpenAI-style error bodies by `status_code`; Python callers catch them
+by type. Programming errors inside the cache (a broken invariant) are `MemoryInvariantError`,
+never one of the client-facing 4xx errors.
+"""
+
+from __future__ import annotations
+
+
+class SessionServeError(Exception):
+    """Base class; `status_code` is the HTTP status the API layer answers with."""
+
+    status_code = 500
+    error_type = "internal_error"
+
+
+class InvalidConfigError(SessionServeError, ValueError):
+    status_code = 400
+    error_type = "invalid_request_error"
+
+
+class UnknownSessionError(SessionServeError, KeyError):
+    status_code = 404
+    error_type = "not_found_error"
+
+    def __init__(self, session_id: str) -> None:
+        super().__init__(f"session {session_id!r} does not exist (never opened, closed, or expired)")
+        self.session_id = session_id
+
+    def __str__(self) -> str:  # KeyError would quote the message again
+        return str(self.args[0])
+
+
+class SessionExistsError(SessionServeError):
+    status_code = 409
+    error_type = "conflict_error"
+
+    def __init__(self, session_id: str) -> None:
+        super().__init__(f"session {session_id!r} is already open; close it or pick another id")
+        self.session_id = session_id
+
+
+class SessionBusyError(SessionServeError):
+    """A second turn while one is in flight. Raised before anything is changed."""
+
+    status_code = 409
+    error_type = "conflict_error"
+
+    def __init__(self, session_id: str, running_rid: str) -> None:
+        super().__init__(
+            f"session {session_id!r} already has a turn in flight (request {running_rid!r}); "
+            "wait for it to finish or abort it before sending the next turn"
+        )
+        self.session_id = session_id
+
+
+class SessionClosingError(SessionServeError):
+    status_code = 409
+    error_type = "conflict_error"
+
+    def __init__(self, session_id: str) -> None:
+        super().__init__(f"session {session_id!r} is closing; open a new session")
+        self.session_id = session_id
+
+
+class TooManySessionsError(SessionServeError):
+    status_code = 429
+    error_type = "rate_limit_error"
+
+
+class KVCacheFullError(SessionServeError):
+    """Not enough KV slots even after evicting every evictable page and idle session."""
+
+    status_code = 503
+    error_type = "overloaded_error"
+
+
+class NoFreeRowError(KVCacheFullError):
+    """Every request row is in use (running requests plus session slots)."""
+
+
+class DoubleFreeError(SessionServeError):
+    """Freeing a slot, page or row that is not allocated: always a bug in the caller."""
+
+
+class AppendOnlyViolationError(SessionServeError):
+    """An append-mode turn whose input does not extend what the session holds: a bug upstream."""
+
+
+class MemoryInvariantError(SessionServeError):
+    """The memory checker found a lost or double-counted KV slot; the message has every term."""
