@@ -62,7 +62,7 @@ class MemoryChecker:
             in_flight += ceil_align(r.allocated_len, p) - r.protected_len
         held = held_sessions = 0
         slot_rows: set[int] = set()
-        for s in c.slots.values():
+        for s in c.session_slots.values():
             if s.row is None:
                 if s.borrower is not None:
                     problems.append(f"session {s.session_id!r} lent no row but marks a borrower")

@@ -60,7 +60,7 @@ class RequestCache:
         extend = new_len - req.allocated_len
         if extend <= 0:
             return torch.empty(0, dtype=torch.int64)
-        self._make_room(self.allocator.pages_needed(req.allocated_len, extend) * self.page_size)
+        self.make_room(self.allocator.pages_needed(req.allocated_len, extend) * self.page_size)
         last = self.rows.last_slot(req.row, req.allocated_len)
         slots = self.allocator.alloc_extend(last, req.allocated_len, extend)
         self.rows.write(req.row, req.allocated_len, slots)
@@ -134,7 +134,7 @@ class RequestCache:
                 )
         return self.rows.alloc()
 
-    def _make_room(self, num_tokens: int) -> None:
+    def make_room(self, num_tokens: int) -> None:
         """Evict radix pages, then idle sessions (least recently used first), until
         `num_tokens` slots are free; raises KVCacheFullError if that is impossible."""
         while self.allocator.available_size() < num_tokens:

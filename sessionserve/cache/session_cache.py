@@ -38,8 +38,9 @@ TurnMode = Literal["append", "chat"]
 @dataclass(frozen=True)
 class SessionLimits:
     max_sessions: int = 1024  # open sessions per replica (with or without resident KV)
-    max_held_tokens: int | None = None  # resident KV of idle sessions, replica-wide
-    max_session_tokens: int | None = None  # resident KV one session keeps between turns
+    max_held_tokens: int | None = None  # held KV of idle sessions, replica-wide
+    max_session_tokens: int | None = None  # held KV one session keeps between turns (the
+    # radix-shared first prompt is not held); the rest is re-prefilled next turn
 
     def __post_init__(self) -> None:
         for name in ("max_sessions", "max_held_tokens", "max_session_tokens"):
@@ -52,19 +53,19 @@ class SessionCache(RequestCache):
     def __init__(self, *args, limits: SessionLimits | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.limits = limits or SessionLimits()
-        self.slots: dict[str, SessionSlot] = {}
+        self.session_slots: dict[str, SessionSlot] = {}
         self.evicted_sessions_total = 0
 
     # ---- session lifecycle ----
     def open_session(self, session_id: str) -> SessionSlot:
-        if session_id in self.slots:
+        if session_id in self.session_slots:
             raise SessionExistsError(session_id)
-        if len(self.slots) >= self.limits.max_sessions:
+        if len(self.session_slots) >= self.limits.max_sessions:
             raise TooManySessionsError(
-                f"{len(self.slots)} sessions are open, the limit (max_sessions) is "
+                f"{len(self.session_slots)} sessions are open, the limit (max_sessions) is "
                 f"{self.limits.max_sessions}; close idle sessions or raise the limit"
             )
-        slot = self.slots[session_id] = SessionSlot(session_id)
+        slot = self.session_slots[session_id] = SessionSlot(session_id)
         return slot
 
     def close_session(self, session_id: str) -> bool:
@@ -75,11 +76,11 @@ class SessionCache(RequestCache):
             slot.closing = True
             return False
         self._release_slot_kv(slot)
-        del self.slots[session_id]
+        del self.session_slots[session_id]
         return True
 
     def session(self, session_id: str) -> SessionSlot:
-        slot = self.slots.get(session_id)
+        slot = self.session_slots.get(session_id)
         if slot is None:
             raise UnknownSessionError(session_id)
         return slot
@@ -154,7 +155,7 @@ class SessionCache(RequestCache):
     # ---- sizes ----
     def idle_slots(self) -> Iterator[SessionSlot]:
         """Slots holding KV that no live request borrows."""
-        return (s for s in self.slots.values() if s.holds_kv and s.borrower is None)
+        return (s for s in self.session_slots.values() if s.holds_kv and s.borrower is None)
 
     def slot_held_tokens(self, slot: SessionSlot) -> int:
         return ceil_align(slot.allocated_len, self.page_size) - slot.protected_len
@@ -200,7 +201,7 @@ class SessionCache(RequestCache):
         req.state = KVState.DONE
         if slot.closing:
             self._release_slot_kv(slot)
-            del self.slots[slot.session_id]
+            del self.session_slots[slot.session_id]
 
     def _release_slot_kv(self, slot: SessionSlot) -> None:
         """The only place a slot's row and `[protected, allocated)` are freed."""
@@ -227,8 +228,8 @@ class SessionCache(RequestCache):
 
     def _enforce_limits(self, slot: SessionSlot) -> None:
         cap = self.limits.max_session_tokens
-        if cap is not None and slot.allocated_len > cap:
-            keep = max(floor_align(cap, self.page_size), slot.protected_len)
+        if cap is not None and self.slot_held_tokens(slot) > cap:
+            keep = slot.protected_len + floor_align(cap, self.page_size)  # shared part is free
             self._free_tail(slot, keep)
             del slot.kv_tokens[keep:]
         limit = self.limits.max_held_tokens

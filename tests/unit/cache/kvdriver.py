@@ -1,0 +1,111 @@
+"""A model-free driver for the cache: plays the scheduler's part and fakes the KV content.
+
+`FakeKV` writes, for every computed position, a rolling hash of the tokens up to it into the
+slot. Reused KV is then verified: the slots a match returns must hold exactly the hashes of the
+new request's own tokens. A stale, freed-and-reused, or mis-pointed slot fails this check.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sessionserve.cache import RequestKV, SessionCache
+
+_MOD = (1 << 61) - 1
+
+
+def prefix_hashes(tokens: list[int]) -> list[int]:
+    out, h = [], 7
+    for t in tokens:
+        h = (h * 1_000_003 + t + 1) % _MOD
+        out.append(h)
+    return out
+
+
+class FakeKV:
+    def __init__(self, cache: SessionCache) -> None:
+        self.cache = cache
+        self.content = torch.full((cache.allocator.pool_slots,), -1, dtype=torch.int64)
+
+    def compute(self, req: RequestKV, tokens: list[int], start: int, end: int) -> None:
+        """'Run the model' on positions [start, end) of `tokens`: write their KV."""
+        slots = self.cache.slots(req, start, end)
+        assert not bool((slots < self.cache.page_size).any()), "a real token landed in page 0"
+        self.content[slots] = torch.tensor(prefix_hashes(tokens[:end])[start:end])
+
+    def verify(self, req: RequestKV, tokens: list[int], length: int) -> None:
+        """Positions [0, length) of `req` must hold the KV of `tokens[:length]`."""
+        if length == 0:
+            return
+        got = self.content[self.cache.slots(req, 0, length)]
+        want = torch.tensor(prefix_hashes(tokens[:length]))
+        bad = (got != want).nonzero().flatten().tolist()
+        assert not bad, f"{req.rid}: stale or foreign KV at positions {bad[:8]}"
+
+
+@dataclass
+class Turn:
+    """One request as the scheduler sees it: its tokens and where it is."""
+
+    req: RequestKV
+    tokens: list[int]  # prompt + output so far
+    prompt_len: int
+    mode: str = "append"
+    sampled: bool = False  # the input is computed and the next token sampled: decode may run
+
+
+class Driver:
+    def __init__(self, cache: SessionCache, seed: int = 0) -> None:
+        self.cache = cache
+        self.kv = FakeKV(cache)
+        self.rng = torch.Generator().manual_seed(seed)
+
+    def admit(self, turn: Turn) -> int:
+        cached = self.cache.match(turn.req, turn.tokens, turn.mode)
+        self.kv.verify(turn.req, turn.tokens, cached)
+        return cached
+
+    def prefill(self, turn: Turn, chunk: int | None = None) -> None:
+        """Compute the uncomputed input (one chunk of at most `chunk` tokens)."""
+        start = turn.req.committed_len
+        end = len(turn.tokens) if chunk is None else min(len(turn.tokens), start + chunk)
+        self.cache.allocate(turn.req, end)
+        self.kv.compute(turn.req, turn.tokens, start, end)
+        self.cache.commit(turn.req, end)
+
+    def sample(self, turn: Turn, token: int | None = None) -> int:
+        t = int(torch.randint(3, 50, (1,), generator=self.rng)) if token is None else token
+        turn.tokens.append(t)
+        turn.sampled = True
+        return t
+
+    def decode(self, turn: Turn) -> None:
+        """Feed the last sampled token (compute its KV) and sample the next."""
+        pos = len(turn.tokens) - 1
+        assert turn.req.committed_len == pos, (turn.req.committed_len, pos)
+        self.cache.allocate(turn.req, pos + 1)
+        self.kv.compute(turn.req, turn.tokens, pos, pos + 1)
+        self.cache.commit(turn.req, pos + 1)
+        self.sample(turn)
+
+    def spec_step(self, turn: Turn, k: int, accept: int) -> None:
+        """Verify k drafts after the last sampled token; accept `accept` of them plus a bonus."""
+        pos = len(turn.tokens) - 1
+        drafts = [int(x) for x in torch.randint(3, 50, (k,), generator=self.rng)]
+        self.cache.allocate(turn.req, pos + 1 + k)  # bonus slot claimed before the step
+        self.kv.compute(turn.req, turn.tokens + drafts, pos, pos + 1 + k)
+        turn.tokens.extend(drafts[:accept])
+        self.cache.commit(turn.req, pos + 1 + accept)
+        self.cache.free_overallocation(turn.req)  # rejected drafts freed the same step
+        self.sample(turn, token=(drafts[accept] + 1) % 50 + 3 if accept < k else None)
+
+    def run_turn(self, turn: Turn, new_tokens: int) -> None:
+        """Admit, prefill, decode `new_tokens` tokens, finish."""
+        self.admit(turn)
+        self.prefill(turn)
+        self.sample(turn)
+        for _ in range(new_tokens - 1):
+            self.decode(turn)
+        self.cache.finish(turn.req, turn.tokens)

@@ -1,0 +1,85 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sessionserve.cache import PagedAllocator, RadixCache
+from sessionserve.errors import DoubleFreeError
+
+
+def _cache(page: int, num_slots: int = 256) -> RadixCache:
+    return RadixCache(PagedAllocator(num_slots, page))
+
+
+def _insert(radix: RadixCache, tokens: list[int]) -> torch.Tensor:
+    slots = radix.allocator.alloc_extend(None, 0, len(tokens))
+    existing = radix.insert(tokens, slots)
+    n = len(tokens) // radix.page_size * radix.page_size
+    # the caller frees what the tree did not take: duplicates and the unaligned tail
+    radix.allocator.free(torch.cat([slots[:existing], slots[n:]]))
+    return slots
+
+
+@pytest.mark.parametrize("page", [1, 4, 16])
+def test_match_is_page_aligned_and_returns_inserted_slots(page: int) -> None:
+    radix = _cache(page)
+    tokens = list(range(100, 100 + 2 * page + 3))
+    slots = _insert(radix, tokens)
+    aligned = len(tokens) // page * page
+    m = radix.match_prefix(tokens + [1, 2])
+    assert m.length == aligned
+    assert torch.equal(m.slots, slots[:aligned])
+    assert radix.match_prefix(tokens[: page - 1] if page > 1 else []).length == 0
+    # a divergence inside the second page matches only the first page (and splits the node)
+    other = tokens[:page] + [0] * page
+    assert radix.match_prefix(other).length == page
+    assert radix.match_prefix(tokens).length == aligned  # the split kept the whole path
+    assert radix.total_size() == aligned
+
+
+def test_shared_system_prompt_is_stored_once() -> None:
+    radix = _cache(4)
+    system = list(range(1, 17))
+    _insert(radix, system + [50, 51, 52, 53])
+    before = radix.allocator.available_size()
+    existing = radix.insert(system + [60, 61, 62, 63], torch.arange(200, 220))
+    assert existing == 16  # the system prompt was already cached: the caller keeps its copy
+    assert radix.total_size() == 24
+    assert radix.allocator.available_size() == before
+
+
+def test_locked_nodes_are_protected_and_survive_eviction_and_splits() -> None:
+    radix = _cache(4)
+    a = list(range(1, 13))
+    _insert(radix, a)
+    m = radix.match_prefix(a)
+    radix.lock(m.node)
+    assert (radix.protected_size(), radix.evictable_size()) == (12, 0)
+    _insert(radix, a[:4] + [99, 98, 97, 96])  # splits the locked node above it
+    assert (radix.protected_size(), radix.evictable_size()) == (12, 4)
+    assert radix.evict(100) == 4  # only the unlocked branch goes
+    assert radix.match_prefix(a).length == 12
+    radix.unlock(m.node)
+    assert (radix.protected_size(), radix.evictable_size()) == (0, 12)
+    with pytest.raises(DoubleFreeError, match="not locked"):
+        radix.unlock(m.node)
+    assert radix.flush() == 12
+    assert radix.allocator.available_size() == radix.allocator.num_slots
+
+
+def test_eviction_is_least_recently_used_first() -> None:
+    radix = _cache(4)
+    old, new = [1] * 8, [2] * 8
+    _insert(radix, old)
+    _insert(radix, new)
+    radix.match_prefix(old)  # touch: now `new` is the least recently used
+    assert radix.evict(8) == 8
+    assert radix.match_prefix(old).length == 8
+    assert radix.match_prefix(new).length == 0
+
+
+def test_disabled_tree_caches_nothing() -> None:
+    radix = RadixCache(PagedAllocator(64, 4), enabled=False)
+    assert radix.insert(list(range(8)), torch.arange(4, 12)) == 0
+    assert radix.match_prefix(list(range(8))).length == 0
+    assert radix.total_size() == 0
