@@ -25,7 +25,9 @@ class UnknownSessionError(SessionServeError, KeyError):
     error_type = "not_found_error"
 
     def __init__(self, session_id: str) -> None:
-        super().__init__(f"session {session_id!r} does not exist (never opened, closed, or expired)")
+        super().__init__(
+            f"session {session_id!r} does not exist (never opened, closed, or expired)"
+        )
         self.session_id = session_id
 
     def __str__(self) -> str:  # KeyError would quote the message again

@@ -100,7 +100,9 @@ class MemoryChecker:
             problems.append(f"rows: free {t.rows_free} + used {t.rows_used} != {t.rows_total}")
         if problems:
             self.failures += 1
-            raise MemoryInvariantError("memory invariant broken: " + "; ".join(problems) + f" [{t}]")
+            raise MemoryInvariantError(
+                "memory invariant broken: " + "; ".join(problems) + f" [{t}]"
+            )
         return t
 
     def check_busy(self, live: Iterable[RequestKV]) -> MemoryTerms:

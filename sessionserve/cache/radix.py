@@ -71,7 +71,7 @@ class RadixCache:
 
     # ---- match / insert ----
     def match_prefix(self, tokens: Sequence[int]) -> PrefixMatch:
-        """Longest page-aligned cached prefix of `tokens`. Splits a node if the match ends inside."""
+        """Longest page-aligned cached prefix of `tokens`; splits a node where the match ends."""
         node, parts = self._walk(tokens) if self.enabled else (self.root, [])
         empty = torch.empty(0, dtype=torch.int64)
         return PrefixMatch(torch.cat(parts) if parts else empty, node)

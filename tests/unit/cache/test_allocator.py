@@ -4,7 +4,12 @@ import pytest
 import torch
 
 from sessionserve.cache import PagedAllocator, RequestRows, ceil_align, floor_align
-from sessionserve.errors import DoubleFreeError, InvalidConfigError, KVCacheFullError, NoFreeRowError
+from sessionserve.errors import (
+    DoubleFreeError,
+    InvalidConfigError,
+    KVCacheFullError,
+    NoFreeRowError,
+)
 
 PAGE_SIZES = [1, 4, 16, 64, 256]
 
@@ -62,8 +67,13 @@ def test_full_pool_is_all_or_nothing() -> None:
 
 @pytest.mark.parametrize(
     ("num_slots", "page", "msg"),
-    [(64, 3, "page_size=3"), (64, 0, "page_size=0"), (60, 16, "multiple of page_size"),
-     (0, 1, "num_slots=0"), (64, 2048, "page_size=2048")],
+    [
+        (64, 3, "page_size=3"),
+        (64, 0, "page_size=0"),
+        (60, 16, "multiple of page_size"),
+        (0, 1, "num_slots=0"),
+        (64, 2048, "page_size=2048"),
+    ],
 )
 def test_invalid_sizes(num_slots: int, page: int, msg: str) -> None:
     with pytest.raises(InvalidConfigError, match=msg):

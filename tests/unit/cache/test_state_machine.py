@@ -42,7 +42,10 @@ class SessionCacheMachine(RuleBasedStateMachine):
         super().__init__()
         p = self.page_size
         self.cache = build_session_cache(
-            num_slots=max(p * 10, 192), page_size=p, max_rows=6, max_context_len=4096,
+            num_slots=max(p * 10, 192),
+            page_size=p,
+            max_rows=6,
+            max_context_len=4096,
             limits=SessionLimits(max_sessions=4, max_session_tokens=max(p, 96)),
         )
         self.checker = MemoryChecker(self.cache)
@@ -78,8 +81,11 @@ class SessionCacheMachine(RuleBasedStateMachine):
             self.open_session(sid)
         self.whole_turn("s0", new, n)
 
-    @rule(sid=SESSION_IDS, new=st.lists(st.integers(3, 40), min_size=1, max_size=40),
-          n=st.integers(1, 20))
+    @rule(
+        sid=SESSION_IDS,
+        new=st.lists(st.integers(3, 40), min_size=1, max_size=40),
+        n=st.integers(1, 20),
+    )
     def whole_turn(self, sid: str, new: list[int], n: int) -> None:
         """A complete append turn (admit, prefill, decode, finish) to build up held KV."""
         if sid not in self.history or self._turn_of(sid) or sid in self.closing:
@@ -109,8 +115,12 @@ class SessionCacheMachine(RuleBasedStateMachine):
             return
         self.history[sid] = []
 
-    @rule(sid=SESSION_IDS, mode=st.sampled_from(["append", "chat"]), cut=PICK,
-          new=st.lists(st.integers(3, 40), min_size=1, max_size=40))
+    @rule(
+        sid=SESSION_IDS,
+        mode=st.sampled_from(["append", "chat"]),
+        cut=PICK,
+        new=st.lists(st.integers(3, 40), min_size=1, max_size=40),
+    )
     def start_turn(self, sid: str, mode: str, cut: int, new: list[int]) -> None:
         if sid not in self.history:
             try:
@@ -292,7 +302,9 @@ def _machine_for(page: int):
     machine = type(f"SessionCacheMachinePage{page}", (SessionCacheMachine,), {"page_size": page})
     test = machine.TestCase
     test.settings = settings(
-        max_examples=EXAMPLES, stateful_step_count=60, deadline=None,
+        max_examples=EXAMPLES,
+        stateful_step_count=60,
+        deadline=None,
         suppress_health_check=[HealthCheck.too_slow],
     )
     return test
