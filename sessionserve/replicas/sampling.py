@@ -1,0 +1,100 @@
+"""Next-token sampling for a batch: penalties, greedy, temperature, top-k/top-p/min-p, seeds.
+
+Reported logprobs are those of the model's own distribution (log_softmax of the raw logits,
+before penalties and temperature), as OpenAI reports them. Greedy rows take the argmax of the
+penalised logits; sampled rows draw with their request's generator, so a seeded request gives
+the same output whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+from sessionserve.replicas.request import SamplingParams
+
+
+class SampleOutput(NamedTuple):
+    token_ids: list[int]
+    logprobs: list[float] | None  # per row, of the chosen token
+    top: list[list[tuple[int, float]]] | None  # per row, the top-n alternatives
+
+
+def apply_penalties(
+    logits: torch.Tensor, params: SamplingParams, context: Sequence[int], output: Sequence[int]
+) -> torch.Tensor:
+    """One row ([V]). Repetition penalty over prompt+output (HF semantics); frequency and
+    presence penalties over the output (OpenAI semantics)."""
+    if params.repetition_penalty != 1.0 and context:
+        ids = torch.tensor(sorted(set(context)), dtype=torch.int64)
+        picked = logits[ids]
+        p = params.repetition_penalty
+        logits[ids] = torch.where(picked > 0, picked / p, picked * p)
+    if (params.frequency_penalty or params.presence_penalty) and output:
+        ids, counts = torch.tensor(output, dtype=torch.int64).unique(return_counts=True)
+        logits[ids] -= params.frequency_penalty * counts.to(logits.dtype)
+        logits[ids] -= params.presence_penalty
+    return logits
+
+
+def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature, top-k, top-p, min-p on one row ([V]); removed tokens get -inf."""
+    logits = logits / params.temperature
+    if params.top_k > 0 and params.top_k < logits.numel():
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # drop a token once the mass before it already reaches top_p (the first always stays)
+        drop = (probs.cumsum(-1) - probs) >= params.top_p
+        logits = logits.scatter(0, order[drop], float("-inf"))
+    if params.min_p > 0.0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
+    return logits
+
+
+def sample(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    contexts: Sequence[Sequence[int]],
+    outputs: Sequence[Sequence[int]],
+    generators: Sequence[torch.Generator | None],
+) -> SampleOutput:
+    """`logits` [B, V] (float32). Row i uses params[i], its token history and generator."""
+    logits = logits.float()
+    want_lp = any(p.logprobs for p in params)
+    raw_lp = torch.log_softmax(logits, dim=-1) if want_lp else None
+    chosen = logits.argmax(dim=-1).tolist()  # greedy rows without penalties: done
+    for i, p in enumerate(params):
+        if p.is_greedy and not p.has_penalties:
+            continue
+        row = logits[i].clone()
+        if p.has_penalties:
+            row = apply_penalties(row, p, contexts[i], outputs[i])
+        if p.is_greedy:
+            chosen[i] = int(row.argmax())
+            continue
+        probs = filter_logits(row, p).softmax(-1)
+        chosen[i] = int(torch.multinomial(probs, 1, generator=generators[i]))
+    if raw_lp is None:
+        return SampleOutput(chosen, None, None)
+    token_lp = raw_lp[torch.arange(len(chosen)), torch.tensor(chosen)].tolist()
+    top: list[list[tuple[int, float]]] = []
+    n_top = max(p.top_logprobs for p in params)
+    if n_top:
+        vals, ids = raw_lp.topk(n_top, dim=-1)
+        for i, p in enumerate(params):
+            top.append(
+                list(
+                    zip(
+                        ids[i, : p.top_logprobs].tolist(),
+                        vals[i, : p.top_logprobs].tolist(),
+                        strict=True,
+                    )
+                )
+            )
+    return SampleOutput(chosen, token_lp, top or None)

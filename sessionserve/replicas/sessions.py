@@ -1,0 +1,111 @@
+"""The session controller: open/close, TTL, and how a turn's input is built.
+
+KV and the one-turn-in-flight rule live in the cache (`SessionCache`); this layer adds what the
+API needs on top: generated ids, implicit open, idle TTL, per-session counters, and the input of
+a turn: append mode adds the new tokens to the session's history (prompts and answers so far);
+chat mode takes the client's whole conversation, and the cache reuses the longest prefix it holds.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from sessionserve.cache.request_kv import RequestKV
+from sessionserve.cache.session_cache import SessionCache, TurnMode
+from sessionserve.config import SessionConfig
+from sessionserve.errors import InvalidConfigError, UnknownSessionError
+
+
+@dataclass
+class SessionMeta:
+    session_id: str
+    ttl_s: float | None
+    created_at: float = field(default_factory=time.time)
+    last_active: float = field(default_factory=time.monotonic)
+    turns: int = 0
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    session_id: str
+    turns: int
+    history_tokens: int  # the token log: prompts and answers of every successful turn
+    held_tokens: int  # KV resident for this session right now (0 after eviction)
+    turn_in_flight: bool
+    ttl_s: float | None
+    idle_s: float
+
+
+class SessionController:
+    def __init__(self, cache: SessionCache, config: SessionConfig) -> None:
+        self.cache = cache
+        self.config = config
+        self.meta: dict[str, SessionMeta] = {}
+
+    def open(self, session_id: str | None = None, ttl_s: float | None = None) -> str:
+        if not self.config.enabled:
+            raise InvalidConfigError("sessions are disabled on this server (sessions.enabled)")
+        sid = session_id or uuid.uuid4().hex
+        if ttl_s is not None and ttl_s <= 0:
+            raise InvalidConfigError(f"ttl_s={ttl_s}: must be > 0 seconds")
+        self.cache.open_session(sid)
+        self.meta[sid] = SessionMeta(sid, ttl_s if ttl_s is not None else self.config.default_ttl_s)
+        return sid
+
+    def close(self, session_id: str) -> bool:
+        """True if closed now; False if deferred until the running turn ends."""
+        closed = self.cache.close_session(session_id)
+        if closed:
+            self.meta.pop(session_id, None)
+        return closed
+
+    def start_turn(
+        self, session_id: str, rid: str, new_ids: list[int], mode: TurnMode
+    ) -> tuple[RequestKV, list[int]]:
+        """Mark the turn in flight and build its full input. Raises (changing nothing) when the
+        session is unknown (and implicit open is off), busy or closing."""
+        if session_id not in self.meta:
+            if not self.config.implicit_open:
+                raise UnknownSessionError(session_id)
+            self.open(session_id)
+        kv = self.cache.start_turn(session_id, rid)
+        meta = self.meta[session_id]
+        meta.last_active = time.monotonic()
+        history = self.cache.session(session_id).history
+        return kv, (history + new_ids if mode == "append" else list(new_ids))
+
+    def turn_ended(self, session_id: str, success: bool) -> None:
+        meta = self.meta.get(session_id)
+        if session_id not in self.cache.session_slots:  # a deferred close completed
+            self.meta.pop(session_id, None)
+        elif meta is not None:
+            meta.last_active = time.monotonic()
+            meta.turns += int(success)
+
+    def info(self, session_id: str) -> SessionInfo:
+        slot = self.cache.session(session_id)
+        meta = self.meta[session_id]
+        held = self.cache.slot_held_tokens(slot) if slot.holds_kv else 0
+        return SessionInfo(
+            session_id,
+            meta.turns,
+            len(slot.history),
+            held,
+            slot.turn_rid is not None,
+            meta.ttl_s,
+            time.monotonic() - meta.last_active,
+        )
+
+    def reap_expired(self) -> list[str]:
+        """Close sessions idle past their TTL (never one with a turn in flight)."""
+        now, closed = time.monotonic(), []
+        for sid, meta in list(self.meta.items()):
+            slot = self.cache.session_slots.get(sid)
+            if meta.ttl_s is None or slot is None or slot.turn_rid is not None:
+                continue
+            if now - meta.last_active > meta.ttl_s:
+                self.close(sid)
+                closed.append(sid)
+        return closed

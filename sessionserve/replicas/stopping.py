@@ -1,0 +1,59 @@
+"""When a request's answer is complete: EOS, stop tokens, stop strings, max_tokens, context.
+
+Sets `finish_reason` and `finished_len` (output tokens that belong to the answer). A stop
+string's text is cut from the answer, but the token that completed it stays in the token
+history (and so in a session's KV): the model did see it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sessionserve.replicas.request import FinishReason, Request
+
+
+class StopChecker:
+    def __init__(self, tokenizer: Any | None, max_context_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.max_context_len = max_context_len
+
+    def check(self, req: Request) -> bool:
+        """Call after each appended token (or accepted run); True once finished."""
+        p, out = req.sampling, req.output_ids
+        start, req.stop_checked = req.stop_checked, len(out)
+        for i in range(start, len(out)):
+            t = out[i]
+            if (t in req.eos_token_ids and not p.ignore_eos) or t in p.stop_token_ids:
+                return self._finish(req, FinishReason.STOP, i + 1)
+            if i + 1 >= p.max_tokens:
+                return self._finish(req, FinishReason.LENGTH, i + 1)
+            if len(req.input_ids) + i + 1 >= self.max_context_len:
+                return self._finish(req, FinishReason.LENGTH, i + 1)
+        if p.stop and self.tokenizer is not None:
+            text = self.tokenizer.decode(out, skip_special_tokens=True)
+            if any(s in text for s in p.stop):
+                return self._finish(req, FinishReason.STOP, self._stop_string_end(req))
+        return False
+
+    def _stop_string_end(self, req: Request) -> int:
+        """Fewest output tokens whose text contains a stop string."""
+        for n in range(1, len(req.output_ids) + 1):
+            text = self.tokenizer.decode(req.output_ids[:n], skip_special_tokens=True)
+            if any(s in text for s in req.sampling.stop):
+                return n
+        return len(req.output_ids)
+
+    @staticmethod
+    def _finish(req: Request, reason: FinishReason, finished_len: int) -> bool:
+        req.finish_reason = reason
+        req.finished_len = finished_len
+        return True
+
+
+def answer_text(tokenizer: Any | None, req: Request) -> str | None:
+    """The answer's text: special tokens skipped, cut before the first stop string."""
+    if tokenizer is None:
+        return None
+    text = tokenizer.decode(req.output_ids, skip_special_tokens=True)
+    cut = min((text.find(s) for s in req.sampling.stop if s in text), default=-1)
+    return text[:cut] if cut >= 0 else text
