@@ -70,6 +70,9 @@ class SchedulerConfig(_Strict):
     decode_reserve_tokens: int = Field(
         16, ge=0, description="KV kept free per running request when admitting new ones."
     )
+    force_retract_every: int | None = Field(
+        None, ge=1, description="Testing knob: retract the youngest decode every N steps."
+    )
 
 
 class EngineConfig(_Strict):

@@ -48,6 +48,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.retractions_total = 0
+        self.steps = 0
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -84,6 +85,10 @@ class Scheduler:
 
     def _schedule_decodes(self, batch: ScheduledBatch) -> None:
         decodes = sorted((r for r in self.running if r.sampled), key=lambda r: r.timings.arrival)
+        self.steps += 1
+        every = self.config.force_retract_every
+        if every and decodes and self.steps % every == 0:
+            self._retract(decodes.pop(), batch)
         i = 0
         while i < len(decodes):
             req = decodes[i]

@@ -1,0 +1,98 @@
+"""Tiny random-weight models built from configs (no downloads), shared by tests and benchmarks."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from sessionserve.config import CacheConfig, EngineConfig, SchedulerConfig, SessionConfig
+from sessionserve.replicas.engine import Engine
+from sessionserve.replicas.loader import LoadedModel
+
+VOCAB = 256
+EOS = 1
+_SHAPE = {
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 2048,
+}
+ARCHS = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "mistral": (MistralConfig, MistralForCausalLM),
+}
+
+
+def word_tokenizer() -> PreTrainedTokenizerFast:
+    """Token i is the word `w{i}`: text is readable and decode is exact."""
+    vocab = {f"w{i}": i for i in range(VOCAB)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=f"w{EOS}", unk_token="w0")
+
+
+def tiny_model(arch: str = "llama", seed: int = 0, init_std: float = 0.08):
+    """A 2-layer model whose logits are peaked enough that greedy ties do not happen."""
+    config_cls, model_cls = ARCHS[arch]
+    torch.manual_seed(seed)
+    cfg = config_cls(**_SHAPE, initializer_range=init_std, eos_token_id=EOS)
+    model = model_cls(cfg).eval()
+    model.generation_config.eos_token_id = EOS
+    return model
+
+
+def tiny_engine(
+    model=None,
+    *,
+    page_size: int = 16,
+    num_slots: int = 4096,
+    max_rows: int = 32,
+    max_context_len: int = 1024,
+    prefill: int = 512,
+    retract_every: int | None = None,
+    radix: bool = True,
+    **session_kw,
+) -> Engine:
+    """An engine in strict memory mode around a (copy of a) tiny model."""
+    model = copy.deepcopy(model) if model is not None else tiny_model()
+    cfg = EngineConfig(
+        cache=CacheConfig(
+            page_size=page_size,
+            num_slots=num_slots,
+            max_rows=max_rows,
+            max_context_len=max_context_len,
+            radix_cache=radix,
+        ),
+        scheduler=SchedulerConfig(max_prefill_tokens=prefill, force_retract_every=retract_every),
+        sessions=SessionConfig(**session_kw),
+        strict_memory_check=True,
+    )
+    return Engine(cfg, LoadedModel(model, word_tokenizer(), "tiny", "tests"))
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' own generate, the reference for token-exact comparisons."""
+    ids = torch.tensor([prompt])
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()

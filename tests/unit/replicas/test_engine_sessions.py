@@ -1,0 +1,84 @@
+"""Session turns equal non-session requests carrying the full history (tokens exactly,
+logprobs within 1e-3), and `cached_tokens` equals what the session held."""
+
+from __future__ import annotations
+
+import pytest
+
+from sessionserve.replicas.request import SamplingParams
+from tests.models import tiny_engine, tiny_model
+
+GREEDY_LP = SamplingParams(
+    max_tokens=10, temperature=0, logprobs=True, top_logprobs=3, ignore_eos=True
+)
+
+
+def _new_input(turn: int, n: int = 7) -> list[int]:
+    return [3 + (turn * 17 + j * 5) % 240 for j in range(n)]
+
+
+def _close(a: list, b: list, tol: float = 1e-3) -> bool:
+    return all(abs(x.logprob - y.logprob) <= tol for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_append_turns_equal_full_history_requests(page_size: int) -> None:
+    model = tiny_model()
+    engine = tiny_engine(model, page_size=page_size, prefill=32)
+    reference = tiny_engine(model, page_size=page_size, radix=False)
+    sid = engine.open_session()
+    history: list[int] = []
+    previous = None
+    for turn in range(4):
+        new = _new_input(turn, n=7 + 9 * turn)
+        (r,) = engine.generate([new], GREEDY_LP, session_id=sid)
+        history += new
+        (ref,) = reference.generate([history], GREEDY_LP)
+        assert r.prompt_tokens == len(history) == ref.prompt_tokens
+        assert r.output_ids == ref.output_ids
+        assert _close(r.logprobs, ref.logprobs)
+        assert [t for t, _ in r.logprobs[0].top] == [t for t, _ in ref.logprobs[0].top]
+        if previous is None:
+            assert r.cached_tokens == 0
+        else:  # everything but the previous answer's last token (never fed back)
+            assert r.cached_tokens == previous.prompt_tokens + previous.completion_tokens - 1
+            assert r.cached_source == "session"
+        history += r.output_ids
+        held = engine.session_info(sid).held_tokens
+        assert held > 0
+        previous = r
+    engine.close_session(sid)
+    engine.checker.check_idle()
+
+
+def test_chat_mode_reuses_longest_prefix_and_rewinds_on_edit() -> None:
+    model = tiny_model()
+    engine = tiny_engine(model, page_size=4)
+    reference = tiny_engine(model, page_size=4, radix=False)
+    sid = engine.open_session()
+    convo = _new_input(0, 30)
+    (r1,) = engine.generate([convo], GREEDY_LP, session_id=sid, mode="chat")
+    convo2 = convo + r1.output_ids + _new_input(1, 12)
+    (r2,) = engine.generate([convo2], GREEDY_LP, session_id=sid, mode="chat")
+    assert r2.cached_tokens == len(convo) + len(r1.output_ids) - 1
+    assert r2.output_ids == reference.generate([convo2], GREEDY_LP)[0].output_ids
+    edited = convo2[:35] + [7, 7, 7]  # the client edited an earlier message
+    (r3,) = engine.generate([edited], GREEDY_LP, session_id=sid, mode="chat")
+    assert r3.cached_tokens == 35 and r3.cached_source == "session"
+    ref3 = reference.generate([edited], GREEDY_LP)[0]
+    assert r3.output_ids == ref3.output_ids and _close(r3.logprobs, ref3.logprobs)
+    engine.close_session(sid)
+    engine.checker.check_idle()
+
+
+def test_seeded_sampling_in_a_session_equals_non_session() -> None:
+    model = tiny_model()
+    engine = tiny_engine(model)
+    reference = tiny_engine(model, radix=False)
+    params = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=7)
+    sid = engine.open_session()
+    (r1,) = engine.generate([_new_input(0)], params, session_id=sid)
+    (r2,) = engine.generate([_new_input(1)], params, session_id=sid)
+    full = _new_input(0) + r1.output_ids + _new_input(1)
+    assert r2.output_ids == reference.generate([full], params)[0].output_ids
+    assert r2.cached_tokens == len(_new_input(0)) + len(r1.output_ids) - 1

@@ -1,0 +1,107 @@
+"""Sampling: seeds, filters, penalties, stop conditions and logprobs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sessionserve.replicas.request import FinishReason, SamplingParams
+from sessionserve.replicas.sampling import apply_penalties, filter_logits
+from tests.models import EOS, hf_greedy, tiny_engine, tiny_model
+
+PROMPT = [5, 9, 13, 17, 21, 25]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+def test_same_seed_same_output_whatever_the_batch(model) -> None:
+    engine = tiny_engine(model)
+    p = SamplingParams(max_tokens=16, temperature=1.0, seed=11, ignore_eos=True)
+    alone = engine.generate([PROMPT], p)[0].output_ids
+    crowd = engine.generate(
+        [PROMPT, PROMPT[:3], PROMPT * 2],
+        SamplingParams(max_tokens=16, temperature=1.0, seed=11, ignore_eos=True),
+    )
+    assert crowd[0].output_ids == alone
+    other = engine.generate([PROMPT], p.model_copy(update={"seed": 12}))[0].output_ids
+    assert other != alone
+
+
+def test_top_k_one_is_greedy_and_greedy_matches_generate(model) -> None:
+    engine = tiny_engine(model)
+    want = hf_greedy(model, PROMPT, 10)
+    k1 = engine.generate([PROMPT], SamplingParams(max_tokens=10, temperature=1.5, top_k=1))
+    assert k1[0].output_ids == want[: len(k1[0].output_ids)]
+
+
+def test_filters_keep_what_they_should() -> None:
+    logits = torch.tensor([4.0, 3.0, 2.0, 1.0, 0.0])
+    top2 = filter_logits(logits, SamplingParams(temperature=1.0, top_k=2))
+    assert torch.isfinite(top2).tolist() == [True, True, False, False, False]
+    probs = logits.softmax(-1)  # [0.64, 0.24, 0.09, ...]
+    nucleus = filter_logits(logits, SamplingParams(temperature=1.0, top_p=0.8))
+    assert torch.isfinite(nucleus).tolist() == [True, True, False, False, False]
+    minp = filter_logits(logits, SamplingParams(temperature=1.0, min_p=0.2))
+    assert torch.isfinite(minp).tolist() == (probs >= 0.2 * probs.max()).tolist()
+    hot = filter_logits(logits, SamplingParams(temperature=2.0))
+    assert torch.allclose(hot, logits / 2)
+
+
+def test_penalties() -> None:
+    logits = torch.tensor([2.0, -2.0, 1.0, 0.5])
+    rep = apply_penalties(logits.clone(), SamplingParams(repetition_penalty=2.0), [0, 1], [])
+    assert rep.tolist() == [1.0, -4.0, 1.0, 0.5]
+    freq = apply_penalties(
+        logits.clone(), SamplingParams(frequency_penalty=0.5, presence_penalty=0.25), [], [2, 2, 3]
+    )
+    assert freq.tolist() == [2.0, -2.0, 1.0 - 1.0 - 0.25, 0.5 - 0.5 - 0.25]
+
+
+def test_logprobs_are_the_models_distribution(model) -> None:
+    engine = tiny_engine(model)
+    r = engine.generate(
+        [PROMPT],
+        SamplingParams(max_tokens=4, temperature=0, logprobs=True, top_logprobs=5, ignore_eos=True),
+    )[0]
+    full = torch.tensor([PROMPT + r.output_ids])
+    with torch.no_grad():
+        ref_model = tiny_model()  # the same seed: the same weights, untouched attention
+        lp = torch.log_softmax(ref_model(full).logits[0].float(), -1)
+    for i, tl in enumerate(r.logprobs):
+        row = lp[len(PROMPT) - 1 + i]
+        assert abs(tl.logprob - float(row[tl.token_id])) < 1e-4
+        assert [t for t, _ in tl.top] == row.topk(5).indices.tolist()
+        assert tl.top[0][0] == tl.token_id  # greedy picks the top-1
+
+
+def test_stop_strings_tokens_eos_and_ignore_eos(model) -> None:
+    engine = tiny_engine(model)
+    free = engine.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[
+        0
+    ]
+    third = free.output_ids[2]
+    by_string = engine.generate(
+        [PROMPT], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop=(f"w{third}",))
+    )[0]
+    first = free.output_ids.index(third)
+    assert by_string.finish_reason is FinishReason.STOP
+    assert by_string.output_ids == free.output_ids[: first + 1]  # the stopping token is kept
+    assert f"w{third}" not in by_string.text  # but its text is cut
+    by_token = engine.generate(
+        [PROMPT],
+        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop_token_ids=(third,)),
+    )[0]
+    assert by_token.output_ids == by_string.output_ids
+    eos_model = tiny_model(seed=16)  # greedy from PROMPT emits EOS as its 14th token
+    engine2 = tiny_engine(eos_model)
+    want = hf_greedy(eos_model, PROMPT, 40)
+    assert EOS in want
+    r = engine2.generate([PROMPT], SamplingParams(max_tokens=40, temperature=0))[0]
+    assert r.finish_reason is FinishReason.STOP and r.output_ids == want[: want.index(EOS) + 1]
+    ignoring = engine2.generate(
+        [PROMPT], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    )[0]
+    assert ignoring.finish_reason is FinishReason.LENGTH and len(ignoring.output_ids) == 40
