@@ -66,6 +66,7 @@ def tiny_engine(
     prefill: int = 512,
     retract_every: int | None = None,
     radix: bool = True,
+    backend: str = "torch",
     **session_kw,
 ) -> Engine:
     """An engine in strict memory mode around a (copy of a) tiny model."""
@@ -80,6 +81,7 @@ def tiny_engine(
         ),
         scheduler=SchedulerConfig(max_prefill_tokens=prefill, force_retract_every=retract_every),
         sessions=SessionConfig(**session_kw),
+        attention_backend=backend,
         strict_memory_check=True,
     )
     return Engine(cfg, LoadedModel(model, word_tokenizer(), "tiny", "tests"))

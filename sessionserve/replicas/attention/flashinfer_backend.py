@@ -74,8 +74,7 @@ class FlashInferBackend(AttentionBackend):
         scaling: float,
     ) -> torch.Tensor:
         pool = meta.kv_pool
-        pool.k[layer].index_copy_(0, meta.out_slots, k[0].transpose(0, 1).to(pool.dtype))
-        pool.v[layer].index_copy_(0, meta.out_slots, v[0].transpose(0, 1).to(pool.dtype))
+        pool.write(layer, meta.out_slots, k[0].transpose(0, 1), v[0].transpose(0, 1))
         _, kv_heads, head_dim = self.dims
         paged = (
             pool.k[layer].view(-1, self.page_size, kv_heads, head_dim),

@@ -75,9 +75,8 @@ class TorchPagedBackend(AttentionBackend):
         scaling: float,
     ) -> torch.Tensor:
         pool = meta.kv_pool
+        pool.write(layer, meta.out_slots, k[0].transpose(0, 1), v[0].transpose(0, 1))
         k_pool, v_pool = pool.k[layer], pool.v[layer]  # [slots, KVH, D]
-        k_pool.index_copy_(0, meta.out_slots, k[0].transpose(0, 1).to(pool.dtype))
-        v_pool.index_copy_(0, meta.out_slots, v[0].transpose(0, 1).to(pool.dtype))
         n_tokens, n_heads, head_dim = q.shape[2], q.shape[1], q.shape[3]
         out = q.new_empty(n_tokens, n_heads, head_dim)
         q_tokens = q[0].transpose(0, 1)  # [T, H, D]

@@ -101,6 +101,12 @@ class Driver:
         self.cache.free_overallocation(turn.req)  # rejected drafts freed the same step
         self.sample(turn, token=(drafts[accept] + 1) % 50 + 3 if accept < k else None)
 
+    def complete(self, turn: Turn) -> None:
+        """Compute what is left of the input, sample one token, finish."""
+        self.prefill(turn)
+        self.sample(turn)
+        self.cache.finish(turn.req, turn.tokens)
+
     def run_turn(self, turn: Turn, new_tokens: int) -> None:
         """Admit, prefill, decode `new_tokens` tokens, finish."""
         self.admit(turn)

@@ -67,9 +67,7 @@ def test_bug1_rejected_concurrent_turn_changes_nothing(make_rig) -> None:
     r.drive.admit(t1)
     with pytest.raises(SessionBusyError, match="already has a turn in flight"):
         r.cache.start_turn("s", "intruder")  # first-turn variant: no slot KV yet
-    r.drive.prefill(t1)
-    r.drive.sample(t1)
-    r.cache.finish(t1.req, t1.tokens)
+    r.drive.complete(t1)
     t2 = r.turn("s", "t2", t1.tokens + [9, 9])
     r.drive.admit(t2)
     before = _snapshot(r.cache.session("s"))
@@ -182,9 +180,7 @@ def test_s4_nth_mid_abort_keeps_committed_checkpoint(make_rig, page: int) -> Non
     # the aborted context is gone; everything of the checkpoint is reused (its last token
     # too: the aborted turn's extend computed it)
     assert r.drive.admit(t3) == len(t1.tokens)
-    r.drive.prefill(t3)
-    r.drive.sample(t3)
-    r.cache.finish(t3.req, t3.tokens)
+    r.drive.complete(t3)
     r.all_free()
 
 
@@ -204,9 +200,7 @@ def test_s5_first_mid_abort_leaves_session_usable_and_prompt_shareable(make_rig)
     retry = r.turn("s", "retry", p1)  # the computed prompt went to the radix tree
     assert r.drive.admit(retry) == floor_align(len(p1) - 1, 4)
     assert retry.req.cached_source == "radix"
-    r.drive.prefill(retry)
-    r.drive.sample(retry)
-    r.cache.finish(retry.req, retry.tokens)
+    r.drive.complete(retry)
     r.all_free()
 
 
@@ -283,9 +277,7 @@ def test_chat_mode_rewinds_inside_held_region(make_rig) -> None:
     t2 = r.turn("s", "t2", edited, mode="chat")
     assert r.drive.admit(t2) == diverge and t2.req.cached_source == "session"
     r.busy(t2)
-    r.drive.prefill(t2)
-    r.drive.sample(t2)
-    r.cache.finish(t2.req, t2.tokens)
+    r.drive.complete(t2)
     assert r.cache.session("s").history == t2.tokens
     r.all_free()
 
@@ -300,9 +292,7 @@ def test_chat_mode_divergence_below_protected_starts_fresh(make_rig) -> None:
     t2 = r.turn("s", "t2", p1[:10] + [1] * 20, mode="chat")  # a different system prompt
     assert r.drive.admit(t2) == 8  # the radix tree still matches whole pages of what it can
     assert t2.req.cached_source == "radix"
-    r.drive.prefill(t2)
-    r.drive.sample(t2)
-    r.cache.finish(t2.req, t2.tokens)
+    r.drive.complete(t2)
     r.all_free()
 
 
@@ -344,9 +334,7 @@ def test_idle_sessions_are_evicted_lru_and_reprefill(make_rig) -> None:
     t = r.turn("a", "a2", turns["a"].tokens + [1, 2])  # re-prefill transparently
     cached = r.drive.admit(t)
     assert t.req.cached_source in ("radix", "none") and cached <= 36
-    r.drive.prefill(t)
-    r.drive.sample(t)
-    r.cache.finish(t.req, t.tokens)
+    r.drive.complete(t)
     r.cache.abort(RequestKV(rid="c2", session_id="c"))
     r.all_free()
 
@@ -365,9 +353,7 @@ def test_borrowed_slot_is_never_evicted_and_full_pool_is_clean_error(make_rig) -
     assert r.cache.session("a").holds_kv  # the running turn's slot was not touched
     r.busy(a2, hog)
     r.cache.abort(hog.req, hog.tokens)
-    r.drive.prefill(a2)
-    r.drive.sample(a2)
-    r.cache.finish(a2.req, a2.tokens)
+    r.drive.complete(a2)
     r.all_free()
 
 
@@ -384,9 +370,7 @@ def test_limits(make_rig) -> None:
     assert slot.allocated_len == 28 and slot.kv_tokens == a1.tokens[:28]  # 20 held at most
     a2 = r.turn("a", "a2", a1.tokens + [1])
     assert r.drive.admit(a2) == 28
-    r.drive.prefill(a2)
-    r.drive.sample(a2)
-    r.cache.finish(a2.req, a2.tokens)
+    r.drive.complete(a2)
     r.all_free()
 
 
@@ -414,12 +398,8 @@ def test_ordinary_requests_share_prefixes_through_the_radix_tree(make_rig) -> No
     terms = r.busy(b, c)
     assert terms.protected == 32
     r.cache.retract(c.req, c.tokens)
-    r.drive.prefill(b)
-    r.drive.sample(b)
-    r.cache.finish(b.req, b.tokens)
+    r.drive.complete(b)
     r.drive.admit(c)
-    r.drive.prefill(c)
-    r.drive.sample(c)
-    r.cache.finish(c.req, c.tokens)
+    r.drive.complete(c)
     r.all_free()
     assert ceil_align(1, 4) == 4

@@ -82,3 +82,52 @@ def test_seeded_sampling_in_a_session_equals_non_session() -> None:
     full = _new_input(0) + r1.output_ids + _new_input(1)
     assert r2.output_ids == reference.generate([full], params)[0].output_ids
     assert r2.cached_tokens == len(_new_input(0)) + len(r1.output_ids) - 1
+
+
+def test_evicted_session_reprefills_from_its_token_log() -> None:
+    """Under pressure an idle session's KV is evicted; its next turn re-prefills from the
+    token log and still equals the full-history request."""
+    model = tiny_model()
+    engine = tiny_engine(model, page_size=4, num_slots=4 * 40, max_rows=8, max_context_len=150)
+    reference = tiny_engine(model, radix=False)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    a = engine.open_session()
+    (r1,) = engine.generate([_new_input(0, 40)], params, session_id=a)
+    engine.generate([_new_input(5, 120)], params)  # a big plain request needs a's pages
+    assert engine.cache.session(a).evictions == 1 and engine.session_info(a).held_tokens == 0
+    (r2,) = engine.generate([_new_input(1, 5)], params, session_id=a)
+    full = _new_input(0, 40) + r1.output_ids + _new_input(1, 5)
+    assert r2.prompt_tokens == len(full) and r2.cached_source != "session"
+    assert r2.output_ids == reference.generate([full], params)[0].output_ids
+    engine.close_session(a)
+    engine.checker.check_idle()
+
+
+def test_close_is_deferred_while_a_turn_runs() -> None:
+    engine = tiny_engine(tiny_model())
+    sid = engine.open_session()
+    rid = engine.submit(_new_input(0), SamplingParams(max_tokens=8, ignore_eos=True),
+                        session_id=sid)
+    engine.step()
+    assert engine.close_session(sid) is False  # deferred
+    engine.run_until_idle()
+    assert engine.take_result(rid).completion_tokens == 8  # the turn finished normally
+    assert sid not in engine.sessions.meta and sid not in engine.cache.session_slots
+    engine.cache.flush()
+    terms = engine.checker.check_idle()
+    assert terms.free == terms.total
+
+
+def test_idle_sessions_expire_after_their_ttl(monkeypatch) -> None:
+    import time as real_time
+
+    engine = tiny_engine(tiny_model())
+    sid = engine.open_session(ttl_s=5.0)
+    keep = engine.open_session(ttl_s=None)
+    engine.generate([_new_input(0)], SamplingParams(max_tokens=2), session_id=sid)
+    now = real_time.monotonic()
+    monkeypatch.setattr("time.monotonic", lambda: now + 6.0)
+    engine.submit([3, 4], SamplingParams(max_tokens=1))  # any step reaps
+    engine.run_until_idle()
+    assert sid not in engine.sessions.meta and keep in engine.sessions.meta
+    engine.checker.check_idle()

@@ -1,0 +1,49 @@
+"""Shared by the benchmark scripts: model loading, engine construction, machine facts."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+from typing import Any
+
+import torch
+
+from sessionserve.config import CacheConfig, EngineConfig, SchedulerConfig, SessionConfig
+from sessionserve.replicas.engine import Engine
+from sessionserve.replicas.loader import LoadedModel, load_model
+
+
+def setup_threads(threads: int) -> None:
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+
+
+def load(path: str = "default") -> LoadedModel:
+    return load_model(path, torch.float32)
+
+
+def engine(loaded: LoadedModel, *, sessions: bool = True, radix: bool = True,
+           num_slots: int = 8192, max_running: int = 64, prefill: int = 1024) -> Engine:
+    cfg = EngineConfig(
+        cache=CacheConfig(page_size=16, num_slots=num_slots, max_rows=max_running + 8,
+                          max_context_len=min(num_slots, 8192), radix_cache=radix),
+        sessions=SessionConfig(enabled=sessions),
+        scheduler=SchedulerConfig(max_running_requests=max_running, max_prefill_tokens=prefill),
+    )
+    return Engine(cfg, loaded)
+
+
+def machine() -> dict[str, Any]:
+    return {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+            "torch": torch.__version__, "threads": torch.get_num_threads()}
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def emit(summary: dict[str, Any]) -> None:
+    """The last line of every benchmark: one JSON object."""
+    print(json.dumps(summary, sort_keys=True))
