@@ -24,11 +24,23 @@ def load(path: str = "default") -> LoadedModel:
     return load_model(path, torch.float32)
 
 
-def engine(loaded: LoadedModel, *, sessions: bool = True, radix: bool = True,
-           num_slots: int = 8192, max_running: int = 64, prefill: int = 1024) -> Engine:
+def engine(
+    loaded: LoadedModel,
+    *,
+    sessions: bool = True,
+    radix: bool = True,
+    num_slots: int = 8192,
+    max_running: int = 64,
+    prefill: int = 1024,
+) -> Engine:
     cfg = EngineConfig(
-        cache=CacheConfig(page_size=16, num_slots=num_slots, max_rows=max_running + 8,
-                          max_context_len=min(num_slots, 8192), radix_cache=radix),
+        cache=CacheConfig(
+            page_size=16,
+            num_slots=num_slots,
+            max_rows=max_running + 8,
+            max_context_len=min(num_slots, 8192),
+            radix_cache=radix,
+        ),
         sessions=SessionConfig(enabled=sessions),
         scheduler=SchedulerConfig(max_running_requests=max_running, max_prefill_tokens=prefill),
     )
@@ -36,8 +48,12 @@ def engine(loaded: LoadedModel, *, sessions: bool = True, radix: bool = True,
 
 
 def machine() -> dict[str, Any]:
-    return {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-            "torch": torch.__version__, "threads": torch.get_num_threads()}
+    return {
+        "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+    }
 
 
 def median(xs: list[float]) -> float:

@@ -16,13 +16,25 @@ from __future__ import annotations
 
 import argparse
 
-from sessionserve.replicas.request import SamplingParams
 from benchmarks.common import emit, engine, load, machine, median, setup_threads
+from sessionserve.replicas.request import SamplingParams
 
-TOPICS = ["the history of bridges", "how bees communicate", "the rules of chess",
-          "volcanoes in Iceland", "the first computers", "tides and the moon",
-          "how bread rises", "the Silk Road", "deep sea fish", "solar panels",
-          "the Roman calendar", "glaciers", "jazz in the 1920s", "paper making"]
+TOPICS = [
+    "the history of bridges",
+    "how bees communicate",
+    "the rules of chess",
+    "volcanoes in Iceland",
+    "the first computers",
+    "tides and the moon",
+    "how bread rises",
+    "the Silk Road",
+    "deep sea fish",
+    "solar panels",
+    "the Roman calendar",
+    "glaciers",
+    "jazz in the 1920s",
+    "paper making",
+]
 
 
 def user_message(tok, turn: int) -> list[int]:
@@ -67,21 +79,32 @@ def main() -> None:
         for rep in range(args.repeats):
             ttfts, history_tokens = run_mode(loaded, mode, args.turns, answer)
             runs.append(ttfts)
-            print(f"[{mode} run {rep + 1}/{args.repeats}] final TTFT {1000 * ttfts[-1]:.1f} ms",
-                  flush=True)
+            print(
+                f"[{mode} run {rep + 1}/{args.repeats}] final TTFT {1000 * ttfts[-1]:.1f} ms",
+                flush=True,
+            )
         per_mode[mode] = [median([r[t] for r in runs]) for t in range(args.turns)]
     print(f"\nmachine: {machine()}")
-    print(f"{'turn':>4} {'session ms':>11} {'stateless ms':>13} {'radix ms':>9} "
-          f"{'stateless/session':>18} {'radix/session':>14}")
+    print(
+        f"{'turn':>4} {'session ms':>11} {'stateless ms':>13} {'radix ms':>9} "
+        f"{'stateless/session':>18} {'radix/session':>14}"
+    )
     for t in range(args.turns):
         s, b, c = (per_mode[m][t] * 1000 for m in modes)
         print(f"{t + 1:>4} {s:>11.1f} {b:>13.1f} {c:>9.1f} {b / s:>18.2f} {c / s:>14.2f}")
     s, b, c = (per_mode[m][-1] for m in modes)
-    emit({"benchmark": "multiturn", "turns": args.turns, "history_tokens": history_tokens,
-          "ttft_ms_session": round(1000 * s, 1), "ttft_ms_stateless": round(1000 * b, 1),
-          "ttft_ms_radix": round(1000 * c, 1),
-          "ttft_ratio_stateless_over_session": round(b / s, 2),
-          "ttft_ratio_radix_over_session": round(c / s, 2)})
+    emit(
+        {
+            "benchmark": "multiturn",
+            "turns": args.turns,
+            "history_tokens": history_tokens,
+            "ttft_ms_session": round(1000 * s, 1),
+            "ttft_ms_stateless": round(1000 * b, 1),
+            "ttft_ms_radix": round(1000 * c, 1),
+            "ttft_ratio_stateless_over_session": round(b / s, 2),
+            "ttft_ratio_radix_over_session": round(c / s, 2),
+        }
+    )
 
 
 if __name__ == "__main__":

@@ -25,13 +25,16 @@ from sessionserve.replicas.request import SamplingParams
 
 def workload(n: int, vocab: int, seed: int) -> list[tuple[list[int], int]]:
     rng = random.Random(seed)
-    return [([rng.randrange(100, vocab) for _ in range(rng.randint(50, 500))],
-             rng.randint(16, 256)) for _ in range(n)]
+    return [
+        ([rng.randrange(100, vocab) for _ in range(rng.randint(50, 500))], rng.randint(16, 256))
+        for _ in range(n)
+    ]
 
 
 def run_engine(loaded, reqs, concurrency: int) -> tuple[float, float]:
-    eng = engine(loaded, sessions=False, radix=False, max_running=concurrency,
-                 num_slots=16384, prefill=2048)
+    eng = engine(
+        loaded, sessions=False, radix=False, max_running=concurrency, num_slots=16384, prefill=2048
+    )
     forward_s, step_s = 0.0, 0.0
     inner = eng.runner.forward
 
@@ -49,8 +52,7 @@ def run_engine(loaded, reqs, concurrency: int) -> tuple[float, float]:
     decode_forward, decode_step = 0.0, 0.0
     while eng.has_work():
         before_f, t = forward_s, time.perf_counter()
-        is_decode_only = not eng.scheduler.waiting and all(r.sampled for r in
-                                                           eng.scheduler.running)
+        is_decode_only = not eng.scheduler.waiting and all(r.sampled for r in eng.scheduler.running)
         eng.step()
         dt = time.perf_counter() - t
         step_s += dt
@@ -70,12 +72,18 @@ def run_generate(model, reqs, batch: int) -> float:
         ids = torch.zeros(len(group), width, dtype=torch.int64)
         mask = torch.zeros_like(ids)
         for row, (p, _) in enumerate(group):
-            ids[row, width - len(p):] = torch.tensor(p)
-            mask[row, width - len(p):] = 1
+            ids[row, width - len(p) :] = torch.tensor(p)
+            mask[row, width - len(p) :] = 1
         with torch.inference_mode():
-            model.generate(ids, attention_mask=mask, do_sample=False, pad_token_id=0,
-                           eos_token_id=None, max_new_tokens=max(n for _, n in group),
-                           min_new_tokens=max(n for _, n in group))
+            model.generate(
+                ids,
+                attention_mask=mask,
+                do_sample=False,
+                pad_token_id=0,
+                eos_token_id=None,
+                max_new_tokens=max(n for _, n in group),
+                min_new_tokens=max(n for _, n in group),
+            )
     return time.perf_counter() - t0
 
 
@@ -90,16 +98,21 @@ def main() -> None:
     vocab = ref.model.config.vocab_size
     run_engine(ours, workload(2, vocab, seed=99), 2)  # warm-up
     summary = {"benchmark": "throughput", "machine": machine()}
-    print(f"{'c':>3} {'requests':>8} {'tokens':>7} {'engine tok/s':>13} {'generate tok/s':>15} "
-          f"{'ratio':>6} {'overhead':>9}")
+    print(
+        f"{'c':>3} {'requests':>8} {'tokens':>7} {'engine tok/s':>13} {'generate tok/s':>15} "
+        f"{'ratio':>6} {'overhead':>9}"
+    )
     for c in args.concurrency:
         reqs = workload(max(2 * c, 4), vocab, seed=c)
         tokens = sum(n for _, n in reqs)
         wall_e, overhead = run_engine(ours, reqs, c)
         wall_g = run_generate(ref.model, reqs, c)
         ratio = wall_g / wall_e
-        print(f"{c:>3} {len(reqs):>8} {tokens:>7} {tokens / wall_e:>13.1f} "
-              f"{tokens / wall_g:>15.1f} {ratio:>6.2f} {overhead:>9.2f}", flush=True)
+        print(
+            f"{c:>3} {len(reqs):>8} {tokens:>7} {tokens / wall_e:>13.1f} "
+            f"{tokens / wall_g:>15.1f} {ratio:>6.2f} {overhead:>9.2f}",
+            flush=True,
+        )
         summary[f"engine_tok_s_{c}"] = round(tokens / wall_e, 1)
         summary[f"generate_tok_s_{c}"] = round(tokens / wall_g, 1)
         summary[f"ratio_vs_generate_{c}"] = round(ratio, 2)

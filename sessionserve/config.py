@@ -6,6 +6,7 @@ takes `EngineConfig` directly. `sessionserve config-schema` prints the JSON sche
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -58,7 +59,7 @@ class SessionConfig(_Strict):
         3600.0, gt=0, description="Idle time after which a session is closed; None = never."
     )
     implicit_open: bool = Field(
-        True, description="A request naming an unknown session opens it (else 404)."
+        False, description="A request naming an unknown session opens it (else 404)."
     )
 
 
@@ -92,3 +93,54 @@ class EngineConfig(_Strict):
         if self.cache.num_slots < self.cache.page_size:
             raise ValueError("cache.num_slots must hold at least one page")
         return self
+
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def served_model_name(model: ModelConfig) -> str:
+    """The model id the API reports and accepts (computable without loading the model)."""
+    if model.served_name:
+        return model.served_name
+    if model.path == "default":
+        return DEFAULT_MODEL_NAME
+    p = Path(model.path)
+    return p.stem if p.suffix == ".gguf" else p.name
+
+
+class AutoscalingConfig(_Strict):
+    min_replicas: int = Field(1, ge=1, description="Replicas kept at least.")
+    max_replicas: int = Field(4, ge=1, description="Replicas at most.")
+    target_ongoing_requests: float = Field(16, gt=0, description="Per-replica load target.")
+
+
+class ReplicaDeploymentConfig(_Strict):
+    num_replicas: int = Field(2, ge=1, description="Model replicas (ignored with autoscaling).")
+    num_cpus: float = Field(0.5, ge=0, description="CPUs per replica (fractional on laptops).")
+    num_gpus: float = Field(0, ge=0, description="GPUs per replica (1 on a GPU cluster).")
+    max_ongoing_requests: int = Field(64, ge=1, description="Requests in flight per replica.")
+    max_queued_requests: int = Field(
+        512, ge=-1, description="Requests waiting per caller before 503; -1 = unbounded."
+    )
+    autoscaling: AutoscalingConfig | None = Field(None, description="Replica count bounds.")
+    routing_stats_period_s: float = Field(
+        1.0, gt=0, description="How often replicas report free KV to the router."
+    )
+    health_check_period_s: float = Field(10.0, gt=0, description="Serve health check period.")
+
+
+class IngressDeploymentConfig(_Strict):
+    num_replicas: int = Field(1, ge=1, description="HTTP ingress replicas.")
+    num_cpus: float = Field(0.25, ge=0, description="CPUs per ingress replica.")
+    max_ongoing_requests: int = Field(1024, ge=1, description="Requests per ingress replica.")
+
+
+class AppConfig(_Strict):
+    """The `args:` of the Serve application (deploy/serve-*.yaml)."""
+
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    replica: ReplicaDeploymentConfig = Field(default_factory=ReplicaDeploymentConfig)
+    ingress: IngressDeploymentConfig = Field(default_factory=IngressDeploymentConfig)
+    session_header: str = Field(
+        "x-session-id", description="HTTP header naming the session (or body `session_id`)."
+    )

@@ -9,10 +9,23 @@ from __future__ import annotations
 
 
 class SessionServeError(Exception):
-    """Base class; `status_code` is the HTTP status the API layer answers with."""
+    """Base class; `status_code` is the HTTP status the API layer answers with.
+
+    Picklable whatever a subclass's __init__ takes (errors cross Ray process boundaries).
+    """
 
     status_code = 500
     error_type = "internal_error"
+
+    def __reduce__(self):
+        return (_restore, (type(self), self.args, dict(self.__dict__)))
+
+
+def _restore(cls: type[SessionServeError], args: tuple, state: dict) -> SessionServeError:
+    err = cls.__new__(cls)
+    Exception.__init__(err, *args)
+    err.__dict__.update(state)
+    return err
 
 
 class InvalidConfigError(SessionServeError, ValueError):

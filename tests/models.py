@@ -39,18 +39,32 @@ ARCHS = {
 
 
 def word_tokenizer() -> PreTrainedTokenizerFast:
-    """Token i is the word `w{i}`: text is readable and decode is exact."""
-    vocab = {f"w{i}": i for i in range(VOCAB)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    """Token i is the word `w{i}` (0 is <unk>, 1 is </s>): readable text, exact decode."""
+    # 0 and 1 get names that are no prefix of a word: special tokens match inside raw text
+    vocab = {f"w{i}": i for i in range(VOCAB)} | {"<unk>": 0, "</s>": EOS}
+    del vocab["w0"], vocab[f"w{EOS}"]
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=f"w{EOS}", unk_token="w0")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", unk_token="<unk>")
+    # each message: w2 <content words> w3; the generation prompt is w4
+    fast.chat_template = (
+        "{% for m in messages %}w2 {{ m['content'] }} w3 {% endfor %}"
+        "{% if add_generation_prompt %}w4{% endif %}"
+    )
+    return fast
 
 
-def tiny_model(arch: str = "llama", seed: int = 0, init_std: float = 0.08):
+def save_tiny_model(directory, seed: int = 0, **shape) -> None:
+    """A tiny model and its tokenizer as a local HF directory (what a replica loads)."""
+    tiny_model(seed=seed, **shape).save_pretrained(directory)
+    word_tokenizer().save_pretrained(directory)
+
+
+def tiny_model(arch: str = "llama", seed: int = 0, init_std: float = 0.08, **shape):
     """A 2-layer model whose logits are peaked enough that greedy ties do not happen."""
     config_cls, model_cls = ARCHS[arch]
     torch.manual_seed(seed)
-    cfg = config_cls(**_SHAPE, initializer_range=init_std, eos_token_id=EOS)
+    cfg = config_cls(**(_SHAPE | shape), initializer_range=init_std, eos_token_id=EOS)
     model = model_cls(cfg).eval()
     model.generation_config.eos_token_id = EOS
     return model

@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -52,6 +52,7 @@ class StepEvent:
     rid: str
     new_token_ids: list[int]
     result: RequestResult | None = None  # set on the request's last event
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)  # when requested
 
 
 class Engine:
@@ -119,9 +120,11 @@ class Engine:
         mode: TurnMode = "append",
         rid: str | None = None,
         listener: Listener | None = None,
+        open_missing: bool = False,
     ) -> str:
         """Queue a request; returns its id. Raises a typed error, changing nothing, on bad
-        input, a busy or closing session, or an input beyond the context."""
+        input, a busy or closing session, or an input beyond the context. `open_missing` opens
+        an unknown session (the served app's ingress has already checked it exists)."""
         sampling = sampling or SamplingParams()
         rid = rid or f"req-{next(_rid_counter)}"
         self._validate_ids(input_ids)
@@ -131,7 +134,9 @@ class Engine:
             if session_id is None:
                 kv, full = RequestKV(rid=rid), list(input_ids)
             else:
-                kv, full = self.sessions.start_turn(session_id, rid, list(input_ids), mode)
+                kv, full = self.sessions.start_turn(
+                    session_id, rid, list(input_ids), mode, open_missing
+                )
             try:
                 self._validate_length(full, sampling)
             except InvalidRequestError:
@@ -245,7 +250,9 @@ class Engine:
                 top = tuple(out.top[i]) if out.top else ()
                 req.logprobs.append(TokenLogprob(tok, out.logprobs[i], top))
             result = self._finish(req) if self.stopper.check(req) else None
-            events.append(StepEvent(req.rid, req.output_ids[before:], result))
+            events.append(
+                StepEvent(req.rid, req.output_ids[before:], result, req.logprobs[before:])
+            )
         return events
 
     def _finish(self, req: Request) -> RequestResult:

@@ -62,12 +62,17 @@ class SessionController:
         return closed
 
     def start_turn(
-        self, session_id: str, rid: str, new_ids: list[int], mode: TurnMode
+        self,
+        session_id: str,
+        rid: str,
+        new_ids: list[int],
+        mode: TurnMode,
+        open_missing: bool = False,
     ) -> tuple[RequestKV, list[int]]:
         """Mark the turn in flight and build its full input. Raises (changing nothing) when the
-        session is unknown (and implicit open is off), busy or closing."""
+        session is unknown (and neither implicit open nor `open_missing`), busy or closing."""
         if session_id not in self.meta:
-            if not self.config.implicit_open:
+            if not (self.config.implicit_open or open_missing):
                 raise UnknownSessionError(session_id)
             self.open(session_id)
         kv = self.cache.start_turn(session_id, rid)

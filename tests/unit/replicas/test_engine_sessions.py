@@ -106,8 +106,9 @@ def test_evicted_session_reprefills_from_its_token_log() -> None:
 def test_close_is_deferred_while_a_turn_runs() -> None:
     engine = tiny_engine(tiny_model())
     sid = engine.open_session()
-    rid = engine.submit(_new_input(0), SamplingParams(max_tokens=8, ignore_eos=True),
-                        session_id=sid)
+    rid = engine.submit(
+        _new_input(0), SamplingParams(max_tokens=8, ignore_eos=True), session_id=sid
+    )
     engine.step()
     assert engine.close_session(sid) is False  # deferred
     engine.run_until_idle()

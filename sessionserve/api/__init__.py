@@ -1,0 +1,1 @@
+"""The wire: OpenAI-compatible and session endpoints (FastAPI), request/response models."""

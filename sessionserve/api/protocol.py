@@ -1,0 +1,135 @@
+"""Request and response models of the HTTP API (OpenAI's shapes, plus sessions).
+
+Unknown fields are rejected (400 naming the field), as OpenAI does. Field names follow OpenAI;
+`session_id` may also come in a header (`x-session-id` by default).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class _SamplingFields(_Body):
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    n: int = Field(1, ge=1, le=1, description="Only n=1 is supported.")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    session_id: str | None = Field(None, description="Streaming session (or the header).")
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        return {
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "frequency_penalty": self.frequency_penalty,
+            "presence_penalty": self.presence_penalty,
+            "repetition_penalty": self.repetition_penalty,
+            "seed": self.seed,
+            "stop": tuple(stop) if stop else None,
+            "stop_token_ids": tuple(self.stop_token_ids) if self.stop_token_ids else None,
+            "ignore_eos": self.ignore_eos,
+        }
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        kw = super().sampling_kwargs()
+        kw["max_tokens"] = self.max_completion_tokens or self.max_tokens
+        kw["logprobs"] = self.logprobs
+        kw["top_logprobs"] = self.top_logprobs
+        return kw
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[int] = Field(description="Text, or token ids.")
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        kw = super().sampling_kwargs()
+        if self.logprobs is not None:
+            kw["logprobs"], kw["top_logprobs"] = True, self.logprobs
+        return kw
+
+
+class SessionCreate(_Body):
+    session_id: str | None = Field(None, min_length=1, max_length=128)
+    ttl_s: float | None = Field(None, gt=0)
+
+
+class SessionView(BaseModel):
+    id: str
+    object: Literal["session"] = "session"
+    replica: str | None
+    turns: int
+    history_tokens: int
+    held_tokens: int | None
+    ttl_s: float | None
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def now() -> int:
+    return int(time.time())

@@ -1,0 +1,149 @@
+"""OpenAI response and stream-chunk bodies, built from what a replica streams back.
+
+A replica yields deltas {"text", "token_ids", "logprobs"} and one {"final": {...}}; `Reply`
+turns them into `chat.completion` / `text_completion` objects or SSE chunks.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from sessionserve.api.protocol import new_id, now
+
+Kind = Literal["chat", "completion"]
+LogprobEntry = tuple[str, float, list[tuple[str, float]]]  # token text, logprob, top-n
+
+
+def usage(final: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "prompt_tokens": final["prompt_tokens"],
+        "completion_tokens": final["completion_tokens"],
+        "total_tokens": final["prompt_tokens"] + final["completion_tokens"],
+        "prompt_tokens_details": {"cached_tokens": final["cached_tokens"]},
+    }
+
+
+def _chat_logprobs(entries: list[LogprobEntry]) -> dict[str, Any]:
+    def one(tok: str, lp: float) -> dict[str, Any]:
+        return {"token": tok, "logprob": lp, "bytes": list(tok.encode())}
+
+    return {
+        "content": [
+            {**one(t, lp), "top_logprobs": [one(a, b) for a, b in top]} for t, lp, top in entries
+        ]
+    }
+
+
+def _completion_logprobs(entries: list[LogprobEntry], offset: int) -> dict[str, Any]:
+    offsets, pos = [], offset
+    for t, _, _ in entries:
+        offsets.append(pos)
+        pos += len(t)
+    return {
+        "tokens": [t for t, _, _ in entries],
+        "token_logprobs": [lp for _, lp, _ in entries],
+        "top_logprobs": [dict(top) for _, _, top in entries],
+        "text_offset": offsets,
+    }
+
+
+class Reply:
+    def __init__(self, kind: Kind, model: str, want_logprobs: bool) -> None:
+        self.kind, self.model, self.want_logprobs = kind, model, want_logprobs
+        self.id = new_id("chatcmpl" if kind == "chat" else "cmpl")
+        self.created = now()
+        self.text_len = 0
+
+    def _logprobs(self, entries: list[LogprobEntry], offset: int) -> dict[str, Any] | None:
+        if not self.want_logprobs:
+            return None
+        return (
+            _chat_logprobs(entries)
+            if self.kind == "chat"
+            else _completion_logprobs(entries, offset)
+        )
+
+    # ---- whole response ----
+    def response(
+        self, text: str, logprobs: list[LogprobEntry], final: dict[str, Any]
+    ) -> dict[str, Any]:
+        choice: dict[str, Any] = {
+            "index": 0,
+            "finish_reason": final["finish_reason"],
+            "logprobs": self._logprobs(logprobs, 0),
+        }
+        if self.kind == "chat":
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        return {
+            "id": self.id,
+            "object": "chat.completion" if self.kind == "chat" else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": usage(final),
+            "session": {"cached_source": final["cached_source"]},
+        }
+
+    # ---- stream ----
+    def _chunk(
+        self,
+        delta_text: str | None,
+        finish: str | None,
+        logprobs: dict[str, Any] | None,
+        role: bool = False,
+    ) -> str:
+        choice: dict[str, Any] = {"index": 0, "logprobs": logprobs, "finish_reason": finish}
+        if self.kind == "chat":
+            delta: dict[str, Any] = {"role": "assistant"} if role else {}
+            if delta_text is not None:
+                delta["content"] = delta_text
+            choice["delta"] = delta
+        else:
+            choice["text"] = delta_text or ""
+        return self._sse(
+            {
+                "id": self.id,
+                "object": "chat.completion.chunk" if self.kind == "chat" else "text_completion",
+                "created": self.created,
+                "model": self.model,
+                "choices": [choice],
+            }
+        )
+
+    def opening(self) -> str | None:
+        return self._chunk("", None, None, role=True) if self.kind == "chat" else None
+
+    def delta(self, piece: dict[str, Any]) -> str | None:
+        entries = piece.get("logprobs") or []
+        if not piece["text"] and not entries:
+            return None
+        out = self._chunk(piece["text"], None, self._logprobs(entries, self.text_len))
+        self.text_len += len(piece["text"])
+        return out
+
+    def closing(self, final: dict[str, Any], include_usage: bool) -> list[str]:
+        out = [self._chunk(None if self.kind == "chat" else "", final["finish_reason"], None)]
+        if include_usage:
+            out.append(
+                self._sse(
+                    {
+                        "id": self.id,
+                        "object": "chat.completion.chunk"
+                        if self.kind == "chat"
+                        else "text_completion",
+                        "created": self.created,
+                        "model": self.model,
+                        "choices": [],
+                        "usage": usage(final),
+                    }
+                )
+            )
+        out.append("data: [DONE]\n\n")
+        return out
+
+    @staticmethod
+    def _sse(obj: dict[str, Any]) -> str:
+        return f"data: {json.dumps(obj)}\n\n"

@@ -1,0 +1,1 @@
+"""Placement: which replica serves a request (sticky by session), and the shared pin directory."""

@@ -1,0 +1,111 @@
+"""The session directory: one named Ray actor per application, shared by every router and
+ingress replica, so a session reaches the same replica whichever process routes it.
+
+It holds, per session: the pinned replica, the token log (prompts and answers of every
+successful turn: the source of truth for re-prefill after a failover), the turn count and the
+idle TTL. Pins change only by compare-and-set (`pin`), so two routers placing the same new
+session concurrently agree on one winner.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import ray
+
+NAMESPACE = "sessionserve"
+
+
+@dataclass
+class SessionRecord:
+    session_id: str
+    ttl_s: float | None
+    replica: str | None = None
+    log: list[int] = field(default_factory=list)
+    turns: int = 0
+    last_active: float = field(default_factory=time.monotonic)
+
+
+@ray.remote(num_cpus=0)
+class SessionDirectory:
+    def __init__(self, default_ttl_s: float | None = None) -> None:
+        self.sessions: dict[str, SessionRecord] = {}
+        self.default_ttl_s = default_ttl_s
+        self.repins = 0
+
+    # ---- registry ----
+    def open(self, session_id: str | None, ttl_s: float | None) -> str | None:
+        """Register a session; None if the id is taken."""
+        self._reap()
+        sid = session_id or uuid.uuid4().hex
+        if sid in self.sessions:
+            return None
+        self.sessions[sid] = SessionRecord(sid, ttl_s if ttl_s is not None else self.default_ttl_s)
+        return sid
+
+    def get(self, session_id: str) -> SessionRecord | None:
+        self._reap()
+        rec = self.sessions.get(session_id)
+        if rec is not None:
+            rec.last_active = time.monotonic()
+        return rec
+
+    def close(self, session_id: str) -> SessionRecord | None:
+        return self.sessions.pop(session_id, None)
+
+    def commit_turn(self, session_id: str, full_ids: list[int]) -> None:
+        """A turn succeeded: its input and answer are now the session's token log."""
+        rec = self.sessions.get(session_id)
+        if rec is not None:
+            rec.log, rec.turns, rec.last_active = full_ids, rec.turns + 1, time.monotonic()
+
+    # ---- pins ----
+    def get_pin(self, session_id: str) -> str | None:
+        rec = self.sessions.get(session_id)
+        return rec.replica if rec else None
+
+    def pin(self, session_id: str, replica: str, expected: str | None) -> str:
+        """Pin to `replica` if the current pin is still `expected`; returns the pin in force.
+        A session the registry does not know (no explicit open) is pinned all the same."""
+        rec = self.sessions.get(session_id)
+        if rec is None:
+            rec = self.sessions[session_id] = SessionRecord(session_id, self.default_ttl_s)
+        if rec.replica is None or rec.replica == expected:  # free, or the pin we saw is stale
+            if expected is not None:
+                self.repins += 1
+            rec.replica = replica
+        return rec.replica
+
+    def drop_replica(self, replica: str) -> int:
+        """A replica died: forget its pins (its sessions are re-placed on their next turn)."""
+        n = 0
+        for rec in self.sessions.values():
+            if rec.replica == replica:
+                rec.replica, n = None, n + 1
+        return n
+
+    def counts(self) -> dict[str, int]:
+        return {"sessions": len(self.sessions), "repins": self.repins}
+
+    def _reap(self) -> None:
+        now = time.monotonic()
+        for sid, rec in list(self.sessions.items()):
+            if rec.ttl_s is not None and now - rec.last_active > rec.ttl_s:
+                del self.sessions[sid]
+
+
+def directory_name(app_name: str) -> str:
+    return f"session-directory-{app_name or 'default'}"
+
+
+def get_directory(app_name: str, default_ttl_s: float | None = None):
+    """The application's directory actor, created on first use (detached: it must outlive any
+    one router or ingress replica, and it dies with the cluster)."""
+    return SessionDirectory.options(
+        name=directory_name(app_name),
+        namespace=NAMESPACE,
+        get_if_exists=True,
+        lifetime="detached",
+    ).remote(default_ttl_s)

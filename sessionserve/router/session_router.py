@@ -1,0 +1,98 @@
+"""Session-affinity request router (a Ray Serve `RequestRouter`).
+
+- A request with a session id goes to that session's pinned replica alone (a one-replica first
+  rank): Serve then waits for that replica's capacity rather than spilling to another, because
+  only that replica holds the session's KV.
+- A new session is placed on the replica with the most free KV (from `record_routing_stats`;
+  ties: fewest open sessions), and the pin is recorded in the shared directory by
+  compare-and-set, so every router process (each proxy, each ingress replica) agrees.
+- If the pinned replica is gone (died, scaled down), the session is re-pinned to a live one; its
+  next turn re-prefills from the token log in the directory.
+- Requests without a session: power of two choices by queue length and free KV.
+Routing stats are only used to *place*; a pin is never moved because of stale stats.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+
+from ray.serve.request_router import (
+    PendingRequest,
+    ReplicaID,
+    RequestRouter,
+    RunningReplica,
+)
+
+from sessionserve.router.directory import get_directory
+
+log = logging.getLogger(__name__)
+
+
+class SessionAffinityRouter(RequestRouter):
+    def initialize_state(self, **kwargs) -> None:
+        self._pins: dict[str, str] = {}  # local cache of the directory's pins
+        self._directory = None
+        self.sticky_hits = 0
+        self.placements = 0
+        self.repins = 0
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        session_id = pending_request.metadata.session_id if pending_request else None
+        if not session_id or not candidate_replicas:
+            return self._two_choices(candidate_replicas)
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        pinned = self._pins.get(session_id)
+        if pinned is None:
+            pinned = await self._dir().get_pin.remote(session_id)
+        if pinned in by_id:
+            self._pins[session_id] = pinned
+            self.sticky_hits += 1
+            return [[by_id[pinned]]]
+        choice = self._most_free_kv(candidate_replicas).replica_id.unique_id
+        winner = await self._dir().pin.remote(session_id, choice, pinned)
+        if winner not in by_id:  # another router's view is behind ours: take our choice
+            winner = await self._dir().pin.remote(session_id, choice, winner)
+        if pinned is None:
+            self.placements += 1
+        else:
+            self.repins += 1
+            log.warning("session %s re-pinned from %s to %s", session_id, pinned, winner)
+        self._pins[session_id] = winner
+        return [[by_id.get(winner, by_id[choice])]]
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        dead = replica_id.unique_id
+        self._pins = {s: r for s, r in self._pins.items() if r != dead}
+        self._dir().drop_replica.remote(dead)
+
+    # ---- internals ----
+    def _dir(self):
+        if self._directory is None:
+            self._directory = get_directory(self.app_name)
+        return self._directory
+
+    @staticmethod
+    def _most_free_kv(replicas: list[RunningReplica]) -> RunningReplica:
+        def key(r: RunningReplica) -> tuple[float, float, float]:
+            stats = r.routing_stats or {}
+            return (-stats.get("free_kv_tokens", 0), stats.get("open_sessions", 0), random.random())
+
+        return min(replicas, key=key)
+
+    def _two_choices(self, replicas: list[RunningReplica]) -> list[list[RunningReplica]]:
+        if len(replicas) <= 1:
+            return [replicas]
+        a, b = random.sample(replicas, 2)
+
+        def load(r: RunningReplica) -> tuple[int, float]:
+            queue = self.replica_queue_len_cache.get(r.replica_id) or 0
+            return queue, -(r.routing_stats or {}).get("free_kv_tokens", 0)
+
+        first, second = sorted((a, b), key=load)
+        return [[first], [second]]

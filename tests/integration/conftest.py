@@ -1,0 +1,81 @@
+"""A real Ray Serve application (2 replicas of a tiny model, our router and ingress) on
+loopback, started once for the integration tests and shut down after them."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import httpx
+import pytest
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # keep Ray on 127.0.0.1
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+APP = "sessionserve"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def app_args(model_dir: str) -> dict:
+    return {
+        "engine": {
+            "model": {"path": model_dir, "torch_threads": 1},
+            "cache": {"page_size": 4, "num_slots": 8192, "max_rows": 64, "max_context_len": 2048},
+            "sessions": {"implicit_open": False, "default_ttl_s": 600},
+            "scheduler": {"max_prefill_tokens": 64},
+            "strict_memory_check": True,
+        },
+        "replica": {
+            "num_replicas": 2,
+            "num_cpus": 0.5,
+            "routing_stats_period_s": 0.5,
+            "health_check_period_s": 1.0,
+            "max_ongoing_requests": 16,
+        },
+        "ingress": {"num_cpus": 0.25},
+    }
+
+
+@pytest.fixture(scope="session")
+def served(tmp_path_factory):
+    import ray
+    from ray import serve
+
+    from sessionserve.app import build_app
+    from tests.models import save_tiny_model
+
+    model_dir = tmp_path_factory.mktemp("tiny-model")
+    # big enough that a long turn stays in flight for seconds (a 409 needs a running turn)
+    save_tiny_model(model_dir, hidden_size=256, intermediate_size=512, num_hidden_layers=4)
+    ray_tmp = tmp_path_factory.mktemp("ray")
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        _temp_dir=str(ray_tmp),
+        logging_level="WARNING",
+        configure_logging=False,
+    )
+    port = free_port()
+    serve.start(
+        http_options={"host": "127.0.0.1", "port": port},
+        logging_config={"enable_access_log": False},
+    )
+    serve.run(build_app(app_args(str(model_dir))), name=APP, route_prefix="/")
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    yield {"base": base, "model": os.path.basename(model_dir), "model_dir": str(model_dir)}
+    serve.shutdown()
+    ray.shutdown()

@@ -1,0 +1,156 @@
+"""The Serve application end to end over HTTP: the official `openai` client against real Ray
+Serve (two replicas, our session router, our ingress) on loopback."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+pytestmark = pytest.mark.ray
+
+
+def words(*ids: int) -> str:
+    return " ".join(f"w{i}" for i in ids)
+
+
+@pytest.fixture
+def client(served) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{served['base']}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture
+def http(served) -> httpx.Client:
+    with httpx.Client(base_url=served["base"], timeout=60) as c:
+        yield c
+
+
+def open_session(http: httpx.Client, **body) -> str:
+    r = http.post("/v1/sessions", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()["id"]
+
+
+def test_models_and_health(client, http, served) -> None:
+    assert http.get("/health").json() == {"status": "ok"}
+    assert [m.id for m in client.models.list().data] == [served["model"]]
+
+
+def test_chat_turns_stick_to_one_replica_and_reuse_kv(client, http) -> None:
+    sid = open_session(http)
+    hdr = {"x-session-id": sid}
+    messages = [{"role": "user", "content": words(5, 6, 7, 8, 9, 10)}]
+    first = client.chat.completions.create(
+        model=None, messages=messages, max_tokens=8, temperature=0, extra_headers=hdr
+    )
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    replica = http.get(f"/v1/sessions/{sid}").json()["replica"]
+    assert replica
+    for turn in range(3):
+        messages += [
+            {"role": "assistant", "content": first.choices[0].message.content},
+            {"role": "user", "content": words(20 + turn, 21 + turn)},
+        ]
+        nxt = client.chat.completions.create(
+            model=None, messages=messages, max_tokens=8, temperature=0, extra_headers=hdr
+        )
+        assert nxt.usage.prompt_tokens_details.cached_tokens > 0
+        first = nxt
+    view = http.get(f"/v1/sessions/{sid}").json()
+    assert view["replica"] == replica and view["turns"] == 4 and view["held_tokens"] > 0
+    assert http.delete(f"/v1/sessions/{sid}").json()["deleted"] is True
+    assert http.get(f"/v1/sessions/{sid}").status_code == 404
+
+
+def test_streaming_chat_with_usage(client, http) -> None:
+    sid = open_session(http)
+    stream = client.chat.completions.create(
+        model=None,
+        messages=[{"role": "user", "content": words(11, 12, 13)}],
+        max_tokens=6,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_headers={"x-session-id": sid},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finish = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
+    usage = chunks[-1].usage
+    assert finish and usage.completion_tokens > 0 and usage.prompt_tokens == 6  # w2 .. w3 w4
+    plain = client.chat.completions.create(
+        model=None,
+        messages=[{"role": "user", "content": words(11, 12, 13)}],
+        max_tokens=6,
+        temperature=0,
+    )
+    assert text == plain.choices[0].message.content  # streamed == non-streamed, greedy
+
+
+def test_completions_append_mode_equals_full_history(client, http) -> None:
+    sid = open_session(http)
+    hdr = {"x-session-id": sid}
+    t1 = client.completions.create(
+        model=None,
+        prompt=[5, 6, 7, 8],
+        max_tokens=5,
+        temperature=0,
+        extra_headers=hdr,
+        extra_body={"ignore_eos": True},
+    )
+    t2 = client.completions.create(
+        model=None,
+        prompt=words(30, 31),
+        max_tokens=5,
+        temperature=0,
+        logprobs=2,
+        extra_headers=hdr,
+        extra_body={"ignore_eos": True},
+    )
+    history_len = 4 + 5 + 2
+    assert t2.usage.prompt_tokens == history_len
+    assert t2.usage.prompt_tokens_details.cached_tokens == 4 + 5 - 1
+    t1_ids = [5, 6, 7, 8] + [int(w[1:]) for w in t1.choices[0].text.split()]
+    full = client.completions.create(
+        model=None,
+        prompt=t1_ids + [30, 31],
+        max_tokens=5,
+        temperature=0,
+        logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
+    assert t2.choices[0].text == full.choices[0].text
+    a, b = t2.choices[0].logprobs.token_logprobs, full.choices[0].logprobs.token_logprobs
+    assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-3
+
+
+def test_concurrent_turn_is_refused_with_409(served, http) -> None:
+    sid = open_session(http)
+    body = {
+        "prompt": [5, 6, 7],
+        "max_tokens": 1500,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with (
+        httpx.Client(base_url=served["base"], timeout=60) as other,
+        other.stream(
+            "POST", "/v1/completions", json=body, headers={"x-session-id": sid}
+        ) as running,
+    ):
+        lines_iter = running.iter_lines()  # (dropping an httpx line iterator disconnects)
+        next(lines_iter)  # the first turn is generating
+        second = http.post(
+            "/v1/completions", json={"prompt": [9], "max_tokens": 2}, headers={"x-session-id": sid}
+        )
+        assert second.status_code == 409, second.text
+        assert "already has a turn in flight" in second.json()["error"]["message"]
+        lines = [ln for ln in lines_iter if ln.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    nxt = http.post(
+        "/v1/completions", json={"prompt": [9], "max_tokens": 2}, headers={"x-session-id": sid}
+    )
+    assert nxt.status_code == 200 and nxt.json()["usage"]["prompt_tokens"] == 3 + 1500 + 1
