@@ -47,6 +47,15 @@ class UnknownSessionError(SessionServeError, KeyError):
         return str(self.args[0])
 
 
+class UnknownModelError(SessionServeError):
+    status_code = 404
+    error_type = "not_found_error"
+
+    def __init__(self, model: str, served: str) -> None:
+        super().__init__(f"the model {model!r} does not exist; this server serves {served!r}")
+        self.param = "model"
+
+
 class SessionExistsError(SessionServeError):
     status_code = 409
     error_type = "conflict_error"

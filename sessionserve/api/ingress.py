@@ -8,6 +8,7 @@ replica deployment with `session_id` set (the session router pins it), and forma
 Tokenization and generation happen on the replica.
 """
 
+import json
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -26,8 +27,8 @@ from sessionserve.api.protocol import (
 )
 from sessionserve.api.responses import Kind, Reply
 from sessionserve.config import AppConfig, served_model_name
-from sessionserve.errors import SessionExistsError, UnknownSessionError
-from sessionserve.replicas.request import InvalidRequestError, SamplingParams
+from sessionserve.errors import SessionExistsError, UnknownModelError, UnknownSessionError
+from sessionserve.replicas.request import SamplingParams
 from sessionserve.replicas.server import GenerateCall
 from sessionserve.router.directory import get_directory
 
@@ -121,7 +122,7 @@ class Ingress:
         self, request: Request, body_sid: str | None, model: str | None
     ) -> str | None:
         if model is not None and model != self.model:
-            raise _UnknownModel(model, self.model)
+            raise UnknownModelError(model, self.model)
         sid = request.headers.get(self.cfg.session_header) or body_sid
         if sid is None:
             return None
@@ -183,7 +184,7 @@ class Ingress:
                 yield chunk
         except Exception as e:  # a failure mid-stream: tell the client in-band
             finished = True
-            yield Reply._sse(_body_of(response_for(e)))
+            yield Reply._sse(json.loads(response_for(e).body))
             yield "data: [DONE]\n\n"
         finally:
             if not finished:  # the client disconnected: abort the turn on the replica
@@ -192,22 +193,6 @@ class Ingress:
     async def _commit(self, call: GenerateCall, final: dict[str, Any]) -> None:
         if call.session_id is not None and final["finish_reason"] != "abort":
             await self.directory.commit_turn.remote(call.session_id, final["full_ids"])
-
-
-class _UnknownModel(InvalidRequestError):
-    status_code = 404
-    error_type = "not_found_error"
-
-    def __init__(self, model: str, served: str) -> None:
-        super().__init__(
-            f"the model {model!r} does not exist; this server serves {served!r}", param="model"
-        )
-
-
-def _body_of(resp: JSONResponse) -> dict[str, Any]:
-    import json
-
-    return json.loads(resp.body)
 
 
 __all__ = ["Ingress", "app", "error_response"]

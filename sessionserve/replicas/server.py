@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -70,6 +71,12 @@ class ReplicaServer:
         self.engine = Engine(cfg)
         self.loop = EngineLoop(self.engine)
         self.loop.start()
+        try:
+            from ray import serve
+
+            self.replica_id = serve.get_replica_context().replica_id.unique_id
+        except Exception:  # constructed outside Serve (tests, scripts)
+            self.replica_id = "local"
 
     # ---- generation ----
     async def generate(self, call: GenerateCall) -> AsyncIterator[dict[str, Any]]:
@@ -158,6 +165,16 @@ class ReplicaServer:
         except KeyError:
             return None
 
+    async def memory_check(self) -> dict[str, Any]:
+        """Run the memory invariant now (idle or busy form) and return its terms."""
+        e = self.engine
+        with e.lock:
+            live = [r.kv for r in e.scheduler.live()]
+            terms = (
+                e.checker.check_busy(live) if e.scheduler.has_work() else (e.checker.check_idle())
+            )
+        return {"replica": self.replica_id, **terms._asdict()}
+
     # ---- Serve hooks ----
     def check_health(self) -> None:
         if self.loop.error is not None:
@@ -171,6 +188,7 @@ class ReplicaServer:
         e = self.engine
         with e.lock:
             return {
+                "ts": time.time(),  # lets the router tell a fresh report from a repeated one
                 "free_kv_tokens": e.cache.reclaimable_size(),
                 "held_tokens": sum(e.cache.slot_held_tokens(s) for s in e.cache.idle_slots()),
                 "open_sessions": len(e.cache.session_slots),

@@ -30,9 +30,13 @@ log = logging.getLogger(__name__)
 
 
 class SessionAffinityRouter(RequestRouter):
-    def initialize_state(self, **kwargs) -> None:
+    def initialize_state(self, tokens_per_new_session: int = 512, **kwargs) -> None:
         self._pins: dict[str, str] = {}  # local cache of the directory's pins
         self._directory = None
+        # Stats arrive every ~second; placements made since then are counted here so that a
+        # burst of new sessions does not all land on the replica that looked freest.
+        self._tokens_per_new_session = tokens_per_new_session
+        self._recent: dict[str, tuple[float, int]] = {}  # replica -> (stats time, placed since)
         self.sticky_hits = 0
         self.placements = 0
         self.repins = 0
@@ -54,6 +58,7 @@ class SessionAffinityRouter(RequestRouter):
             self.sticky_hits += 1
             return [[by_id[pinned]]]
         choice = self._most_free_kv(candidate_replicas).replica_id.unique_id
+        self._note_placement(by_id[choice])
         winner = await self._dir().pin.remote(session_id, choice, pinned)
         if winner not in by_id:  # another router's view is behind ours: take our choice
             winner = await self._dir().pin.remote(session_id, choice, winner)
@@ -77,11 +82,20 @@ class SessionAffinityRouter(RequestRouter):
             self._directory = get_directory(self.app_name)
         return self._directory
 
-    @staticmethod
-    def _most_free_kv(replicas: list[RunningReplica]) -> RunningReplica:
+    def _placed_since_stats(self, r: RunningReplica) -> int:
+        stamp = (r.routing_stats or {}).get("ts", 0.0)
+        seen_stamp, placed = self._recent.get(r.replica_id.unique_id, (stamp, 0))
+        return placed if seen_stamp == stamp else 0
+
+    def _note_placement(self, r: RunningReplica) -> None:
+        stamp = (r.routing_stats or {}).get("ts", 0.0)
+        self._recent[r.replica_id.unique_id] = (stamp, self._placed_since_stats(r) + 1)
+
+    def _most_free_kv(self, replicas: list[RunningReplica]) -> RunningReplica:
         def key(r: RunningReplica) -> tuple[float, float, float]:
-            stats = r.routing_stats or {}
-            return (-stats.get("free_kv_tokens", 0), stats.get("open_sessions", 0), random.random())
+            stats, placed = r.routing_stats or {}, self._placed_since_stats(r)
+            free = stats.get("free_kv_tokens", 0) - placed * self._tokens_per_new_session
+            return (-free, stats.get("open_sessions", 0) + placed, random.random())
 
         return min(replicas, key=key)
 

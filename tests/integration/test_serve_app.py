@@ -154,3 +154,107 @@ def test_concurrent_turn_is_refused_with_409(served, http) -> None:
         "/v1/completions", json={"prompt": [9], "max_tokens": 2}, headers={"x-session-id": sid}
     )
     assert nxt.status_code == 200 and nxt.json()["usage"]["prompt_tokens"] == 3 + 1500 + 1
+
+
+def test_many_concurrent_sessions_stay_sticky(served, http) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    sids = [open_session(http) for _ in range(8)]
+
+    def conversation(sid: str) -> list[tuple[str, int]]:
+        seen = []
+        with httpx.Client(base_url=served["base"], timeout=60) as c:
+            prompt = [5 + (hash(sid) % 50), 6]
+            for _ in range(3):
+                r = c.post(
+                    "/v1/completions",
+                    json={"prompt": prompt, "max_tokens": 4, "temperature": 0},
+                    headers={"x-session-id": sid},
+                ).json()
+                seen.append(
+                    (
+                        c.get(f"/v1/sessions/{sid}").json()["replica"],
+                        r["usage"]["prompt_tokens_details"]["cached_tokens"],
+                    )
+                )
+                prompt = [7]
+        return seen
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(conversation, sids))
+    for seen in results:
+        assert len({replica for replica, _ in seen}) == 1  # one replica per session
+        assert all(cached > 0 for _, cached in seen[1:])  # and its KV was reused
+    assert len({seen[0][0] for seen in results}) == 2  # placement used both replicas
+
+
+def test_client_disconnect_aborts_the_turn_and_keeps_the_session(served, http) -> None:
+    sid = open_session(http)
+    hdr = {"x-session-id": sid}
+    t1 = http.post(
+        "/v1/completions",
+        json={"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0},
+        headers=hdr,
+    ).json()
+    long = {"prompt": [8], "max_tokens": 1500, "temperature": 0, "ignore_eos": True, "stream": True}
+    with (
+        httpx.Client(base_url=served["base"], timeout=60) as other,
+        other.stream("POST", "/v1/completions", json=long, headers=hdr) as running,
+    ):
+        lines = running.iter_lines()
+        next(lines)
+        next(lines)
+    # the server noticed the disconnect and aborted the turn: the next one is accepted
+    for _ in range(50):
+        t3 = http.post("/v1/completions", json={"prompt": [9], "max_tokens": 2}, headers=hdr)
+        if t3.status_code != 409:
+            break
+    assert t3.status_code == 200, t3.text
+    usage = t3.json()["usage"]
+    turn1_total = t1["usage"]["prompt_tokens"] + t1["usage"]["completion_tokens"]
+    assert usage["prompt_tokens"] == turn1_total + 1  # the aborted turn is not in the history
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= turn1_total - 1
+
+
+def test_replica_death_repins_the_session_and_loses_no_turn(client, served, http) -> None:
+    """Runs last: it kills a replica (Serve starts a replacement)."""
+    import time
+
+    import ray
+
+    sid = open_session(http)
+    hdr = {"x-session-id": sid}
+    first_prompt = [140, 141, 142, 143]  # used nowhere else: no radix hit elsewhere
+    t1 = client.completions.create(
+        model=None,
+        prompt=first_prompt,
+        max_tokens=5,
+        temperature=0,
+        extra_headers=hdr,
+        extra_body={"ignore_eos": True},
+    )
+    dead = http.get(f"/v1/sessions/{sid}").json()["replica"]
+    actor = ray.get_actor(f"SERVE_REPLICA::sessionserve#SessionReplica#{dead}", namespace="serve")
+    ray.kill(actor, no_restart=True)
+    deadline = time.monotonic() + 60
+    while True:
+        r = http.post(
+            "/v1/completions",
+            json={"prompt": [30, 31], "max_tokens": 5, "temperature": 0, "ignore_eos": True},
+            headers=hdr,
+        )
+        if r.status_code == 200 or time.monotonic() > deadline:
+            break
+        assert r.status_code == 503, r.text  # a clean "retry" while Serve notices the death
+        time.sleep(0.5)
+    assert r.status_code == 200, r.text
+    t2 = r.json()
+    history = first_prompt + [int(w[1:]) for w in t1.choices[0].text.split()] + [30, 31]
+    assert t2["usage"]["prompt_tokens"] == len(history)  # re-prefilled from the token log
+    assert t2["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert t2["session"]["cached_source"] == "none"
+    assert http.get(f"/v1/sessions/{sid}").json()["replica"] not in (None, dead)
+    ref = client.completions.create(
+        model=None, prompt=history, max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert t2["choices"][0]["text"] == ref.choices[0].text

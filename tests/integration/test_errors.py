@@ -1,0 +1,82 @@
+"""Bad input over HTTP: the right 4xx with OpenAI's error body, never a 500, and the
+replicas' memory invariant still holds afterwards."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from ray import serve
+
+pytestmark = pytest.mark.ray
+
+
+@pytest.fixture
+def http(served) -> httpx.Client:
+    with httpx.Client(base_url=served["base"], timeout=60) as c:
+        yield c
+
+
+CHAT = "/v1/chat/completions"
+MSG = [{"role": "user", "content": "w5 w6"}]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param", "fragment"),
+    [
+        (CHAT, {"messages": "w5"}, 400, "messages", "messages"),
+        (CHAT, {"messages": MSG, "max_tokens": -3}, 400, "max_tokens", "greater than"),
+        (CHAT, {"messages": MSG, "temperature": "hot"}, 400, "temperature", "number"),
+        (CHAT, {"messages": MSG, "foo": 1}, 400, "foo", "unrecognized request argument"),
+        (CHAT, {"messages": []}, 400, "messages", "at least 1"),
+        (CHAT, {"messages": MSG, "n": 2}, 400, "n", "less than or equal"),
+        (CHAT, {"messages": MSG, "model": "gpt-9"}, 404, "model", "does not exist"),
+        (CHAT, {"messages": MSG, "session_id": "nope"}, 404, None, "'nope' does not exist"),
+        (
+            CHAT,
+            {"messages": [{"role": "user", "content": "w5 " * 3000}]},
+            400,
+            "messages",
+            "maximum context length",
+        ),
+        (
+            "/v1/completions",
+            {"prompt": [5, 6], "max_tokens": 5000},
+            400,
+            "max_tokens",
+            "maximum context length",
+        ),
+        ("/v1/completions", {"prompt": [5, 99999]}, 400, "prompt", "outside the vocabulary"),
+        ("/v1/completions", {"prompt": ""}, 400, "prompt", "empty"),
+    ],
+)
+def test_bad_requests(http, path, body, status, param, fragment) -> None:
+    r = http.post(path, json=body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert fragment in err["message"] and err["param"] == param
+    assert err["type"] in ("invalid_request_error", "not_found_error")
+
+
+def test_malformed_json_and_session_api_errors(http) -> None:
+    r = http.post(CHAT, content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    assert http.get("/v1/sessions/ghost").status_code == 404
+    assert http.delete("/v1/sessions/ghost").status_code == 404
+    assert http.post("/v1/sessions", json={"session_id": "dup"}).status_code == 200
+    dup = http.post("/v1/sessions", json={"session_id": "dup"})
+    assert dup.status_code == 409 and dup.json()["error"]["type"] == "conflict_error"
+    assert http.post("/v1/sessions", json={"ttl_s": -1}).status_code == 400
+    assert http.delete("/v1/sessions/dup").status_code == 200
+
+
+def test_replicas_stay_healthy_and_balanced_after_bad_input() -> None:
+    handle = serve.get_deployment_handle("SessionReplica", app_name="sessionserve")
+    seen = {}
+    for _ in range(24):  # unpinned calls spread over both replicas
+        terms = handle.memory_check.remote().result(timeout_s=30)
+        seen[terms["replica"]] = terms
+    assert len(seen) == 2
+    for terms in seen.values():
+        assert terms["in_flight"] == 0 and terms["live_requests"] == 0
+    status = serve.status().applications["sessionserve"].deployments["SessionReplica"]
+    assert status.status == "HEALTHY" and status.replica_states == {"RUNNING": 2}
