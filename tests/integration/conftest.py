@@ -4,6 +4,7 @@ loopback, started once for the integration tests and shut down after them."""
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import time
 
@@ -79,3 +80,4 @@ def served(tmp_path_factory):
     yield {"base": base, "model": os.path.basename(model_dir), "model_dir": str(model_dir)}
     serve.shutdown()
     ray.shutdown()
+    shutil.rmtree(ray_tmp, ignore_errors=True)

@@ -1,0 +1,97 @@
+"""`serve run deploy/serve-cpu.yaml` from this repository, as a user starts it: the default
+model on two replicas answers a two-turn chat over HTTP, reusing the session's KV."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+ROOT = Path(__file__).resolve().parents[2]
+PORT = 8000  # fixed by deploy/serve-cpu.yaml
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) != 0
+
+
+@pytest.fixture
+def serve_run(tmp_path):
+    if not _port_free(PORT):
+        pytest.fail(f"port {PORT} is busy: stop whatever listens there (a `make serve`?)")
+    ray_tmp = tempfile.mkdtemp(prefix="ss-", dir="/tmp")  # Ray's socket paths must be short
+    env = os.environ | {
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+        "RAY_TMPDIR": ray_tmp,
+        "PYTHONUNBUFFERED": "1",
+    }
+    log = (tmp_path / "serve.log").open("w")
+    serve_bin = Path(sys.executable).with_name("serve")
+    proc = subprocess.Popen(
+        [str(serve_bin), "run", "deploy/serve-cpu.yaml"],
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    base = f"http://127.0.0.1:{PORT}"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    try:
+        assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+        yield base
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)  # serve run shuts down cleanly on SIGTERM
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+def test_serve_run_answers_a_two_turn_chat(serve_run) -> None:
+    client = openai.OpenAI(base_url=f"{serve_run}/v1", api_key="unused", max_retries=2, timeout=120)
+    hdr = {"x-session-id": "e2e-chat"}
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    first = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct",
+        messages=messages,
+        max_tokens=32,
+        temperature=0,
+        extra_headers=hdr,
+    )
+    assert "Paris" in first.choices[0].message.content
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "And what is the capital of Germany?"},
+    ]
+    second = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct",
+        messages=messages,
+        max_tokens=32,
+        temperature=0,
+        extra_headers=hdr,
+    )
+    assert "Berlin" in second.choices[0].message.content
+    assert second.usage.prompt_tokens_details.cached_tokens > 0
