@@ -16,6 +16,8 @@ from sessionserve.config import AppConfig
 from sessionserve.replicas.server import ReplicaServer
 from sessionserve.router.session_router import SessionAffinityRouter
 
+POWER_OF_TWO_ROUTER = "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter"
+
 
 def replica_options(cfg: AppConfig) -> dict[str, Any]:
     r = cfg.replica
@@ -26,7 +28,9 @@ def replica_options(cfg: AppConfig) -> dict[str, Any]:
         "max_queued_requests": r.max_queued_requests,
         "health_check_period_s": r.health_check_period_s,
         "request_router_config": RequestRouterConfig(
-            request_router_class=SessionAffinityRouter,
+            request_router_class=SessionAffinityRouter
+            if r.request_router == "session_affinity"
+            else POWER_OF_TWO_ROUTER,
             request_routing_stats_period_s=r.routing_stats_period_s,
             request_routing_stats_timeout_s=max(5.0, 2 * r.routing_stats_period_s),
         ),

@@ -127,6 +127,11 @@ class ReplicaDeploymentConfig(_Strict):
         1.0, gt=0, description="How often replicas report free KV to the router."
     )
     health_check_period_s: float = Field(10.0, gt=0, description="Serve health check period.")
+    request_router: Literal["session_affinity", "power_of_two"] = Field(
+        "session_affinity",
+        description="session_affinity keeps a session on its replica; power_of_two is Ray's "
+        "default router (no stickiness: each turn may re-prefill), kept as a baseline.",
+    )
 
 
 class IngressDeploymentConfig(_Strict):

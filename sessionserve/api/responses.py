@@ -84,7 +84,7 @@ class Reply:
             "model": self.model,
             "choices": [choice],
             "usage": usage(final),
-            "session": {"cached_source": final["cached_source"]},
+            "session": {"cached_source": final["cached_source"], "replica": final.get("replica")},
         }
 
     # ---- stream ----

@@ -114,7 +114,7 @@ class ReplicaServer:
                     }
                     text_sent = text
                 if done:
-                    yield {"final": _final(event, ids)}
+                    yield {"final": _final(event, ids) | {"replica": self.replica_id}}
         finally:
             if not done:  # the caller went away: abort, keeping what the session committed
                 self.engine.abort(rid, "client disconnected")

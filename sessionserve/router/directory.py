@@ -3,8 +3,8 @@ ingress replica, so a session reaches the same replica whichever process routes 
 
 It holds, per session: the pinned replica, the token log (prompts and answers of every
 successful turn: the source of truth for re-prefill after a failover), the turn count and the
-idle TTL. Pins change only by compare-and-set (`pin`), so two routers placing the same new
-session concurrently agree on one winner.
+idle TTL. Pins change only inside the actor (`resolve_pin`), so two routers placing the same
+session concurrently agree on one replica.
 """
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ class SessionRecord:
     last_active: float = field(default_factory=time.monotonic)
 
 
-@ray.remote(num_cpus=0)
-class SessionDirectory:
+class SessionDirectoryState:
+    """The directory's state and logic (plain Python; `SessionDirectory` is its Ray actor)."""
+
     def __init__(self, default_ttl_s: float | None = None) -> None:
         self.sessions: dict[str, SessionRecord] = {}
         self.default_ttl_s = default_ttl_s
@@ -66,17 +67,19 @@ class SessionDirectory:
         rec = self.sessions.get(session_id)
         return rec.replica if rec else None
 
-    def pin(self, session_id: str, replica: str, expected: str | None) -> str:
-        """Pin to `replica` if the current pin is still `expected`; returns the pin in force.
-        A session the registry does not know (no explicit open) is pinned all the same."""
+    def resolve_pin(self, session_id: str, choice: str, alive: list[str]) -> tuple[str, str | None]:
+        """The session's replica: its pin if that replica is alive, else `choice`, which
+        becomes the pin. Returns (replica, previous pin). One call, atomic in this actor, so
+        routers placing the same session concurrently agree. A session the registry does not
+        know (no explicit open) is pinned all the same."""
         rec = self.sessions.get(session_id)
         if rec is None:
             rec = self.sessions[session_id] = SessionRecord(session_id, self.default_ttl_s)
-        if rec.replica is None or rec.replica == expected:  # free, or the pin we saw is stale
-            if expected is not None:
-                self.repins += 1
-            rec.replica = replica
-        return rec.replica
+        previous = rec.replica
+        if previous not in alive:
+            rec.replica = choice
+            self.repins += previous is not None
+        return rec.replica, previous
 
     def drop_replica(self, replica: str) -> int:
         """A replica died: forget its pins (its sessions are re-placed on their next turn)."""
@@ -94,6 +97,9 @@ class SessionDirectory:
         for sid, rec in list(self.sessions.items()):
             if rec.ttl_s is not None and now - rec.last_active > rec.ttl_s:
                 del self.sessions[sid]
+
+
+SessionDirectory = ray.remote(num_cpus=0)(SessionDirectoryState)
 
 
 def directory_name(app_name: str) -> str:

@@ -51,24 +51,24 @@ class SessionAffinityRouter(RequestRouter):
             return self._two_choices(candidate_replicas)
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         pinned = self._pins.get(session_id)
-        if pinned is None:
-            pinned = await self._dir().get_pin.remote(session_id)
-        if pinned in by_id:
-            self._pins[session_id] = pinned
+        if pinned in by_id:  # the common case: no remote call at all
             self.sticky_hits += 1
             return [[by_id[pinned]]]
-        choice = self._most_free_kv(candidate_replicas).replica_id.unique_id
-        self._note_placement(by_id[choice])
-        winner = await self._dir().pin.remote(session_id, choice, pinned)
-        if winner not in by_id:  # another router's view is behind ours: take our choice
-            winner = await self._dir().pin.remote(session_id, choice, winner)
-        if pinned is None:
-            self.placements += 1
+        choice = self._most_free_kv(candidate_replicas)
+        winner, previous = await self._dir().resolve_pin.remote(
+            session_id, choice.replica_id.unique_id, list(by_id)
+        )
+        if winner == choice.replica_id.unique_id:
+            self._note_placement(choice)
+            if previous is None:
+                self.placements += 1
+            else:
+                self.repins += 1
+                log.warning("session %s re-pinned from %s to %s", session_id, previous, winner)
         else:
-            self.repins += 1
-            log.warning("session %s re-pinned from %s to %s", session_id, pinned, winner)
+            self.sticky_hits += 1  # pinned by another router process
         self._pins[session_id] = winner
-        return [[by_id.get(winner, by_id[choice])]]
+        return [[by_id[winner]]]
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
@@ -99,14 +99,7 @@ class SessionAffinityRouter(RequestRouter):
 
         return min(replicas, key=key)
 
-    def _two_choices(self, replicas: list[RunningReplica]) -> list[list[RunningReplica]]:
-        if len(replicas) <= 1:
-            return [replicas]
-        a, b = random.sample(replicas, 2)
-
-        def load(r: RunningReplica) -> tuple[int, float]:
-            queue = self.replica_queue_len_cache.get(r.replica_id) or 0
-            return queue, -(r.routing_stats or {}).get("free_kv_tokens", 0)
-
-        first, second = sorted((a, b), key=load)
-        return [[first], [second]]
+    @staticmethod
+    def _two_choices(replicas: list[RunningReplica]) -> list[list[RunningReplica]]:
+        """Two random replicas in one rank: Serve sends to the one with the shorter queue."""
+        return [random.sample(replicas, min(2, len(replicas)))]

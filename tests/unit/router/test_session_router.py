@@ -1,0 +1,138 @@
+"""The session router's decisions and the directory's pin rules, without a Ray cluster."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import pytest
+
+from sessionserve.router.directory import SessionDirectoryState
+from sessionserve.router.session_router import SessionAffinityRouter
+
+
+@dataclass
+class FakeReplica:
+    name: str
+    routing_stats: dict = field(default_factory=dict)
+
+    @property
+    def replica_id(self):
+        return SimpleNamespace(unique_id=self.name)
+
+
+class _Remote:
+    """`actor.method.remote(...)` awaitable, backed by the plain directory state."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def remote(self, *args):
+        fut = asyncio.get_event_loop().create_future()
+        fut.set_result(self.fn(*args))
+        return fut
+
+
+class FakeDirectoryActor:
+    def __init__(self, state: SessionDirectoryState):
+        self.state = state
+        self.calls = 0
+
+    def __getattr__(self, name):
+        self.calls += 1
+        return _Remote(getattr(self.state, name))
+
+
+def make_router(directory: FakeDirectoryActor) -> SessionAffinityRouter:
+    router = object.__new__(SessionAffinityRouter)  # skip Serve's constructor
+    router.initialize_state(tokens_per_new_session=100)
+    router._directory = directory
+    return router
+
+
+def route(router, replicas, session_id):
+    pending = SimpleNamespace(metadata=SimpleNamespace(session_id=session_id))
+    ranks = asyncio.run(router.choose_replicas(replicas, pending))
+    return ranks
+
+
+def test_sessions_stick_and_new_ones_go_where_kv_is_free() -> None:
+    state = SessionDirectoryState()
+    d = FakeDirectoryActor(state)
+    router = make_router(d)
+    a = FakeReplica("a", {"free_kv_tokens": 1000, "ts": 1.0})
+    b = FakeReplica("b", {"free_kv_tokens": 5000, "ts": 1.0})
+    (rank,) = route(router, [a, b], "s1")
+    assert [r.name for r in rank] == ["b"]  # the most free KV
+    b.routing_stats = {"free_kv_tokens": 10, "ts": 2.0}  # b fills up: s1 stays anyway
+    for _ in range(5):
+        assert route(router, [a, b], "s1") == [[b]]
+    calls = d.calls
+    route(router, [a, b], "s1")
+    assert d.calls == calls  # a pinned session costs no remote call
+    assert router.sticky_hits == 6 and router.placements == 1
+
+
+def test_a_burst_of_new_sessions_spreads_despite_stale_stats() -> None:
+    router = make_router(FakeDirectoryActor(SessionDirectoryState()))
+    a = FakeReplica("a", {"free_kv_tokens": 1000, "ts": 1.0})
+    b = FakeReplica("b", {"free_kv_tokens": 1050, "ts": 1.0})
+    placed = [route(router, [a, b], f"s{i}")[0][0].name for i in range(10)]
+    assert placed.count("a") == 5 and placed.count("b") == 5
+
+
+def test_a_pin_is_shared_between_router_processes() -> None:
+    state = SessionDirectoryState()
+    one, two = make_router(FakeDirectoryActor(state)), make_router(FakeDirectoryActor(state))
+    a = FakeReplica("a", {"free_kv_tokens": 10, "ts": 1.0})
+    b = FakeReplica("b", {"free_kv_tokens": 99, "ts": 1.0})
+    assert route(one, [a, b], "s") == [[b]]
+    # the other router sees stats where a looks freer, but the pin wins
+    a2 = FakeReplica("a", {"free_kv_tokens": 10_000, "ts": 2.0})
+    assert route(two, [a2, b], "s") == [[b]]
+
+
+def test_dead_replica_sessions_are_repinned() -> None:
+    state = SessionDirectoryState()
+    router = make_router(FakeDirectoryActor(state))
+    a, b = FakeReplica("a", {"free_kv_tokens": 9}), FakeReplica("b", {"free_kv_tokens": 1})
+    assert route(router, [a, b], "s") == [[a]]
+    router._pins.clear()  # as on_replica_actor_died does for a's pins
+    assert route(router, [b], "s") == [[b]]  # a is gone from the candidates
+    assert router.repins == 1 and state.repins == 1
+    assert state.get_pin("s") == "b"
+
+
+def test_requests_without_session_use_two_random_choices() -> None:
+    router = make_router(FakeDirectoryActor(SessionDirectoryState()))
+    reps = [FakeReplica(n) for n in "abcd"]
+    seen = set()
+    for _ in range(50):
+        (rank,) = route(router, reps, None)
+        assert len(rank) == 2 and rank[0] is not rank[1]
+        seen.update(r.name for r in rank)
+    assert seen == set("abcd")
+
+
+def test_directory_registry_log_and_ttl(monkeypatch) -> None:
+    state = SessionDirectoryState(default_ttl_s=10.0)
+    sid = state.open(None, None)
+    assert state.open(sid, None) is None  # taken
+    state.commit_turn(sid, [1, 2, 3])
+    rec = state.get(sid)
+    assert rec.log == [1, 2, 3] and rec.turns == 1
+    import time
+
+    now = time.monotonic()
+    monkeypatch.setattr("time.monotonic", lambda: now + 11)
+    assert state.get(sid) is None  # expired
+    assert state.close("ghost") is None
+
+
+@pytest.mark.parametrize("alive", [["a"], []])
+def test_resolve_pin_keeps_a_live_pin(alive) -> None:
+    state = SessionDirectoryState()
+    assert state.resolve_pin("s", "a", ["a"]) == ("a", None)
+    replica, previous = state.resolve_pin("s", "b", alive)
+    assert (replica, previous) == (("a", "a") if alive else ("b", "a"))
