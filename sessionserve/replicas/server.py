@@ -196,10 +196,21 @@ class ReplicaServer:
             }
 
     def __del__(self) -> None:
+        """Serve calls this after its graceful drain (in-flight requests get
+        `graceful_shutdown_timeout_s` to finish); whatever is still running is aborted, so
+        streams end with finish_reason "abort" and sessions keep their committed turns."""
         loop = getattr(self, "loop", None)
-        if loop is not None:
-            loop.stopping = True
-            loop.wake.set()
+        if loop is None:
+            return
+        with self.engine.lock:
+            leftovers = list(self.engine.requests)
+        for rid in leftovers:
+            try:
+                self.engine.abort(rid, "replica shutting down")
+            except RuntimeError:  # the replica's event loop is already closed
+                pass
+        loop.stopping = True
+        loop.wake.set()
 
 
 def _final(event: StepEvent, input_ids: list[int]) -> dict[str, Any]:

@@ -1,0 +1,76 @@
+"""The replica shim without Ray: streaming, tokenization, disconnect abort, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from sessionserve.replicas.request import SamplingParams
+from sessionserve.replicas.server import GenerateCall, ReplicaServer
+from tests.models import save_tiny_model
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny")
+    save_tiny_model(d)
+    srv = ReplicaServer(
+        {
+            "model": {"path": str(d)},
+            "strict_memory_check": True,
+            "cache": {"page_size": 4, "num_slots": 2048, "max_rows": 16, "max_context_len": 1024},
+        }
+    )
+    yield srv
+    srv.__del__()
+
+
+async def _collect(gen):
+    return [piece async for piece in gen]
+
+
+def test_stream_deltas_add_up_to_the_answer(server) -> None:
+    call = GenerateCall(
+        {"max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": True}, prompt="w5 w6 w7"
+    )
+    pieces = asyncio.run(_collect(server.generate(call)))
+    final = pieces[-1]["final"]
+    assert "".join(p["text"] for p in pieces[:-1]) == final["text"]
+    assert sum(len(p["token_ids"]) for p in pieces[:-1]) == final["completion_tokens"] == 6
+    assert sum(len(p["logprobs"]) for p in pieces[:-1]) == 6
+    assert final["full_ids"] == [5, 6, 7] + final["output_ids"]
+
+
+def test_append_mode_builds_on_the_history_it_is_given(server) -> None:
+    call = GenerateCall(
+        {"max_tokens": 2, "temperature": 0}, session_id="s", prompt=[9], history_ids=[5, 6, 7, 8]
+    )
+    final = asyncio.run(_collect(server.generate(call)))[-1]["final"]
+    assert final["prompt_tokens"] == 5 and final["full_ids"][:5] == [5, 6, 7, 8, 9]
+
+
+def test_a_cancelled_stream_aborts_its_request(server) -> None:
+    async def read_two_then_cancel():
+        gen = server.generate(
+            GenerateCall({"max_tokens": 900, "ignore_eos": True}, session_id="c", prompt=[5, 6])
+        )
+        await gen.__anext__()
+        await gen.__anext__()
+        await gen.aclose()  # what Serve does when the client goes away
+
+    asyncio.run(read_two_then_cancel())
+    assert not server.engine.requests
+    terms = asyncio.run(server.memory_check())
+    assert terms["live_requests"] == 0
+    server.check_health()
+
+
+def test_shutdown_aborts_what_is_still_running(tmp_path) -> None:
+    save_tiny_model(tmp_path)
+    srv = ReplicaServer({"model": {"path": str(tmp_path)}})
+    rid = srv.engine.submit([5, 6], SamplingParams(max_tokens=3000, ignore_eos=True))
+    srv.__del__()
+    srv.loop.join(10)
+    assert not srv.loop.is_alive()
+    assert srv.engine.take_result(rid).finish_reason.value == "abort"
