@@ -10,12 +10,12 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
+
+from tests.http_wait import wait_healthy
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,16 +48,9 @@ def serve_run(tmp_path):
         start_new_session=True,
     )
     base = f"http://127.0.0.1:{PORT}"
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
+    healthy = wait_healthy(base, 240, alive=lambda: proc.poll() is None)
     try:
-        assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+        assert healthy, (tmp_path / "serve.log").read_text()[-3000:]
         yield base
     finally:
         if proc.poll() is None:

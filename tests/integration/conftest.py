@@ -6,10 +6,11 @@ from __future__ import annotations
 import os
 import shutil
 import socket
-import time
+import tempfile
 
-import httpx
 import pytest
+
+from tests.http_wait import wait_healthy
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # keep Ray on 127.0.0.1
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
@@ -54,11 +55,11 @@ def served(tmp_path_factory):
     model_dir = tmp_path_factory.mktemp("tiny-model")
     # big enough that a long turn stays in flight for seconds (a 409 needs a running turn)
     save_tiny_model(model_dir, hidden_size=256, intermediate_size=512, num_hidden_layers=4)
-    ray_tmp = tmp_path_factory.mktemp("ray")
+    ray_tmp = tempfile.mkdtemp(prefix="ss-", dir="/tmp")  # Ray's socket paths must be short
     ray.init(
         num_cpus=2,
         include_dashboard=False,
-        _temp_dir=str(ray_tmp),
+        _temp_dir=ray_tmp,
         logging_level="WARNING",
         configure_logging=False,
     )
@@ -69,14 +70,7 @@ def served(tmp_path_factory):
     )
     serve.run(build_app(app_args(str(model_dir))), name=APP, route_prefix="/")
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
+    assert wait_healthy(base, 60), "the application never answered /health"
     yield {"base": base, "model": os.path.basename(model_dir), "model_dir": str(model_dir)}
     serve.shutdown()
     ray.shutdown()
