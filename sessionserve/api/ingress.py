@@ -43,7 +43,9 @@ class Ingress:
         self.cfg = AppConfig.model_validate(config)
         self.replica = replica
         self.model = served_model_name(self.cfg.engine.model)
-        app_name = serve.get_replica_context().app_name
+        context = serve.get_replica_context()
+        self.ingress_id = context.replica_id.unique_id
+        app_name = context.app_name
         self.directory = get_directory(app_name, self.cfg.engine.sessions.default_ttl_s)
 
     # ---- plain endpoints ----
@@ -157,7 +159,8 @@ class Ingress:
             logprobs += piece.get("logprobs") or []
             piece = await stream.__anext__()
         await self._commit(call, piece["final"])
-        return JSONResponse(reply.response("".join(text), logprobs, piece["final"]))
+        final = piece["final"] | {"ingress": self.ingress_id}
+        return JSONResponse(reply.response("".join(text), logprobs, final))
 
     async def _sse(
         self,

@@ -84,7 +84,11 @@ class Reply:
             "model": self.model,
             "choices": [choice],
             "usage": usage(final),
-            "session": {"cached_source": final["cached_source"], "replica": final.get("replica")},
+            "session": {
+                "cached_source": final["cached_source"],
+                "replica": final.get("replica"),
+                "ingress": final.get("ingress"),
+            },
         }
 
     # ---- stream ----

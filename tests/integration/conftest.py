@@ -40,7 +40,7 @@ def app_args(model_dir: str) -> dict:
             "health_check_period_s": 1.0,
             "max_ongoing_requests": 16,
         },
-        "ingress": {"num_cpus": 0.25},
+        "ingress": {"num_replicas": 2, "num_cpus": 0.25},  # two routers share the pins
     }
 
 
@@ -75,3 +75,18 @@ def served(tmp_path_factory):
     serve.shutdown()
     ray.shutdown()
     shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+def replica_memory() -> dict[str, dict]:
+    """Each model replica's memory-invariant terms (it raises if the invariant is broken).
+    Unpinned calls spread at random, so enough of them reach both replicas."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle("SessionReplica", app_name=APP)
+    seen: dict[str, dict] = {}
+    for _ in range(40):
+        terms = handle.memory_check.remote().result(timeout_s=30)
+        seen[terms["replica"]] = terms
+        if len(seen) == 2:
+            break
+    return seen

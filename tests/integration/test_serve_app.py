@@ -7,6 +7,8 @@ import httpx
 import openai
 import pytest
 
+from tests.integration.conftest import replica_memory
+
 pytestmark = pytest.mark.ray
 
 
@@ -156,36 +158,35 @@ def test_concurrent_turn_is_refused_with_409(served, http) -> None:
     assert nxt.status_code == 200 and nxt.json()["usage"]["prompt_tokens"] == 3 + 1500 + 1
 
 
-def test_many_concurrent_sessions_stay_sticky(served, http) -> None:
+def test_twenty_sessions_stick_through_two_ingress_replicas(served, http) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
-    sids = [open_session(http) for _ in range(8)]
+    sids = [open_session(http) for _ in range(20)]
 
-    def conversation(sid: str) -> list[tuple[str, int]]:
-        seen = []
+    def conversation(i: int) -> list[dict]:
+        turns = []
         with httpx.Client(base_url=served["base"], timeout=60) as c:
-            prompt = [5 + (hash(sid) % 50), 6]
-            for _ in range(3):
-                r = c.post(
-                    "/v1/completions",
-                    json={"prompt": prompt, "max_tokens": 4, "temperature": 0},
-                    headers={"x-session-id": sid},
-                ).json()
-                seen.append(
-                    (
-                        c.get(f"/v1/sessions/{sid}").json()["replica"],
-                        r["usage"]["prompt_tokens_details"]["cached_tokens"],
-                    )
-                )
-                prompt = [7]
-        return seen
+            for t in range(5):
+                body = {"prompt": [10 + i, 11 + t], "max_tokens": 3, "temperature": 0}
+                r = c.post("/v1/completions", json=body, headers={"x-session-id": sids[i]})
+                assert r.status_code == 200, r.text
+                turns.append(r.json())
+        return turns
 
-    with ThreadPoolExecutor(8) as pool:
-        results = list(pool.map(conversation, sids))
-    for seen in results:
-        assert len({replica for replica, _ in seen}) == 1  # one replica per session
-        assert all(cached > 0 for _, cached in seen[1:])  # and its KV was reused
-    assert len({seen[0][0] for seen in results}) == 2  # placement used both replicas
+    with ThreadPoolExecutor(10) as pool:
+        results = list(pool.map(conversation, range(20)))
+    first_replicas = []
+    ingresses = set()
+    for turns in results:
+        replicas = {t["session"]["replica"] for t in turns}
+        assert len(replicas) == 1  # every turn of a session on the same model replica
+        first_replicas.append(replicas.pop())
+        ingresses |= {t["session"]["ingress"] for t in turns}
+        cached = [t["usage"]["prompt_tokens_details"]["cached_tokens"] for t in turns]
+        assert all(b > a for a, b in zip(cached, cached[1:], strict=False)), cached
+    assert len(ingresses) == 2  # the turns went through both ingress replicas (two routers)
+    top = max(first_replicas.count(r) for r in set(first_replicas))
+    assert top <= 0.65 * len(first_replicas), first_replicas  # placement spread them
 
 
 def test_client_disconnect_aborts_the_turn_and_keeps_the_session(served, http) -> None:
@@ -214,6 +215,10 @@ def test_client_disconnect_aborts_the_turn_and_keeps_the_session(served, http) -
     turn1_total = t1["usage"]["prompt_tokens"] + t1["usage"]["completion_tokens"]
     assert usage["prompt_tokens"] == turn1_total + 1  # the aborted turn is not in the history
     assert usage["prompt_tokens_details"]["cached_tokens"] >= turn1_total - 1
+    for replica, terms in replica_memory().items():  # nothing leaked by the aborted turn
+        assert terms["total"] == terms["free"] + terms["evictable"] + terms["protected"] + (
+            terms["held"] + terms["in_flight"]
+        ), replica
 
 
 def test_replica_death_repins_the_session_and_loses_no_turn(client, served, http) -> None:
@@ -258,3 +263,5 @@ def test_replica_death_repins_the_session_and_loses_no_turn(client, served, http
         model=None, prompt=history, max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
     )
     assert t2["choices"][0]["text"] == ref.choices[0].text
+    t3 = http.post("/v1/completions", json={"prompt": [32], "max_tokens": 2}, headers=hdr).json()
+    assert t3["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # held again, new replica
