@@ -171,6 +171,7 @@ class Engine:
         return True
 
     def take_result(self, rid: str) -> RequestResult:
+        """The result of a finished request submitted without a listener (kept until taken)."""
         with self.lock:
             return self.results.pop(rid)
 
@@ -286,7 +287,8 @@ class Engine:
             decode_s=t.decode_s,
             retractions=req.retractions,
         )
-        self.results[req.rid] = result
+        if req.rid not in self.listeners:  # a listener gets it in its last event instead
+            self.results[req.rid] = result
         return StepEvent(req.rid, [], result)
 
     def _dispatch(self, events: list[StepEvent]) -> None:
