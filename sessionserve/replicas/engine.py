@@ -25,6 +25,7 @@ from sessionserve.cache.allocator import floor_align
 from sessionserve.cache.request_kv import RequestKV
 from sessionserve.cache.session_cache import TurnMode
 from sessionserve.config import EngineConfig
+from sessionserve.metrics import EngineMetrics
 from sessionserve.replicas.attention import SeqSpec, select_backend
 from sessionserve.replicas.loader import LoadedModel, load_model
 from sessionserve.replicas.model_runner import ForwardBatch, ModelRunner
@@ -56,7 +57,12 @@ class StepEvent:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None):
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        loaded: LoadedModel | None = None,
+        metrics: EngineMetrics | None = None,
+    ):
         self.config = cfg = config or EngineConfig()
         if cfg.model.torch_threads:
             torch.set_num_threads(cfg.model.torch_threads)
@@ -96,6 +102,7 @@ class Engine:
         self.generator = torch.Generator().manual_seed(0)
         self.lock = threading.RLock()
         self._last_reap = time.monotonic()
+        self.metrics = metrics or EngineMetrics()
 
     # ---- sessions ----
     def open_session(self, session_id: str | None = None, ttl_s: float | None = None) -> str:
@@ -163,9 +170,11 @@ class Engine:
             req = self.requests.get(rid)
             if req is None:
                 return False
+            phase = "decode" if req.sampled else ("prefill" if req.kv.is_live else "queued")
             self.cache.abort(req.kv, req.tokens)
             self.scheduler.remove(req)
             req.finish_reason, req.finish_message = FinishReason.ABORT, message
+            self.metrics.on_abort(phase)
             event = self._close_request(req, success=False)
         self._dispatch([event])
         return True
@@ -185,8 +194,31 @@ class Engine:
                 self.checker.check_busy([r.kv for r in self.scheduler.live()])
                 if not self.scheduler.has_work():
                     self.checker.check_idle()
+            if self.metrics.gauges_due():
+                self.report_gauges()
         self._dispatch(events)
         return events
+
+    def report_gauges(self) -> None:
+        """Export the memory checker's terms and the queue figures (also checks the invariant,
+        in any mode: a broken one raises here)."""
+        with self.lock:
+            live = self.scheduler.live()
+            terms = self.checker.check_busy([r.kv for r in live])
+            self.metrics.on_step(
+                terms,
+                gauges={
+                    "running_requests": len(live),
+                    "queued_requests": len(self.scheduler.waiting),
+                    "open_sessions": len(self.cache.session_slots),
+                },
+                counter_totals={
+                    "memory_checks": self.checker.busy_checks,
+                    "memory_check_failures": self.checker.failures,
+                    "retractions": self.scheduler.retractions_total,
+                    "session_evictions": self.cache.evicted_sessions_total,
+                },
+            )
 
     def has_work(self) -> bool:
         with self.lock:
@@ -287,6 +319,7 @@ class Engine:
             decode_s=t.decode_s,
             retractions=req.retractions,
         )
+        self.metrics.on_finish(result)
         if req.rid not in self.listeners:  # a listener gets it in its last event instead
             self.results[req.rid] = result
         return StepEvent(req.rid, [], result)

@@ -19,11 +19,12 @@ from typing import Any, Literal
 
 from sessionserve.config import EngineConfig
 from sessionserve.errors import MemoryInvariantError
+from sessionserve.metrics import RayEngineMetrics
 from sessionserve.replicas.engine import Engine, StepEvent
 from sessionserve.replicas.request import InvalidRequestError, SamplingParams, TokenLogprob
 
 log = logging.getLogger(__name__)
-IDLE_CHECK_EVERY_S = 5.0
+IDLE_TICK_S = 0.5  # while idle: check the idle invariant and refresh the gauges this often
 
 
 @dataclass
@@ -55,10 +56,11 @@ class EngineLoop(threading.Thread):
                 if self.engine.has_work():
                     self.engine.step()
                     continue
-                if not self.wake.wait(IDLE_CHECK_EVERY_S):
+                if not self.wake.wait(IDLE_TICK_S):
                     with self.engine.lock:
                         if not self.engine.scheduler.has_work():
                             self.engine.checker.check_idle()
+                            self.engine.report_gauges()
                 self.wake.clear()
         except BaseException as e:  # the replica reports it through check_health
             self.error = e
@@ -75,8 +77,10 @@ class ReplicaServer:
             from ray import serve
 
             self.replica_id = serve.get_replica_context().replica_id.unique_id
-        except Exception:  # constructed outside Serve (tests, scripts)
+        except Exception:  # constructed outside Serve (tests, scripts): no metrics export
             self.replica_id = "local"
+        else:
+            self.engine.metrics = RayEngineMetrics(self.replica_id, self.engine.model_name)
 
     # ---- generation ----
     async def generate(self, call: GenerateCall) -> AsyncIterator[dict[str, Any]]:

@@ -24,6 +24,7 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
+from sessionserve.metrics import RouterMetrics
 from sessionserve.router.directory import get_directory
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,15 @@ class SessionAffinityRouter(RequestRouter):
         self.sticky_hits = 0
         self.placements = 0
         self.repins = 0
+        try:
+            self._metrics: RouterMetrics | None = RouterMetrics(self.app_name)
+        except Exception:  # no Ray metrics here (a unit test)
+            self._metrics = None
+
+    def _count(self, what: str) -> None:
+        setattr(self, what, getattr(self, what) + 1)
+        if self._metrics is not None:
+            self._metrics.inc(what)
 
     async def choose_replicas(
         self,
@@ -52,7 +62,7 @@ class SessionAffinityRouter(RequestRouter):
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         pinned = self._pins.get(session_id)
         if pinned in by_id:  # the common case: no remote call at all
-            self.sticky_hits += 1
+            self._count("sticky_hits")
             return [[by_id[pinned]]]
         choice = self._most_free_kv(candidate_replicas)
         winner, previous = await self._dir().resolve_pin.remote(
@@ -61,12 +71,12 @@ class SessionAffinityRouter(RequestRouter):
         if winner == choice.replica_id.unique_id:
             self._note_placement(choice)
             if previous is None:
-                self.placements += 1
+                self._count("placements")
             else:
-                self.repins += 1
+                self._count("repins")
                 log.warning("session %s re-pinned from %s to %s", session_id, previous, winner)
         else:
-            self.sticky_hits += 1  # pinned by another router process
+            self._count("sticky_hits")  # pinned by another router process
         self._pins[session_id] = winner
         return [[by_id[winner]]]
 

@@ -7,7 +7,7 @@ import httpx
 import openai
 import pytest
 
-from tests.integration.conftest import replica_memory
+from tests.conftest import replica_memory
 
 pytestmark = pytest.mark.ray
 

@@ -1,5 +1,6 @@
-"""A real Ray Serve application (2 replicas of a tiny model, our router and ingress) on
-loopback, started once for the integration tests and shut down after them."""
+"""`served`: a real Ray Serve application (2 replicas of a tiny model, our router and ingress)
+on loopback, started once for the integration and e2e tests that need it and shut down after
+them. Ray's metrics agent exports on a known port every second (for the Prometheus test)."""
 
 from __future__ import annotations
 
@@ -56,10 +57,13 @@ def served(tmp_path_factory):
     # big enough that a long turn stays in flight for seconds (a 409 needs a running turn)
     save_tiny_model(model_dir, hidden_size=256, intermediate_size=512, num_hidden_layers=4)
     ray_tmp = tempfile.mkdtemp(prefix="ss-", dir="/tmp")  # Ray's socket paths must be short
+    metrics_port = free_port()
     ray.init(
         num_cpus=2,
         include_dashboard=False,
         _temp_dir=ray_tmp,
+        _metrics_export_port=metrics_port,
+        _system_config={"metrics_report_interval_ms": 1000},
         logging_level="WARNING",
         configure_logging=False,
     )
@@ -71,7 +75,12 @@ def served(tmp_path_factory):
     serve.run(build_app(app_args(str(model_dir))), name=APP, route_prefix="/")
     base = f"http://127.0.0.1:{port}"
     assert wait_healthy(base, 60), "the application never answered /health"
-    yield {"base": base, "model": os.path.basename(model_dir), "model_dir": str(model_dir)}
+    yield {
+        "base": base,
+        "model": os.path.basename(model_dir),
+        "model_dir": str(model_dir),
+        "metrics_port": metrics_port,
+    }
     serve.shutdown()
     ray.shutdown()
     shutil.rmtree(ray_tmp, ignore_errors=True)
