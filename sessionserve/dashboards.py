@@ -1,0 +1,334 @@
+"""Grafana dashboards as code: `python -m sessionserve.dashboards deploy/grafana` writes them.
+
+Three dashboards (overview, KV and sessions, speculative decoding), each with the Prometheus
+datasource and the replica as variables, a description naming the metric on every panel, and
+ratios guarded against empty denominators. Queries over counters that may not exist yet (a
+counter's series appears with its first increment) end in `or vector(0)`. The committed JSON
+is checked against this generator by the tests, so nobody hand-edits it.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+R = '{replica=~"$replica"}'
+W = "[5m]"
+
+
+def m(name: str) -> str:
+    """A metric as Ray exports it, filtered by the replica variable."""
+    return f"ray_sessionserve_{name}{R}"
+
+
+def rate(name: str) -> str:
+    return f"sum(rate({m(name)}{W})) or vector(0)"
+
+
+def quantile(q: float, name: str) -> str:
+    return f"histogram_quantile({q}, sum by (le) (rate({m(name + '_bucket')}{W})))"
+
+
+def ratio(num: str, den: str) -> str:
+    return f"({num}) / clamp_min({den}, 1e-9)"
+
+
+@dataclass
+class Panel:
+    title: str
+    exprs: list[tuple[str, str]]  # (PromQL, legend)
+    description: str
+    unit: str = "short"
+    kind: str = "timeseries"  # or "stat"
+    width: int = 12
+    height: int = 8
+
+
+@dataclass
+class Dashboard:
+    uid: str
+    title: str
+    description: str
+    panels: list[Panel] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        ds = {"type": "prometheus", "uid": "${datasource}"}
+        panels, x, y, row_h = [], 0, 0, 0
+        for i, p in enumerate(self.panels, start=1):
+            if x + p.width > 24:
+                x, y, row_h = 0, y + row_h, 0
+            panels.append(
+                {
+                    "id": i,
+                    "type": p.kind,
+                    "title": p.title,
+                    "description": p.description,
+                    "datasource": ds,
+                    "gridPos": {"x": x, "y": y, "w": p.width, "h": p.height},
+                    "fieldConfig": {"defaults": {"unit": p.unit}, "overrides": []},
+                    "options": {"reduceOptions": {"calcs": ["lastNotNull"]}}
+                    if p.kind == "stat"
+                    else {"legend": {"showLegend": True, "displayMode": "list"}},
+                    "targets": [
+                        {"refId": chr(65 + j), "expr": e, "legendFormat": legend, "datasource": ds}
+                        for j, (e, legend) in enumerate(p.exprs)
+                    ],
+                }
+            )
+            x, row_h = x + p.width, max(row_h, p.height)
+        variables = [
+            {
+                "name": "datasource",
+                "label": "Data source",
+                "type": "datasource",
+                "query": "prometheus",
+                "current": {},
+                "hide": 0,
+            },
+            {
+                "name": "replica",
+                "label": "Replica",
+                "type": "query",
+                "datasource": ds,
+                "query": {
+                    "query": "label_values(ray_sessionserve_kv_total_tokens, replica)",
+                    "refId": "replica",
+                },
+                "includeAll": True,
+                "allValue": ".*",
+                "multi": True,
+                "refresh": 2,
+                "current": {"text": "All", "value": "$__all"},
+                "hide": 0,
+            },
+        ]
+        return {
+            "uid": self.uid,
+            "title": self.title,
+            "description": self.description,
+            "tags": ["sessionserve"],
+            "schemaVersion": 39,
+            "version": 1,
+            "editable": True,
+            "time": {"from": "now-1h", "to": "now"},
+            "refresh": "10s",
+            "templating": {"list": variables},
+            "panels": panels,
+        }
+
+
+def _stat(title: str, expr: str, desc: str, unit: str = "short") -> Panel:
+    return Panel(title, [(expr, title)], desc, unit, kind="stat", width=4, height=4)
+
+
+def overview() -> Dashboard:
+    reusable = f"sum({m('kv_free_tokens')}) + sum({m('kv_evictable_tokens')})"
+    usage = "1 - " + ratio(reusable, f"sum({m('kv_total_tokens')})")
+    sticky = ratio(
+        f"sum(rate(ray_sessionserve_router_sticky_hits_total{W})) or vector(0)",
+        f"(sum(rate(ray_sessionserve_router_sticky_hits_total{W})) or vector(0)) + "
+        f"(sum(rate(ray_sessionserve_router_placements_total{W})) or vector(0)) + "
+        f"(sum(rate(ray_sessionserve_router_repins_total{W})) or vector(0))",
+    )
+    return Dashboard(
+        "sessionserve-overview",
+        "sessionserve: overview",
+        "KPIs of the streaming-session server; see docs/observability.md.",
+        [
+            _stat(
+                "Open sessions",
+                f"sum({m('open_sessions')})",
+                "ray_sessionserve_open_sessions: sessions open on the selected replicas.",
+            ),
+            _stat(
+                "Session-held tokens",
+                f"sum({m('session_held_tokens')})",
+                "ray_sessionserve_session_held_tokens: KV resident for idle sessions.",
+            ),
+            _stat(
+                "KV usage",
+                usage,
+                "1 - (ray_sessionserve_kv_free_tokens + kv_evictable_tokens)"
+                " / kv_total_tokens: the share of KV that cannot be reused at once.",
+                "percentunit",
+            ),
+            _stat(
+                "TTFT p50",
+                quantile(0.5, "ttft_seconds"),
+                "ray_sessionserve_ttft_seconds: median time to first token over 5 min.",
+                "s",
+            ),
+            _stat(
+                "TTFT p99",
+                quantile(0.99, "ttft_seconds"),
+                "ray_sessionserve_ttft_seconds: p99 time to first token over 5 min.",
+                "s",
+            ),
+            _stat(
+                "Tokens/s",
+                rate("generated_tokens_total"),
+                "ray_sessionserve_generated_tokens_total: generated tokens per second.",
+            ),
+            Panel(
+                "Sticky-hit rate",
+                [(sticky, "sticky hits")],
+                "ray_sessionserve_router_{sticky_hits,placements,repins}_total: share of session "
+                "requests sent to their pinned replica (placements are new sessions).",
+                "percentunit",
+            ),
+            Panel(
+                "Time to first token",
+                [(quantile(0.5, "ttft_seconds"), "p50"), (quantile(0.99, "ttft_seconds"), "p99")],
+                "ray_sessionserve_ttft_seconds histogram: p50 and p99 over 5 min.",
+                "s",
+            ),
+            Panel(
+                "Prompt tokens reused",
+                [(ratio(rate("cached_tokens_total"), rate("prompt_tokens_total")), "cached share")],
+                "ray_sessionserve_cached_tokens_total / ray_sessionserve_prompt_tokens_total: "
+                "prompt tokens served from a session or the radix cache.",
+                "percentunit",
+            ),
+            Panel(
+                "Requests and tokens",
+                [
+                    (rate("requests_total"), "requests/s"),
+                    (rate("generated_tokens_total"), "tokens/s"),
+                ],
+                "ray_sessionserve_requests_total and ray_sessionserve_generated_tokens_total "
+                "per second.",
+            ),
+        ],
+    )
+
+
+def kv_and_sessions() -> Dashboard:
+    return Dashboard(
+        "sessionserve-kv",
+        "sessionserve: KV cache and sessions",
+        "Where every KV slot is, per replica: the memory invariant's terms.",
+        [
+            Panel(
+                "Session-held tokens per replica",
+                [(f"sum by (replica) ({m('session_held_tokens')})", "{{replica}}")],
+                "ray_sessionserve_session_held_tokens: KV held by idle sessions.",
+            ),
+            Panel(
+                "KV slots by state",
+                [
+                    (f"sum({m('kv_free_tokens')})", "free"),
+                    (f"sum({m('kv_evictable_tokens')})", "evictable (radix)"),
+                    (f"sum({m('kv_protected_tokens')})", "protected (radix, locked)"),
+                    (f"sum({m('session_held_tokens')})", "held (idle sessions)"),
+                    (f"sum({m('kv_in_flight_tokens')})", "in flight (running)"),
+                ],
+                "ray_sessionserve_kv_{free,evictable,protected,in_flight}_tokens and "
+                "session_held_tokens: the terms of the memory invariant; they sum to "
+                "kv_total_tokens.",
+            ),
+            Panel(
+                "Sessions",
+                [
+                    (f"sum({m('open_sessions')})", "open"),
+                    (f"sum({m('held_sessions')})", "holding KV, idle"),
+                ],
+                "ray_sessionserve_open_sessions and ray_sessionserve_held_sessions.",
+            ),
+            Panel(
+                "Evictions and retractions",
+                [
+                    (rate("session_evictions_total"), "evictions/s"),
+                    (rate("retractions_total"), "retractions/s"),
+                ],
+                "ray_sessionserve_session_evictions_total (idle sessions losing KV) and "
+                "ray_sessionserve_retractions_total (decodes preempted for KV), per second.",
+            ),
+            Panel(
+                "Memory checks",
+                [
+                    (rate("memory_checks_total"), "checks/s"),
+                    (
+                        f"sum(increase({m('memory_check_failures_total')}{W})) or vector(0)",
+                        "failures (5 min)",
+                    ),
+                ],
+                "ray_sessionserve_memory_checks_total and memory_check_failures_total: any "
+                "failure is a lost or double-counted KV slot.",
+            ),
+            Panel(
+                "Batch",
+                [
+                    (f"sum({m('running_requests')})", "running"),
+                    (f"sum({m('queued_requests')})", "queued"),
+                ],
+                "ray_sessionserve_running_requests and ray_sessionserve_queued_requests.",
+            ),
+            Panel(
+                "Aborts by phase",
+                [(f"sum by (phase) (rate({m('aborts_total')}{W})) or vector(0)", "{{phase}}")],
+                "ray_sessionserve_aborts_total by phase (queued, prefill, decode): client "
+                "disconnects and explicit aborts.",
+            ),
+        ],
+    )
+
+
+def speculative() -> Dashboard:
+    accept = ratio(rate("spec_accept_length_sum"), rate("spec_accept_length_count"))
+    return Dashboard(
+        "sessionserve-spec",
+        "sessionserve: speculative decoding",
+        "EAGLE drafting: how many drafted tokens the target accepts.",
+        [
+            Panel(
+                "Mean acceptance length",
+                [(accept, "tokens per verify")],
+                "ray_sessionserve_spec_accept_length histogram: tokens accepted per verify "
+                "step (the bonus token included).",
+            ),
+            Panel(
+                "Drafted and accepted tokens/s",
+                [
+                    (rate("spec_drafted_tokens_total"), "drafted"),
+                    (rate("spec_accepted_tokens_total"), "accepted"),
+                ],
+                "ray_sessionserve_spec_drafted_tokens_total and spec_accepted_tokens_total.",
+            ),
+            Panel(
+                "Acceptance rate",
+                [
+                    (
+                        ratio(
+                            rate("spec_accepted_tokens_total"), rate("spec_drafted_tokens_total")
+                        ),
+                        "accepted/drafted",
+                    )
+                ],
+                "ray_sessionserve_spec_accepted_tokens_total / spec_drafted_tokens_total.",
+                "percentunit",
+            ),
+        ],
+    )
+
+
+DASHBOARDS = {
+    "overview.json": overview,
+    "kv-and-sessions.json": kv_and_sessions,
+    "speculative.json": speculative,
+}
+
+
+def render_all() -> dict[str, dict]:
+    return {name: build().to_json() for name, build in DASHBOARDS.items()}
+
+
+def write(directory: Path) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, board in render_all().items():
+        (directory / name).write_text(json.dumps(board, indent=2, sort_keys=True) + "\n")
+
+
+if __name__ == "__main__":
+    write(Path(sys.argv[1] if len(sys.argv) > 1 else "deploy/grafana"))
