@@ -1,4 +1,5 @@
-"""Grafana dashboards as code: `python -m sessionserve.dashboards deploy/grafana` writes them.
+"""Grafana dashboards as code: `python -m sessionserve.dashboards` writes them (into
+deploy/grafana and the Helm chart's files/).
 
 Three dashboards (overview, KV and sessions, speculative decoding), each with the Prometheus
 datasource and the replica as variables, a description naming the metric on every panel, and
@@ -330,5 +331,9 @@ def write(directory: Path) -> None:
         (directory / name).write_text(json.dumps(board, indent=2, sort_keys=True) + "\n")
 
 
+# the Helm chart ships a copy (Helm can only read files inside the chart)
+DEFAULT_DIRS = ("deploy/grafana", "helm/sessionserve/files")
+
 if __name__ == "__main__":
-    write(Path(sys.argv[1] if len(sys.argv) > 1 else "deploy/grafana"))
+    for target in sys.argv[1:] or DEFAULT_DIRS:
+        write(Path(target))
