@@ -77,28 +77,21 @@ class Ingress:
 
     @app.delete("/v1/sessions/{session_id}")
     async def close_session(self, session_id: str) -> dict[str, Any]:
-        rec = await self.directory.close.remote(session_id)
-        if rec is None:
+        replica = await self.directory.close.remote(session_id)
+        if replica is None:
             raise UnknownSessionError(session_id)
-        if rec.replica is not None:  # frees its KV there (deferred while a turn runs)
+        if replica:  # frees its KV there (deferred while a turn runs)
             await self.replica.options(session_id=session_id).close_session.remote(session_id)
         return {"id": session_id, "object": "session.deleted", "deleted": True}
 
     async def _view(self, sid: str) -> SessionView:
-        rec = await self.directory.get.remote(sid)
-        if rec is None:
+        info = await self.directory.info.remote(sid)
+        if info is None:
             raise UnknownSessionError(sid)
         held = None
-        if rec.replica is not None:
+        if info["replica"] is not None:
             held = await self.replica.options(session_id=sid).session_held_tokens.remote(sid)
-        return SessionView(
-            id=sid,
-            replica=rec.replica,
-            turns=rec.turns,
-            history_tokens=len(rec.log),
-            held_tokens=held,
-            ttl_s=rec.ttl_s,
-        )
+        return SessionView(id=sid, held_tokens=held, **info)
 
     # ---- generation ----
     @app.post("/v1/chat/completions")
@@ -113,7 +106,7 @@ class Ingress:
         sid = await self._session(request, body.session_id, body.model)
         history = None
         if sid is not None:  # append mode: the new prompt extends the session's token log
-            history = (await self.directory.get.remote(sid)).log
+            history = await self.directory.log.remote(sid)
         call = GenerateCall(
             self._sampling(body), sid, "append", prompt=body.prompt, history_ids=history
         )
@@ -128,7 +121,7 @@ class Ingress:
         sid = request.headers.get(self.cfg.session_header) or body_sid
         if sid is None:
             return None
-        if await self.directory.get.remote(sid) is None:
+        if not await self.directory.touch.remote(sid):
             if not self.cfg.engine.sessions.implicit_open:
                 raise UnknownSessionError(sid)
             await self.directory.open.remote(sid, None)

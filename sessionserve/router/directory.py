@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from array import array
 from dataclasses import dataclass, field
 
 import ray
@@ -23,7 +24,7 @@ class SessionRecord:
     session_id: str
     ttl_s: float | None
     replica: str | None = None
-    log: list[int] = field(default_factory=list)
+    log: array = field(default_factory=lambda: array("I"))
     turns: int = 0
     last_active: float = field(default_factory=time.monotonic)
 
@@ -46,21 +47,46 @@ class SessionDirectoryState:
         self.sessions[sid] = SessionRecord(sid, ttl_s if ttl_s is not None else self.default_ttl_s)
         return sid
 
-    def get(self, session_id: str) -> SessionRecord | None:
-        self._reap()
-        rec = self.sessions.get(session_id)
-        if rec is not None:
-            rec.last_active = time.monotonic()
-        return rec
+    def touch(self, session_id: str) -> bool:
+        """Whether the session exists (marking it active): the per-request check, which
+        ships no token log."""
+        return self._live(session_id) is not None
 
-    def close(self, session_id: str) -> SessionRecord | None:
-        return self.sessions.pop(session_id, None)
+    def log(self, session_id: str) -> list[int] | None:
+        """The token log, for an append-mode turn (None if the session does not exist)."""
+        rec = self._live(session_id)
+        return rec.log.tolist() if rec is not None else None
+
+    def info(self, session_id: str) -> dict | None:
+        rec = self._live(session_id)
+        if rec is None:
+            return None
+        return {
+            "replica": rec.replica,
+            "turns": rec.turns,
+            "history_tokens": len(rec.log),
+            "ttl_s": rec.ttl_s,
+        }
+
+    def close(self, session_id: str) -> str | None:
+        """Forget the session; returns its replica pin ("" if it never ran a turn), None if
+        it did not exist."""
+        rec = self.sessions.pop(session_id, None)
+        return None if rec is None else (rec.replica or "")
 
     def commit_turn(self, session_id: str, full_ids: list[int]) -> None:
         """A turn succeeded: its input and answer are now the session's token log."""
         rec = self.sessions.get(session_id)
         if rec is not None:
-            rec.log, rec.turns, rec.last_active = full_ids, rec.turns + 1, time.monotonic()
+            rec.log = array("I", full_ids)  # 4 bytes a token: logs of many long sessions
+            rec.turns, rec.last_active = rec.turns + 1, time.monotonic()
+
+    def _live(self, session_id: str) -> SessionRecord | None:
+        self._reap()
+        rec = self.sessions.get(session_id)
+        if rec is not None:
+            rec.last_active = time.monotonic()
+        return rec
 
     # ---- pins ----
     def get_pin(self, session_id: str) -> str | None:

@@ -119,15 +119,17 @@ def test_directory_registry_log_and_ttl(monkeypatch) -> None:
     state = SessionDirectoryState(default_ttl_s=10.0)
     sid = state.open(None, None)
     assert state.open(sid, None) is None  # taken
-    state.commit_turn(sid, [1, 2, 3])
-    rec = state.get(sid)
-    assert rec.log == [1, 2, 3] and rec.turns == 1
+    state.commit_turn(sid, [1, 2, 3, 70000])
+    assert state.log(sid) == [1, 2, 3, 70000]
+    assert state.info(sid) == {"replica": None, "turns": 1, "history_tokens": 4, "ttl_s": 10.0}
     import time
 
     now = time.monotonic()
     monkeypatch.setattr("time.monotonic", lambda: now + 11)
-    assert state.get(sid) is None  # expired
+    assert not state.touch(sid) and state.log(sid) is None  # expired
     assert state.close("ghost") is None
+    other = state.open("x", None)
+    assert state.close(other) == ""  # existed, never pinned
 
 
 @pytest.mark.parametrize("alive", [["a"], []])
