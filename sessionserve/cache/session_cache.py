@@ -173,6 +173,11 @@ class SessionCache(RequestCache):
 
     def _park(self, req: RequestKV, slot: SessionSlot, tokens: Sequence[int]) -> None:
         """Move req's committed KV into the slot; req ends up holding nothing."""
+        if len(tokens) < min(req.committed_len, req.allocated_len):
+            raise ValueError(
+                f"request {req.rid!r} holds KV for {req.committed_len} tokens but only "
+                f"{len(tokens)} were passed: pass the request's full token list"
+            )
         self._free_tail(req, req.committed_len)
         if not slot.holds_kv:  # first turn (or after eviction): the slot adopts req's row
             prompt = floor_align(min(req.committed_len, req.prompt_len), self.page_size)

@@ -88,6 +88,19 @@ def test_bad_input_gives_typed_errors(make_rig) -> None:
     r.all_free()
 
 
+def test_parking_a_session_turn_needs_its_tokens(make_rig) -> None:
+    r = make_rig(page=4)
+    r.cache.open_session("s")
+    t = r.turn("s", "t", list(range(3, 20)))
+    r.drive.admit(t)
+    r.drive.prefill(t)
+    with pytest.raises(ValueError, match="pass the request's full token list"):
+        r.cache.abort(t.req)  # tokens forgotten: refused before anything changes
+    r.busy(t)
+    r.cache.abort(t.req, t.tokens)
+    r.all_free()
+
+
 @pytest.mark.parametrize(
     ("kwargs", "msg"),
     [({"max_sessions": 0}, "max_sessions=0"), ({"max_held_tokens": -1}, "max_held_tokens=-1")],
