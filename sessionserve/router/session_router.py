@@ -102,10 +102,15 @@ class SessionAffinityRouter(RequestRouter):
         self._recent[r.replica_id.unique_id] = (stamp, self._placed_since_stats(r) + 1)
 
     def _most_free_kv(self, replicas: list[RunningReplica]) -> RunningReplica:
+        """Free KV is compared in units of one new session's expected size: replicas within
+        one unit of each other tie, and the tie goes to the fewest open sessions (else a few
+        tokens of difference would send every new session to the same replica)."""
+        unit = self._tokens_per_new_session
+
         def key(r: RunningReplica) -> tuple[float, float, float]:
             stats, placed = r.routing_stats or {}, self._placed_since_stats(r)
-            free = stats.get("free_kv_tokens", 0) - placed * self._tokens_per_new_session
-            return (-free, stats.get("open_sessions", 0) + placed, random.random())
+            free_units = stats.get("free_kv_tokens", 0) // unit - placed
+            return (-free_units, stats.get("open_sessions", 0) + placed, random.random())
 
         return min(replicas, key=key)
 

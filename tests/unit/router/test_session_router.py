@@ -82,11 +82,30 @@ def test_a_burst_of_new_sessions_spreads_despite_stale_stats() -> None:
     assert placed.count("a") == 5 and placed.count("b") == 5
 
 
+def test_near_equal_free_kv_ties_and_fewest_sessions_wins() -> None:
+    """A few tokens of free-KV difference must not draw every new session to one replica
+    (fresh stats each time, so no placement penalty is in play)."""
+    router = make_router(FakeDirectoryActor(SessionDirectoryState()))
+    placed = []
+    sessions = {"a": 0, "b": 0}
+    for i in range(10):
+        a = FakeReplica(
+            "a", {"free_kv_tokens": 1008, "ts": float(i), "open_sessions": sessions["a"]}
+        )
+        b = FakeReplica(
+            "b", {"free_kv_tokens": 1000, "ts": float(i), "open_sessions": sessions["b"]}
+        )
+        name = route(router, [a, b], f"s{i}")[0][0].name
+        sessions[name] += 1
+        placed.append(name)
+    assert placed.count("a") == 5 and placed.count("b") == 5
+
+
 def test_a_pin_is_shared_between_router_processes() -> None:
     state = SessionDirectoryState()
     one, two = make_router(FakeDirectoryActor(state)), make_router(FakeDirectoryActor(state))
-    a = FakeReplica("a", {"free_kv_tokens": 10, "ts": 1.0})
-    b = FakeReplica("b", {"free_kv_tokens": 99, "ts": 1.0})
+    a = FakeReplica("a", {"free_kv_tokens": 100, "ts": 1.0})
+    b = FakeReplica("b", {"free_kv_tokens": 990, "ts": 1.0})
     assert route(one, [a, b], "s") == [[b]]
     # the other router sees stats where a looks freer, but the pin wins
     a2 = FakeReplica("a", {"free_kv_tokens": 10_000, "ts": 2.0})
@@ -96,7 +115,7 @@ def test_a_pin_is_shared_between_router_processes() -> None:
 def test_dead_replica_sessions_are_repinned() -> None:
     state = SessionDirectoryState()
     router = make_router(FakeDirectoryActor(state))
-    a, b = FakeReplica("a", {"free_kv_tokens": 9}), FakeReplica("b", {"free_kv_tokens": 1})
+    a, b = FakeReplica("a", {"free_kv_tokens": 900}), FakeReplica("b", {"free_kv_tokens": 100})
     assert route(router, [a, b], "s") == [[a]]
     router._pins.clear()  # as on_replica_actor_died does for a's pins
     assert route(router, [b], "s") == [[b]]  # a is gone from the candidates
