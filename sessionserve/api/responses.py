@@ -107,13 +107,18 @@ class Reply:
             choice["delta"] = delta
         else:
             choice["text"] = delta_text or ""
+        return self._stream_object([choice])
+
+    def _stream_object(self, choices: list[dict[str, Any]], **extra: Any) -> str:
+        kind = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
         return self._sse(
             {
                 "id": self.id,
-                "object": "chat.completion.chunk" if self.kind == "chat" else "text_completion",
+                "object": kind,
                 "created": self.created,
                 "model": self.model,
-                "choices": [choice],
+                "choices": choices,
+                **extra,
             }
         )
 
@@ -131,20 +136,7 @@ class Reply:
     def closing(self, final: dict[str, Any], include_usage: bool) -> list[str]:
         out = [self._chunk(None if self.kind == "chat" else "", final["finish_reason"], None)]
         if include_usage:
-            out.append(
-                self._sse(
-                    {
-                        "id": self.id,
-                        "object": "chat.completion.chunk"
-                        if self.kind == "chat"
-                        else "text_completion",
-                        "created": self.created,
-                        "model": self.model,
-                        "choices": [],
-                        "usage": usage(final),
-                    }
-                )
-            )
+            out.append(self._stream_object([], usage=usage(final)))
         out.append("data: [DONE]\n\n")
         return out
 

@@ -44,7 +44,7 @@ class MemoryTerms(NamedTuple):
 class MemoryChecker:
     def __init__(self, cache: SessionCache) -> None:
         self.cache = cache
-        self.busy_checks = 0
+        self.checks = 0  # busy and idle checks run (the failures are counted in terms())
         self.failures = 0
 
     def terms(self, live: Sequence[RequestKV] = ()) -> MemoryTerms:
@@ -107,11 +107,12 @@ class MemoryChecker:
 
     def check_busy(self, live: Iterable[RequestKV]) -> MemoryTerms:
         """After every scheduler step: `live` is every request holding KV (running, prefilling)."""
-        self.busy_checks += 1
+        self.checks += 1
         return self.terms(list(live))
 
     def check_idle(self) -> MemoryTerms:
         """When nothing runs: no in-flight KV, and no slot may claim a borrower."""
+        self.checks += 1
         return self.terms(())
 
     def held_tokens(self, live: Sequence[RequestKV] = ()) -> int:

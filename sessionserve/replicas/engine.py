@@ -1,7 +1,7 @@
 """The replica's engine: the step loop and the in-process API (no Ray needed).
 
     batch = scheduler.schedule() -> logits = runner.forward(batch) -> sample -> process
-    -> events to listeners -> (strict) checker.check_busy(live)
+    -> events to listeners -> (strict) check_memory()
 
 Thread model: every public method takes `self.lock`, so a server thread may call `submit`,
 `abort` and the session calls while another thread runs `step()` in a loop; KV state is only
@@ -20,7 +20,14 @@ from typing import Any
 
 import torch
 
-from sessionserve.cache import KVPool, KVShape, MemoryChecker, SessionLimits, build_session_cache
+from sessionserve.cache import (
+    KVPool,
+    KVShape,
+    MemoryChecker,
+    MemoryTerms,
+    SessionLimits,
+    build_session_cache,
+)
 from sessionserve.cache.allocator import floor_align
 from sessionserve.cache.request_kv import RequestKV
 from sessionserve.cache.session_cache import TurnMode
@@ -191,29 +198,34 @@ class Engine:
             batch = self.scheduler.schedule()
             events = self._run(batch) if batch else []
             if self.config.strict_memory_check:
-                self.checker.check_busy([r.kv for r in self.scheduler.live()])
-                if not self.scheduler.has_work():
-                    self.checker.check_idle()
+                self.check_memory()
             if self.metrics.gauges_due():
                 self.report_gauges()
         self._dispatch(events)
         return events
 
+    def check_memory(self) -> MemoryTerms:
+        """The memory invariant now: the busy form over the live batch, or the idle form
+        (rows too; no slot may claim a borrower) when nothing is queued or running."""
+        with self.lock:
+            if self.scheduler.has_work():
+                return self.checker.check_busy([r.kv for r in self.scheduler.live()])
+            return self.checker.check_idle()
+
     def report_gauges(self) -> None:
         """Export the memory checker's terms and the queue figures (also checks the invariant,
         in any mode: a broken one raises here)."""
         with self.lock:
-            live = self.scheduler.live()
-            terms = self.checker.check_busy([r.kv for r in live])
+            terms = self.check_memory()
             self.metrics.on_step(
                 terms,
                 gauges={
-                    "running_requests": len(live),
+                    "running_requests": terms.live_requests,
                     "queued_requests": len(self.scheduler.waiting),
                     "open_sessions": len(self.cache.session_slots),
                 },
                 counter_totals={
-                    "memory_checks": self.checker.busy_checks,
+                    "memory_checks": self.checker.checks,
                     "memory_check_failures": self.checker.failures,
                     "retractions": self.scheduler.retractions_total,
                     "session_evictions": self.cache.evicted_sessions_total,
@@ -244,7 +256,7 @@ class Engine:
         ids, pos, out_slots, seqs, logit_idx, n = [], [], [], [], [], 0
         for s in batch.seqs:
             kv = s.req.kv
-            ids.extend(s.req.tokens[s.start : s.end])
+            ids.extend(s.req.token_slice(s.start, s.end))
             pos.append(torch.arange(s.start, s.end))
             out_slots.append(self.cache.slots(kv, s.start, s.end))
             seqs.append(SeqSpec(s.end - s.start, self.cache.slots(kv, 0, s.end)))
@@ -267,7 +279,7 @@ class Engine:
         out = sample(
             logits,
             [r.sampling for r in samplers],
-            [r.tokens for r in samplers],
+            [r.tokens if r.sampling.repetition_penalty != 1.0 else () for r in samplers],
             [r.output_ids for r in samplers],
             [r.generator for r in samplers],
         )

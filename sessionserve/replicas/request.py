@@ -144,7 +144,19 @@ class Request:
 
     @property
     def tokens(self) -> list[int]:
+        """Input and output (a new list: use `num_tokens` / `token_slice` on hot paths)."""
         return self.input_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids) + len(self.output_ids)
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """`tokens[start:end]` without building the whole history."""
+        n = len(self.input_ids)
+        if start >= n:
+            return self.output_ids[start - n : end - n]
+        return self.input_ids[start:end] + self.output_ids[: max(0, end - n)]
 
     @property
     def finished(self) -> bool:

@@ -64,7 +64,9 @@ def sample(
     outputs: Sequence[Sequence[int]],
     generators: Sequence[torch.Generator | None],
 ) -> SampleOutput:
-    """`logits` [B, V] (float32). Row i uses params[i], its token history and generator."""
+    """`logits` [B, V] (float32). Row i uses params[i], its generator, its output so far and
+    `contexts[i]` (prompt + output; only read by the repetition penalty, so it may be empty
+    for rows without one)."""
     logits = logits.float()
     want_lp = any(p.logprobs for p in params)
     raw_lp = torch.log_softmax(logits, dim=-1) if want_lp else None

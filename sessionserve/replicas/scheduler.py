@@ -29,7 +29,7 @@ class ScheduledSeq:
     @property
     def samples(self) -> bool:
         """The whole input is computed after this step: a token is sampled from its logits."""
-        return self.end == len(self.req.tokens)
+        return self.end == self.req.num_tokens
 
 
 @dataclass
@@ -93,17 +93,17 @@ class Scheduler:
         while i < len(decodes):
             req = decodes[i]
             try:
-                self.cache.allocate(req.kv, len(req.tokens))
+                self.cache.allocate(req.kv, req.num_tokens)
                 i += 1
             except KVCacheFullError:
                 self._retract(decodes.pop(), batch)  # the youngest; maybe `req` itself
-        batch.seqs.extend(ScheduledSeq(r, len(r.tokens) - 1, len(r.tokens)) for r in decodes)
+        batch.seqs.extend(ScheduledSeq(r, r.num_tokens - 1, r.num_tokens) for r in decodes)
 
     def _schedule_prefill(self, req: Request, budget: int, batch: ScheduledBatch) -> int:
         if budget <= 0:
             return budget
         start = req.kv.committed_len
-        end = min(len(req.tokens), start + budget)
+        end = min(req.num_tokens, start + budget)
         try:
             self.cache.allocate(req.kv, end)
         except KVCacheFullError:
@@ -115,7 +115,7 @@ class Scheduler:
     def _admit(self, req: Request, budget: int) -> bool:
         """Match the request's prefix if KV allows; False leaves it waiting, holding nothing."""
         reserve = self.config.decode_reserve_tokens * len(self.running)
-        need = min(budget, len(req.tokens)) + reserve
+        need = min(budget, req.num_tokens) + reserve
         if self.cache.reclaimable_size() < need and self.running:
             return False
         try:

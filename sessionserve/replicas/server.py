@@ -57,10 +57,7 @@ class EngineLoop(threading.Thread):
                     self.engine.step()
                     continue
                 if not self.wake.wait(IDLE_TICK_S):
-                    with self.engine.lock:
-                        if not self.engine.scheduler.has_work():
-                            self.engine.checker.check_idle()
-                            self.engine.report_gauges()
+                    self.engine.report_gauges()  # checks the invariant (idle form if idle)
                 self.wake.clear()
         except BaseException as e:  # the replica reports it through check_health
             self.error = e
@@ -171,13 +168,7 @@ class ReplicaServer:
 
     async def memory_check(self) -> dict[str, Any]:
         """Run the memory invariant now (idle or busy form) and return its terms."""
-        e = self.engine
-        with e.lock:
-            live = [r.kv for r in e.scheduler.live()]
-            terms = (
-                e.checker.check_busy(live) if e.scheduler.has_work() else (e.checker.check_idle())
-            )
-        return {"replica": self.replica_id, **terms._asdict()}
+        return {"replica": self.replica_id, **self.engine.check_memory()._asdict()}
 
     # ---- Serve hooks ----
     def check_health(self) -> None:
