@@ -1,4 +1,4 @@
-"""`sessionserve` command line: demo, config-schema."""
+"""`sessionserve` command line: demo, chat, train-drafter, config-schema."""
 
 from __future__ import annotations
 
@@ -64,6 +64,15 @@ def _config_schema(_: argparse.Namespace) -> int:
     return 0
 
 
+def _train_drafter(args: argparse.Namespace) -> int:
+    from sessionserve.replicas.spec.training import TrainConfig, train_drafter
+
+    fields = TrainConfig.__dataclass_fields__
+    cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in fields and v is not None})
+    train_drafter(cfg)
+    return 0
+
+
 def _chat(args: argparse.Namespace) -> int:
     from sessionserve.chat_cli import run_chat
 
@@ -85,6 +94,24 @@ def main(argv: list[str] | None = None) -> int:
     chat.add_argument("--max-tokens", type=int, default=256, help="tokens per answer")
     chat.add_argument("--session", default=None, help="session id (default: a new one)")
     chat.set_defaults(func=_chat)
+    train = sub.add_parser(
+        "train-drafter",
+        help="train an EAGLE draft head for a model on this machine (resumable)",
+        description="Self-distillation: the model answers the shipped prompts, then a one-layer "
+        "EAGLE head learns to predict its next hidden state and token. Re-run the same command "
+        "to resume an interrupted run.",
+    )
+    train.add_argument("--model", help="target model path (default: SmolLM2)")
+    train.add_argument("--out", help="output directory (default: drafters/default)")
+    train.add_argument("--prompts", help="prompt file, one per line (default: shipped set)")
+    train.add_argument("--max-prompts", type=int, help="use only the first N prompts")
+    train.add_argument("--max-new-tokens", type=int, help="answer length per prompt")
+    train.add_argument("--epochs", type=int, help="passes over the data")
+    train.add_argument("--lr", type=float, help="peak learning rate")
+    train.add_argument("--draft-vocab", type=int, help="draft vocabulary size (0 = all)")
+    train.add_argument("--threads", type=int, help="torch threads")
+    train.add_argument("--seed", type=int, help="shuffling and noise seed")
+    train.set_defaults(func=_train_drafter)
     schema = sub.add_parser("config-schema", help="print the app config's JSON schema")
     schema.set_defaults(func=_config_schema)
     args = parser.parse_args(argv)

@@ -76,11 +76,23 @@ class SchedulerConfig(_Strict):
     )
 
 
+class SpecConfig(_Strict):
+    drafter_path: str | None = Field(
+        None,
+        description="Local directory of an EAGLE draft head for this model (public EAGLE "
+        "layout, or written by `sessionserve train-drafter`); None = no speculative decoding.",
+    )
+    num_drafts: int = Field(
+        4, ge=1, le=16, description="Tokens the drafter proposes per step (chain length k)."
+    )
+
+
 class EngineConfig(_Strict):
     model: ModelConfig = Field(default_factory=ModelConfig)
     cache: CacheConfig = Field(default_factory=CacheConfig)
     sessions: SessionConfig = Field(default_factory=SessionConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    spec: SpecConfig = Field(default_factory=SpecConfig)
     attention_backend: Literal["auto", "torch", "flashinfer"] = Field(
         "auto", description="auto = FlashInfer on CUDA when installed, else torch."
     )

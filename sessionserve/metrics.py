@@ -87,6 +87,9 @@ class EngineMetrics:
     def on_finish(self, result: RequestResult) -> None:
         pass
 
+    def on_spec_step(self, accept_len: int) -> None:
+        """One verify emitted `accept_len` tokens (accepted drafts + the target's own)."""
+
     def on_abort(self, phase: str) -> None:
         pass
 
@@ -142,6 +145,9 @@ class RayEngineMetrics(EngineMetrics):
             self.m["sessionserve_itl_seconds"].observe(
                 r.decode_s / (r.completion_tokens - 1), tags=t
             )
+
+    def on_spec_step(self, accept_len: int) -> None:
+        self.m["sessionserve_spec_accept_length"].observe(accept_len, tags=self.tags)
 
     def on_abort(self, phase: str) -> None:
         self.m["sessionserve_aborts"].inc(1, tags=self.tags | {"phase": phase})

@@ -16,7 +16,13 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from sessionserve.config import CacheConfig, EngineConfig, SchedulerConfig, SessionConfig
+from sessionserve.config import (
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+    SessionConfig,
+    SpecConfig,
+)
 from sessionserve.replicas.engine import Engine
 from sessionserve.replicas.loader import LoadedModel
 
@@ -81,9 +87,12 @@ def tiny_engine(
     retract_every: int | None = None,
     radix: bool = True,
     backend: str = "torch",
+    drafter=None,
+    num_drafts: int = 4,
     **session_kw,
 ) -> Engine:
-    """An engine in strict memory mode around a (copy of a) tiny model."""
+    """An engine in strict memory mode around a (copy of a) tiny model. `drafter`: a function
+    making an EAGLE head for the copied model (e.g. `mimic_drafter`), to speculate."""
     model = copy.deepcopy(model) if model is not None else tiny_model()
     cfg = EngineConfig(
         cache=CacheConfig(
@@ -95,10 +104,12 @@ def tiny_engine(
         ),
         scheduler=SchedulerConfig(max_prefill_tokens=prefill, force_retract_every=retract_every),
         sessions=SessionConfig(**session_kw),
+        spec=SpecConfig(num_drafts=num_drafts),
         attention_backend=backend,
         strict_memory_check=True,
     )
-    return Engine(cfg, LoadedModel(model, word_tokenizer(), "tiny", "tests"))
+    head = drafter(model) if drafter is not None else None
+    return Engine(cfg, LoadedModel(model, word_tokenizer(), "tiny", "tests"), drafter=head)
 
 
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
@@ -112,3 +123,38 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
         pad_token_id=0,
     )
     return out[0, len(prompt) :].tolist()
+
+
+def mimic_drafter(model, noise: float = 0.0, seed: int = 0):
+    """An EAGLE head that imitates a one-layer target: `fc` passes the token embedding, the
+    layer and final norm are the target's. It sees the context shifted by one token (no
+    first token), so it agrees with the target often but not always; `noise` perturbs it
+    further. Acceptance is then high and uneven, what the speculative tests need."""
+    from sessionserve.replicas.spec.drafter import EagleDrafter, drafter_config
+
+    if model.config.num_hidden_layers != 1:
+        raise ValueError("mimic_drafter needs a one-layer target (tiny_model(num_hidden_layers=1))")
+    drafter = EagleDrafter(drafter_config(model.config), fc_bias=False, final_norm=True)
+    drafter.layers[0].load_state_dict(model.model.layers[0].state_dict())
+    drafter.norm.load_state_dict(model.model.norm.state_dict())
+    h = model.config.hidden_size
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        drafter.fc.weight.zero_()
+        drafter.fc.weight[:, :h] = torch.eye(h)
+        for p in drafter.layers.parameters():
+            p.add_(noise * torch.randn(p.shape, generator=gen))
+    return drafter.eval().attach(model)
+
+
+def random_drafter(model, seed: int = 0):
+    """An untrained EAGLE head for any tiny target (acceptance near zero)."""
+    from sessionserve.replicas.spec.drafter import EagleDrafter, drafter_config
+
+    torch.manual_seed(seed)
+    cfg = drafter_config(model.config, initializer_range=0.08)
+    drafter = EagleDrafter(cfg)
+    for m in drafter.modules():
+        if isinstance(m, torch.nn.Linear):
+            torch.nn.init.normal_(m.weight, std=0.08)
+    return drafter.eval().attach(model)

@@ -45,9 +45,14 @@ from sessionserve.replicas.request import (
     SamplingParams,
     TokenLogprob,
 )
-from sessionserve.replicas.sampling import sample
-from sessionserve.replicas.scheduler import ScheduledBatch, Scheduler
+from sessionserve.replicas.sampling import filter_logits, sample, token_logprobs
+from sessionserve.replicas.scheduler import ScheduledBatch, ScheduledSeq, Scheduler
 from sessionserve.replicas.sessions import SessionController, SessionInfo
+from sessionserve.replicas.spec.acceptance import accept_greedy, accept_sampled
+from sessionserve.replicas.spec.checkpoint import load_drafter
+from sessionserve.replicas.spec.drafter import EagleDrafter
+from sessionserve.replicas.spec.proposer import CatchUp, ChainDrafts, EagleProposer
+from sessionserve.replicas.spec.stats import SpecStats
 from sessionserve.replicas.stopping import StopChecker, answer_text
 
 log = logging.getLogger(__name__)
@@ -69,7 +74,10 @@ class Engine:
         config: EngineConfig | None = None,
         loaded: LoadedModel | None = None,
         metrics: EngineMetrics | None = None,
+        drafter: EagleDrafter | None = None,
     ):
+        """`drafter`: an EAGLE head already attached to the model (tests build one in memory);
+        otherwise `config.spec.drafter_path` is loaded when set."""
         self.config = cfg = config or EngineConfig()
         if cfg.model.torch_threads:
             torch.set_num_threads(cfg.model.torch_threads)
@@ -98,7 +106,14 @@ class Engine:
             cfg.attention_backend, device, page_size=c.page_size, **self._backend_dims(model)
         )
         self.runner = ModelRunner(model, pool, backend)
-        self.scheduler = Scheduler(self.cache, cfg.scheduler)
+        self.proposer = self._build_proposer(cfg, model, drafter)
+        self.spec_stats = SpecStats()
+        limit = min(c.max_context_len, self.cache.allocator.num_slots)
+        self.scheduler = Scheduler(
+            self.cache,
+            cfg.scheduler,
+            None if self.proposer is None else lambda r: self.proposer.draft_len(r, limit),
+        )
         self.sessions = SessionController(self.cache, s)
         self.checker = MemoryChecker(self.cache)
         self.stopper = StopChecker(self.tokenizer, c.max_context_len)
@@ -110,6 +125,30 @@ class Engine:
         self.lock = threading.RLock()
         self._last_reap = time.monotonic()
         self.metrics = metrics or EngineMetrics()
+
+    def _build_proposer(
+        self, cfg: EngineConfig, model: Any, drafter: EagleDrafter | None
+    ) -> EagleProposer | None:
+        if drafter is None and cfg.spec.drafter_path is None:
+            return None
+        if drafter is None:
+            drafter = load_drafter(cfg.spec.drafter_path, model)
+        device = next(model.parameters()).device
+        pool = KVPool(
+            KVShape.from_hf_config(drafter.config),
+            self.cache.allocator.pool_slots,
+            dtype=next(model.parameters()).dtype,
+            device=device,
+        )
+        backend = select_backend(
+            self.config.attention_backend,
+            device,
+            page_size=cfg.cache.page_size,
+            **self._backend_dims(drafter),
+        )
+        return EagleProposer(
+            drafter, pool, backend, self.cache, cfg.spec.num_drafts, model.config.vocab_size
+        )
 
     # ---- sessions ----
     def open_session(self, session_id: str | None = None, ttl_s: float | None = None) -> str:
@@ -229,6 +268,8 @@ class Engine:
                     "memory_check_failures": self.checker.failures,
                     "retractions": self.scheduler.retractions_total,
                     "session_evictions": self.cache.evicted_sessions_total,
+                    "spec_drafted_tokens": self.spec_stats.drafted,
+                    "spec_accepted_tokens": self.spec_stats.accepted,
                 },
             )
 
@@ -253,52 +294,135 @@ class Engine:
 
     # ---- internals ----
     def _run(self, batch: ScheduledBatch) -> list[StepEvent]:
-        ids, pos, out_slots, seqs, logit_idx, n = [], [], [], [], [], 0
+        drafts = self._propose(batch)
+        fb, rows = self._forward_batch(batch, drafts)
+        logits, hidden = self.runner.forward(fb)
+        emitted: list[tuple[ScheduledSeq, list[int], list[TokenLogprob]]] = []
+        plain = [s for s in batch.seqs if s.samples and s.num_drafts == 0]
         for s in batch.seqs:
-            kv = s.req.kv
+            if not s.samples:
+                self.cache.commit(s.req.kv, s.end)
+        if plain:
+            out = sample(
+                logits[[rows[id(s)] for s in plain]],
+                [s.req.sampling for s in plain],
+                [s.req.tokens if s.req.sampling.repetition_penalty != 1.0 else () for s in plain],
+                [s.req.output_ids for s in plain],
+                [s.req.generator for s in plain],
+            )
+            for i, s in enumerate(plain):
+                self.cache.commit(s.req.kv, s.end)
+                lp = out.logprobs[i] if out.logprobs and s.req.sampling.logprobs else None
+                emitted.append((s, [out.token_ids[i]], [lp] if lp else []))
+        for s in batch.seqs:
+            if s.num_drafts:
+                emitted.append(self._verify(s, drafts[id(s)], logits, rows[id(s)]))
+        if not emitted:
+            self._catch_up(batch, hidden, rows, decoding=set())
+            return []
+        now, finished = time.monotonic(), set()
+        for s, tokens, lps in emitted:
+            req = s.req
+            req.output_ids.extend(tokens)
+            req.logprobs.extend(lps)
+            req.sampled = True
+            if req.timings.first_token is None:
+                req.timings.first_token = now
+            if self.stopper.check(req):
+                finished.add(id(s))
+        self._catch_up(batch, hidden, rows, {id(s) for s, _, _ in emitted} - finished)
+        events = []
+        for s, tokens, _ in emitted:
+            req = s.req
+            before = len(req.output_ids) - len(tokens)
+            result = self._finish(req) if id(s) in finished else None
+            events.append(
+                StepEvent(req.rid, req.output_ids[before:], result, req.logprobs[before:])
+            )
+        return events
+
+    def _propose(self, batch: ScheduledBatch) -> dict[int, ChainDrafts]:
+        """Draft chains for the decodes that speculate this step (keyed by id(seq))."""
+        seqs = [s for s in batch.seqs if s.num_drafts]
+        if not seqs or self.proposer is None:
+            return {}
+        chains = self.proposer.propose([s.req for s in seqs], [s.num_drafts for s in seqs])
+        return {id(s): c for s, c in zip(seqs, chains, strict=True)}
+
+    def _forward_batch(
+        self, batch: ScheduledBatch, drafts: dict[int, ChainDrafts]
+    ) -> tuple[ForwardBatch, dict[int, int]]:
+        """The flat forward; `rows[id(seq)]`: a sampling sequence's first logits row (k+1 rows
+        for a verify); `rows[-id(seq)]`: every sequence's first token in the flat batch."""
+        ids, pos, out_slots, seqs, logit_idx, rows, n = [], [], [], [], [], {}, 0
+        for s in batch.seqs:
+            kv, chain = s.req.kv, drafts.get(id(s))
+            extra = chain.tokens if chain else []
+            end = s.end + len(extra)
             ids.extend(s.req.token_slice(s.start, s.end))
-            pos.append(torch.arange(s.start, s.end))
-            out_slots.append(self.cache.slots(kv, s.start, s.end))
-            seqs.append(SeqSpec(s.end - s.start, self.cache.slots(kv, 0, s.end)))
-            n += s.end - s.start
+            ids.extend(extra)
+            pos.append(torch.arange(s.start, end))
+            out_slots.append(self.cache.slots(kv, s.start, end))
+            seqs.append(SeqSpec(end - s.start, self.cache.slots(kv, 0, end)))
+            rows[-id(s)] = n
+            n += end - s.start
             if s.samples:
-                logit_idx.append(n - 1)
+                rows[id(s)] = len(logit_idx)
+                logit_idx.extend(range(n - 1 - len(extra), n))
         fb = ForwardBatch(
             torch.tensor(ids),
             torch.cat(pos),
             torch.cat(out_slots),
             seqs,
             torch.tensor(logit_idx, dtype=torch.int64),
+            want_hidden=self.proposer is not None,
         )
-        logits = self.runner.forward(fb)
+        return fb, rows
+
+    def _verify(
+        self, s: ScheduledSeq, chain: ChainDrafts, logits: torch.Tensor, row: int
+    ) -> tuple[ScheduledSeq, list[int], list[TokenLogprob]]:
+        """Keep the drafts the target agrees with; commit their KV (and the pending token's),
+        free the rejected drafts' slots now."""
+        req, k = s.req, len(chain.tokens)
+        target = logits[row : row + k + 1].float()
+        p = req.sampling
+        if p.is_greedy:
+            verdict = accept_greedy(target, chain.tokens)
+        else:
+            probs = torch.stack([filter_logits(r.clone(), p).softmax(-1) for r in target])
+            verdict = accept_sampled(probs, chain.probs, chain.tokens, req.generator)
+        self.cache.commit(req.kv, s.end + verdict.accepted)
+        self.cache.free_overallocation(req.kv)
+        req.spec.record(k, verdict.accepted)
+        self.spec_stats.record(k, verdict.accepted)
+        self.metrics.on_spec_step(verdict.accepted + 1)
+        lps = (
+            token_logprobs(target[: len(verdict.tokens)], verdict.tokens, p.top_logprobs)
+            if p.logprobs
+            else []
+        )
+        return s, verdict.tokens, lps
+
+    def _catch_up(
+        self,
+        batch: ScheduledBatch,
+        hidden: torch.Tensor | None,
+        rows: dict[int, int],
+        decoding: set[int],
+    ) -> None:
+        """The drafter's pass over every position committed this step (see spec/proposer);
+        `decoding`: ids of the sequences that sampled and go on decoding (they get a guess)."""
+        if self.proposer is None or hidden is None:
+            return
+        entries = []
         for s in batch.seqs:
-            self.cache.commit(s.req.kv, s.end)
-        samplers = [s.req for s in batch.seqs if s.samples]
-        if not samplers:
-            return []
-        out = sample(
-            logits,
-            [r.sampling for r in samplers],
-            [r.tokens if r.sampling.repetition_penalty != 1.0 else () for r in samplers],
-            [r.output_ids for r in samplers],
-            [r.generator for r in samplers],
-        )
-        now, events = time.monotonic(), []
-        for i, req in enumerate(samplers):
-            before = len(req.output_ids)
-            tok = out.token_ids[i]
-            req.output_ids.append(tok)
-            req.sampled = True
-            if req.timings.first_token is None:
-                req.timings.first_token = now
-            if out.logprobs is not None and req.sampling.logprobs:
-                top = tuple(out.top[i]) if out.top else ()
-                req.logprobs.append(TokenLogprob(tok, out.logprobs[i], top))
-            result = self._finish(req) if self.stopper.check(req) else None
-            events.append(
-                StepEvent(req.rid, req.output_ids[before:], result, req.logprobs[before:])
-            )
-        return events
+            req, first = s.req, rows[-id(s)]
+            end = req.kv.committed_len
+            wants = id(s) in decoding and self.proposer.eligible(req)
+            hid = hidden[first : first + end - s.start]
+            entries.append(CatchUp(req, s.start, end, hid, wants))
+        self.proposer.catch_up(entries)
 
     def _finish(self, req: Request) -> RequestResult:
         """Trim the output to the answer (speculative overshoot), save the KV, report."""
@@ -330,6 +454,9 @@ class Engine:
             ttft_s=t.ttft_s,
             decode_s=t.decode_s,
             retractions=req.retractions,
+            spec_drafted=req.spec.drafted,
+            spec_accepted=req.spec.accepted,
+            spec_steps=req.spec.steps,
         )
         self.metrics.on_finish(result)
         if req.rid not in self.listeners:  # a listener gets it in its last event instead

@@ -28,6 +28,7 @@ class ForwardBatch:
     out_slots: torch.Tensor  # [T]
     seqs: list[SeqSpec]
     logit_idx: torch.Tensor  # [N] flat token indices whose logits are needed
+    want_hidden: bool = False  # also return every token's last hidden state (for EAGLE)
 
 
 class ModelRunner:
@@ -36,11 +37,15 @@ class ModelRunner:
         self.kv_pool = kv_pool
         self.backend = backend
         self.device = next(model.parameters()).device
+        self.decoder = model.get_decoder()
+        self.lm_head = model.get_output_embeddings()
         install(model)
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits [N, V] for `batch.logit_idx`; K/V of every new token written to the pool."""
+    def forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits [N, V] for `batch.logit_idx`, and with `want_hidden` the last hidden state
+        (after the final norm) of every token [T, H]; K/V of every new token is written to the
+        pool. The decoder and the LM head run separately so the hidden states come for free."""
         dev = self.device
         meta = ForwardMeta(
             backend=self.backend,
@@ -48,11 +53,11 @@ class ModelRunner:
             out_slots=batch.out_slots.to(dev),
             plan=self.backend.prepare(batch.seqs, dev),
         )
-        out = self.model(
+        hidden = self.decoder(
             input_ids=batch.input_ids.to(dev)[None],
             position_ids=batch.positions.to(dev)[None],
             use_cache=False,
             paged_meta=meta,
-            logits_to_keep=batch.logit_idx.to(dev),
-        )
-        return out.logits[0]
+        ).last_hidden_state[0]
+        logits = self.lm_head(hidden[batch.logit_idx.to(dev)])
+        return logits, hidden if batch.want_hidden else None

@@ -12,6 +12,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from sessionserve.cache.request_kv import RequestKV
 from sessionserve.errors import SessionServeError
+from sessionserve.replicas.spec.draft_state import DraftState
+from sessionserve.replicas.spec.stats import SpecStats
 
 
 class InvalidRequestError(SessionServeError, ValueError):
@@ -137,6 +139,8 @@ class Request:
     retractions: int = 0
     generator: torch.Generator | None = None
     timings: Timings = field(default_factory=Timings)
+    draft: DraftState | None = None  # the drafter's next guess (speculative decoding)
+    spec: SpecStats = field(default_factory=SpecStats)
 
     @property
     def session_id(self) -> str | None:
@@ -182,3 +186,6 @@ class RequestResult:
     ttft_s: float | None
     decode_s: float | None
     retractions: int
+    spec_drafted: int = 0  # speculative tokens proposed for this request
+    spec_accepted: int = 0  # of which the target accepted
+    spec_steps: int = 0  # verify steps (mean acceptance length = (accepted + steps) / steps)

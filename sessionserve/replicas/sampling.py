@@ -13,13 +13,12 @@ from typing import NamedTuple
 
 import torch
 
-from sessionserve.replicas.request import SamplingParams
+from sessionserve.replicas.request import SamplingParams, TokenLogprob
 
 
 class SampleOutput(NamedTuple):
     token_ids: list[int]
-    logprobs: list[float] | None  # per row, of the chosen token
-    top: list[list[tuple[int, float]]] | None  # per row, the top-n alternatives
+    logprobs: list[TokenLogprob | None] | None  # per row, when any row asked for them
 
 
 def apply_penalties(
@@ -69,7 +68,6 @@ def sample(
     for rows without one)."""
     logits = logits.float()
     want_lp = any(p.logprobs for p in params)
-    raw_lp = torch.log_softmax(logits, dim=-1) if want_lp else None
     chosen = logits.argmax(dim=-1).tolist()  # greedy rows without penalties: done
     for i, p in enumerate(params):
         if p.is_greedy and not p.has_penalties:
@@ -82,21 +80,28 @@ def sample(
             continue
         probs = filter_logits(row, p).softmax(-1)
         chosen[i] = int(torch.multinomial(probs, 1, generator=generators[i]))
-    if raw_lp is None:
-        return SampleOutput(chosen, None, None)
-    token_lp = raw_lp[torch.arange(len(chosen)), torch.tensor(chosen)].tolist()
-    top: list[list[tuple[int, float]]] = []
-    n_top = max(p.top_logprobs for p in params)
-    if n_top:
-        vals, ids = raw_lp.topk(n_top, dim=-1)
-        for i, p in enumerate(params):
-            top.append(
-                list(
-                    zip(
-                        ids[i, : p.top_logprobs].tolist(),
-                        vals[i, : p.top_logprobs].tolist(),
-                        strict=True,
-                    )
-                )
-            )
-    return SampleOutput(chosen, token_lp, top or None)
+    if not want_lp:
+        return SampleOutput(chosen, None)
+    lps = [
+        token_logprobs(logits[i : i + 1], [tok], p.top_logprobs)[0] if p.logprobs else None
+        for i, (tok, p) in enumerate(zip(chosen, params, strict=True))
+    ]
+    return SampleOutput(chosen, lps)
+
+
+def token_logprobs(
+    logits: torch.Tensor, token_ids: Sequence[int], top_n: int
+) -> list[TokenLogprob]:
+    """Row i of `logits` ([N, V]) scored `token_ids[i]`: its logprob under the model's own
+    distribution, with the `top_n` most likely alternatives."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    ids = torch.tensor(list(token_ids), dtype=torch.int64)
+    chosen = lp[torch.arange(len(ids)), ids].tolist()
+    if top_n:
+        vals, alt = lp.topk(top_n, dim=-1)
+        tops = [
+            tuple(zip(a, v, strict=True)) for a, v in zip(alt.tolist(), vals.tolist(), strict=True)
+        ]
+    else:
+        tops = [()] * len(ids)
+    return [TokenLogprob(t, c, top) for t, c, top in zip(ids.tolist(), chosen, tops, strict=True)]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sessionserve.cache.session_cache import SessionCache
@@ -25,6 +26,7 @@ class ScheduledSeq:
     req: Request
     start: int  # positions [start, end) of req.tokens are computed this step
     end: int
+    num_drafts: int = 0  # speculative tokens verified after `end` (their slots are allocated)
 
     @property
     def samples(self) -> bool:
@@ -42,9 +44,15 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, cache: SessionCache, config: SchedulerConfig) -> None:
+    def __init__(
+        self,
+        cache: SessionCache,
+        config: SchedulerConfig,
+        draft_len: Callable[[Request], int] | None = None,
+    ) -> None:
         self.cache = cache
         self.config = config
+        self.draft_len = draft_len or (lambda req: 0)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.retractions_total = 0
@@ -89,15 +97,30 @@ class Scheduler:
         every = self.config.force_retract_every
         if every and decodes and self.steps % every == 0:
             self._retract(decodes.pop(), batch)
-        i = 0
+        i, drafts = 0, []
         while i < len(decodes):
             req = decodes[i]
+            k = self.draft_len(req)
             try:
-                self.cache.allocate(req.kv, req.num_tokens)
-                i += 1
+                self._allocate_decode(req, k)
             except KVCacheFullError:
-                self._retract(decodes.pop(), batch)  # the youngest; maybe `req` itself
-        batch.seqs.extend(ScheduledSeq(r, r.num_tokens - 1, r.num_tokens) for r in decodes)
+                try:  # no room for the drafts: decode one token this step
+                    k = 0
+                    self._allocate_decode(req, k)
+                except KVCacheFullError:
+                    self._retract(decodes.pop(), batch)  # the youngest; maybe `req` itself
+                    continue
+            drafts.append(k)
+            i += 1
+        batch.seqs.extend(
+            ScheduledSeq(r, r.num_tokens - 1, r.num_tokens, k)
+            for r, k in zip(decodes, drafts, strict=True)
+        )
+
+    def _allocate_decode(self, req: Request, num_drafts: int) -> None:
+        """Slots for the pending token and its drafts; the pending token's is the 'bonus slot',
+        claimed before the step. Drafts a failed verify leaves over are freed by the engine."""
+        self.cache.allocate(req.kv, req.num_tokens + num_drafts)
 
     def _schedule_prefill(self, req: Request, budget: int, batch: ScheduledBatch) -> int:
         if budget <= 0:
@@ -130,6 +153,7 @@ class Scheduler:
     def _retract(self, req: Request, batch: ScheduledBatch) -> None:
         self.cache.retract(req.kv, req.tokens)
         req.sampled = False
+        req.draft = None
         req.retractions += 1
         self.retractions_total += 1
         self.running.remove(req)

@@ -1,0 +1,53 @@
+"""Which drafts the target accepts: exact for greedy, distribution-preserving for sampling.
+
+Greedy: a draft is kept while it equals the target's argmax at its position; the target's
+argmax after the last kept draft is added. The output is the non-speculative greedy output.
+
+Sampling (speculative rejection sampling, Leviathan et al. / Chen et al. 2023): draft `d` drawn
+from `q` is kept with probability min(1, p(d) / q(d)); at the first rejection a token is drawn
+from norm(max(p - q, 0)); if all are kept, one more is drawn from the target's next `p`. Each
+emitted token is then distributed exactly as the target's `p` (after temperature, top-k, top-p
+and min-p), whatever the drafter proposes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Verdict:
+    tokens: list[int]  # the kept drafts, then the target's own token
+    accepted: int  # drafts kept
+
+
+def accept_greedy(target_logits: torch.Tensor, drafts: list[int]) -> Verdict:
+    """`target_logits` [k+1, V]: row i scores the token after draft i (row 0: after the
+    last committed token)."""
+    best = target_logits.argmax(dim=-1).tolist()
+    n = 0
+    while n < len(drafts) and drafts[n] == best[n]:
+        n += 1
+    return Verdict(drafts[:n] + [best[n]], n)
+
+
+def accept_sampled(
+    target_probs: torch.Tensor,  # [k+1, V]
+    draft_probs: torch.Tensor,  # [k, V]: the distribution each draft was drawn from
+    drafts: list[int],
+    generator: torch.Generator | None,
+) -> Verdict:
+    uniforms = torch.rand(len(drafts), generator=generator).tolist()
+    for i, d in enumerate(drafts):
+        p, q = target_probs[i], draft_probs[i]
+        if uniforms[i] * float(q[d]) <= float(p[d]):
+            continue
+        residual = (p - q).clamp_min(0.0)
+        if float(residual.sum()) <= 0.0:  # p == q up to rounding: p itself is the residual
+            residual = p
+        token = int(torch.multinomial(residual, 1, generator=generator))
+        return Verdict(drafts[:i] + [token], i)
+    token = int(torch.multinomial(target_probs[len(drafts)], 1, generator=generator))
+    return Verdict(drafts + [token], len(drafts))

@@ -1,0 +1,340 @@
+"""`sessionserve train-drafter`: an EAGLE head for a target model, trained on a CPU.
+
+Self-distillation in three phases, each resumable from files in the output directory:
+1. generate: the target answers the shipped prompts (greedy, through our own engine, batched);
+   the token sequences go to `dataset.pt`.
+2. features: one target forward per sequence gives the hidden states the head learns from
+   (recomputed on resume: cheaper than storing them).
+3. train: the head learns `h[q+1]` (smooth L1) and token `x[q+2]` (cross-entropy over the draft
+   vocabulary) from `(x[q+1], h[q])`, EAGLE's objective; `train_state.pt` holds the optimizer and
+   position every few steps, so an interrupted run continues where it stopped.
+The result is an EAGLE checkpoint (`config.json`, `model.safetensors`) in the output directory.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from dataclasses import asdict, dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from sessionserve.errors import InvalidConfigError
+from sessionserve.replicas.spec.checkpoint import save_drafter
+from sessionserve.replicas.spec.drafter import EagleDrafter, drafter_config
+
+log = logging.getLogger(__name__)
+DATASET = "dataset.pt"
+STATE = "train_state.pt"
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    model: str = "default"
+    out: str = "drafters/default"
+    prompts: str | None = None  # a text file, one prompt per line; None = the shipped set
+    max_prompts: int | None = None
+    max_new_tokens: int = 160
+    epochs: int = 20
+    lr: float = 2e-3
+    batch_seqs: int = 8  # sequences per optimizer step
+    draft_vocab: int = 8192  # 0 = the whole vocabulary
+    token_loss_weight: float = 0.3
+    noise: float = 0.05  # Gaussian noise on input hidden states, relative to their RMS
+    threads: int | None = None
+    seed: int = 0
+    save_every: int = 25  # optimizer steps between resumable train states
+
+
+def shipped_prompts() -> list[str]:
+    text = resources.files("sessionserve.replicas.spec").joinpath("data/train_prompts.txt")
+    return [line for line in text.read_text().splitlines() if line.strip()]
+
+
+def train_drafter(cfg: TrainConfig) -> Path:
+    """Run (or resume) all phases; returns the checkpoint directory."""
+    from sessionserve.replicas.loader import load_model
+
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    out = Path(cfg.out).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    loaded = load_model(cfg.model)
+    model, tokenizer = loaded.model, loaded.tokenizer
+    print(f"target {loaded.name}: loaded in {time.monotonic() - t0:.1f} s; output in {out}")
+    seqs, vocab = _dataset(cfg, out, loaded)
+    feats = _features(model, seqs)
+    drafter = _initial_drafter(model, vocab)
+    _train(cfg, out, drafter, model, seqs, feats)
+    meta = {
+        "target": loaded.name,
+        "train_config": asdict(cfg),
+        "sequences": len(seqs),
+        "tokens": sum(len(s) for s in seqs),
+        "train_seconds": round(time.monotonic() - t0, 1),
+    }
+    save_drafter(drafter, out, **meta)
+    print(f"wrote the EAGLE head to {out} ({time.monotonic() - t0:.0f} s in all)")
+    del tokenizer
+    return out
+
+
+# ---- phase 1: responses ----
+def _dataset(cfg: TrainConfig, out: Path, loaded: Any) -> tuple[list[list[int]], torch.Tensor]:
+    path = out / DATASET
+    if path.exists():
+        data = torch.load(path, weights_only=True)
+        print(f"generate: reusing {len(data['seqs'])} sequences from {path}")
+        return data["seqs"], data["vocab"]
+    prompts = _prompts(cfg)
+    seqs = _generate(cfg, loaded, prompts)
+    vocab = _draft_vocab(seqs, loaded.model.config.vocab_size, cfg.draft_vocab, loaded)
+    torch.save({"seqs": seqs, "vocab": vocab}, path)
+    return seqs, vocab
+
+
+def _prompts(cfg: TrainConfig) -> list[str]:
+    if cfg.prompts:
+        p = Path(cfg.prompts).expanduser()
+        if not p.is_file():
+            raise InvalidConfigError(f"--prompts {str(p)!r} is not a file (one prompt per line)")
+        prompts = [line for line in p.read_text().splitlines() if line.strip()]
+    else:
+        prompts = shipped_prompts()
+    if not prompts:
+        raise InvalidConfigError("the prompt file has no prompts")
+    return prompts[: cfg.max_prompts] if cfg.max_prompts else prompts
+
+
+def _generate(cfg: TrainConfig, loaded: Any, prompts: list[str]) -> list[list[int]]:
+    from sessionserve.config import CacheConfig, EngineConfig, SchedulerConfig
+    from sessionserve.replicas.engine import Engine
+    from sessionserve.replicas.request import SamplingParams
+
+    tok = loaded.tokenizer
+    inputs = [_chat_ids(tok, p) for p in prompts]
+    engine = Engine(
+        EngineConfig(
+            cache=CacheConfig(num_slots=32768, max_rows=80),
+            scheduler=SchedulerConfig(max_running_requests=48, max_prefill_tokens=1024),
+        ),
+        loaded,
+    )
+    greedy = SamplingParams(max_tokens=cfg.max_new_tokens, temperature=0)
+    bar = tqdm(total=len(inputs), desc="generate", unit="answer", dynamic_ncols=True)
+    done: dict[str, list[int]] = {}
+    rids = [engine.submit(ids, greedy) for ids in inputs]
+    generated = 0
+    while engine.has_work():
+        for event in engine.step():
+            generated += len(event.new_token_ids)
+            if event.result is not None:
+                done[event.rid] = event.result.output_ids
+                bar.update(1)
+        bar.set_postfix(tokens=generated)
+    bar.close()
+    return [inp + done[r] for inp, r in zip(inputs, rids, strict=True)]
+
+
+def _chat_ids(tokenizer: Any, prompt: str) -> list[int]:
+    if getattr(tokenizer, "chat_template", None):
+        return list(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}],
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=False,
+            )
+        )
+    return list(tokenizer.encode(prompt))
+
+
+def _draft_vocab(seqs: list[list[int]], vocab_size: int, size: int, loaded: Any) -> torch.Tensor:
+    """The `size` most frequent tokens of the data (plus special ones), sorted; all if 0."""
+    if not size or size >= vocab_size:
+        return torch.arange(vocab_size)
+    counts = torch.bincount(torch.tensor([t for s in seqs for t in s]), minlength=vocab_size)
+    special = [t for t in getattr(loaded.tokenizer, "all_special_ids", []) if t < vocab_size]
+    counts[special] = counts.max() + 1
+    vocab = torch.topk(counts.float(), size).indices.sort().values
+    covered = counts[vocab].sum().item() / max(1, counts.sum().item())
+    print(f"draft vocabulary: {size} of {vocab_size} tokens, covering {covered:.1%} of the data")
+    return vocab
+
+
+# ---- phase 2: target hidden states ----
+@torch.no_grad()
+def _features(model: Any, seqs: list[list[int]]) -> list[torch.Tensor]:
+    """The target's last hidden state (after its final norm) at every position."""
+    model.set_attn_implementation("sdpa")  # the engine switched it to paged attention
+    decoder, feats = model.get_decoder(), []
+    for s in tqdm(seqs, desc="features", unit="seq", dynamic_ncols=True):
+        ids = torch.tensor([s])
+        feats.append(decoder(input_ids=ids).last_hidden_state[0].float())
+    return feats
+
+
+# ---- phase 3: train ----
+def _initial_drafter(target: Any, vocab: torch.Tensor) -> EagleDrafter:
+    """Start from the target's last layer and an `fc` that passes the hidden state through:
+    at step 0 the head already behaves like a re-applied last layer, not like noise."""
+    cfg = drafter_config(target.config)
+    full = vocab.numel() == target.config.vocab_size
+    drafter = EagleDrafter(cfg, draft_vocab=None if full else vocab)
+    last = target.get_decoder().layers[-1]
+    drafter.layers[0].load_state_dict(last.state_dict())
+    h = cfg.hidden_size
+    with torch.no_grad():  # residual branches off: the layer starts as the identity
+        drafter.layers[0].self_attn.o_proj.weight.zero_()
+        drafter.layers[0].mlp.down_proj.weight.zero_()
+        drafter.fc.weight.normal_(0.0, 0.01)
+        drafter.fc.weight[:, h:] += torch.eye(h)
+        drafter.fc.bias.zero_()
+    drafter.config._attn_implementation = "sdpa"
+    for p in target.parameters():
+        p.requires_grad_(False)
+    return drafter.attach(target)
+
+
+def _train(
+    cfg: TrainConfig,
+    out: Path,
+    drafter: EagleDrafter,
+    target: Any,
+    seqs: list[list[int]],
+    feats: list[torch.Tensor],
+) -> None:
+    order = list(range(len(seqs)))
+    random.Random(cfg.seed).shuffle(order)
+    n_val = max(1, len(order) // 20)
+    val, train = order[:n_val], order[n_val:]
+    steps_per_epoch = math.ceil(len(train) / cfg.batch_seqs)
+    total = steps_per_epoch * cfg.epochs
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _warmup_cosine(total))
+    step, state_path = 0, out / STATE
+    if state_path.exists():
+        state = torch.load(state_path, weights_only=False)
+        drafter.load_state_dict(state["drafter"])
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        step = state["step"]
+        print(f"train: resuming at step {step}/{total} from {state_path}")
+    t2d = _target_to_draft(drafter, target.config.vocab_size)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    bar = tqdm(total=total, initial=step, desc="train", unit="step", dynamic_ncols=True)
+    drafter.train()
+    while step < total:
+        epoch, i = divmod(step, steps_per_epoch)
+        epoch_order = train[:]
+        random.Random(cfg.seed + epoch).shuffle(epoch_order)
+        batch = epoch_order[i * cfg.batch_seqs : (i + 1) * cfg.batch_seqs]
+        opt.zero_grad(set_to_none=True)
+        tokens_in_batch = sum(len(seqs[j]) - 1 for j in batch)
+        stats = torch.zeros(3)
+        for j in batch:
+            loss, s = _sequence_loss(cfg, drafter, seqs[j], feats[j], t2d, gen)
+            (loss * (len(seqs[j]) - 1) / tokens_in_batch).backward()
+            stats += s
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        step += 1
+        bar.update(1)
+        bar.set_postfix(
+            epoch=epoch + 1, loss=f"{stats[0] / stats[2]:.3f}", acc=f"{stats[1] / stats[2]:.2f}"
+        )
+        if step % cfg.save_every == 0 or step == total:
+            _save_state(state_path, drafter, opt, sched, step)
+        if step % steps_per_epoch == 0 or step == total:
+            acc = _validate(cfg, drafter, [seqs[j] for j in val], [feats[j] for j in val], t2d)
+            bar.write(f"epoch {epoch + 1}: held-out next-token accuracy {acc:.3f}")
+    bar.close()
+    drafter.eval()
+
+
+def _sequence_loss(
+    cfg: TrainConfig,
+    drafter: EagleDrafter,
+    seq: list[int],
+    feat: torch.Tensor,
+    t2d: torch.Tensor,
+    gen: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """EAGLE's loss on one sequence; returns (loss, [token loss sum, correct, count])."""
+    ids = torch.tensor(seq)
+    hidden = feat[:-1]
+    if gen is not None and cfg.noise:
+        rms = hidden.pow(2).mean().sqrt()
+        hidden = hidden + cfg.noise * rms * torch.randn(hidden.shape, generator=gen)
+    n = hidden.shape[0]
+    f = drafter.features(ids[None, 1:], hidden[None], torch.arange(n)[None])[0]
+    scale = feat.pow(2).mean().sqrt()  # regress in units of the sequence's RMS
+    feature_loss = F.smooth_l1_loss(f / scale, feat[1:] / scale)
+    labels = t2d[ids[2:]]  # x[q+2] for q < n-1, as a draft-vocabulary index (-100: outside)
+    logits = drafter.draft_logits(f[:-1])
+    token_loss = F.cross_entropy(logits, labels, ignore_index=-100)
+    valid = labels >= 0
+    correct = (logits.argmax(-1) == labels)[valid].sum().item()
+    loss = feature_loss + cfg.token_loss_weight * token_loss
+    count = max(1, int(valid.sum()))
+    return loss, torch.tensor([loss.item() * count, correct, count], dtype=torch.float)
+
+
+@torch.no_grad()
+def _validate(
+    cfg: TrainConfig,
+    drafter: EagleDrafter,
+    seqs: list[list[int]],
+    feats: list[torch.Tensor],
+    t2d: torch.Tensor,
+) -> float:
+    drafter.eval()
+    correct = count = 0.0
+    for seq, feat in zip(seqs, feats, strict=True):
+        _, s = _sequence_loss(cfg, drafter, seq, feat, t2d, None)
+        correct, count = correct + s[1].item(), count + s[2].item()
+    drafter.train()
+    return correct / max(1.0, count)
+
+
+def _target_to_draft(drafter: EagleDrafter, vocab_size: int) -> torch.Tensor:
+    ids = drafter.draft_ids
+    t2d = torch.full((vocab_size,), -100, dtype=torch.long)
+    if ids is None:
+        return torch.arange(vocab_size)
+    t2d[ids] = torch.arange(ids.numel())
+    return t2d
+
+
+def _warmup_cosine(total: int, warmup_frac: float = 0.05):
+    warmup = max(1, int(total * warmup_frac))
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, total - warmup)
+        return 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def _save_state(path: Path, drafter: EagleDrafter, opt: Any, sched: Any, step: int) -> None:
+    tmp = path.with_suffix(".tmp")
+    state = {
+        "drafter": drafter.state_dict(),
+        "optimizer": opt.state_dict(),
+        "scheduler": sched.state_dict(),
+        "step": step,
+    }
+    torch.save(state, tmp)
+    tmp.replace(path)
