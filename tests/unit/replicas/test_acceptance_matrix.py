@@ -1,4 +1,5 @@
-"""The reference acceptance matrix (streaming-sessions.md s.6.1) on four configurations.
+"""The reference acceptance matrix (streaming-sessions.md s.6.1) on six configurations, two of
+them with EAGLE speculative decoding (drafts allocated, verified, rejected, trimmed every step).
 
 Every engine runs in strict memory mode (busy invariant after every step, idle invariant when
 drained); every scenario ends with all sessions closed and every KV slot and row free.
@@ -10,29 +11,49 @@ import pytest
 
 from sessionserve.errors import SessionBusyError
 from sessionserve.replicas.request import ContextTooLongError, FinishReason, SamplingParams
-from tests.models import tiny_engine, tiny_model
+from tests.models import mimic_drafter, tiny_engine, tiny_model
 
 CONFIGS = {
     "plain": {"page_size": 16},
     "retract-small-chunks": {"page_size": 16, "retract_every": 3, "prefill": 16},
     "large-page": {"page_size": 64, "num_slots": 64 * 64},
     "tiny-pool": {"page_size": 4, "num_slots": 4 * 96, "max_rows": 8, "max_context_len": 320},
+    "spec-page1": {"page_size": 1, "drafter": mimic_drafter},
+    "spec-retract-tiny-pool": {
+        "page_size": 4,
+        "num_slots": 4 * 110,
+        "max_rows": 8,
+        "max_context_len": 320,
+        "retract_every": 4,
+        "prefill": 16,
+        "drafter": mimic_drafter,
+    },
 }
 # what each configuration is there to exercise; asserted after its run so it cannot go quiet
-EXERCISES = {"retract-small-chunks": "retractions", "tiny-pool": "evictions"}
+EXERCISES = {
+    "retract-small-chunks": ["retractions"],
+    "tiny-pool": ["evictions"],
+    "spec-page1": ["accepted_drafts", "rejected_drafts"],
+    "spec-retract-tiny-pool": ["accepted_drafts", "rejected_drafts", "retractions", "evictions"],
+}
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
 
 @pytest.fixture(params=list(CONFIGS), scope="module")
 def engine(request):
-    eng = tiny_engine(tiny_model(), **CONFIGS[request.param])
+    cfg = CONFIGS[request.param]
+    model = tiny_model(num_hidden_layers=1) if "drafter" in cfg else tiny_model()
+    eng = tiny_engine(model, **cfg)
     yield eng
+    spec = eng.spec_stats
     counters = {
         "retractions": eng.scheduler.retractions_total,
         "evictions": eng.cache.evicted_sessions_total,
+        "accepted_drafts": spec.accepted,
+        "rejected_drafts": spec.drafted - spec.accepted,
     }
-    if request.param in EXERCISES:
-        assert counters[EXERCISES[request.param]] > 0, counters
+    for what in EXERCISES.get(request.param, []):
+        assert counters[what] > 0, counters
     for sid in list(eng.sessions.meta):
         eng.close_session(sid)
     eng.cache.flush()
@@ -51,14 +72,19 @@ def _drain_and_check(engine) -> None:
 
 def test_s1_kv_cache_inheritance(engine) -> None:
     sid = engine.open_session()
-    prev = None
+    prev, held = None, 0
     for turn in range(3):
         (r,) = engine.generate([_ids(turn, 20)], GREEDY, session_id=sid)
         if prev is None:
             assert r.cached_tokens == 0
-        else:
-            assert r.cached_tokens == prev.prompt_tokens + prev.completion_tokens - 1
+        else:  # exactly what the last turn committed and parked
+            assert r.cached_tokens == held
             assert r.prompt_tokens == prev.prompt_tokens + prev.completion_tokens + 20
+        held = len(engine.cache.session(sid).kv_tokens)  # KV the session keeps
+        # all but the last answer token (never fed back), or all of it when a verify
+        # overshot past max_tokens and the KV of that token was computed and kept
+        full = r.prompt_tokens + r.completion_tokens
+        assert held == full - 1 or (held == full and engine.proposer is not None)
         prev = r
     assert engine.close_session(sid)
     _drain_and_check(engine)

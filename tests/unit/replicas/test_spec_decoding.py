@@ -1,0 +1,172 @@
+"""EAGLE speculative decoding in the engine: greedy output is the non-speculative output token
+for token; stops, max_tokens and aborts inside a verified run are exact; the drafter's KV
+holds exactly the committed positions; sessions continue from what was committed.
+
+Every engine here runs in strict memory mode: the busy invariant is checked after each step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sessionserve.replicas.request import FinishReason, SamplingParams
+from tests.models import hf_greedy, mimic_drafter, random_drafter, tiny_engine, tiny_model
+
+GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+
+
+def _prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(5, 250, (n,), generator=gen).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_greedy_speculation_equals_generate_with_uneven_acceptance(page_size: int) -> None:
+    model = tiny_model(num_hidden_layers=1, seed=3)
+    prompts = _prompts(0, (5, 17, 33, 40, 61))
+    spec = tiny_engine(model, drafter=mimic_drafter, page_size=page_size, prefill=24)
+    results = spec.generate(prompts, GREEDY)
+    for prompt, r in zip(prompts, results, strict=True):
+        assert r.output_ids == hf_greedy(model, prompt, GREEDY.max_tokens)
+        assert r.spec_steps > 0 and r.spec_drafted == 4 * r.spec_steps
+    hist = spec.spec_stats.histogram
+    assert hist.get(1, 0) > 0 and hist.get(5, 0) > 0, hist  # full rejections and full runs
+    rates = {round(r.spec_accepted / r.spec_drafted, 3) for r in results}
+    assert len(rates) > 1, rates  # requests in one batch accepted differently
+    assert spec.spec_stats.accepted == sum(r.spec_accepted for r in results)
+    # fewer target forwards than tokens: speculation did the work
+    assert spec.spec_stats.steps < sum(r.completion_tokens for r in results) - len(results)
+
+
+def test_random_drafter_on_a_deeper_model_changes_nothing() -> None:
+    model = tiny_model(seed=5)  # two layers: an untrained head is nearly always wrong
+    prompts = _prompts(1, (9, 30))
+    spec = tiny_engine(model, drafter=random_drafter, num_drafts=3)
+    for prompt, r in zip(prompts, spec.generate(prompts, GREEDY), strict=True):
+        assert r.output_ids == hf_greedy(model, prompt, GREEDY.max_tokens)
+    assert spec.spec_stats.drafted > 0
+    assert spec.spec_stats.drafted - spec.spec_stats.accepted > 0
+
+
+def test_mixed_batch_logprobs_and_penalties_match_plain_engine() -> None:
+    model = tiny_model(num_hidden_layers=1, seed=3)
+    prompts = _prompts(2, (12, 20, 7))
+    options = [
+        SamplingParams(max_tokens=16, temperature=0, logprobs=True, top_logprobs=3),
+        SamplingParams(max_tokens=16, temperature=0, repetition_penalty=1.3),  # no drafts
+        SamplingParams(max_tokens=16, temperature=0, stop_token_ids=(77,)),
+    ]
+    spec = tiny_engine(model, drafter=mimic_drafter)
+    plain = tiny_engine(model)
+    rids = [spec.submit(p, o) for p, o in zip(prompts, options, strict=True)]
+    spec.run_until_idle()
+    got = [spec.take_result(r) for r in rids]
+    for prompt, opt, r in zip(prompts, options, got, strict=True):
+        (ref,) = plain.generate([prompt], opt)
+        assert r.output_ids == ref.output_ids and r.finish_reason == ref.finish_reason
+        for a, b in zip(r.logprobs, ref.logprobs, strict=True):
+            assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
+            assert [t for t, _ in a.top] == [t for t, _ in b.top]
+        assert len(r.logprobs) == (len(r.output_ids) if opt.logprobs else 0)
+    assert got[0].spec_steps > 0 and got[1].spec_steps == 0
+
+
+def _long_run_start(engine, prompt: list[int]) -> int:
+    """Output index where some verify (not the first step) emitted >= 3 tokens at once."""
+    events = []
+    params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    engine.submit(prompt, params, listener=events.append)
+    engine.run_until_idle()
+    done = 0
+    for e in events:
+        if len(e.new_token_ids) >= 3 and done > 0:
+            return done
+        done += len(e.new_token_ids)
+    raise AssertionError("no verify accepted two drafts")
+
+
+def test_max_tokens_and_stop_tokens_inside_an_accepted_run_are_exact() -> None:
+    """The verify emits several tokens at once; the answer ends exactly where a plain engine
+    stops, and the overshoot is trimmed from the tokens (and the KV: strict mode checks)."""
+    model = tiny_model(num_hidden_layers=1, seed=3)
+    prompt = _prompts(3, (25,))[0]
+    spec = tiny_engine(model, drafter=mimic_drafter, page_size=1)
+    plain = tiny_engine(model)
+    start = _long_run_start(spec, prompt)
+    full = hf_greedy(model, prompt, 60)
+    inside = start + 1  # a max_tokens that ends inside that accepted run
+    p_len = SamplingParams(max_tokens=inside + 1, temperature=0, ignore_eos=True)
+    (r,) = spec.generate([prompt], p_len)
+    assert r.output_ids == full[: inside + 1] and r.finish_reason is FinishReason.LENGTH
+    stop_tok = full[inside]
+    first = full.index(stop_tok)
+    p_stop = SamplingParams(max_tokens=60, temperature=0, stop_token_ids=(stop_tok,))
+    (s,) = spec.generate([prompt], p_stop)
+    (ref,) = plain.generate([prompt], p_stop)
+    assert s.output_ids == ref.output_ids == full[: first + 1]
+    assert s.finish_reason is FinishReason.STOP
+    spec.cache.flush()
+    terms = spec.checker.check_idle()
+    assert terms.free == terms.total
+
+
+def test_drafter_kv_holds_exactly_the_committed_positions() -> None:
+    """After a session's turns, the drafter's K at every parked slot equals what a fresh
+    prefill of the whole history computes: the catch-up wrote every committed position with
+    the target's hidden states (no guessed chain entry survives)."""
+    model = tiny_model(num_hidden_layers=1, seed=3)
+    engine = tiny_engine(model, drafter=lambda m: mimic_drafter(m, noise=0.05), page_size=1)
+    fresh = tiny_engine(model, drafter=lambda m: mimic_drafter(m, noise=0.05), page_size=1)
+    sid = engine.open_session()
+    history: list[int] = []
+    for turn, n in enumerate((14, 9, 21)):
+        new = _prompts(10 + turn, (n,))[0]
+        (r,) = engine.generate([new], GREEDY, session_id=sid)
+        history += new + r.output_ids
+    slot = engine.cache.session(sid)
+    kept = len(slot.kv_tokens)
+    assert slot.kv_tokens == history[:kept]
+    (ref,) = fresh.generate([history], SamplingParams(max_tokens=1, temperature=0))
+    ours = engine.proposer.pool.k[0][engine.cache.rows.read(slot.row, 0, kept - 1)]
+    match = fresh.cache.radix.match_prefix(history[:kept])
+    theirs = fresh.proposer.pool.k[0][match.slots[: kept - 1]]
+    # the last parked position pairs with the token after it, which only this session knows
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+    engine.close_session(sid)
+    engine.cache.flush()
+    terms = engine.checker.check_idle()
+    assert terms.free == terms.total
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_session_turns_with_speculation_equal_plain_requests(page_size: int) -> None:
+    """Multi-turn with aborts mid-verify and forced retraction: each answer equals a plain
+    engine's on the full history; the next turn reuses exactly what was committed."""
+    model = tiny_model(num_hidden_layers=1, seed=3)
+    engine = tiny_engine(model, drafter=mimic_drafter, page_size=page_size, retract_every=5)
+    plain = tiny_engine(model, radix=False)
+    sid = engine.open_session()
+    history: list[int] = []
+    for turn in range(5):
+        new = _prompts(20 + turn, (6 + 5 * turn,))[0]
+        if turn == 2:  # abort mid-verify: the turn disappears, the session continues
+            rid = engine.submit(new, GREEDY, session_id=sid)
+            for _ in range(4):
+                engine.step()
+            assert engine.requests[rid].spec.steps > 0
+            engine.abort(rid)
+            engine.take_result(rid)
+            continue
+        kept = len(engine.cache.session(sid).kv_tokens) if history else 0
+        (r,) = engine.generate([new], GREEDY, session_id=sid)
+        history += new
+        (ref,) = plain.generate([history], GREEDY)
+        assert r.output_ids == ref.output_ids
+        assert r.cached_tokens == kept or turn == 3  # after the abort: the rolled-back KV
+        history += r.output_ids
+    assert engine.scheduler.retractions_total > 0 and engine.spec_stats.accepted > 0
+    engine.close_session(sid)
+    engine.cache.flush()
+    terms = engine.checker.check_idle()
+    assert terms.free == terms.total and terms.rows_free == terms.rows_total
