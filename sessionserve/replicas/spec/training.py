@@ -58,8 +58,9 @@ def shipped_prompts() -> list[str]:
     return [line for line in text.read_text().splitlines() if line.strip()]
 
 
-def train_drafter(cfg: TrainConfig) -> Path:
-    """Run (or resume) all phases; returns the checkpoint directory."""
+def train_drafter(cfg: TrainConfig) -> EagleDrafter:
+    """Run (or resume) all phases; writes the checkpoint to `cfg.out` and returns the head
+    (attached to its target, eval mode)."""
     from sessionserve.replicas.loader import load_model
 
     if cfg.threads:
@@ -68,10 +69,11 @@ def train_drafter(cfg: TrainConfig) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     loaded = load_model(cfg.model)
-    model, tokenizer = loaded.model, loaded.tokenizer
+    model = loaded.model
     print(f"target {loaded.name}: loaded in {time.monotonic() - t0:.1f} s; output in {out}")
     seqs, vocab = _dataset(cfg, out, loaded)
     feats = _features(model, seqs)
+    torch.manual_seed(cfg.seed)  # the head's initial weights
     drafter = _initial_drafter(model, vocab)
     _train(cfg, out, drafter, model, seqs, feats)
     meta = {
@@ -83,8 +85,8 @@ def train_drafter(cfg: TrainConfig) -> Path:
     }
     save_drafter(drafter, out, **meta)
     print(f"wrote the EAGLE head to {out} ({time.monotonic() - t0:.0f} s in all)")
-    del tokenizer
-    return out
+    print(f"serve with it: engine.spec.drafter_path: {out.resolve()}")
+    return drafter
 
 
 # ---- phase 1: responses ----
@@ -230,7 +232,9 @@ def _train(
         step = state["step"]
         print(f"train: resuming at step {step}/{total} from {state_path}")
     t2d = _target_to_draft(drafter, target.config.vocab_size)
-    gen = torch.Generator().manual_seed(cfg.seed)
+    gen = torch.Generator().manual_seed(cfg.seed)  # input noise; saved with the state
+    if state_path.exists():
+        gen.set_state(state["noise_rng"])
     bar = tqdm(total=total, initial=step, desc="train", unit="step", dynamic_ncols=True)
     drafter.train()
     while step < total:
@@ -254,7 +258,7 @@ def _train(
             epoch=epoch + 1, loss=f"{stats[0] / stats[2]:.3f}", acc=f"{stats[1] / stats[2]:.2f}"
         )
         if step % cfg.save_every == 0 or step == total:
-            _save_state(state_path, drafter, opt, sched, step)
+            _save_state(state_path, drafter, opt, sched, step, gen)
         if step % steps_per_epoch == 0 or step == total:
             acc = _validate(cfg, drafter, [seqs[j] for j in val], [feats[j] for j in val], t2d)
             bar.write(f"epoch {epoch + 1}: held-out next-token accuracy {acc:.3f}")
@@ -328,13 +332,18 @@ def _warmup_cosine(total: int, warmup_frac: float = 0.05):
     return factor
 
 
-def _save_state(path: Path, drafter: EagleDrafter, opt: Any, sched: Any, step: int) -> None:
+def _save_state(
+    path: Path, drafter: EagleDrafter, opt: Any, sched: Any, step: int, gen: torch.Generator
+) -> None:
+    """Everything the loop needs to continue bit for bit: weights, optimizer, schedule, the
+    noise generator and the step (epoch shuffles are seeded by epoch)."""
     tmp = path.with_suffix(".tmp")
     state = {
         "drafter": drafter.state_dict(),
         "optimizer": opt.state_dict(),
         "scheduler": sched.state_dict(),
         "step": step,
+        "noise_rng": gen.get_state(),
     }
     torch.save(state, tmp)
     tmp.replace(path)

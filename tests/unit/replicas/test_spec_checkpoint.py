@@ -1,0 +1,182 @@
+"""`train-drafter` on a tiny model: the checkpoint it writes loads back and drafts the same,
+an interrupted run resumes to the same weights, and bad checkpoints give clear errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from sessionserve.cli import main as cli_main
+from sessionserve.config import CacheConfig, EngineConfig, ModelConfig, SpecConfig
+from sessionserve.replicas.engine import Engine
+from sessionserve.replicas.loader import load_model
+from sessionserve.replicas.request import SamplingParams
+from sessionserve.replicas.spec import training
+from sessionserve.replicas.spec.checkpoint import DrafterCheckpointError, load_drafter
+from sessionserve.replicas.spec.drafter import EagleDrafter, drafter_config
+from sessionserve.replicas.spec.training import TrainConfig, train_drafter
+from tests.models import save_tiny_model, tiny_engine, tiny_model
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("target")
+    save_tiny_model(d, seed=4)
+    gen = torch.Generator().manual_seed(0)
+    lines = [" ".join(f"w{t}" for t in torch.randint(5, 250, (8,), generator=gen).tolist())]
+    lines += [
+        " ".join(f"w{(i * 7 + j * 3) % 240 + 5}" for j in range(4 + i % 5)) for i in range(15)
+    ]
+    (d / "prompts.txt").write_text("\n".join(lines) + "\n")
+    return d
+
+
+def _cfg(target_dir: Path, out: Path, **kw) -> TrainConfig:
+    fields = {
+        "model": str(target_dir),
+        "out": str(out),
+        "prompts": str(target_dir / "prompts.txt"),
+        "max_new_tokens": 12,
+        "epochs": 2,
+        "batch_seqs": 4,
+        "draft_vocab": 64,
+        "save_every": 1,
+    }
+    return TrainConfig(**(fields | kw))
+
+
+def test_train_writes_the_eagle_layout_and_it_drafts_the_same(target_dir, tmp_path) -> None:
+    out = tmp_path / "head"
+    trained = train_drafter(_cfg(target_dir, out))
+    weights = load_file(str(out / "model.safetensors"))
+    assert {"fc.weight", "fc.bias", "d2t"} <= set(weights)
+    assert all(k.startswith(("fc.", "layers.0.", "d2t")) for k in weights)
+    config = json.loads((out / "config.json").read_text())
+    assert config["num_hidden_layers"] == 1 and config["hidden_size"] == 64
+    assert config["eagle"]["sequences"] == 16
+
+    model = load_model(target_dir).model
+    drafts = {}
+    for name, make in {
+        "trained": lambda m: trained.attach(m),
+        "loaded": lambda m: load_drafter(out, m),
+    }.items():
+        engine = tiny_engine(model, drafter=make)
+        seen: list[list[int]] = []
+        propose = engine.proposer.propose
+
+        def recording(reqs, lengths, propose=propose, seen=seen):
+            chains = propose(reqs, lengths)
+            seen.extend(c.tokens for c in chains)
+            return chains
+
+        engine.proposer.propose = recording
+        outputs = [r.output_ids for r in engine.generate([[5, 9, 44, 3], [70, 8]], GREEDY)]
+        drafts[name] = (seen, outputs)
+    assert drafts["trained"] == drafts["loaded"]
+    assert len(drafts["loaded"][0]) > 0
+
+
+def test_an_interrupted_run_resumes_to_the_same_weights(target_dir, tmp_path, monkeypatch):
+    straight = train_drafter(_cfg(target_dir, tmp_path / "straight"))
+    real_save = training._save_state
+
+    def save_then_crash(path, drafter, opt, sched, step, gen):
+        real_save(path, drafter, opt, sched, step, gen)
+        if step == 3:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(training, "_save_state", save_then_crash)
+    with pytest.raises(KeyboardInterrupt):
+        train_drafter(_cfg(target_dir, tmp_path / "resumed"))
+    assert not (tmp_path / "resumed" / "model.safetensors").exists()
+    monkeypatch.setattr(training, "_save_state", real_save)
+    resumed = train_drafter(_cfg(target_dir, tmp_path / "resumed"))
+    a, b = straight.state_dict(), resumed.state_dict()
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6, msg=k)
+
+
+def test_cli_trains_and_the_engine_serves_with_the_result(target_dir, tmp_path, capsys) -> None:
+    out = tmp_path / "cli-head"
+    argv = ["train-drafter", "--model", str(target_dir), "--out", str(out)]
+    argv += ["--prompts", str(target_dir / "prompts.txt"), "--max-new-tokens", "8"]
+    assert cli_main(argv + ["--epochs", "1", "--draft-vocab", "0"]) == 0
+    assert "wrote the EAGLE head" in capsys.readouterr().out
+    assert "d2t" not in load_file(str(out / "model.safetensors"))  # full vocabulary
+    cfg = EngineConfig(
+        model=ModelConfig(path=str(target_dir)),
+        cache=CacheConfig(num_slots=2048, max_context_len=512),
+        spec=SpecConfig(drafter_path=str(out), num_drafts=3),
+        strict_memory_check=True,
+    )
+    spec, plain = Engine(cfg), Engine(cfg.model_copy(update={"spec": SpecConfig()}))
+    prompts = [[5, 9, 44, 3], [70, 8, 120, 33, 4]]
+    got, ref = spec.generate(prompts, GREEDY), plain.generate(prompts, GREEDY)
+    assert [r.output_ids for r in got] == [r.output_ids for r in ref]
+    assert all(r.spec_steps > 0 for r in got)
+
+
+def _eagle1_checkpoint(directory: Path, model, fmt: str = "bin") -> None:
+    """The public EAGLE-1 layout: no input norm in layer 0, the head's own embeddings,
+    `pytorch_model.bin`, a plain Llama config.json."""
+    cfg = drafter_config(model.config)
+    head = EagleDrafter(cfg, input_norm=False, own_embeddings=True)
+    state = {k: v for k, v in head.state_dict().items() if not k.startswith("rotary.")}
+    state["embed_tokens.weight"] = model.get_input_embeddings().weight.detach().clone()
+    directory.mkdir(parents=True, exist_ok=True)
+    torch.save(state, directory / "pytorch_model.bin")
+    raw = cfg.to_dict() | {"architectures": ["LlamaForCausalLM"]}
+    (directory / "config.json").write_text(json.dumps(raw))
+
+
+def test_public_eagle1_layout_loads_from_bin(tmp_path) -> None:
+    model = tiny_model(seed=2)
+    _eagle1_checkpoint(tmp_path / "eagle1", model)
+    head = load_drafter(tmp_path / "eagle1", model)
+    assert isinstance(head.layers[0].input_layernorm, torch.nn.Identity)
+    assert head.embed_tokens is not None
+    spec = tiny_engine(model, drafter=lambda m: load_drafter(tmp_path / "eagle1", m))
+    plain = tiny_engine(model)
+    prompts = [[4, 8, 15, 16, 23, 42]]
+    assert (
+        spec.generate(prompts, GREEDY)[0].output_ids
+        == plain.generate(prompts, GREEDY)[0].output_ids
+    )
+
+
+def test_checkpoints_that_do_not_fit_give_clear_errors(tmp_path) -> None:
+    model = tiny_model(seed=2)
+    with pytest.raises(DrafterCheckpointError, match="no config.json"):
+        load_drafter(tmp_path / "missing", model)
+    _eagle1_checkpoint(tmp_path / "small", tiny_model(hidden_size=32))
+    with pytest.raises(DrafterCheckpointError, match="hidden size 32 != target's 64"):
+        load_drafter(tmp_path / "small", model)
+    _eagle1_checkpoint(tmp_path / "vocab", tiny_model(vocab_size=300))
+    with pytest.raises(DrafterCheckpointError, match="vocab size 300 != target's 256"):
+        load_drafter(tmp_path / "vocab", model)
+    _eagle1_checkpoint(tmp_path / "eagle3", model)
+    state = torch.load(tmp_path / "eagle3" / "pytorch_model.bin")
+    state["midlayer.self_attn.q_proj.weight"] = state.pop("layers.0.self_attn.q_proj.weight")
+    torch.save(state, tmp_path / "eagle3" / "pytorch_model.bin")
+    with pytest.raises(DrafterCheckpointError, match="EAGLE-3"):
+        load_drafter(tmp_path / "eagle3", model)
+    with pytest.raises(DrafterCheckpointError, match="no config.json"):
+        Engine(
+            EngineConfig(spec=SpecConfig(drafter_path=str(tmp_path / "missing"))),
+            loaded=load_model_stub(model),
+        )
+
+
+def load_model_stub(model):
+    from sessionserve.replicas.loader import LoadedModel
+    from tests.models import word_tokenizer
+
+    return LoadedModel(model, word_tokenizer(), "tiny", "tests")
