@@ -52,7 +52,11 @@ REPLICA_METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "sessionserve_ttft_seconds": ("histogram", "Time to first token", ()),
     "sessionserve_itl_seconds": ("histogram", "Mean inter-token latency per request", ()),
     "sessionserve_e2e_seconds": ("histogram", "Request latency, arrival to finish", ()),
-    "sessionserve_spec_accept_length": ("histogram", "Tokens accepted per verify step", ()),
+    "sessionserve_spec_accept_length": (
+        "histogram",
+        "Tokens emitted per verify step (accepted drafts + 1)",
+        (),
+    ),
 }
 ROUTER_METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "sessionserve_router_sticky_hits": ("counter", "Session requests sent to their pin", ()),

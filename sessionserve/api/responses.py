@@ -16,12 +16,22 @@ LogprobEntry = tuple[str, float, list[tuple[str, float]]]  # token text, logprob
 
 
 def usage(final: dict[str, Any]) -> dict[str, Any]:
-    return {
+    """OpenAI's usage object. With speculative decoding, the drafts the model kept and threw
+    away are reported in OpenAI's predicted-output fields (the closest existing meaning)."""
+    body = {
         "prompt_tokens": final["prompt_tokens"],
         "completion_tokens": final["completion_tokens"],
         "total_tokens": final["prompt_tokens"] + final["completion_tokens"],
         "prompt_tokens_details": {"cached_tokens": final["cached_tokens"]},
     }
+    drafted = final.get("spec_drafted", 0)
+    if drafted:
+        accepted = final["spec_accepted"]
+        body["completion_tokens_details"] = {
+            "accepted_prediction_tokens": accepted,
+            "rejected_prediction_tokens": drafted - accepted,
+        }
+    return body
 
 
 def _chat_logprobs(entries: list[LogprobEntry]) -> dict[str, Any]:

@@ -219,6 +219,8 @@ def _final(event: StepEvent, input_ids: list[int]) -> dict[str, Any]:
         "completion_tokens": r.completion_tokens,
         "cached_tokens": r.cached_tokens,
         "cached_source": r.cached_source,
+        "spec_drafted": r.spec_drafted,
+        "spec_accepted": r.spec_accepted,
         "ttft_s": r.ttft_s,
         "full_ids": input_ids + r.output_ids,
     }

@@ -111,6 +111,9 @@ applications:
         scheduler:
           max_running_requests: {{ $e.scheduler.maxRunningRequests | toJson }}
           max_prefill_tokens: {{ $e.scheduler.maxPrefillTokens | toJson }}
+        spec:
+          drafter_path: {{ if $e.spec.drafterPath }}{{ $e.spec.drafterPath | toJson }}{{ else }}null{{ end }}
+          num_drafts: {{ $e.spec.numDrafts | toJson }}
       replica:
         num_replicas: {{ $v.replicas.count | toJson }}
         num_cpus: {{ $v.replicas.numCpus | toJson }}

@@ -41,13 +41,15 @@ class TrainConfig:
     out: str = "drafters/default"
     prompts: str | None = None  # a text file, one prompt per line; None = the shipped set
     max_prompts: int | None = None
-    max_new_tokens: int = 160
-    epochs: int = 20
+    max_new_tokens: int = 128
+    sampled_answers: int = 1  # per prompt, at temperature 0.7, besides the greedy one
+    epochs: int = 5
+    unroll: int = 2  # chain steps trained (step 2+ feeds the head its own output)
     lr: float = 2e-3
     batch_seqs: int = 8  # sequences per optimizer step
     draft_vocab: int = 8192  # 0 = the whole vocabulary
     token_loss_weight: float = 0.3
-    noise: float = 0.05  # Gaussian noise on input hidden states, relative to their RMS
+    noise: float = 0.2  # Gaussian noise on input hidden states, relative to their RMS
     threads: int | None = None
     seed: int = 0
     save_every: int = 25  # optimizer steps between resumable train states
@@ -72,10 +74,10 @@ def train_drafter(cfg: TrainConfig) -> EagleDrafter:
     model = loaded.model
     print(f"target {loaded.name}: loaded in {time.monotonic() - t0:.1f} s; output in {out}")
     seqs, vocab = _dataset(cfg, out, loaded)
-    feats = _features(model, seqs)
+    feats, labels = _features(model, seqs)
     torch.manual_seed(cfg.seed)  # the head's initial weights
     drafter = _initial_drafter(model, vocab)
-    _train(cfg, out, drafter, model, seqs, feats)
+    _train(cfg, out, drafter, model, seqs, feats, labels)
     meta = {
         "target": loaded.name,
         "train_config": asdict(cfg),
@@ -130,10 +132,23 @@ def _generate(cfg: TrainConfig, loaded: Any, prompts: list[str]) -> list[list[in
         ),
         loaded,
     )
-    greedy = SamplingParams(max_tokens=cfg.max_new_tokens, temperature=0)
-    bar = tqdm(total=len(inputs), desc="generate", unit="answer", dynamic_ncols=True)
+    # greedy answers are what greedy serving meets; sampled ones widen the data (labels are
+    # the target's argmax either way, see `_features`)
+    jobs = [(ids, SamplingParams(max_tokens=cfg.max_new_tokens, temperature=0)) for ids in inputs]
+    for n in range(cfg.sampled_answers):
+        jobs += [
+            (
+                ids,
+                SamplingParams(
+                    max_tokens=cfg.max_new_tokens, temperature=0.7, seed=n * 100_003 + i
+                ),
+            )
+            for i, ids in enumerate(inputs)
+        ]
+    inputs = [ids for ids, _ in jobs]
+    bar = tqdm(total=len(jobs), desc="generate", unit="answer", dynamic_ncols=True)
     done: dict[str, list[int]] = {}
-    rids = [engine.submit(ids, greedy) for ids in inputs]
+    rids = [engine.submit(ids, params) for ids, params in jobs]
     generated = 0
     while engine.has_work():
         for event in engine.step():
@@ -174,14 +189,16 @@ def _draft_vocab(seqs: list[list[int]], vocab_size: int, size: int, loaded: Any)
 
 # ---- phase 2: target hidden states ----
 @torch.no_grad()
-def _features(model: Any, seqs: list[list[int]]) -> list[torch.Tensor]:
-    """The target's last hidden state (after its final norm) at every position."""
+def _features(model: Any, seqs: list[list[int]]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The target's last hidden state (after its final norm) at every position, and its
+    greedy next token there: what a draft must match to be accepted."""
     model.set_attn_implementation("sdpa")  # the engine switched it to paged attention
-    decoder, feats = model.get_decoder(), []
+    decoder, head, feats, labels = model.get_decoder(), model.get_output_embeddings(), [], []
     for s in tqdm(seqs, desc="features", unit="seq", dynamic_ncols=True):
-        ids = torch.tensor([s])
-        feats.append(decoder(input_ids=ids).last_hidden_state[0].float())
-    return feats
+        hidden = decoder(input_ids=torch.tensor([s])).last_hidden_state[0].float()
+        feats.append(hidden)
+        labels.append(head(hidden).argmax(-1))
+    return feats, labels
 
 
 # ---- phase 3: train ----
@@ -213,6 +230,7 @@ def _train(
     target: Any,
     seqs: list[list[int]],
     feats: list[torch.Tensor],
+    labels: list[torch.Tensor],
 ) -> None:
     order = list(range(len(seqs)))
     random.Random(cfg.seed).shuffle(order)
@@ -246,7 +264,7 @@ def _train(
         tokens_in_batch = sum(len(seqs[j]) - 1 for j in batch)
         stats = torch.zeros(3)
         for j in batch:
-            loss, s = _sequence_loss(cfg, drafter, seqs[j], feats[j], t2d, gen)
+            loss, s = _sequence_loss(cfg, drafter, seqs[j], feats[j], labels[j], t2d, gen)
             (loss * (len(seqs[j]) - 1) / tokens_in_batch).backward()
             stats += s
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -260,7 +278,7 @@ def _train(
         if step % cfg.save_every == 0 or step == total:
             _save_state(state_path, drafter, opt, sched, step, gen)
         if step % steps_per_epoch == 0 or step == total:
-            acc = _validate(cfg, drafter, [seqs[j] for j in val], [feats[j] for j in val], t2d)
+            acc = _validate(cfg, drafter, [(seqs[j], feats[j], labels[j]) for j in val], t2d)
             bar.write(f"epoch {epoch + 1}: held-out next-token accuracy {acc:.3f}")
     bar.close()
     drafter.eval()
@@ -271,26 +289,41 @@ def _sequence_loss(
     drafter: EagleDrafter,
     seq: list[int],
     feat: torch.Tensor,
+    greedy: torch.Tensor,
     t2d: torch.Tensor,
     gen: torch.Generator | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """EAGLE's loss on one sequence; returns (loss, [token loss sum, correct, count])."""
+    """EAGLE's loss on one sequence, over `cfg.unroll` chain steps; returns (loss, [loss sum,
+    correct first drafts, count]).
+
+    Step 1 pairs token x[q+1] with the target's h[q] and learns h[q+1] and the target's greedy
+    token after x[q+1]. Step j > 1 replaces h with the head's own step j-1 output, as chained
+    drafting at serving time does (training on true features only leaves later drafts poor).
+    """
     ids = torch.tensor(seq)
     hidden = feat[:-1]
-    if gen is not None and cfg.noise:
-        rms = hidden.pow(2).mean().sqrt()
-        hidden = hidden + cfg.noise * rms * torch.randn(hidden.shape, generator=gen)
-    n = hidden.shape[0]
-    f = drafter.features(ids[None, 1:], hidden[None], torch.arange(n)[None])[0]
     scale = feat.pow(2).mean().sqrt()  # regress in units of the sequence's RMS
-    feature_loss = F.smooth_l1_loss(f / scale, feat[1:] / scale)
-    labels = t2d[ids[2:]]  # x[q+2] for q < n-1, as a draft-vocabulary index (-100: outside)
-    logits = drafter.draft_logits(f[:-1])
-    token_loss = F.cross_entropy(logits, labels, ignore_index=-100)
-    valid = labels >= 0
-    correct = (logits.argmax(-1) == labels)[valid].sum().item()
-    loss = feature_loss + cfg.token_loss_weight * token_loss
-    count = max(1, int(valid.sum()))
+    if gen is not None and cfg.noise:
+        hidden = hidden + cfg.noise * scale * torch.randn(hidden.shape, generator=gen)
+    loss, first = torch.zeros(()), None
+    for step in range(max(1, cfg.unroll)):
+        n = hidden.shape[0]
+        if n < 2:
+            break
+        f = drafter.features(
+            ids[None, 1 + step : 1 + step + n], hidden[None], torch.arange(step, step + n)[None]
+        )[0]
+        feature_loss = F.smooth_l1_loss(f / scale, feat[1 + step : 1 + step + n] / scale)
+        labels = t2d[greedy[1 + step : 1 + step + n]]  # -100: outside the draft vocabulary
+        logits = drafter.draft_logits(f)
+        token_loss = F.cross_entropy(logits, labels, ignore_index=-100)
+        loss = loss + feature_loss + cfg.token_loss_weight * token_loss
+        if first is None:
+            valid = labels >= 0
+            correct = (logits.argmax(-1) == labels)[valid].sum().item()
+            first = (correct, max(1, int(valid.sum())))
+        hidden = f[:-1]
+    correct, count = first or (0, 1)
     return loss, torch.tensor([loss.item() * count, correct, count], dtype=torch.float)
 
 
@@ -298,14 +331,14 @@ def _sequence_loss(
 def _validate(
     cfg: TrainConfig,
     drafter: EagleDrafter,
-    seqs: list[list[int]],
-    feats: list[torch.Tensor],
+    data: list[tuple[list[int], torch.Tensor, torch.Tensor]],
     t2d: torch.Tensor,
 ) -> float:
+    """Held-out first-draft accuracy (teacher-forced)."""
     drafter.eval()
     correct = count = 0.0
-    for seq, feat in zip(seqs, feats, strict=True):
-        _, s = _sequence_loss(cfg, drafter, seq, feat, t2d, None)
+    for seq, feat, greedy in data:
+        _, s = _sequence_loss(cfg, drafter, seq, feat, greedy, t2d, None)
         correct, count = correct + s[1].item(), count + s[2].item()
     drafter.train()
     return correct / max(1.0, count)

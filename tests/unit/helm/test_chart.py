@@ -121,6 +121,16 @@ def test_autoscaling_reaches_the_serve_config() -> None:
     assert args["engine"]["model"]["served_name"] == "llama-3.1-8b"
 
 
+def test_drafter_value_reaches_the_engine_config() -> None:
+    (default,) = by_kind(render(), "RayService")
+    args = yaml.safe_load(default["spec"]["serveConfigV2"])["applications"][0]["args"]
+    assert args["engine"]["spec"] == {"drafter_path": None, "num_drafts": 4}
+    (full,) = by_kind(render(FULL), "RayService")
+    args = yaml.safe_load(full["spec"]["serveConfigV2"])["applications"][0]["args"]
+    spec = AppConfig.model_validate(args).engine.spec
+    assert spec.drafter_path == "/models/EAGLE-LLaMA3.1-Instruct-8B" and spec.num_drafts == 5
+
+
 @pytest.mark.parametrize(
     ("option", "kind"),
     [

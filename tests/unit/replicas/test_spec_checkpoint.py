@@ -59,7 +59,7 @@ def test_train_writes_the_eagle_layout_and_it_drafts_the_same(target_dir, tmp_pa
     assert all(k.startswith(("fc.", "layers.0.", "d2t")) for k in weights)
     config = json.loads((out / "config.json").read_text())
     assert config["num_hidden_layers"] == 1 and config["hidden_size"] == 64
-    assert config["eagle"]["sequences"] == 16
+    assert config["eagle"]["sequences"] == 32  # 16 prompts: a greedy and a sampled answer each
 
     model = load_model(target_dir).model
     drafts = {}

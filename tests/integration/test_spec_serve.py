@@ -1,0 +1,85 @@
+"""Speculative decoding through the served application: a second Serve app in the same cluster
+whose replica loads an EAGLE head from disk (`engine.spec.drafter_path`), driven by the
+official `openai` client over HTTP. Answers equal a non-speculative engine's; usage reports
+the drafts kept and rejected; the replica's memory invariant holds (strict mode)."""
+
+from __future__ import annotations
+
+import copy
+
+import openai
+import pytest
+
+from sessionserve.config import AppConfig
+from sessionserve.replicas.engine import Engine
+from sessionserve.replicas.request import SamplingParams
+from sessionserve.replicas.spec.checkpoint import save_drafter
+from tests.conftest import app_args
+from tests.http_wait import wait_healthy
+from tests.models import mimic_drafter, save_tiny_model
+
+pytestmark = pytest.mark.ray
+SPEC_APP = "spec"
+
+
+@pytest.fixture(scope="module")
+def spec_served(served, tmp_path_factory):
+    from ray import serve
+
+    from sessionserve.app import build_app
+
+    model_dir = tmp_path_factory.mktemp("spec-model")
+    save_tiny_model(model_dir, seed=3, num_hidden_layers=1)
+    args = app_args(str(model_dir))
+    engine_cfg = AppConfig.model_validate(args).engine
+    plain = Engine(engine_cfg.model_copy(update={"strict_memory_check": True}))
+    drafter_dir = tmp_path_factory.mktemp("spec-head")
+    save_drafter(mimic_drafter(copy.deepcopy(plain.loaded.model)), drafter_dir)
+    args["engine"]["spec"] = {"drafter_path": str(drafter_dir), "num_drafts": 4}
+    args["replica"]["num_replicas"] = 1
+    args["ingress"]["num_replicas"] = 1
+    serve.run(build_app(args), name=SPEC_APP, route_prefix="/spec")
+    base = f"{served['base']}/spec"
+    assert wait_healthy(base, 60), "the speculative app never answered /health"
+    yield {"base": base, "plain": plain, "model": model_dir.name}
+    serve.delete(SPEC_APP)
+
+
+def test_session_chat_with_speculation_equals_plain_decoding(spec_served) -> None:
+    from ray import serve
+
+    client = openai.OpenAI(base_url=f"{spec_served['base']}/v1", api_key="x", max_retries=0)
+    plain: Engine = spec_served["plain"]
+    tok = plain.tokenizer
+    sid = client.post("/sessions", body={}, cast_to=dict)["id"]
+    messages: list[dict] = []
+    accepted = rejected = 0
+    for turn in range(3):
+        messages.append(
+            {"role": "user", "content": " ".join(f"w{30 + turn * 7 + j}" for j in range(9))}
+        )
+        r = client.chat.completions.create(
+            model=spec_served["model"],
+            messages=messages,
+            max_tokens=24,
+            temperature=0,
+            extra_headers={"x-session-id": sid},
+        )
+        ids = tok.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        (ref,) = plain.generate([ids], SamplingParams(max_tokens=24, temperature=0))
+        answer = r.choices[0].message.content
+        assert answer == ref.text
+        if turn:
+            assert r.usage.prompt_tokens_details.cached_tokens > 0
+        details = r.usage.completion_tokens_details
+        accepted += details.accepted_prediction_tokens
+        rejected += details.rejected_prediction_tokens
+        messages.append({"role": "assistant", "content": answer})
+    assert accepted > 0 and rejected > 0
+    client.delete(f"/sessions/{sid}", cast_to=dict)
+    handle = serve.get_deployment_handle("SessionReplica", app_name=SPEC_APP)
+    terms = handle.memory_check.remote().result(timeout_s=30)  # raises if broken
+    assert terms["held"] == terms["in_flight"] == terms["live_requests"] == 0, terms
+    assert terms["free"] + terms["evictable"] + terms["protected"] == terms["total"]
