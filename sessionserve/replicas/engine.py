@@ -33,7 +33,7 @@ from sessionserve.cache.request_kv import RequestKV
 from sessionserve.cache.session_cache import TurnMode
 from sessionserve.config import EngineConfig
 from sessionserve.metrics import EngineMetrics
-from sessionserve.replicas.attention import SeqSpec, select_backend
+from sessionserve.replicas.attention import AttentionBackend, SeqSpec, select_backend
 from sessionserve.replicas.loader import LoadedModel, load_model
 from sessionserve.replicas.model_runner import ForwardBatch, ModelRunner
 from sessionserve.replicas.request import (
@@ -95,17 +95,7 @@ class Engine:
             radix_enabled=c.radix_cache,
             limits=SessionLimits(s.max_sessions, s.max_held_tokens, s.max_session_tokens),
         )
-        device = next(model.parameters()).device
-        pool = KVPool(
-            KVShape.from_hf_config(model.config),
-            self.cache.allocator.pool_slots,
-            dtype=next(model.parameters()).dtype,
-            device=device,
-        )
-        backend = select_backend(
-            cfg.attention_backend, device, page_size=c.page_size, **self._backend_dims(model)
-        )
-        self.runner = ModelRunner(model, pool, backend)
+        self.runner = ModelRunner(model, *self._pool_and_backend(model))
         self.proposer = self._build_proposer(cfg, model, drafter)
         self.spec_stats = SpecStats()
         limit = min(c.max_context_len, self.cache.allocator.num_slots)
@@ -133,19 +123,7 @@ class Engine:
             return None
         if drafter is None:
             drafter = load_drafter(cfg.spec.drafter_path, model)
-        device = next(model.parameters()).device
-        pool = KVPool(
-            KVShape.from_hf_config(drafter.config),
-            self.cache.allocator.pool_slots,
-            dtype=next(model.parameters()).dtype,
-            device=device,
-        )
-        backend = select_backend(
-            self.config.attention_backend,
-            device,
-            page_size=cfg.cache.page_size,
-            **self._backend_dims(drafter),
-        )
+        pool, backend = self._pool_and_backend(drafter)
         return EagleProposer(
             drafter, pool, backend, self.cache, cfg.spec.num_drafts, model.config.vocab_size
         )
@@ -498,6 +476,24 @@ class Engine:
             self._last_reap = now
             for sid in self.sessions.reap_expired():
                 log.info("session %s idle past its TTL: closed", sid)
+
+    def _pool_and_backend(self, model: Any) -> tuple[KVPool, AttentionBackend]:
+        """A KV pool shaped for `model` (the target or the drafter) over the shared slots, and
+        an attention backend for its head layout."""
+        param = next(model.parameters())
+        pool = KVPool(
+            KVShape.from_hf_config(model.config),
+            self.cache.allocator.pool_slots,
+            dtype=param.dtype,
+            device=param.device,
+        )
+        backend = select_backend(
+            self.config.attention_backend,
+            param.device,
+            page_size=self.config.cache.page_size,
+            **self._backend_dims(model),
+        )
+        return pool, backend
 
     @staticmethod
     def _backend_dims(model: Any) -> dict[str, Any]:

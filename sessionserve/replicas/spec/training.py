@@ -76,7 +76,7 @@ def train_drafter(cfg: TrainConfig) -> EagleDrafter:
     seqs, vocab = _dataset(cfg, out, loaded)
     feats, labels = _features(model, seqs)
     torch.manual_seed(cfg.seed)  # the head's initial weights
-    drafter = _initial_drafter(model, vocab)
+    drafter = initial_drafter(model, vocab)
     _train(cfg, out, drafter, model, seqs, feats, labels)
     meta = {
         "target": loaded.name,
@@ -202,7 +202,7 @@ def _features(model: Any, seqs: list[list[int]]) -> tuple[list[torch.Tensor], li
 
 
 # ---- phase 3: train ----
-def _initial_drafter(target: Any, vocab: torch.Tensor) -> EagleDrafter:
+def initial_drafter(target: Any, vocab: torch.Tensor) -> EagleDrafter:
     """Start from the target's last layer and an `fc` that passes the hidden state through:
     at step 0 the head already behaves like a re-applied last layer, not like noise."""
     cfg = drafter_config(target.config)

@@ -39,3 +39,29 @@ def test_two_turn_chat_about_a_fact_reuses_the_session() -> None:
     assert r2.cached_source == "session"
     assert engine.close_session(sid)
     engine.checker.check_idle()
+
+
+def test_speculative_greedy_equals_plain_on_the_default_model() -> None:
+    """EAGLE on the real model with a freshly initialised head (what `train-drafter` starts
+    from: the target's last layer, an identity `fc`): token-identical greedy output."""
+    import torch
+
+    from sessionserve.replicas.spec.training import initial_drafter
+
+    cfg = EngineConfig(cache=CacheConfig(num_slots=4096, max_rows=16), strict_memory_check=True)
+    plain = Engine(cfg)
+    model = plain.loaded.model
+    head = initial_drafter(model, torch.arange(model.config.vocab_size)).eval()
+    spec = Engine(cfg, plain.loaded, drafter=head)
+    tok = plain.tokenizer
+    prompts = [
+        _chat_ids(tok, [{"role": "user", "content": "Name three colours of the rainbow."}]),
+        _chat_ids(tok, [{"role": "user", "content": "Write one sentence about the sea."}]),
+    ]
+    greedy = SamplingParams(max_tokens=40, temperature=0)
+    got, ref = spec.generate(prompts, greedy), plain.generate(prompts, greedy)
+    assert [r.output_ids for r in got] == [r.output_ids for r in ref]
+    assert all(r.spec_steps > 0 for r in got) and spec.spec_stats.drafted > 0
+    spec.cache.flush()
+    terms = spec.checker.check_idle()
+    assert terms.free == terms.total
