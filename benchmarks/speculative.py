@@ -41,6 +41,32 @@ EVAL_PROMPTS = [
 FOLLOW_UP = "Thank you. Can you say more about that?"
 
 
+def verify_cost(loaded, lengths=(1, 2, 3, 5, 8), reps: int = 12) -> dict[int, float]:
+    """Median ms of transformers' own forward of `n` new tokens over a 200-token cache: what a
+    verify of n - 1 drafts costs on this machine next to a decode step (n = 1)."""
+    import copy
+
+    import torch
+
+    model = loaded.model
+    model.set_attn_implementation("sdpa")  # the stock path, not ours
+    gen = torch.Generator().manual_seed(0)
+    ctx = torch.randint(100, 10_000, (1, 200), generator=gen)
+    out: dict[int, float] = {}
+    with torch.no_grad():
+        cache = model(ctx, use_cache=True).past_key_values
+        for n in lengths:
+            times = []
+            for _ in range(reps):
+                c = copy.deepcopy(cache)
+                x = torch.randint(100, 10_000, (1, n), generator=gen)
+                t = time.perf_counter()
+                model(x, past_key_values=c, use_cache=True)
+                times.append(time.perf_counter() - t)
+            out[n] = 1000 * sorted(times)[reps // 2]
+    return out
+
+
 def run(loaded, drafter: str | None, k: int, concurrency: int, max_tokens: int) -> dict:
     cfg = EngineConfig(
         cache=CacheConfig(num_slots=16384, max_rows=32, max_context_len=4096),
@@ -108,6 +134,12 @@ def main() -> int:
     loaded = load()
     print(f"machine: {machine()}  drafter: {args.drafter}  k={args.num_drafts}")
     summary: dict = {"k": args.num_drafts, "max_tokens": args.max_tokens}
+    cost = verify_cost(loaded)
+    print(
+        "forward of n new tokens (transformers, 200-token cache): "
+        + ", ".join(f"n={n}: {ms:.1f} ms ({ms / cost[1]:.2f}x)" for n, ms in cost.items())
+    )
+    summary["verify_cost_ratio"] = {n: round(ms / cost[1], 3) for n, ms in cost.items()}
     for c in args.concurrency:
         base = run(loaded, None, args.num_drafts, c, args.max_tokens)
         spec = run(loaded, args.drafter, args.num_drafts, c, args.max_tokens)
