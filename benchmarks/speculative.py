@@ -67,7 +67,9 @@ def verify_cost(loaded, lengths=(1, 2, 3, 5, 8), reps: int = 12) -> dict[int, fl
     return out
 
 
-def run(loaded, drafter: str | None, k: int, concurrency: int, max_tokens: int) -> dict:
+def run(
+    loaded, drafter: str | None, k: int, concurrency: int, max_tokens: int, prompts: list[str]
+) -> dict:
     cfg = EngineConfig(
         cache=CacheConfig(num_slots=16384, max_rows=32, max_context_len=4096),
         scheduler=SchedulerConfig(max_running_requests=max(concurrency, 1)),
@@ -77,14 +79,14 @@ def run(loaded, drafter: str | None, k: int, concurrency: int, max_tokens: int) 
     tok = eng.tokenizer
     params = SamplingParams(max_tokens=max_tokens, temperature=0)
     decode_s, decode_tokens, outputs = 0.0, 0, {}
-    sessions = [(i, eng.open_session()) for i in range(len(EVAL_PROMPTS))]
+    sessions = [(i, eng.open_session()) for i in range(len(prompts))]
     history = {sid: [] for _, sid in sessions}
     for group_start in range(0, len(sessions), concurrency):
         group = sessions[group_start : group_start + concurrency]
         for turn in range(2):
             rids = {}
             for i, sid in group:
-                content = EVAL_PROMPTS[i] if turn == 0 else FOLLOW_UP
+                content = prompts[i] if turn == 0 else FOLLOW_UP
                 history[sid].append({"role": "user", "content": content})
                 ids = tok.apply_chat_template(
                     history[sid], add_generation_prompt=True, tokenize=True, return_dict=False
@@ -121,6 +123,11 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--seen-prompts",
+        action="store_true",
+        help="use 8 of the drafter's training prompts instead (how much it memorised)",
+    )
     args = ap.parse_args()
     if not (Path(args.drafter) / "config.json").exists():
         print(
@@ -130,10 +137,15 @@ def main() -> int:
         )
         return 2
     assert not set(EVAL_PROMPTS) & set(shipped_prompts()), "eval prompts must be unseen"
+    prompts = shipped_prompts()[: len(EVAL_PROMPTS)] if args.seen_prompts else EVAL_PROMPTS
     setup_threads(args.threads)
     loaded = load()
     print(f"machine: {machine()}  drafter: {args.drafter}  k={args.num_drafts}")
-    summary: dict = {"k": args.num_drafts, "max_tokens": args.max_tokens}
+    summary: dict = {
+        "k": args.num_drafts,
+        "max_tokens": args.max_tokens,
+        "prompts": "seen" if args.seen_prompts else "unseen",
+    }
     cost = verify_cost(loaded)
     print(
         "forward of n new tokens (transformers, 200-token cache): "
@@ -141,8 +153,8 @@ def main() -> int:
     )
     summary["verify_cost_ratio"] = {n: round(ms / cost[1], 3) for n, ms in cost.items()}
     for c in args.concurrency:
-        base = run(loaded, None, args.num_drafts, c, args.max_tokens)
-        spec = run(loaded, args.drafter, args.num_drafts, c, args.max_tokens)
+        base = run(loaded, None, args.num_drafts, c, args.max_tokens, prompts)
+        spec = run(loaded, args.drafter, args.num_drafts, c, args.max_tokens, prompts)
         same = base["outputs"] == spec["outputs"]
         speedup = spec["decode_tps"] / base["decode_tps"]
         s = spec["spec"]
