@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -66,6 +66,13 @@ class StepEvent:
     new_token_ids: list[int]
     result: RequestResult | None = None  # set on the request's last event
     new_logprobs: list[TokenLogprob] = field(default_factory=list)  # when requested
+
+
+class SeqLayout(NamedTuple):
+    """Where one scheduled sequence sits in a step's flat forward."""
+
+    flat_start: int  # index of its first token (in the hidden states)
+    logit_row: int  # its first logits row (k + 1 rows for a verify); -1 if it samples nothing
 
 
 class Engine:
@@ -273,7 +280,7 @@ class Engine:
     # ---- internals ----
     def _run(self, batch: ScheduledBatch) -> list[StepEvent]:
         drafts = self._propose(batch)
-        fb, rows = self._forward_batch(batch, drafts)
+        fb, layout = self._forward_batch(batch, drafts)
         logits, hidden = self.runner.forward(fb)
         emitted: list[tuple[ScheduledSeq, list[int], list[TokenLogprob]]] = []
         plain = [s for s in batch.seqs if s.samples and s.num_drafts == 0]
@@ -282,7 +289,7 @@ class Engine:
                 self.cache.commit(s.req.kv, s.end)
         if plain:
             out = sample(
-                logits[[rows[id(s)] for s in plain]],
+                logits[[layout[id(s)].logit_row for s in plain]],
                 [s.req.sampling for s in plain],
                 [s.req.tokens if s.req.sampling.repetition_penalty != 1.0 else () for s in plain],
                 [s.req.output_ids for s in plain],
@@ -294,9 +301,9 @@ class Engine:
                 emitted.append((s, [out.token_ids[i]], [lp] if lp else []))
         for s in batch.seqs:
             if s.num_drafts:
-                emitted.append(self._verify(s, drafts[id(s)], logits, rows[id(s)]))
+                emitted.append(self._verify(s, drafts[id(s)], logits, layout[id(s)].logit_row))
         if not emitted:
-            self._catch_up(batch, hidden, rows, decoding=set())
+            self._catch_up(batch, hidden, layout, decoding=set())
             return []
         now, finished = time.monotonic(), set()
         for s, tokens, lps in emitted:
@@ -308,7 +315,7 @@ class Engine:
                 req.timings.first_token = now
             if self.stopper.check(req):
                 finished.add(id(s))
-        self._catch_up(batch, hidden, rows, {id(s) for s, _, _ in emitted} - finished)
+        self._catch_up(batch, hidden, layout, {id(s) for s, _, _ in emitted} - finished)
         events = []
         for s, tokens, _ in emitted:
             req = s.req
@@ -329,10 +336,9 @@ class Engine:
 
     def _forward_batch(
         self, batch: ScheduledBatch, drafts: dict[int, ChainDrafts]
-    ) -> tuple[ForwardBatch, dict[int, int]]:
-        """The flat forward; `rows[id(seq)]`: a sampling sequence's first logits row (k+1 rows
-        for a verify); `rows[-id(seq)]`: every sequence's first token in the flat batch."""
-        ids, pos, out_slots, seqs, logit_idx, rows, n = [], [], [], [], [], {}, 0
+    ) -> tuple[ForwardBatch, dict[int, SeqLayout]]:
+        """The flat forward, and where each sequence (by id) sits in it."""
+        ids, pos, out_slots, seqs, logit_idx, layout, n = [], [], [], [], [], {}, 0
         for s in batch.seqs:
             kv, chain = s.req.kv, drafts.get(id(s))
             extra = chain.tokens if chain else []
@@ -342,10 +348,9 @@ class Engine:
             pos.append(torch.arange(s.start, end))
             out_slots.append(self.cache.slots(kv, s.start, end))
             seqs.append(SeqSpec(end - s.start, self.cache.slots(kv, 0, end)))
-            rows[-id(s)] = n
+            layout[id(s)] = SeqLayout(n, len(logit_idx) if s.samples else -1)
             n += end - s.start
             if s.samples:
-                rows[id(s)] = len(logit_idx)
                 logit_idx.extend(range(n - 1 - len(extra), n))
         fb = ForwardBatch(
             torch.tensor(ids),
@@ -355,7 +360,7 @@ class Engine:
             torch.tensor(logit_idx, dtype=torch.int64),
             want_hidden=self.proposer is not None,
         )
-        return fb, rows
+        return fb, layout
 
     def _verify(
         self, s: ScheduledSeq, chain: ChainDrafts, logits: torch.Tensor, row: int
@@ -368,7 +373,7 @@ class Engine:
         if p.is_greedy:
             verdict = accept_greedy(target, chain.tokens)
         else:
-            probs = torch.stack([filter_logits(r.clone(), p).softmax(-1) for r in target])
+            probs = torch.stack([filter_logits(r, p).softmax(-1) for r in target])
             verdict = accept_sampled(probs, chain.probs, chain.tokens, req.generator)
         self.cache.commit(req.kv, s.end + verdict.accepted)
         self.cache.free_overallocation(req.kv)
@@ -386,7 +391,7 @@ class Engine:
         self,
         batch: ScheduledBatch,
         hidden: torch.Tensor | None,
-        rows: dict[int, int],
+        layout: dict[int, SeqLayout],
         decoding: set[int],
     ) -> None:
         """The drafter's pass over every position committed this step (see spec/proposer);
@@ -395,7 +400,7 @@ class Engine:
             return
         entries = []
         for s in batch.seqs:
-            req, first = s.req, rows[-id(s)]
+            req, first = s.req, layout[id(s)].flat_start
             end = req.kv.committed_len
             wants = id(s) in decoding and self.proposer.eligible(req)
             hid = hidden[first : first + end - s.start]
