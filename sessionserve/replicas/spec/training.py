@@ -94,15 +94,32 @@ def train_drafter(cfg: TrainConfig) -> EagleDrafter:
 # ---- phase 1: responses ----
 def _dataset(cfg: TrainConfig, out: Path, loaded: Any) -> tuple[list[list[int]], torch.Tensor]:
     path = out / DATASET
+    prompts = _prompts(cfg)
+    made_for = {
+        "target": loaded.name,
+        "prompts": len(prompts),
+        "max_new_tokens": cfg.max_new_tokens,
+        "sampled_answers": cfg.sampled_answers,
+        "draft_vocab": cfg.draft_vocab,
+    }
     if path.exists():
         data = torch.load(path, weights_only=True)
+        _same_run(path, data.get("made_for"), made_for)
         print(f"generate: reusing {len(data['seqs'])} sequences from {path}")
         return data["seqs"], data["vocab"]
-    prompts = _prompts(cfg)
     seqs = _generate(cfg, loaded, prompts)
     vocab = _draft_vocab(seqs, loaded.model.config.vocab_size, cfg.draft_vocab, loaded)
-    torch.save({"seqs": seqs, "vocab": vocab}, path)
+    torch.save({"seqs": seqs, "vocab": vocab, "made_for": made_for}, path)
     return seqs, vocab
+
+
+def _same_run(path: Path, saved: Any, wanted: dict[str, Any]) -> None:
+    """Resuming only makes sense with the settings the saved work was made with."""
+    if saved != wanted:
+        raise InvalidConfigError(
+            f"{path} was made with {saved}, this run asks for {wanted}: re-run with the same "
+            "options to resume, or choose another --out (or delete the file) to start afresh"
+        )
 
 
 def _prompts(cfg: TrainConfig) -> list[str]:
@@ -242,8 +259,10 @@ def _train(
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _warmup_cosine(total))
     step, state_path = 0, out / STATE
+    schedule = {"total_steps": total, "batch_seqs": cfg.batch_seqs, "lr": cfg.lr}
     if state_path.exists():
         state = torch.load(state_path, weights_only=False)
+        _same_run(state_path, state.get("schedule"), schedule)
         drafter.load_state_dict(state["drafter"])
         opt.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["scheduler"])
@@ -276,7 +295,7 @@ def _train(
             epoch=epoch + 1, loss=f"{stats[0] / stats[2]:.3f}", acc=f"{stats[1] / stats[2]:.2f}"
         )
         if step % cfg.save_every == 0 or step == total:
-            _save_state(state_path, drafter, opt, sched, step, gen)
+            _save_state(state_path, drafter, opt, sched, step, gen, schedule)
         if step % steps_per_epoch == 0 or step == total:
             acc = _validate(cfg, drafter, [(seqs[j], feats[j], labels[j]) for j in val], t2d)
             bar.write(f"epoch {epoch + 1}: held-out next-token accuracy {acc:.3f}")
@@ -366,7 +385,13 @@ def _warmup_cosine(total: int, warmup_frac: float = 0.05):
 
 
 def _save_state(
-    path: Path, drafter: EagleDrafter, opt: Any, sched: Any, step: int, gen: torch.Generator
+    path: Path,
+    drafter: EagleDrafter,
+    opt: Any,
+    sched: Any,
+    step: int,
+    gen: torch.Generator,
+    schedule: dict[str, Any],
 ) -> None:
     """Everything the loop needs to continue bit for bit: weights, optimizer, schedule, the
     noise generator and the step (epoch shuffles are seeded by epoch)."""
@@ -377,6 +402,7 @@ def _save_state(
         "scheduler": sched.state_dict(),
         "step": step,
         "noise_rng": gen.get_state(),
+        "schedule": schedule,
     }
     torch.save(state, tmp)
     tmp.replace(path)

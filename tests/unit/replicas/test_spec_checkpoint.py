@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 
 from sessionserve.cli import main as cli_main
 from sessionserve.config import CacheConfig, EngineConfig, ModelConfig, SpecConfig
+from sessionserve.errors import InvalidConfigError
 from sessionserve.replicas.engine import Engine
 from sessionserve.replicas.loader import load_model
 from sessionserve.replicas.request import SamplingParams
@@ -87,8 +88,8 @@ def test_an_interrupted_run_resumes_to_the_same_weights(target_dir, tmp_path, mo
     straight = train_drafter(_cfg(target_dir, tmp_path / "straight"))
     real_save = training._save_state
 
-    def save_then_crash(path, drafter, opt, sched, step, gen):
-        real_save(path, drafter, opt, sched, step, gen)
+    def save_then_crash(path, drafter, opt, sched, step, gen, schedule):
+        real_save(path, drafter, opt, sched, step, gen, schedule)
         if step == 3:
             raise KeyboardInterrupt
 
@@ -97,6 +98,10 @@ def test_an_interrupted_run_resumes_to_the_same_weights(target_dir, tmp_path, mo
         train_drafter(_cfg(target_dir, tmp_path / "resumed"))
     assert not (tmp_path / "resumed" / "model.safetensors").exists()
     monkeypatch.setattr(training, "_save_state", real_save)
+    with pytest.raises(InvalidConfigError, match="re-run with the same options"):
+        train_drafter(_cfg(target_dir, tmp_path / "resumed", epochs=3))  # another schedule
+    with pytest.raises(InvalidConfigError, match="re-run with the same options"):
+        train_drafter(_cfg(target_dir, tmp_path / "resumed", max_new_tokens=5))  # other data
     resumed = train_drafter(_cfg(target_dir, tmp_path / "resumed"))
     a, b = straight.state_dict(), resumed.state_dict()
     assert a.keys() == b.keys()
