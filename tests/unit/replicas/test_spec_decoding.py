@@ -141,14 +141,15 @@ def test_drafter_kv_holds_exactly_the_committed_positions() -> None:
 
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_session_turns_with_speculation_equal_plain_requests(page_size: int) -> None:
-    """Multi-turn with aborts mid-verify and forced retraction: each answer equals a plain
-    engine's on the full history; the next turn reuses exactly what was committed."""
+    """Multi-turn with forced retraction, a turn aborted mid-verify, a max_tokens and a stop
+    token that land inside verified runs: each answer equals a plain engine's on the full
+    history; the next turn reuses exactly what the last one committed."""
     model = tiny_model(num_hidden_layers=1, seed=3)
     engine = tiny_engine(model, drafter=mimic_drafter, page_size=page_size, retract_every=5)
     plain = tiny_engine(model, radix=False)
     sid = engine.open_session()
     history: list[int] = []
-    for turn in range(5):
+    for turn in range(6):
         new = _prompts(20 + turn, (6 + 5 * turn,))[0]
         if turn == 2:  # abort mid-verify: the turn disappears, the session continues
             rid = engine.submit(new, GREEDY, session_id=sid)
@@ -158,12 +159,21 @@ def test_session_turns_with_speculation_equal_plain_requests(page_size: int) -> 
             engine.abort(rid)
             engine.take_result(rid)
             continue
+        params = GREEDY
+        if turn == 1:
+            params = SamplingParams(max_tokens=7, temperature=0, ignore_eos=True)
+        if turn == 3:  # stop at a token the plain answer reaches after a few steps
+            (probe,) = plain.generate([history + new], GREEDY)
+            params = SamplingParams(
+                max_tokens=40, temperature=0, stop_token_ids=(probe.output_ids[6],)
+            )
         kept = len(engine.cache.session(sid).kv_tokens) if history else 0
-        (r,) = engine.generate([new], GREEDY, session_id=sid)
+        (r,) = engine.generate([new], params, session_id=sid)
         history += new
-        (ref,) = plain.generate([history], GREEDY)
-        assert r.output_ids == ref.output_ids
-        assert r.cached_tokens == kept or turn == 3  # after the abort: the rolled-back KV
+        (ref,) = plain.generate([history], params)
+        assert r.output_ids == ref.output_ids and r.finish_reason == ref.finish_reason
+        assert r.cached_tokens == kept
+        assert r.spec_steps > 0
         history += r.output_ids
     assert engine.scheduler.retractions_total > 0 and engine.spec_stats.accepted > 0
     engine.close_session(sid)
