@@ -36,8 +36,9 @@ def spec_served(served, tmp_path_factory):
     drafter_dir = tmp_path_factory.mktemp("spec-head")
     save_drafter(mimic_drafter(copy.deepcopy(plain.loaded.model)), drafter_dir)
     args["engine"]["spec"] = {"drafter_path": str(drafter_dir), "num_drafts": 4}
-    args["replica"]["num_replicas"] = 1
-    args["ingress"]["num_replicas"] = 1
+    # the main app holds 1.5 of the cluster's 2 CPUs: this one must fit in the rest
+    args["replica"].update(num_replicas=1, num_cpus=0.25)
+    args["ingress"].update(num_replicas=1, num_cpus=0.125)
     serve.run(build_app(args), name=SPEC_APP, route_prefix="/spec")
     base = f"{served['base']}/spec"
     assert wait_healthy(base, 60), "the speculative app never answered /health"
