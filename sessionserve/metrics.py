@@ -24,7 +24,9 @@ if TYPE_CHECKING:
 
 GAUGE_PERIOD_S = 0.5
 LATENCY_BUCKETS_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
-ACCEPT_LEN_BUCKETS = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+# Ray's exporter estimates a histogram's _sum from bucket midpoints, not from the observations:
+# buckets centred on the integers (k <= 16, so lengths 1..17) keep sum/count exact
+ACCEPT_LEN_BUCKETS = [n + 0.5 for n in range(18)]
 
 # name -> (kind, description, extra label keys)
 REPLICA_METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {

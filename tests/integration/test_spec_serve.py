@@ -1,7 +1,8 @@
 """Speculative decoding through the served application: a second Serve app in the same cluster
 whose replica loads an EAGLE head from disk (`engine.spec.drafter_path`), driven by the
 official `openai` client over HTTP. Answers equal a non-speculative engine's; usage reports
-the drafts kept and rejected; the replica's memory invariant holds (strict mode)."""
+the drafts kept and rejected, and a real Prometheus sees the same figures in the replica's
+speculation metrics; the replica's memory invariant holds (strict mode)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from sessionserve.config import AppConfig
 from sessionserve.replicas.engine import Engine
 from sessionserve.replicas.request import SamplingParams
 from sessionserve.replicas.spec.checkpoint import save_drafter
-from tests.conftest import app_args
+from tests.conftest import app_args, free_port
+from tests.e2e.prometheus import Prometheus, ensure_prometheus
 from tests.http_wait import wait_healthy
 from tests.models import mimic_drafter, save_tiny_model
 
@@ -84,3 +86,31 @@ def test_session_chat_with_speculation_equals_plain_decoding(spec_served) -> Non
     terms = handle.memory_check.remote().result(timeout_s=30)  # raises if broken
     assert terms["held"] == terms["in_flight"] == terms["live_requests"] == 0, terms
     assert terms["free"] + terms["evictable"] + terms["protected"] == terms["total"]
+    spec_served["accepted"], spec_served["drafted"] = accepted, accepted + rejected
+    spec_served["replica"] = terms["replica"]
+
+
+def test_speculation_metrics_reach_prometheus(served, spec_served) -> None:
+    """After the chat above: this replica's counters equal what usage reported, and the
+    acceptance-length histogram adds up (sum of lengths = accepted drafts + verify steps)."""
+    if "replica" not in spec_served:
+        pytest.skip("needs the chat test's figures")
+    binary = ensure_prometheus()
+    if binary is None:
+        pytest.skip("Debian's prometheus package cannot be installed on this machine")
+    prom = Prometheus(binary, f"127.0.0.1:{served['metrics_port']}", free_port())
+    try:
+        prom.wait_ready()
+        sel = f'{{replica="{spec_served["replica"]}"}}'
+        prom.wait_for(
+            f"sum(ray_sessionserve_spec_accepted_tokens_total{sel})",
+            lambda v: v == spec_served["accepted"],
+            timeout_s=60,
+        )
+        drafted = prom.value(f"sum(ray_sessionserve_spec_drafted_tokens_total{sel})")
+        assert drafted == spec_served["drafted"]
+        steps = prom.value(f"sum(ray_sessionserve_spec_accept_length_count{sel})")
+        lengths = prom.value(f"sum(ray_sessionserve_spec_accept_length_sum{sel})")
+        assert steps and lengths == spec_served["accepted"] + steps
+    finally:
+        prom.stop()
