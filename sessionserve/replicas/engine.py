@@ -284,8 +284,8 @@ class Engine:
         logits, hidden = self.runner.forward(fb)
         emitted: list[tuple[ScheduledSeq, list[int], list[TokenLogprob]]] = []
         plain = [s for s in batch.seqs if s.samples and s.num_drafts == 0]
-        for s in batch.seqs:
-            if not s.samples:
+        for s in batch.seqs:  # a verify commits only what it accepts (`_verify`)
+            if not s.num_drafts:
                 self.cache.commit(s.req.kv, s.end)
         if plain:
             out = sample(
@@ -296,7 +296,6 @@ class Engine:
                 [s.req.generator for s in plain],
             )
             for i, s in enumerate(plain):
-                self.cache.commit(s.req.kv, s.end)
                 lp = out.logprobs[i] if out.logprobs and s.req.sampling.logprobs else None
                 emitted.append((s, [out.token_ids[i]], [lp] if lp else []))
         for s in batch.seqs:

@@ -98,7 +98,7 @@ class EagleProposer:
             tokens, dist = self._choose(out, [reqs[i] for i in active])
             for row, i in enumerate(active):
                 chains[i].append(tokens[row])
-                probs[i].append(None if dist is None else dist[row])
+                probs[i].append(dist[row])
                 feats[i] = out[row]
         result = []
         for i, r in enumerate(reqs):
@@ -133,8 +133,7 @@ class EagleProposer:
         reqs = [entries[i].req for i in wanting]
         tokens, dist = self._choose(feats, reqs)
         for row, r in enumerate(reqs):
-            p = None if dist is None or r.sampling.is_greedy else dist[row]
-            r.draft = DraftState(tokens[row], feats[row], p)
+            r.draft = DraftState(tokens[row], feats[row], dist[row])
 
     # ---- internals ----
     def _forward(
@@ -162,18 +161,16 @@ class EagleProposer:
 
     def _choose(
         self, feats: torch.Tensor, reqs: Sequence[Request]
-    ) -> tuple[list[int], torch.Tensor | None]:
+    ) -> tuple[list[int], list[torch.Tensor | None]]:
         """Greedy requests take the argmax; sampled ones draw from softmax(logits / T) and
-        keep that distribution (over the target vocabulary) for the acceptance test."""
+        keep that distribution (over the target vocabulary) for the acceptance test; the
+        second list holds it per request (None for greedy ones)."""
         logits = self.drafter.draft_logits(feats).float()
         picks = logits.argmax(dim=-1)
-        dist = None
-        sampled = [i for i, r in enumerate(reqs) if not r.sampling.is_greedy]
-        if sampled:
-            dist = torch.zeros(len(reqs), self.vocab_size)
-            for i in sampled:
-                p = (logits[i] / reqs[i].sampling.temperature).softmax(-1)
-                picks[i] = torch.multinomial(p, 1, generator=reqs[i].generator)[0]
+        dist: list[torch.Tensor | None] = [None] * len(reqs)
+        for i, r in enumerate(reqs):
+            if not r.sampling.is_greedy:
+                p = (logits[i] / r.sampling.temperature).softmax(-1)
+                picks[i] = torch.multinomial(p, 1, generator=r.generator)[0]
                 dist[i] = self.drafter.target_probs(p, self.vocab_size)
-        tokens = self.drafter.to_target(picks).tolist()
-        return tokens, dist
+        return self.drafter.to_target(picks).tolist(), dist
