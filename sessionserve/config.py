@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
+import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
@@ -23,13 +24,21 @@ class ModelConfig(_Strict):
         "model directory, or a .gguf file. Never downloaded.",
     )
     served_name: str | None = Field(None, description="Model id in the API; default: derived.")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="Weights and KV dtype. fp32 on CPU (bf16 is emulated there)."
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description="Weights and KV dtype. auto = bfloat16 on CUDA, float32 on CPU (where "
+        "bf16 matmuls are emulated and slow).",
     )
     device: str = Field("cpu", description='torch device, e.g. "cpu" or "cuda".')
     torch_threads: int | None = Field(
         None, ge=1, description="torch.set_num_threads for this replica; None leaves torch's."
     )
+
+    def torch_dtype(self) -> torch.dtype:
+        """The dtype to load with: `auto` resolved for this config's device."""
+        if self.dtype == "auto":
+            return torch.bfloat16 if torch.device(self.device).type == "cuda" else torch.float32
+        return getattr(torch, self.dtype)
 
 
 class CacheConfig(_Strict):
@@ -94,7 +103,22 @@ class EngineConfig(_Strict):
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     spec: SpecConfig = Field(default_factory=SpecConfig)
     attention_backend: Literal["auto", "torch", "flashinfer"] = Field(
-        "auto", description="auto = FlashInfer on CUDA when installed, else torch."
+        "auto",
+        description="auto = FlashInfer on CUDA when it is installed and supports the model's "
+        "dtype and head dim (fp16/bf16, head dim 64/128/256), else torch (the reason is logged).",
+    )
+    cuda_graphs: bool = Field(
+        True,
+        description="On CUDA, replay captured graphs for pure-decode steps (captured lazily "
+        "per batch-size bucket); prefill and verify steps run eagerly. Ignored on CPU.",
+    )
+    cuda_graph_max_batch: int = Field(
+        128,
+        ge=1,
+        le=1024,
+        description="Largest decode batch captured (also capped by "
+        "scheduler.max_running_requests); bounds the graphs' memory (logits are "
+        "batch x vocab floats). Bigger decode batches run eagerly.",
     )
     strict_memory_check: bool = Field(
         False, description="Check the memory invariant after every step (tests turn it on)."

@@ -33,7 +33,13 @@ from sessionserve.cache.request_kv import RequestKV
 from sessionserve.cache.session_cache import TurnMode
 from sessionserve.config import EngineConfig
 from sessionserve.metrics import EngineMetrics
-from sessionserve.replicas.attention import AttentionBackend, SeqSpec, select_backend
+from sessionserve.replicas.attention import (
+    AttentionBackend,
+    SeqSpec,
+    attention_scale,
+    select_backend,
+)
+from sessionserve.replicas.cuda_graphs import DecodeGraphs, buckets_up_to
 from sessionserve.replicas.loader import LoadedModel, load_model
 from sessionserve.replicas.model_runner import ForwardBatch, ModelRunner
 from sessionserve.replicas.request import (
@@ -88,8 +94,9 @@ class Engine:
         self.config = cfg = config or EngineConfig()
         if cfg.model.torch_threads:
             torch.set_num_threads(cfg.model.torch_threads)
-        dtype = getattr(torch, cfg.model.dtype)
-        self.loaded = loaded or load_model(cfg.model.path, dtype, cfg.model.device)
+        self.loaded = loaded or load_model(
+            cfg.model.path, cfg.model.torch_dtype(), cfg.model.device
+        )
         model, self.tokenizer = self.loaded.model, self.loaded.tokenizer
         self.model_name = cfg.model.served_name or self.loaded.name
         self.vocab_size = model.config.vocab_size
@@ -103,6 +110,9 @@ class Engine:
             limits=SessionLimits(s.max_sessions, s.max_held_tokens, s.max_session_tokens),
         )
         self.runner = ModelRunner(model, *self._pool_and_backend(model))
+        if cfg.cuda_graphs and self.runner.device.type == "cuda":
+            most = min(cfg.scheduler.max_running_requests, cfg.cuda_graph_max_batch)
+            self.runner.graphs = DecodeGraphs(self.runner, buckets_up_to(most))
         self.proposer = self._build_proposer(cfg, model, drafter)
         self.spec_stats = SpecStats()
         limit = min(c.max_context_len, self.cache.allocator.num_slots)
@@ -372,7 +382,7 @@ class Engine:
         if p.is_greedy:
             verdict = accept_greedy(target, chain.tokens)
         else:
-            probs = torch.stack([filter_logits(r, p).softmax(-1) for r in target])
+            probs = filter_logits(target, p).softmax(-1)
             verdict = accept_sampled(probs, chain.probs, chain.tokens, req.generator)
         self.cache.commit(req.kv, s.end + verdict.accepted)
         self.cache.free_overallocation(req.kv)
@@ -492,22 +502,21 @@ class Engine:
             device=param.device,
         )
         backend = select_backend(
-            self.config.attention_backend,
-            param.device,
-            page_size=self.config.cache.page_size,
-            **self._backend_dims(model),
+            self.config.attention_backend, param.device, **self._backend_dims(model)
         )
         return pool, backend
 
-    @staticmethod
-    def _backend_dims(model: Any) -> dict[str, Any]:
-        shape, cfg = KVShape.from_hf_config(model.config), model.config
+    def _backend_dims(self, model: Any) -> dict[str, Any]:
+        shape, cfg, c = KVShape.from_hf_config(model.config), model.config, self.config.cache
         return {
+            "page_size": c.page_size,
             "num_heads": cfg.num_attention_heads,
             "num_kv_heads": shape.num_kv_heads,
             "head_dim": shape.head_dim,
-            "scaling": shape.head_dim**-0.5,
+            "scaling": attention_scale(model, shape.head_dim),
             "dtype": next(model.parameters()).dtype,
+            "num_pages": self.cache.allocator.pool_slots // c.page_size,
+            "max_context_len": c.max_context_len,
         }
 
 

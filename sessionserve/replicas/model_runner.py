@@ -2,33 +2,40 @@
 
 It sees only tensors: token ids, positions, the slot each new token's KV goes to, and one
 `SeqSpec` per sequence (its new-token count and context slots). It never sees requests or
-sessions.
+sessions. The batch arrives as host tensors and goes to the device in one copy. Pure-decode
+batches replay a CUDA graph when `graphs` is set (see cuda_graphs.py); the rest run eagerly.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from sessionserve.cache.kv_pool import KVPool
-from sessionserve.replicas.attention import (
-    AttentionBackend,
-    ForwardMeta,
-    SeqSpec,
-    install,
-)
+from sessionserve.replicas.attention import AttentionBackend, ForwardMeta, SeqSpec, install
+from sessionserve.replicas.attention.base import to_device
+
+if TYPE_CHECKING:
+    from sessionserve.replicas.cuda_graphs import DecodeGraphs
 
 
 @dataclass
 class ForwardBatch:
-    input_ids: torch.Tensor  # [T]
+    input_ids: torch.Tensor  # [T] (host)
     positions: torch.Tensor  # [T]
     out_slots: torch.Tensor  # [T]
     seqs: list[SeqSpec]
     logit_idx: torch.Tensor  # [N] flat token indices whose logits are needed
     want_hidden: bool = False  # also return every token's last hidden state (for EAGLE)
+
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence adds one token and samples from it (what a decode graph runs)."""
+        return len(self.logit_idx) == len(self.seqs) == len(self.input_ids) and all(
+            s.tree_mask is None for s in self.seqs
+        )
 
 
 class ModelRunner:
@@ -39,6 +46,7 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
+        self.graphs: DecodeGraphs | None = None  # set by the engine on CUDA
         install(model)
 
     @torch.inference_mode()
@@ -46,18 +54,27 @@ class ModelRunner:
         """Logits [N, V] for `batch.logit_idx`, and with `want_hidden` the last hidden state
         (after the final norm) of every token [T, H]; K/V of every new token is written to the
         pool. The decoder and the LM head run separately so the hidden states come for free."""
-        dev = self.device
-        meta = ForwardMeta(
-            backend=self.backend,
-            kv_pool=self.kv_pool,
-            out_slots=batch.out_slots.to(dev),
-            plan=self.backend.prepare(batch.seqs, dev),
+        if self.graphs is not None and batch.is_decode:
+            out = self.graphs.run(batch)
+            if out is not None:
+                return out
+        n = len(batch.input_ids)
+        packed = to_device(
+            torch.cat([batch.input_ids, batch.positions, batch.out_slots, batch.logit_idx]),
+            self.device,
         )
-        hidden = self.decoder(
-            input_ids=batch.input_ids.to(dev)[None],
-            position_ids=batch.positions.to(dev)[None],
-            use_cache=False,
-            paged_meta=meta,
-        ).last_hidden_state[0]
-        logits = self.lm_head(hidden[batch.logit_idx.to(dev)])
+        ids, pos, slots, logit_idx = packed.split([n, n, n, len(batch.logit_idx)])
+        meta = ForwardMeta(
+            self.backend, self.kv_pool, slots, self.backend.prepare(batch.seqs, self.device)
+        )
+        hidden = self.decode_hidden(ids, pos, meta)
+        logits = self.lm_head(hidden[logit_idx])
         return logits, hidden if batch.want_hidden else None
+
+    def decode_hidden(
+        self, ids: torch.Tensor, positions: torch.Tensor, meta: ForwardMeta
+    ) -> torch.Tensor:
+        """The decoder over device tensors [T]: last hidden states [T, H]."""
+        return self.decoder(
+            input_ids=ids[None], position_ids=positions[None], use_cache=False, paged_meta=meta
+        ).last_hidden_state[0]

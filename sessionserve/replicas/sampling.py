@@ -1,9 +1,13 @@
 """Next-token sampling for a batch: penalties, greedy, temperature, top-k/top-p/min-p, seeds.
 
+Everything runs batched on the logits' device; the chosen ids come back to the host in one copy.
+Randomness comes from each request's *CPU* generator as one uniform per draw, and the token is
+found by inverse-CDF on the device: so a seeded request gives the same tokens on CPU and CUDA,
+whatever else is in the batch (a CUDA generator would draw a different stream, and
+`torch.multinomial` refuses a CPU generator for CUDA probabilities).
+
 Reported logprobs are those of the model's own distribution (log_softmax of the raw logits,
-before penalties and temperature), as OpenAI reports them. Greedy rows take the argmax of the
-penalised logits; sampled rows draw with their request's generator, so a seeded request gives
-the same output whatever else is in the batch.
+before penalties and temperature), as OpenAI reports them.
 """
 
 from __future__ import annotations
@@ -21,39 +25,74 @@ class SampleOutput(NamedTuple):
     logprobs: list[TokenLogprob | None] | None  # per row, when any row asked for them
 
 
+def uniforms(generators: Sequence[torch.Generator | None], n: int = 1) -> torch.Tensor:
+    """[len(generators), n] float64 uniforms in [0, 1), row i from generators[i] (on CPU)."""
+    return torch.stack([torch.rand(n, dtype=torch.float64, generator=g) for g in generators])
+
+
+def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling: row i of `probs` ([N, V], unnormalised is fine) at uniform u[i].
+    The float64 CDF makes the pick the same on any device for the same u; a token with zero
+    probability is never picked (its CDF step is empty)."""
+    cdf = probs.double().cumsum(-1)
+    target = u.to(cdf.device, torch.float64).reshape(-1, 1) * cdf[:, -1:]
+    idx = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    return idx.clamp_max(probs.shape[-1] - 1)
+
+
 def apply_penalties(
     logits: torch.Tensor, params: SamplingParams, context: Sequence[int], output: Sequence[int]
 ) -> torch.Tensor:
     """One row ([V]). Repetition penalty over prompt+output (HF semantics); frequency and
     presence penalties over the output (OpenAI semantics)."""
+    dev = logits.device
     if params.repetition_penalty != 1.0 and context:
-        ids = torch.tensor(sorted(set(context)), dtype=torch.int64)
+        ids = torch.tensor(sorted(set(context)), dtype=torch.int64, device=dev)
         picked = logits[ids]
         p = params.repetition_penalty
         logits[ids] = torch.where(picked > 0, picked / p, picked * p)
     if (params.frequency_penalty or params.presence_penalty) and output:
-        ids, counts = torch.tensor(output, dtype=torch.int64).unique(return_counts=True)
+        ids, counts = torch.tensor(output, dtype=torch.int64, device=dev).unique(return_counts=True)
         logits[ids] -= params.frequency_penalty * counts.to(logits.dtype)
         logits[ids] -= params.presence_penalty
     return logits
 
 
-def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature, top-k, top-p, min-p on one row ([V]); removed tokens get -inf."""
-    logits = logits / params.temperature
-    if params.top_k > 0 and params.top_k < logits.numel():
-        kth = torch.topk(logits, params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = sorted_logits.softmax(-1)
-        # drop a token once the mass before it already reaches top_p (the first always stays)
-        drop = (probs.cumsum(-1) - probs) >= params.top_p
-        logits = logits.scatter(0, order[drop], float("-inf"))
-    if params.min_p > 0.0:
-        probs = logits.softmax(-1)
-        logits = logits.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
-    return logits
+def filter_logits(
+    logits: torch.Tensor, params: SamplingParams | Sequence[SamplingParams]
+) -> torch.Tensor:
+    """Temperature, top-k, top-p, min-p; removed tokens get -inf. `logits` is one row [V] or a
+    batch [B, V] with one params per row (or one for all). One sort serves top-k and top-p."""
+    row = logits.dim() == 1
+    x = logits[None] if row else logits
+    plist = [params] * x.shape[0] if isinstance(params, SamplingParams) else list(params)
+    dev, vocab = x.device, x.shape[-1]
+
+    def col(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=x.dtype, device=dev)[:, None]
+
+    x = x / col([p.temperature for p in plist])
+    top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in plist]
+    top_p = [p.top_p for p in plist]
+    if any(top_k) or min(top_p) < 1.0:
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        if any(top_k):
+            kth_idx = torch.tensor([max(k, 1) - 1 for k in top_k], device=dev)[:, None]
+            kth = sorted_x.gather(-1, kth_idx)
+            kth = torch.where(col([float(k > 0) for k in top_k]) > 0, kth, float("-inf"))
+            sorted_x = sorted_x.masked_fill(sorted_x < kth, float("-inf"))
+        if min(top_p) < 1.0:
+            probs = sorted_x.softmax(-1)
+            # drop a token once the mass before it already reaches top_p (the first stays)
+            limit = col([t if t < 1.0 else float("inf") for t in top_p])
+            sorted_x = sorted_x.masked_fill((probs.cumsum(-1) - probs) >= limit, float("-inf"))
+        x = torch.empty_like(x).scatter_(-1, order, sorted_x)
+    min_p = [p.min_p for p in plist]
+    if any(min_p):
+        probs = x.softmax(-1)
+        floor = col(min_p) * probs.max(dim=-1, keepdim=True).values
+        x = x.masked_fill(probs < floor, float("-inf"))
+    return x[0] if row else x
 
 
 def sample(
@@ -63,45 +102,50 @@ def sample(
     outputs: Sequence[Sequence[int]],
     generators: Sequence[torch.Generator | None],
 ) -> SampleOutput:
-    """`logits` [B, V] (float32). Row i uses params[i], its generator, its output so far and
-    `contexts[i]` (prompt + output; only read by the repetition penalty, so it may be empty
-    for rows without one)."""
+    """`logits` [B, V] on any device. Row i uses params[i], its generator, its output so far
+    and `contexts[i]` (prompt + output; only read by the repetition penalty, so it may be
+    empty for rows without one)."""
     logits = logits.float()
-    want_lp = any(p.logprobs for p in params)
-    chosen = logits.argmax(dim=-1).tolist()  # greedy rows without penalties: done
-    for i, p in enumerate(params):
-        if p.is_greedy and not p.has_penalties:
-            continue
-        row = logits[i].clone()
-        if p.has_penalties:
-            row = apply_penalties(row, p, contexts[i], outputs[i])
-        if p.is_greedy:
-            chosen[i] = int(row.argmax())
-            continue
-        probs = filter_logits(row, p).softmax(-1)
-        chosen[i] = int(torch.multinomial(probs, 1, generator=generators[i]))
-    if not want_lp:
-        return SampleOutput(chosen, None)
-    lps = [
-        token_logprobs(logits[i : i + 1], [tok], p.top_logprobs)[0] if p.logprobs else None
-        for i, (tok, p) in enumerate(zip(chosen, params, strict=True))
-    ]
-    return SampleOutput(chosen, lps)
+    raw = logits
+    penalised = [i for i, p in enumerate(params) if p.has_penalties]
+    if penalised:
+        logits = logits.clone()
+        for i in penalised:
+            apply_penalties(logits[i], params[i], contexts[i], outputs[i])
+    chosen = logits.argmax(dim=-1)
+    sampled = [i for i, p in enumerate(params) if not p.is_greedy]
+    if sampled:
+        rows = torch.tensor(sampled, device=logits.device)
+        probs = filter_logits(logits[rows], [params[i] for i in sampled]).softmax(-1)
+        u = uniforms([generators[i] for i in sampled])
+        chosen = chosen.index_copy(0, rows, draw(probs, u))
+    want = [i for i, p in enumerate(params) if p.logprobs]
+    if not want:
+        return SampleOutput(chosen.tolist(), None)
+    top_n = max(params[i].top_logprobs for i in want)
+    lps = token_logprobs(raw[want], chosen[want], top_n)
+    out: list[TokenLogprob | None] = [None] * len(params)
+    for lp, i in zip(lps, want, strict=True):
+        n = params[i].top_logprobs
+        out[i] = lp._replace(top=lp.top[:n]) if len(lp.top) > n else lp
+    return SampleOutput(chosen.tolist(), out)
 
 
 def token_logprobs(
-    logits: torch.Tensor, token_ids: Sequence[int], top_n: int
+    logits: torch.Tensor, token_ids: Sequence[int] | torch.Tensor, top_n: int
 ) -> list[TokenLogprob]:
     """Row i of `logits` ([N, V]) scored `token_ids[i]`: its logprob under the model's own
-    distribution, with the `top_n` most likely alternatives."""
+    distribution, with the `top_n` most likely alternatives (one device-to-host copy)."""
     lp = torch.log_softmax(logits.float(), dim=-1)
-    ids = torch.tensor(list(token_ids), dtype=torch.int64)
-    chosen = lp[torch.arange(len(ids)), ids].tolist()
+    ids = torch.as_tensor(token_ids, dtype=torch.int64, device=lp.device)
+    chosen = lp.gather(-1, ids[:, None])
     if top_n:
         vals, alt = lp.topk(top_n, dim=-1)
-        tops = [
-            tuple(zip(a, v, strict=True)) for a, v in zip(alt.tolist(), vals.tolist(), strict=True)
-        ]
+        host = torch.cat([ids[:, None].double(), chosen.double(), vals.double(), alt.double()], 1)
     else:
-        tops = [()] * len(ids)
-    return [TokenLogprob(t, c, top) for t, c, top in zip(ids.tolist(), chosen, tops, strict=True)]
+        host = torch.cat([ids[:, None].double(), chosen.double()], 1)
+    result = []
+    for r in host.cpu().tolist():
+        top = tuple(zip((int(a) for a in r[2 + top_n :]), r[2 : 2 + top_n], strict=True))
+        result.append(TokenLogprob(int(r[0]), r[1], top))
+    return result

@@ -8,6 +8,7 @@ under ATTN_NAME and switches the model to it; each forward then passes a `Forwar
 from __future__ import annotations
 
 import importlib.util
+import logging
 from typing import Any
 
 import torch
@@ -18,6 +19,8 @@ from sessionserve.replicas.attention.base import AttentionBackend, ForwardMeta, 
 from sessionserve.replicas.attention.torch_backend import TorchPagedBackend
 
 ATTN_NAME = "sessionserve_paged"
+BACKENDS = ("auto", "torch", "flashinfer")
+log = logging.getLogger(__name__)
 
 
 def paged_attention(
@@ -31,13 +34,18 @@ def paged_attention(
     paged_meta: ForwardMeta | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
+    """Write the new tokens' K/V into the pool, then let the backend attend over it."""
     if paged_meta is None:
         raise RuntimeError(
             f"the model uses {ATTN_NAME!r} attention but was called without paged_meta; "
             "run it through sessionserve's ModelRunner"
         )
+    layer = module.layer_idx
+    paged_meta.kv_pool.write(
+        layer, paged_meta.out_slots, key[0].transpose(0, 1), value[0].transpose(0, 1)
+    )
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = paged_meta.backend.forward(module.layer_idx, query, key, value, paged_meta, scale)
+    out = paged_meta.backend.forward(layer, query, key, value, paged_meta, scale)
     return out, None
 
 
@@ -48,23 +56,68 @@ def install(model: Any) -> None:
     model.set_attn_implementation(ATTN_NAME)
 
 
+def attention_scale(model: Any, head_dim: int) -> float:
+    """The softmax scale the model's attention layers pass in (`module.scaling`), which is
+    not always head_dim**-0.5 (e.g. Gemma's query_pre_attn_scalar)."""
+    for m in model.modules():
+        scale = getattr(m, "scaling", None)
+        if hasattr(m, "layer_idx") and isinstance(scale, float):
+            return scale
+    return head_dim**-0.5
+
+
+def flashinfer_unsupported(
+    device: torch.device, dtype: torch.dtype | None, head_dim: int | None
+) -> str | None:
+    """Why FlashInfer cannot serve this model here, or None if it can."""
+    from sessionserve.replicas.attention import flashinfer_backend as fib
+
+    if device.type != "cuda":
+        return "it needs a CUDA device"
+    if importlib.util.find_spec("flashinfer") is None:
+        return "it is not installed (pip install 'sessionserve[gpu]')"
+    if dtype is not None and dtype not in fib.SUPPORTED_DTYPES:
+        return f"it has no {dtype} kernels (set model.dtype to bfloat16 or float16)"
+    if head_dim is not None and head_dim not in fib.SUPPORTED_HEAD_DIMS:
+        return f"it has no kernels for head dim {head_dim} (only {fib.SUPPORTED_HEAD_DIMS})"
+    return None
+
+
 def select_backend(name: str, device: torch.device, **dims: Any) -> AttentionBackend:
-    """`auto` picks FlashInfer on CUDA when it is installed, else the torch backend."""
-    has_flashinfer = importlib.util.find_spec("flashinfer") is not None
-    if name == "auto":
-        name = "flashinfer" if device.type == "cuda" and has_flashinfer else "torch"
+    """`auto` picks FlashInfer when it can serve the model (CUDA, installed, fp16/bf16, a head
+    dim it has kernels for) and says why not otherwise; an explicit `flashinfer` that cannot
+    work fails here, at startup, not inside the first forward."""
+    if name not in BACKENDS:
+        raise InvalidConfigError(
+            f"attention backend {name!r}: choose 'auto', 'torch' or 'flashinfer'"
+        )
+    torch_backend = TorchPagedBackend(dims.get("max_context_len"))
     if name == "torch":
-        return TorchPagedBackend()
-    if name == "flashinfer":
-        if device.type != "cuda" or not has_flashinfer:
-            raise InvalidConfigError(
-                "attention backend 'flashinfer' needs a CUDA device and `pip install "
-                "'sessionserve[gpu]'`; use 'torch' or 'auto' on this machine"
+        return torch_backend
+    why = flashinfer_unsupported(device, dims.get("dtype"), dims.get("head_dim"))
+    if why is not None:
+        if name == "auto":
+            (log.info if device.type == "cuda" else log.debug)(
+                "attention backend auto: using torch, not FlashInfer, because %s", why
             )
-        from sessionserve.replicas.attention.flashinfer_backend import FlashInferBackend
+            return torch_backend
+        raise InvalidConfigError(
+            f"attention backend 'flashinfer' cannot serve this model: {why}. "
+            "Use attention_backend 'torch' or 'auto'"
+        )
+    from sessionserve.replicas.attention.flashinfer_backend import FlashInferBackend
 
-        return FlashInferBackend(device=device, **dims)
-    raise InvalidConfigError(f"attention backend {name!r}: choose 'auto', 'torch' or 'flashinfer'")
+    fi_dims = {k: v for k, v in dims.items() if k != "max_context_len"}
+    return FlashInferBackend(device=device, **fi_dims)
 
 
-__all__ = ["ATTN_NAME", "AttentionBackend", "ForwardMeta", "SeqSpec", "install", "select_backend"]
+__all__ = [
+    "ATTN_NAME",
+    "AttentionBackend",
+    "ForwardMeta",
+    "SeqSpec",
+    "attention_scale",
+    "flashinfer_unsupported",
+    "install",
+    "select_backend",
+]

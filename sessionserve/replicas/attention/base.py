@@ -3,13 +3,19 @@
 A forward runs the tokens of every scheduled sequence flattened into one row ([1, T]); each
 sequence contributes `q_len` new tokens that attend to its `ctx_len` context tokens (the cached
 prefix plus the new tokens themselves). The model runner describes the batch with `SeqSpec`s,
-the backend turns them into whatever its kernels need (`prepare`, once per forward), and
-`forward` is then called once per layer from inside the transformers model.
+the backend turns them into whatever its kernels need (`prepare`, once per forward, built on the
+host and copied to the device once), and `forward` is then called once per layer from inside the
+transformers model, after the new K/V have been written to the pool.
+
+Pure-decode batches can also run on *static* metadata (`static_decode` / `fill_decode`): buffers
+of a fixed batch size (padding rows point at the reserved slot 0), so the whole forward can be
+captured once in a CUDA graph and replayed (see cuda_graphs.py).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +43,14 @@ class ForwardMeta:
     backend: AttentionBackend
     kv_pool: KVPool
     out_slots: torch.Tensor  # [T] slot each new token's K/V is written to
-    plan: Any  # backend-specific, built by `prepare`
+    plan: Any  # backend-specific, built by `prepare` (or static, from `static_decode`)
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """One host-to-device copy that does not stall the host (pinned source on CUDA)."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 class AttentionBackend(ABC):
@@ -45,17 +58,31 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def prepare(self, seqs: list[SeqSpec], device: torch.device) -> Any:
-        """Precompute index and mask tensors for one forward (shared by all layers)."""
+        """Index and mask tensors for one forward (shared by all layers)."""
 
     @abstractmethod
     def forward(
         self,
         layer: int,
         q: torch.Tensor,  # [1, H, T, D]
-        k: torch.Tensor,  # [1, KVH, T, D] new tokens only
+        k: torch.Tensor,  # [1, KVH, T, D] new tokens only (already written to the pool)
         v: torch.Tensor,
         meta: ForwardMeta,
         scaling: float,
     ) -> torch.Tensor:
-        """Write the new K/V into the pool at `meta.out_slots`, then attend; returns
-        [1, T, H, D] as transformers expects from an attention function."""
+        """Attend over the pool; returns [1, T, H, D] as transformers expects."""
+
+    # ---- static decode metadata (CUDA graphs) ----
+    def graph_key(self, seqs: list[SeqSpec]) -> Hashable | None:
+        """Besides the batch size, what a static decode plan's shapes depend on (None: this
+        batch cannot run on static metadata, e.g. a context beyond every bucket)."""
+        return 0
+
+    def static_decode(self, batch_size: int, key: Hashable, device: torch.device) -> Any:
+        """Buffers of a decode plan for `batch_size` one-token sequences."""
+        raise NotImplementedError(f"the {self.name} backend has no static decode path")
+
+    def fill_decode(self, static: Any, seqs: list[SeqSpec]) -> None:
+        """Write this step's sequences into `static` (rows past len(seqs) become padding that
+        reads and writes only slot 0)."""
+        raise NotImplementedError(f"the {self.name} backend has no static decode path")

@@ -2,13 +2,19 @@
 
 Our pool stores one layer's K as [slots, KVH, D]; with `page_size` consecutive slots per page
 this is exactly FlashInfer's "NHD" paged layout [num_pages, page_size, KVH, D], so the pool is
-viewed, never copied. One `BatchPrefillWithPagedKVCacheWrapper` plan per forward serves every
-layer, and handles prefill, decode and chain verification alike (causal over ragged queries).
+viewed, never copied. One plan per forward serves every layer: a pure-decode batch uses the
+decode wrapper, anything else (prefill chunks, chain verifies, mixed batches) the prefill
+wrapper (causal over ragged queries). `plan()` is fed host tensors, so planning never reads
+back from the device. For CUDA graphs each batch-size bucket gets its own decode wrapper in
+graph mode over fixed buffers (`static_decode`), re-planned before every replay.
 Tree-shaped speculative verification is not wired for this backend (chain drafting only).
+
+Limits (FlashInfer 0.7): fp16/bf16 only, head dims 64/128/256; `select_backend` checks them.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -16,6 +22,27 @@ import torch
 from sessionserve.replicas.attention.base import AttentionBackend, ForwardMeta, SeqSpec
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+
+
+@dataclass
+class _Plan:
+    wrapper: Any  # the planned wrapper whose `run` every layer calls
+    batch_size: int = 0  # static plans: the fixed batch size (padding included)
+
+
+def page_table(seqs: list[SeqSpec], page_size: int) -> tuple[torch.Tensor, ...]:
+    """Host int32 (kv_indptr [B+1], page ids [sum pages], last_page_len [B]) of `seqs`, whose
+    positions are laid out page by page (slot // page_size is the page)."""
+    pages = [s.ctx_slots[::page_size] // page_size for s in seqs]
+    counts = torch.tensor([p.numel() for p in pages], dtype=torch.int32)
+    indptr = torch.zeros(len(seqs) + 1, dtype=torch.int32)
+    torch.cumsum(counts, 0, out=indptr[1:])
+    lens = torch.tensor([s.ctx_len for s in seqs], dtype=torch.int32)
+    last = lens - (counts - 1) * page_size
+    flat = torch.cat(pages).to(torch.int32) if pages else torch.zeros(0, dtype=torch.int32)
+    return indptr, flat, last
 
 
 class FlashInferBackend(AttentionBackend):
@@ -30,39 +57,80 @@ class FlashInferBackend(AttentionBackend):
         scaling: float,
         dtype: torch.dtype,
         device: torch.device,
+        num_pages: int,
     ) -> None:
         import flashinfer  # lazy: only CUDA deployments install it (extra "gpu")
 
-        self.page_size, self.scaling, self.dtype = page_size, scaling, dtype
+        self._fi = flashinfer
+        self.page_size, self.scaling, self.dtype, self.device = page_size, scaling, dtype, device
         self.dims = (num_heads, num_kv_heads, head_dim)
-        workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        self.wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+        self.num_pages = num_pages
+        self.tensor_cores = num_heads // num_kv_heads > 4  # large GQA groups: decode on MMA
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_tensor_cores=self.tensor_cores
+        )
 
-    def prepare(self, seqs: list[SeqSpec], device: torch.device) -> Any:
+    def prepare(self, seqs: list[SeqSpec], device: torch.device) -> _Plan:
         if any(s.tree_mask is not None for s in seqs):
             raise NotImplementedError("tree verification needs the torch backend; use chain")
-        p = self.page_size
-        qo, kv_ptr, pages, last = [0], [0], [], []
-        for s in seqs:
-            page_ids = s.ctx_slots[::p] // p  # positions are laid out page by page
-            qo.append(qo[-1] + s.q_len)
-            kv_ptr.append(kv_ptr[-1] + page_ids.numel())
-            pages.append(page_ids)
-            last.append(s.ctx_len - (page_ids.numel() - 1) * p)
-        as_i32 = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
-        self.wrapper.plan(
-            as_i32(qo),
-            as_i32(kv_ptr),
-            torch.cat(pages).to(device=device, dtype=torch.int32),
-            as_i32(last),
+        indptr, pages, last = page_table(seqs, self.page_size)
+        if all(s.q_len == 1 for s in seqs):
+            self._plan_decode(self.decode, indptr, pages, last)
+            return _Plan(self.decode)
+        qo = torch.zeros(len(seqs) + 1, dtype=torch.int32)
+        torch.cumsum(torch.tensor([s.q_len for s in seqs], dtype=torch.int32), 0, out=qo[1:])
+        self.prefill.plan(
+            qo,
+            indptr,
+            pages,
+            last,
             *self.dims,
-            p,
+            self.page_size,
             causal=True,
             sm_scale=self.scaling,
             q_data_type=self.dtype,
             kv_data_type=self.dtype,
         )
-        return None
+        return _Plan(self.prefill)
+
+    def _plan_decode(self, wrapper: Any, indptr: Any, pages: Any, last: Any) -> None:
+        wrapper.plan(
+            indptr,
+            pages,
+            last,
+            *self.dims,
+            self.page_size,
+            sm_scale=self.scaling,
+            q_data_type=self.dtype,
+            kv_data_type=self.dtype,
+        )
+
+    # ---- static decode (CUDA graphs) ----
+    def static_decode(self, batch_size: int, key: Any, device: torch.device) -> _Plan:
+        i32 = {"dtype": torch.int32, "device": device}
+        wrapper = self._fi.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace,
+            "NHD",
+            use_cuda_graph=True,
+            use_tensor_cores=self.tensor_cores,
+            paged_kv_indptr_buffer=torch.zeros(batch_size + 1, **i32),
+            paged_kv_indices_buffer=torch.zeros(self.num_pages + batch_size, **i32),
+            paged_kv_last_page_len_buffer=torch.ones(batch_size, **i32),
+        )
+        return _Plan(wrapper, batch_size)
+
+    def fill_decode(self, static: _Plan, seqs: list[SeqSpec]) -> None:
+        """Padding rows get one page, page 0 (reserved), holding one token."""
+        pad = static.batch_size - len(seqs)
+        indptr, pages, last = page_table(seqs, self.page_size)
+        if pad:
+            tail = indptr[-1] + torch.arange(1, pad + 1, dtype=torch.int32)
+            indptr = torch.cat([indptr, tail])
+            pages = torch.cat([pages, torch.zeros(pad, dtype=torch.int32)])
+            last = torch.cat([last, torch.ones(pad, dtype=torch.int32)])
+        self._plan_decode(static.wrapper, indptr, pages, last)
 
     def forward(
         self,
@@ -73,12 +141,15 @@ class FlashInferBackend(AttentionBackend):
         meta: ForwardMeta,
         scaling: float,
     ) -> torch.Tensor:
-        pool = meta.kv_pool
-        pool.write(layer, meta.out_slots, k[0].transpose(0, 1), v[0].transpose(0, 1))
-        _, kv_heads, head_dim = self.dims
+        if abs(scaling - self.scaling) > 1e-6 * self.scaling:
+            raise RuntimeError(
+                f"layer {layer} asks for attention scale {scaling}, but FlashInfer was planned "
+                f"with {self.scaling}; use attention_backend 'torch' for this model"
+            )
+        pool, (_, kv_heads, head_dim) = meta.kv_pool, self.dims
         paged = (
             pool.k[layer].view(-1, self.page_size, kv_heads, head_dim),
             pool.v[layer].view(-1, self.page_size, kv_heads, head_dim),
         )
-        out = self.wrapper.run(q[0].transpose(0, 1).contiguous(), paged)  # [T, H, D]
+        out = meta.plan.wrapper.run(q[0].transpose(0, 1).contiguous(), paged)  # [T, H, D]
         return out.unsqueeze(0)

@@ -5,6 +5,9 @@ Sequences with the same number of new tokens form one group and run as one padde
 verifies together (q_len k+1), each distinct prefill length on its own. So a decode step costs
 one gather and one SDPA per layer whatever the batch size, not a Python loop per sequence.
 A prefill with no cached prefix attends to its new K/V directly (causal), skipping the gather.
+
+Metadata is built on the host with whole-tensor ops and copied to the device once per group
+(no per-sequence device writes, no device-to-host reads inside the layers).
 """
 
 from __future__ import annotations
@@ -14,8 +17,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.utils.rnn import pad_sequence
 
-from sessionserve.replicas.attention.base import AttentionBackend, ForwardMeta, SeqSpec
+from sessionserve.replicas.attention.base import AttentionBackend, ForwardMeta, SeqSpec, to_device
+
+MIN_STATIC_CTX = 64  # smallest context bucket of a static decode plan
 
 
 @dataclass
@@ -23,11 +29,22 @@ class _Group:
     token_idx: torch.Tensor  # [B, q] positions of the group's query tokens in the flat batch
     ctx_slots: torch.Tensor | None  # [B, Lmax] KV slots, padded with slot 0; None when fresh
     mask: torch.Tensor | None  # [B, 1, q, Lmax] True = may attend; None = no masking needed
-    fresh: bool  # one sequence, no cached prefix, causal: use the new K/V directly
+    fresh: tuple[int, int] | None = None  # one sequence, no cached prefix, causal: its flat
+    # token range [start, end) (host ints), using the new K/V directly
+
+
+def context_mask(ctx_lens: torch.Tensor, q: int, width: int) -> torch.Tensor:
+    """[B, q, width] bool: new token i of row b (its last q context positions) sees positions
+    0..ctx_len - q + i: the cached prefix, then causally among the new tokens."""
+    last_seen = (ctx_lens - q)[:, None, None] + torch.arange(q)[None, :, None]
+    return torch.arange(width)[None, None, :] <= last_seen
 
 
 class TorchPagedBackend(AttentionBackend):
     name = "torch"
+
+    def __init__(self, max_context_len: int | None = None) -> None:
+        self.max_context_len = max_context_len  # the largest static context bucket
 
     def prepare(self, seqs: list[SeqSpec], device: torch.device) -> list[_Group]:
         starts, pos = [], 0
@@ -43,27 +60,52 @@ class TorchPagedBackend(AttentionBackend):
         ]
 
     def _group(self, seqs: list[SeqSpec], starts: list[int], device: torch.device) -> _Group:
-        q = seqs[0].q_len
-        token_idx = torch.tensor(starts, device=device)[:, None] + torch.arange(q, device=device)
-        only = seqs[0]
+        q, only = seqs[0].q_len, seqs[0]
         if len(seqs) == 1 and only.ctx_len == q and only.tree_mask is None:
-            return _Group(token_idx, None, None, fresh=True)
-        lmax = max(s.ctx_len for s in seqs)
-        ctx_slots = torch.zeros(len(seqs), lmax, dtype=torch.int64, device=device)
-        mask = torch.zeros(len(seqs), 1, q, lmax, dtype=torch.bool, device=device)
-        need_mask = False
-        for b, s in enumerate(seqs):
-            ctx_slots[b, : s.ctx_len] = s.ctx_slots
-            prefix = s.ctx_len - q
-            mask[b, 0, :, :prefix] = True  # the cached prefix is visible to every new token
-            new = (
-                s.tree_mask
-                if s.tree_mask is not None
-                else torch.ones(q, q, dtype=torch.bool, device=device).tril()
-            )
-            mask[b, 0, :, prefix : s.ctx_len] = new
-            need_mask |= q > 1 or s.ctx_len < lmax
-        return _Group(token_idx, ctx_slots, mask if need_mask else None, fresh=False)
+            return _Group(torch.empty(0), None, None, fresh=(starts[0], starts[0] + q))
+        token_idx = torch.tensor(starts)[:, None] + torch.arange(q)
+        ctx_slots = pad_sequence([s.ctx_slots for s in seqs], batch_first=True)
+        lens = torch.tensor([s.ctx_len for s in seqs])
+        width = ctx_slots.shape[1]
+        mask = None
+        if q > 1 or int(lens.min()) < width:
+            mask = context_mask(lens, q, width)
+            for b, s in enumerate(seqs):
+                if s.tree_mask is not None:
+                    mask[b, :, s.ctx_len - q : s.ctx_len] = s.tree_mask
+            mask = to_device(mask[:, None], device)
+        return _Group(to_device(token_idx, device), to_device(ctx_slots, device), mask)
+
+    # ---- static decode (CUDA graphs) ----
+    def graph_key(self, seqs: list[SeqSpec]) -> int | None:
+        """The context bucket: a power of two >= the longest context (at least 64)."""
+        longest = max(s.ctx_len for s in seqs)
+        width = max(MIN_STATIC_CTX, 1 << (longest - 1).bit_length())
+        if self.max_context_len is not None and width > self.max_context_len:
+            width = self.max_context_len if longest <= self.max_context_len else 0
+        return width or None
+
+    def static_decode(self, batch_size: int, key: int, device: torch.device) -> list[_Group]:
+        """One decode group of fixed shape [batch_size, key] (a plan `forward` runs as is)."""
+        group = _Group(
+            token_idx=torch.arange(batch_size, device=device)[:, None],
+            ctx_slots=torch.zeros(batch_size, key, dtype=torch.int64, device=device),
+            mask=torch.zeros(batch_size, 1, 1, key, dtype=torch.bool, device=device),
+        )
+        return [group]
+
+    def fill_decode(self, static: list[_Group], seqs: list[SeqSpec]) -> None:
+        (static,) = static
+        batch_size, width = static.ctx_slots.shape
+        ctx = torch.zeros(batch_size, width, dtype=torch.int64)
+        lens = torch.ones(batch_size, dtype=torch.int64)  # padding rows see slot 0 only
+        if seqs:
+            packed = pad_sequence([s.ctx_slots for s in seqs], batch_first=True)
+            ctx[: len(seqs), : packed.shape[1]] = packed
+            lens[: len(seqs)] = torch.tensor([s.ctx_len for s in seqs])
+        mask = torch.arange(width)[None, :] < lens[:, None]
+        static.ctx_slots.copy_(to_device(ctx, static.ctx_slots.device), non_blocking=True)
+        static.mask.copy_(to_device(mask[:, None, None], static.mask.device), non_blocking=True)
 
     def forward(
         self,
@@ -74,15 +116,13 @@ class TorchPagedBackend(AttentionBackend):
         meta: ForwardMeta,
         scaling: float,
     ) -> torch.Tensor:
-        pool = meta.kv_pool
-        pool.write(layer, meta.out_slots, k[0].transpose(0, 1), v[0].transpose(0, 1))
-        k_pool, v_pool = pool.k[layer], pool.v[layer]  # [slots, KVH, D]
+        k_pool, v_pool = meta.kv_pool.k[layer], meta.kv_pool.v[layer]  # [slots, KVH, D]
         n_tokens, n_heads, head_dim = q.shape[2], q.shape[1], q.shape[3]
         out = q.new_empty(n_tokens, n_heads, head_dim)
         q_tokens = q[0].transpose(0, 1)  # [T, H, D]
         for g in meta.plan:
-            if g.fresh:
-                s, e = int(g.token_idx[0, 0]), int(g.token_idx[0, -1]) + 1
+            if g.fresh is not None:
+                s, e = g.fresh
                 o = F.scaled_dot_product_attention(
                     q[:, :, s:e],
                     k[:, :, s:e],

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from sessionserve.replicas.sampling import draw, uniforms
+
 
 @dataclass(frozen=True)
 class Verdict:
@@ -39,15 +41,22 @@ def accept_sampled(
     drafts: list[int],
     generator: torch.Generator | None,
 ) -> Verdict:
-    uniforms = torch.rand(len(drafts), generator=generator).tolist()
-    for i, d in enumerate(drafts):
-        p, q = target_probs[i], draft_probs[i]
-        if uniforms[i] * float(q[d]) <= float(p[d]):
+    """Random numbers come from `generator` on the host (see sampling.py), so the verdict
+    is the same on any device: k acceptance uniforms, then one for the emitted token."""
+    k = len(drafts)
+    idx = torch.arange(k, device=target_probs.device)
+    d = torch.tensor(drafts, dtype=torch.int64, device=target_probs.device)
+    ratios = torch.stack([target_probs[idx, d], draft_probs[idx, d]], 1).double().cpu().tolist()
+    accept_u = torch.rand(k, dtype=torch.float64, generator=generator).tolist()
+    for i in range(k):
+        p_d, q_d = ratios[i]
+        if accept_u[i] * q_d <= p_d:
             continue
+        p, q = target_probs[i], draft_probs[i]
         residual = (p - q).clamp_min(0.0)
         if float(residual.sum()) <= 0.0:  # p == q up to rounding: p itself is the residual
             residual = p
-        token = int(torch.multinomial(residual, 1, generator=generator))
+        token = int(draw(residual[None], uniforms([generator]))[0])
         return Verdict(drafts[:i] + [token], i)
-    token = int(torch.multinomial(target_probs[len(drafts)], 1, generator=generator))
-    return Verdict(drafts + [token], len(drafts))
+    token = int(draw(target_probs[k][None], uniforms([generator]))[0])
+    return Verdict(drafts + [token], k)

@@ -22,6 +22,7 @@ from sessionserve.cache.kv_pool import KVPool
 from sessionserve.cache.session_cache import SessionCache
 from sessionserve.replicas.attention import ATTN_NAME, AttentionBackend, ForwardMeta, SeqSpec
 from sessionserve.replicas.request import Request
+from sessionserve.replicas.sampling import draw, uniforms
 from sessionserve.replicas.spec.draft_state import DraftState
 from sessionserve.replicas.spec.drafter import EagleDrafter
 
@@ -171,6 +172,6 @@ class EagleProposer:
         for i, r in enumerate(reqs):
             if not r.sampling.is_greedy:
                 p = (logits[i] / r.sampling.temperature).softmax(-1)
-                picks[i] = torch.multinomial(p, 1, generator=r.generator)[0]
+                picks[i] = draw(p[None], uniforms([r.generator]))[0]
                 dist[i] = self.drafter.target_probs(p, self.vocab_size)
         return self.drafter.to_target(picks).tolist(), dist
