@@ -19,6 +19,35 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 APP = "sessionserve"
 
 
+def pytest_addoption(parser) -> None:
+    parser.addoption(
+        "--device",
+        default=os.environ.get("SESSIONSERVE_TEST_DEVICE", "cpu"),
+        help="torch device for the engine tests' models (e.g. cuda); also "
+        "SESSIONSERVE_TEST_DEVICE. Reference models (transformers' generate) stay on CPU.",
+    )
+
+
+def pytest_configure(config) -> None:
+    import torch
+
+    device = config.getoption("--device")
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise pytest.UsageError(f"--device {device}: CUDA is not available on this machine")
+    os.environ["SESSIONSERVE_TEST_DEVICE"] = device  # read by tests.models.engine_device()
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -19,6 +20,7 @@ from transformers import (
 from sessionserve.config import (
     CacheConfig,
     EngineConfig,
+    ModelConfig,
     SchedulerConfig,
     SessionConfig,
     SpecConfig,
@@ -42,6 +44,11 @@ ARCHS = {
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
     "mistral": (MistralConfig, MistralForCausalLM),
 }
+
+
+def engine_device() -> str:
+    """Where engine tests put their models: `pytest --device cuda` (default cpu)."""
+    return os.environ.get("SESSIONSERVE_TEST_DEVICE", "cpu")
 
 
 def word_tokenizer() -> PreTrainedTokenizerFast:
@@ -89,12 +96,20 @@ def tiny_engine(
     backend: str = "torch",
     drafter=None,
     num_drafts: int = 4,
+    device: str | None = None,
+    cuda_graphs: bool = True,
     **session_kw,
 ) -> Engine:
-    """An engine in strict memory mode around a (copy of a) tiny model. `drafter`: a function
-    making an EAGLE head for the copied model (e.g. `mimic_drafter`), to speculate."""
+    """An engine in strict memory mode around a (copy of a) tiny model, on `device` (default:
+    the test device). `drafter`: a function making an EAGLE head for the copied model (e.g.
+    `mimic_drafter`), to speculate."""
+    device = device or engine_device()
     model = copy.deepcopy(model) if model is not None else tiny_model()
+    head = drafter(model) if drafter is not None else None  # built on CPU, moved with it
+    model = model.to(device)
+    head = head.to(device) if head is not None else None
     cfg = EngineConfig(
+        model=ModelConfig(device=device),
         cache=CacheConfig(
             page_size=page_size,
             num_slots=num_slots,
@@ -106,15 +121,15 @@ def tiny_engine(
         sessions=SessionConfig(**session_kw),
         spec=SpecConfig(num_drafts=num_drafts),
         attention_backend=backend,
+        cuda_graphs=cuda_graphs,
         strict_memory_check=True,
     )
-    head = drafter(model) if drafter is not None else None
     return Engine(cfg, LoadedModel(model, word_tokenizer(), "tiny", "tests"), drafter=head)
 
 
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     """transformers' own generate, the reference for token-exact comparisons."""
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=model.device)
     out = model.generate(
         ids,
         attention_mask=torch.ones_like(ids),

@@ -1,0 +1,227 @@
+"""The GPU path's host-side logic, checked on CPU: device-independent sampling, backend choice,
+the model's attention scale, host-built metadata, and the static decode path that CUDA graphs
+replay (run eagerly here: same padding, same buffers, same tokens as the eager engine)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from sessionserve.config import ModelConfig
+from sessionserve.errors import InvalidConfigError
+from sessionserve.replicas.attention import attention_scale, select_backend
+from sessionserve.replicas.attention.base import SeqSpec
+from sessionserve.replicas.attention.flashinfer_backend import page_table
+from sessionserve.replicas.attention.torch_backend import TorchPagedBackend, context_mask
+from sessionserve.replicas.cuda_graphs import DecodeGraphs, bucket_for, buckets_up_to
+from sessionserve.replicas.request import SamplingParams
+from sessionserve.replicas.sampling import draw, filter_logits, sample, uniforms
+from tests.models import hf_greedy, tiny_engine, tiny_model
+
+PROMPTS = [[5 + i for i in range(n)] for n in (3, 17, 40)]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+# ---- sampling ----
+def test_draw_is_inverse_cdf_and_never_picks_a_removed_token() -> None:
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5], [0.2, 0.0, 0.8, 0.0]])
+    assert draw(probs, torch.tensor([0.0, 0.0])).tolist() == [1, 0]
+    assert draw(probs, torch.tensor([0.49, 0.21])).tolist() == [1, 2]
+    assert draw(probs, torch.tensor([0.51, 0.999999])).tolist() == [3, 2]
+    # the same uniform picks the same token whatever the probabilities' dtype
+    p32 = torch.rand(64, 1000).softmax(-1)
+    u = uniforms([torch.Generator().manual_seed(i) for i in range(64)])
+    assert torch.equal(draw(p32, u), draw(p32.double(), u))
+
+
+def test_batched_filters_equal_row_by_row() -> None:
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 300, generator=gen) * 3
+    params = [
+        SamplingParams(temperature=0.7, top_k=20),
+        SamplingParams(temperature=1.3, top_p=0.8),
+        SamplingParams(temperature=1.0, min_p=0.1),
+        SamplingParams(temperature=0.5, top_k=50, top_p=0.9, min_p=0.05),
+        SamplingParams(temperature=1.0),
+    ]
+    batch = filter_logits(logits, params)
+    for i, p in enumerate(params):
+        assert torch.equal(batch[i], filter_logits(logits[i], p)), p
+    kept = torch.isfinite(batch).sum(-1).tolist()
+    assert kept[0] == 20 and kept[4] == 300 and 0 < kept[1] < 300 and kept[3] <= 50
+
+
+def test_sampling_is_the_same_from_any_batch_and_dtype() -> None:
+    """A seeded row draws from its own host generator: its token does not depend on the rest of
+    the batch, nor on the logits' device or dtype (bf16 logits are upcast first)."""
+    logits = torch.randn(4, 500, generator=torch.Generator().manual_seed(1))
+    params = [SamplingParams(temperature=1.0, seed=7, top_p=0.95)] * 4
+    gens = lambda: [torch.Generator().manual_seed(7) for _ in range(4)]  # noqa: E731
+    full = sample(logits, params, [()] * 4, [()] * 4, gens()).token_ids
+    alone = sample(logits[2:3], params[2:3], [()], [()], gens()[:1]).token_ids
+    assert full[2] == alone[0]
+    assert sample(logits.double(), params, [()] * 4, [()] * 4, gens()).token_ids == full
+
+
+# ---- backends ----
+def test_auto_falls_back_to_torch_with_the_reason(monkeypatch, caplog) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: object() if n == "flashinfer" else real(n, *a)
+    )
+    cuda = torch.device("cuda")
+    with caplog.at_level(logging.INFO, "sessionserve.replicas.attention"):
+        b = select_backend("auto", cuda, dtype=torch.float32, head_dim=64)
+    assert isinstance(b, TorchPagedBackend)
+    assert "no torch.float32 kernels" in caplog.text
+    with pytest.raises(InvalidConfigError, match="no kernels for head dim 16"):
+        select_backend("flashinfer", cuda, dtype=torch.float16, head_dim=16)
+    with pytest.raises(InvalidConfigError, match="set model.dtype to bfloat16"):
+        select_backend("flashinfer", cuda, dtype=torch.float32, head_dim=64)
+
+
+def test_dtype_auto_is_bf16_on_cuda_and_fp32_on_cpu() -> None:
+    assert ModelConfig().torch_dtype() is torch.float32
+    assert ModelConfig(device="cuda").torch_dtype() is torch.bfloat16
+    assert ModelConfig(device="cuda:1", dtype="float16").torch_dtype() is torch.float16
+
+
+def test_the_models_own_attention_scale_is_used(model) -> None:
+    """A layer scale other than head_dim**-0.5 must reach the kernel: both the backend's
+    planned scale and the output change."""
+    odd = tiny_model()
+    for layer in odd.model.layers:
+        layer.self_attn.scaling = 0.05
+    assert attention_scale(odd, 16) == 0.05 and attention_scale(model, 16) == 16**-0.5
+    p = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=True)
+    ref = tiny_model()
+    ref.set_attn_implementation("eager")
+    for layer in ref.model.layers:
+        layer.self_attn.scaling = 0.05
+    got = tiny_engine(odd).generate(PROMPTS[1:2], p)[0]
+    assert got.output_ids == hf_greedy(ref, PROMPTS[1], 6)
+    assert got.output_ids != tiny_engine(model).generate(PROMPTS[1:2], p)[0].output_ids
+
+
+# ---- metadata ----
+def test_context_mask_is_prefix_then_causal() -> None:
+    m = context_mask(torch.tensor([5, 3]), q=2, width=5)
+    assert m[0].int().tolist() == [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
+    assert m[1].int().tolist() == [[1, 1, 0, 0, 0], [1, 1, 1, 0, 0]]
+
+
+def test_flashinfer_page_table_is_built_on_the_host() -> None:
+    seqs = [SeqSpec(1, torch.arange(32, 37)), SeqSpec(3, torch.arange(64, 80))]
+    indptr, pages, last = page_table(seqs, page_size=4)
+    assert indptr.tolist() == [0, 2, 6] and pages.tolist() == [8, 9, 16, 17, 18, 19]
+    assert last.tolist() == [1, 4]
+    assert all(t.device.type == "cpu" and t.dtype == torch.int32 for t in (indptr, pages, last))
+
+
+def test_buckets() -> None:
+    assert buckets_up_to(40) == (1, 2, 4, 8, 16, 24, 32, 40)
+    assert buckets_up_to(128)[-3:] == (64, 96, 128)
+    assert [bucket_for(n, (1, 2, 4, 8)) for n in (1, 3, 8, 9)] == [1, 4, 8, None]
+    backend = TorchPagedBackend(max_context_len=300)
+    key = lambda n: backend.graph_key([SeqSpec(1, torch.arange(n))])  # noqa: E731
+    assert [key(1), key(64), key(65), key(257), key(300), key(301)] == [64, 64, 128, 300, 300, None]
+
+
+def test_static_decode_plan_pads_with_slot_zero() -> None:
+    backend = TorchPagedBackend()
+    (g,) = backend.static_decode(4, 8, torch.device("cpu"))
+    backend.fill_decode(
+        [g], [SeqSpec(1, torch.tensor([16, 17, 18])), SeqSpec(1, torch.tensor([32]))]
+    )
+    assert g.ctx_slots[:2].tolist() == [[16, 17, 18, 0, 0, 0, 0, 0], [32] + [0] * 7]
+    assert g.mask[:, 0, 0].sum(-1).tolist() == [3, 1, 1, 1]
+    assert g.ctx_slots[2:].abs().sum() == 0  # padding rows read slot 0 only
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_static_decode_path_gives_the_eager_tokens(model, page_size) -> None:
+    """What a graph replay computes (padded static buffers), run eagerly: same tokens and
+    logprobs as the eager engine, for plain requests joining mid-flight and session turns."""
+    p = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=True)
+    sampled = SamplingParams(max_tokens=12, temperature=0.9, seed=3, ignore_eos=True)
+    results = {}
+    for static in (False, True):
+        engine = tiny_engine(model, page_size=page_size)
+        if static:
+            engine.runner.graphs = DecodeGraphs(engine.runner, (1, 2, 4, 8), capture=False)
+        rids = [engine.submit(PROMPTS[0], p)]
+        engine.step()
+        rids += [engine.submit(x, p) for x in PROMPTS[1:]] + [engine.submit(PROMPTS[2], sampled)]
+        sid = engine.open_session()
+        engine.run_until_idle()
+        turn1 = engine.generate([PROMPTS[1]], p, session_id=sid)[0]
+        turn2 = engine.generate([turn1.output_ids[-1:] + [9, 10]], p, session_id=sid)[0]
+        out = [engine.take_result(r) for r in rids] + [turn1, turn2]
+        results[static] = out
+        if static:
+            assert engine.runner.graphs.replays > 20
+            assert {k[0] for k in engine.runner.graphs.graphs} >= {1, 4}
+        engine.close_session(sid)
+        engine.check_memory()
+    for eager, static in zip(results[False], results[True], strict=True):
+        assert static.output_ids == eager.output_ids
+        for a, b in zip(eager.logprobs, static.logprobs, strict=True):
+            assert abs(a.logprob - b.logprob) < 1e-4
+    want = hf_greedy(model, PROMPTS[0], 12)  # stops at EOS; ours ignores it
+    assert len(want) >= 4 and results[True][0].output_ids[: len(want)] == want
+    assert results[True][4].cached_tokens > 0  # the session's second turn reused its KV
+
+
+# ---- on a GPU (skipped without CUDA) ----
+@pytest.mark.gpu
+def test_seeded_sampling_is_the_same_on_cpu_and_cuda() -> None:
+    logits = torch.randn(8, 4000, generator=torch.Generator().manual_seed(2))
+    params = [SamplingParams(temperature=0.8, top_k=100, top_p=0.9, seed=i) for i in range(8)]
+    gens = lambda: [torch.Generator().manual_seed(i) for i in range(8)]  # noqa: E731
+    on_cpu = sample(logits, params, [()] * 8, [()] * 8, gens()).token_ids
+    on_gpu = sample(logits.cuda(), params, [()] * 8, [()] * 8, gens()).token_ids
+    assert on_cpu == on_gpu
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay_gives_the_eager_tokens(model) -> None:
+    p = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=True)
+    sampled = SamplingParams(max_tokens=24, temperature=1.0, seed=5, ignore_eos=True)
+    out = {}
+    for graphs in (False, True):
+        engine = tiny_engine(model, device="cuda", cuda_graphs=graphs)
+        res = engine.generate(PROMPTS, p) + engine.generate(PROMPTS[:1], sampled)
+        out[graphs] = res
+        assert (engine.runner.graphs is not None) == graphs
+        if graphs:
+            assert engine.runner.graphs.replays > 0
+    for a, b in zip(out[False], out[True], strict=True):
+        assert a.output_ids == b.output_ids
+    cpu = tiny_engine(model, device="cpu").generate(PROMPTS[:1], sampled)[0]
+    assert cpu.output_ids == out[True][-1].output_ids  # seeded: same tokens on CPU and CUDA
+
+
+@pytest.mark.gpu
+def test_default_config_starts_and_answers_on_cuda() -> None:
+    from sessionserve.config import EngineConfig
+    from sessionserve.replicas.engine import Engine
+
+    engine = Engine(EngineConfig(model=ModelConfig(device="cuda")))
+    assert next(engine.runner.model.parameters()).dtype is torch.bfloat16
+    ids = engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
+    )
+    greedy = engine.generate([ids], SamplingParams(max_tokens=16, temperature=0))[0]
+    sampled = engine.generate([ids], SamplingParams(max_tokens=16, temperature=0.7, seed=1))[0]
+    assert "Paris" in greedy.text and sampled.completion_tokens > 0
