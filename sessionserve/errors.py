@@ -100,6 +100,13 @@ class KVCacheFullError(SessionServeError):
     error_type = "overloaded_error"
 
 
+class EngineUnavailableError(SessionServeError):
+    """The replica's engine thread is not running (it died or the replica is shutting down)."""
+
+    status_code = 503
+    error_type = "overloaded_error"
+
+
 class NoFreeRowError(KVCacheFullError):
     """Every request row is in use (running requests plus session slots)."""
 

@@ -1,24 +1,31 @@
 """The Serve replica deployment: a thin shim around `Engine`.
 
-The engine runs in a background thread (`EngineLoop`); requests come in on the replica's
-asyncio loop, are submitted under the engine lock, and stream back through an asyncio queue fed
-by the engine's listener. A cancelled stream (client disconnect) aborts its request, which keeps
-what the session has committed. Tokenization happens here, next to the model's tokenizer.
+The engine runs in a background thread (`EngineLoop`) that alone touches it: requests come in
+on the replica's asyncio loop and reach the engine as commands (submit, abort, session calls)
+that the thread runs between two steps, answered through futures the asyncio loop awaits; so
+that loop never waits for a forward. Tokens stream back through an asyncio queue fed by the
+engine's listener. Routing statistics are a snapshot the thread publishes. A cancelled stream
+(client disconnect) aborts its request, which keeps what the session has committed.
+Tokenization happens here, next to the model's tokenizer.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import logging
+import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from sessionserve.config import EngineConfig
-from sessionserve.errors import MemoryInvariantError
+from sessionserve.errors import EngineUnavailableError, MemoryInvariantError
 from sessionserve.metrics import RayEngineMetrics
 from sessionserve.replicas.engine import Engine, StepEvent
 from sessionserve.replicas.request import InvalidRequestError, SamplingParams, TokenLogprob
@@ -41,34 +48,104 @@ class GenerateCall:
 
 
 class EngineLoop(threading.Thread):
-    """Steps the engine while it has work; checks the idle invariant while it has none."""
+    """Owns the engine: runs queued commands, then a step while there is work; while idle,
+    checks the idle invariant every IDLE_TICK_S. Publishes `stats` for the router."""
 
-    def __init__(self, engine: Engine) -> None:
+    STATS_PERIOD_S = 0.05
+
+    def __init__(
+        self, engine: Engine, on_death: Callable[[BaseException], None] | None = None
+    ) -> None:
         super().__init__(name="sessionserve-engine", daemon=True)
         self.engine = engine
+        self.on_death = on_death  # told once if the thread dies (streams must not hang)
+        self.commands: queue.SimpleQueue[tuple[Callable[..., Any], tuple, Future]] = (
+            queue.SimpleQueue()
+        )
         self.wake = threading.Event()
         self.stopping = False
         self.error: BaseException | None = None
+        self.stats: dict[str, Any] = self._stats()
+        self._stats_at = 0.0
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> Future:
+        """Run `fn(*args)` on the engine thread between two steps; its result or exception
+        arrives in the returned future."""
+        if self.error is not None or self.stopping or not self.is_alive():
+            raise EngineUnavailableError(
+                "this replica's engine is not running; retry (another replica will answer)"
+            )
+        fut: Future = Future()
+        self.commands.put((fn, args, fut))
+        self.wake.set()
+        return fut
 
     def run(self) -> None:
         try:
             while not self.stopping:
+                if self._drain():
+                    self._publish(force=True)  # submits and aborts change what is queued
                 if self.engine.has_work():
                     self.engine.step()
+                    self._publish()
                     continue
                 if not self.wake.wait(IDLE_TICK_S):
                     self.engine.report_gauges()  # checks the invariant (idle form if idle)
+                    self._publish(force=True)
                 self.wake.clear()
+            self._drain()
         except BaseException as e:  # the replica reports it through check_health
             self.error = e
             log.exception("engine loop died")
+            if self.on_death is not None:
+                self.on_death(e)
+        self._fail_pending()
+
+    def _drain(self) -> int:
+        """Run every queued command; returns how many ran."""
+        ran = 0
+        while True:
+            try:
+                fn, args, fut = self.commands.get_nowait()
+            except queue.Empty:
+                return ran
+            ran += 1
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(*args))
+                except Exception as e:  # a bad request fails its own command only
+                    fut.set_exception(e)
+
+    def _fail_pending(self) -> None:
+        while True:
+            try:
+                _, _, fut = self.commands.get_nowait()
+            except queue.Empty:
+                return
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(EngineUnavailableError("this replica's engine stopped"))
+
+    def _publish(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or now - self._stats_at >= self.STATS_PERIOD_S:
+            self._stats_at, self.stats = now, self._stats()
+
+    def _stats(self) -> dict[str, Any]:
+        e = self.engine
+        return {
+            "free_kv_tokens": e.cache.reclaimable_size(),
+            "held_tokens": sum(e.cache.slot_held_tokens(s) for s in e.cache.idle_slots()),
+            "open_sessions": len(e.cache.session_slots),
+            "queue_len": len(e.scheduler.waiting) + len(e.scheduler.running),
+        }
 
 
 class ReplicaServer:
     def __init__(self, engine_config: dict[str, Any]) -> None:
         cfg = EngineConfig.model_validate(engine_config)
         self.engine = Engine(cfg)
-        self.loop = EngineLoop(self.engine)
+        self.streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self.loop = EngineLoop(self.engine, on_death=self._end_streams)
         self.loop.start()
         try:
             from ray import serve
@@ -84,26 +161,29 @@ class ReplicaServer:
         """Stream {"token_ids", "text"} deltas, then one {"final": ...} with the usage."""
         ids = self._input_ids(call)
         sampling = SamplingParams.build(**call.sampling)
-        queue: asyncio.Queue[StepEvent] = asyncio.Queue()
+        events: asyncio.Queue[StepEvent | Exception] = asyncio.Queue()
         aio = asyncio.get_running_loop()
         rid = call.rid or uuid.uuid4().hex
         # The input is always complete (the ingress passes the session's token log for
         # append mode), so the cache reuses the longest prefix it holds and rewinds if the log
         # and the held KV ever disagree: the directory's log is the source of truth.
-        self.engine.submit(
-            ids,
-            sampling,
-            session_id=call.session_id,
-            mode="chat",
-            rid=rid,
-            listener=lambda e: aio.call_soon_threadsafe(queue.put_nowait, e),
-            open_missing=True,
-        )
-        self.loop.wake.set()
         done, out_ids, text_sent = False, [], ""
+        self.streams[rid] = (aio, events)  # before submitting: a death in between is seen
         try:
+            await self._run(
+                self.engine.submit,
+                ids,
+                sampling,
+                session_id=call.session_id,
+                mode="chat",
+                rid=rid,
+                listener=lambda e: aio.call_soon_threadsafe(events.put_nowait, e),
+                open_missing=True,
+            )
             while not done:
-                event = await queue.get()
+                event = await events.get()
+                if isinstance(event, Exception):  # the engine thread died
+                    raise event
                 done = event.result is not None
                 out_ids += event.new_token_ids
                 text = (event.result.text or "") if done else self._visible_text(out_ids, sampling)
@@ -117,8 +197,15 @@ class ReplicaServer:
                 if done:
                     yield {"final": _final(event, ids) | {"replica": self.replica_id}}
         finally:
-            if not done:  # the caller went away: abort, keeping what the session committed
-                self.engine.abort(rid, "client disconnected")
+            self.streams.pop(rid, None)
+            if not done and self.loop.error is None:
+                # the caller went away: abort, keeping what the session committed
+                with contextlib.suppress(Exception, asyncio.CancelledError):
+                    await self._run(self.engine.abort, rid, "client disconnected")
+
+    async def _run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """`fn` on the engine thread (queued before this returns, even if cancelled)."""
+        return await asyncio.wrap_future(self.loop.call(functools.partial(fn, *args, **kwargs)))
 
     def _visible_text(self, out_ids: list[int], sampling: SamplingParams) -> str:
         """The answer so far, minus a tail that might still become a stop string (so what is
@@ -156,19 +243,20 @@ class ReplicaServer:
     # ---- sessions ----
     async def close_session(self, session_id: str) -> bool:
         try:
-            return self.engine.close_session(session_id)
+            return await self._run(self.engine.close_session, session_id)
         except KeyError:
             return True  # never reached this replica (or expired here): nothing held
 
     async def session_held_tokens(self, session_id: str) -> int | None:
         try:
-            return self.engine.session_info(session_id).held_tokens
+            return (await self._run(self.engine.session_info, session_id)).held_tokens
         except KeyError:
             return None
 
     async def memory_check(self) -> dict[str, Any]:
         """Run the memory invariant now (idle or busy form) and return its terms."""
-        return {"replica": self.replica_id, **self.engine.check_memory()._asdict()}
+        terms = await self._run(self.engine.check_memory)
+        return {"replica": self.replica_id, **terms._asdict()}
 
     # ---- Serve hooks ----
     def check_health(self) -> None:
@@ -180,32 +268,35 @@ class ReplicaServer:
             raise MemoryInvariantError("the memory invariant failed on this replica")
 
     def record_routing_stats(self) -> dict[str, Any]:
-        e = self.engine
-        with e.lock:
-            return {
-                "ts": time.time(),  # lets the router tell a fresh report from a repeated one
-                "free_kv_tokens": e.cache.reclaimable_size(),
-                "held_tokens": sum(e.cache.slot_held_tokens(s) for s in e.cache.idle_slots()),
-                "open_sessions": len(e.cache.session_slots),
-                "queue_len": len(e.scheduler.waiting) + len(e.scheduler.running),
-            }
+        """The engine thread's latest snapshot (never waits for a step)."""
+        # ts lets the router tell a fresh report from a repeated one
+        return {"ts": time.time(), **self.loop.stats}
 
     def __del__(self) -> None:
         """Serve calls this after its graceful drain (in-flight requests get
         `graceful_shutdown_timeout_s` to finish); whatever is still running is aborted, so
         streams end with finish_reason "abort" and sessions keep their committed turns."""
         loop = getattr(self, "loop", None)
-        if loop is None:
+        if loop is None or loop.stopping:
             return
-        with self.engine.lock:
-            leftovers = list(self.engine.requests)
-        for rid in leftovers:
+        with contextlib.suppress(EngineUnavailableError):
+            loop.call(self._abort_all, "replica shutting down")
+        loop.stopping = True  # the thread runs the queued aborts, then exits
+        loop.wake.set()
+
+    def _end_streams(self, cause: BaseException) -> None:
+        """On the engine thread's death: every open stream ends now with a 503."""
+        for aio, events in list(self.streams.values()):
+            err = EngineUnavailableError(f"this replica's engine failed ({cause!r}); retry")
+            with contextlib.suppress(RuntimeError):  # that event loop is already closed
+                aio.call_soon_threadsafe(events.put_nowait, err)
+
+    def _abort_all(self, message: str) -> None:
+        for rid in list(self.engine.requests):
             try:
-                self.engine.abort(rid, "replica shutting down")
+                self.engine.abort(rid, message)
             except RuntimeError:  # the replica's event loop is already closed
                 pass
-        loop.stopping = True
-        loop.wake.set()
 
 
 def _final(event: StepEvent, input_ids: list[int]) -> dict[str, Any]:

@@ -74,3 +74,61 @@ def test_shutdown_aborts_what_is_still_running(tmp_path) -> None:
     srv.loop.join(10)
     assert not srv.loop.is_alive()
     assert srv.engine.take_result(rid).finish_reason.value == "abort"
+
+
+def test_the_event_loop_never_waits_for_a_forward(tmp_path) -> None:
+    """With a forward stuck on the engine thread, the replica's asyncio loop still runs: it
+    answers routing stats, queues a second request, and both finish once the forward does."""
+    import threading
+
+    save_tiny_model(tmp_path)
+    srv = ReplicaServer({"model": {"path": str(tmp_path)}, "strict_memory_check": True})
+    runner, entered, release = srv.engine.runner, threading.Event(), threading.Event()
+    real_forward = runner.forward
+
+    def stuck_forward(batch):
+        entered.set()
+        release.wait()
+        return real_forward(batch)
+
+    runner.forward = stuck_forward
+    call = lambda p: GenerateCall({"max_tokens": 3, "temperature": 0}, prompt=p)  # noqa: E731
+
+    async def scenario():
+        first = asyncio.create_task(_collect(srv.generate(call("w5 w6"))))
+        await asyncio.to_thread(entered.wait)  # the engine thread is inside the forward
+        stats = srv.record_routing_stats()  # answered without the engine thread
+        second = asyncio.create_task(_collect(srv.generate(call("w7 w8 w9"))))
+        for _ in range(5):
+            await asyncio.sleep(0)  # the loop keeps turning
+        assert not first.done() and not second.done() and not release.is_set()
+        release.set()
+        return stats, await first, await second
+
+    try:
+        stats, a, b = asyncio.run(scenario())
+        assert stats["queue_len"] == 1 and stats["free_kv_tokens"] > 0
+        assert a[-1]["final"]["completion_tokens"] == b[-1]["final"]["completion_tokens"] == 3
+    finally:
+        release.set()
+        srv.__del__()
+
+
+def test_a_dead_engine_thread_fails_calls_instead_of_hanging(tmp_path) -> None:
+    from sessionserve.errors import EngineUnavailableError
+
+    save_tiny_model(tmp_path)
+    srv = ReplicaServer({"model": {"path": str(tmp_path)}})
+
+    def crash(batch):
+        raise RuntimeError("boom")
+
+    srv.engine.runner.forward = crash
+    with pytest.raises(EngineUnavailableError, match="boom"):  # a 503 at once, never a hang
+        asyncio.run(_collect(srv.generate(GenerateCall({"max_tokens": 2}, prompt="w5"))))
+    srv.loop.join(10)
+    assert isinstance(srv.loop.error, RuntimeError)
+    with pytest.raises(EngineUnavailableError):
+        srv.loop.call(srv.engine.has_work)
+    with pytest.raises(RuntimeError, match="engine loop died"):
+        srv.check_health()
