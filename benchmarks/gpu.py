@@ -1,0 +1,367 @@
+"""The replica engine on a GPU against transformers' own `generate`, in one run.
+
+A random-weight Llama built from a config (default ~1.2B: hidden 2048, 16 layers, 32 heads, 8 KV
+heads, intermediate 8192, vocab 128256, bf16; nothing downloaded), prompt 512 / output 128 with
+EOS ignored, at each concurrency c: decode tokens/s of
+  - our engine: torch and FlashInfer attention, CUDA graphs on and off (continuous batching, c
+    requests in flight; the median decode-only step),
+  - HF `generate` eager (sdpa) and HF `generate(cache_implementation="static")` (compiled),
+    as (time for `output` tokens - time for 1 token) / (output - 1) per step, batch c.
+At c = 32 (or the largest c below it): the step-time split (schedule, batch building, forward,
+sampling; with a device sync after the forward, in a separate run) and the GPU-busy share
+(kernel time / step time, from torch.profiler). Roofline: weight bytes / measured device copy
+bandwidth (read + write counted) bounds a decode step from below. Sessions: TTFT of a turn with
+`--held` tokens already held vs the same request stateless (radix off).
+
+    python -m benchmarks.gpu                       # an H100: the issue's figures
+    python -m benchmarks.gpu --tiny --device cpu   # a smoke run of the script itself on CPU
+
+Last line: one JSON object (ratios vs the baselines measured in the same run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from benchmarks.common import emit, machine
+from sessionserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from sessionserve.replicas import engine as engine_module
+from sessionserve.replicas.attention import flashinfer_unsupported
+from sessionserve.replicas.engine import Engine
+from sessionserve.replicas.loader import LoadedModel
+from sessionserve.replicas.request import SamplingParams
+
+SHAPES = {
+    "1.2b": dict(hidden=2048, layers=16, heads=32, kv_heads=8, intermediate=8192, vocab=128256),
+    "tiny": dict(hidden=256, layers=2, heads=4, kv_heads=2, intermediate=512, vocab=1024),
+}
+
+
+def parse() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
+    ap.add_argument("--tiny", action="store_true", help="a 2-layer model (smoke run)")
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--output", type=int, default=128)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
+    ap.add_argument("--backends", nargs="+", default=["torch", "flashinfer"])
+    ap.add_argument("--skip-hf-static", action="store_true", help="no compiled HF baseline")
+    ap.add_argument("--held", type=int, default=8000, help="session history for the TTFT test")
+    ap.add_argument("--profile-steps", type=int, default=20)
+    return ap.parse_args()
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def build_model(args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
+    s = SHAPES["tiny" if args.tiny else "1.2b"]
+    cfg = LlamaConfig(
+        hidden_size=s["hidden"],
+        num_hidden_layers=s["layers"],
+        num_attention_heads=s["heads"],
+        num_key_value_heads=s["kv_heads"],
+        intermediate_size=s["intermediate"],
+        vocab_size=s["vocab"],
+        max_position_embeddings=16384,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg).to(dtype).eval()
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
+    """Bytes per second of a device-to-device copy, read + write counted."""
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    sync(device)
+    t = time.perf_counter()
+    for _ in range(10):
+        dst.copy_(src)
+    sync(device)
+    return 10 * 2 * src.numel() / (time.perf_counter() - t)
+
+
+def prompts(c: int, n: int, vocab: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(100, vocab, (c, n), generator=torch.Generator().manual_seed(seed))
+
+
+# ---- transformers baselines ----
+def hf_step_ms(model, c: int, args: argparse.Namespace, static: bool) -> float:
+    dev = model.device
+    ids = prompts(c, args.prompt, model.config.vocab_size).to(dev)
+    kw: dict[str, Any] = {"do_sample": False, "attention_mask": torch.ones_like(ids)}
+    if static:
+        kw["cache_implementation"] = "static"
+
+    def timed(n: int) -> float:
+        sync(dev)
+        t = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
+        sync(dev)
+        return time.perf_counter() - t
+
+    timed(args.output)  # warm-up (compiles the static path)
+    full = statistics.median(timed(args.output) for _ in range(2))
+    one = statistics.median(timed(1) for _ in range(2))
+    return 1000 * (full - one) / (args.output - 1)
+
+
+# ---- our engine ----
+def make_engine(model, backend: str, graphs: bool, c: int, args, sessions: bool = True):
+    held = args.held + 64
+    slots = max(c * (args.prompt + args.output) * 2, 2 * held + 4096)
+    cfg = EngineConfig(
+        model=ModelConfig(device=str(model.device)),
+        cache=CacheConfig(
+            page_size=16,
+            num_slots=slots,
+            max_rows=c + 8,
+            max_context_len=max(held + 64, args.prompt + args.output),
+            radix_cache=sessions,
+        ),
+        scheduler=SchedulerConfig(max_running_requests=c, max_prefill_tokens=8192),
+        attention_backend=backend,
+        cuda_graphs=graphs,
+    )
+    return Engine(cfg, LoadedModel(model, None, "random-llama", "benchmarks.gpu"))
+
+
+def submit_round(eng: Engine, c: int, args, seed: int) -> None:
+    p = SamplingParams(max_tokens=args.output, temperature=0, ignore_eos=True)
+    for row in prompts(c, args.prompt, eng.vocab_size, seed).tolist():
+        eng.submit(row, p)
+
+
+def decode_only(eng: Engine) -> bool:
+    s = eng.scheduler
+    return not s.waiting and bool(s.running) and all(r.sampled for r in s.running)
+
+
+def engine_step_ms(eng: Engine, c: int, args) -> float:
+    """Median wall time of the decode-only steps of one round (after a warm-up round that
+    captures the graphs). A step ends on the host copy of the sampled ids, so it is synced."""
+    for seed in (1, 2):
+        submit_round(eng, c, args, seed)
+        times = []
+        while eng.has_work():
+            pure = decode_only(eng)
+            t = time.perf_counter()
+            eng.step()
+            if pure:
+                times.append(time.perf_counter() - t)
+    return 1000 * statistics.median(times)
+
+
+@contextmanager
+def timed_parts(eng: Engine, device: torch.device):
+    """Accumulate the time of each part of a step (the forward synced so its GPU time counts
+    as forward, not as sampling)."""
+    parts = {"schedule": 0.0, "batch": 0.0, "forward": 0.0, "sample": 0.0}
+    saved = []
+
+    def wrap(obj: Any, name: str, part: str, synced: bool = False) -> None:
+        inner: Callable = getattr(obj, name)
+        saved.append((obj, name, inner))
+
+        def timed(*a, **kw):
+            t = time.perf_counter()
+            out = inner(*a, **kw)
+            if synced:
+                sync(device)
+            parts[part] += time.perf_counter() - t
+            return out
+
+        setattr(obj, name, timed)
+
+    wrap(eng.scheduler, "schedule", "schedule")
+    wrap(eng, "_forward_batch", "batch")
+    wrap(eng.runner, "forward", "forward", synced=True)
+    wrap(engine_module, "sample", "sample")
+    try:
+        yield parts
+    finally:
+        for obj, name, inner in reversed(saved):
+            if obj is engine_module:
+                setattr(obj, name, inner)
+            else:
+                delattr(obj, name)  # back to the class attribute
+
+
+def step_split(eng: Engine, c: int, args) -> dict[str, float]:
+    """ms per decode step of each part, and the rest (bookkeeping, stops, events)."""
+    submit_round(eng, c, args, 3)
+    while eng.has_work() and not decode_only(eng):
+        eng.step()
+    n, total = 0, 0.0
+    with timed_parts(eng, eng.runner.device) as parts:
+        while decode_only(eng) and n < 50:
+            t = time.perf_counter()
+            eng.step()
+            total += time.perf_counter() - t
+            n += 1
+    eng.run_until_idle()
+    split = {k: 1000 * v / n for k, v in parts.items()}
+    split["other"] = 1000 * total / n - sum(split.values())
+    return split
+
+
+def gpu_busy(eng: Engine, c: int, args) -> float | None:
+    """Kernel time / wall time over decode-only steps (torch.profiler, CUDA only)."""
+    if eng.runner.device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    submit_round(eng, c, args, 4)
+    while eng.has_work() and not decode_only(eng):
+        eng.step()
+    sync(eng.runner.device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        for _ in range(args.profile_steps):
+            if decode_only(eng):
+                eng.step()
+        sync(eng.runner.device)
+        wall = time.perf_counter() - t
+    eng.run_until_idle()
+    kernel_us = sum(e.self_device_time_total for e in prof.key_averages())
+    return kernel_us / 1e6 / wall
+
+
+def ttft(eng: Engine, ids: list[int], **kw: Any) -> float:
+    sync(eng.runner.device)
+    t = time.perf_counter()
+    eng.generate([ids], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True), **kw)
+    return time.perf_counter() - t
+
+
+def session_ttft(model, backend: str, args) -> tuple[float, float]:
+    """(session TTFT, stateless TTFT) of a 32-token turn after `args.held` held tokens."""
+    history = prompts(1, args.held, model.config.vocab_size, 5)[0].tolist()
+    turn = prompts(1, 32, model.config.vocab_size, 6)[0].tolist()
+    eng = make_engine(model, backend, True, 4, args, sessions=True)
+    ttft(eng, turn)  # warm-up
+    sid = eng.open_session()
+    first = eng.generate(
+        [history], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True), session_id=sid
+    )[0]
+    session_s = ttft(eng, turn, session_id=sid)
+    full = history + first.output_ids + turn
+    plain = make_engine(model, backend, True, 4, args, sessions=False)
+    ttft(plain, turn)
+    return session_s, statistics.median(ttft(plain, full) for _ in range(2))
+
+
+def main() -> None:
+    args = parse()
+    device = torch.device(args.device)
+    dtype = (
+        getattr(torch, args.dtype) if args.dtype else ModelConfig(device=args.device).torch_dtype()
+    )
+    if args.tiny:
+        args.held = min(args.held, 1000)
+    model = build_model(args, device, dtype)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    bw = copy_bandwidth(device)
+    roofline_ms = 1000 * weight_bytes / bw
+    print(
+        f"model {weight_bytes / 1e9:.2f} GB {dtype} on {device}; copy bandwidth "
+        f"{bw / 1e12:.2f} TB/s -> roofline {roofline_ms:.3f} ms/step",
+        flush=True,
+    )
+    backends = []
+    for b in args.backends:
+        why = flashinfer_unsupported(device, dtype, model.config.head_dim) if b != "torch" else None
+        print(f"backend {b}: skipped, {why}" if why else f"backend {b}: measured", flush=True)
+        backends += [] if why else [b]
+    graph_modes = [False, True] if device.type == "cuda" else [False]
+
+    hf: dict[str, dict[int, float]] = {"eager": {}, "static": {}}
+    for c in args.concurrency:  # the baselines first: the engine re-wires the attention
+        model.set_attn_implementation("sdpa")
+        hf["eager"][c] = hf_step_ms(model, c, args, static=False)
+        if not args.skip_hf_static:
+            hf["static"][c] = hf_step_ms(model, c, args, static=True)
+        print(
+            f"c={c:3d} HF eager {hf['eager'][c]:.2f} ms/step, static "
+            f"{hf['static'].get(c, float('nan')):.2f} ms/step",
+            flush=True,
+        )
+
+    ours: dict[tuple[str, bool], dict[int, float]] = {}
+    for backend in backends:
+        for graphs in graph_modes:
+            ms = ours.setdefault((backend, graphs), {})
+            for c in args.concurrency:
+                ms[c] = engine_step_ms(make_engine(model, backend, graphs, c, args), c, args)
+                print(
+                    f"c={c:3d} engine {backend:10s} graphs={graphs!s:5s} {ms[c]:.2f} ms/step "
+                    f"({c / ms[c] * 1000:.0f} tok/s)",
+                    flush=True,
+                )
+
+    def best(c: int) -> tuple[tuple[str, bool], float]:
+        return min(((k, v[c]) for k, v in ours.items()), key=lambda kv: kv[1])
+
+    c_mid = max((c for c in args.concurrency if c <= 32), default=args.concurrency[0])
+    c_top = max(args.concurrency)
+    (b_mid, g_mid), _ = best(c_mid)
+    split = step_split(make_engine(model, b_mid, g_mid, c_mid, args), c_mid, args)
+    busy = gpu_busy(make_engine(model, b_mid, g_mid, c_mid, args), c_mid, args)
+    print(
+        f"c={c_mid} {b_mid} graphs={g_mid}: step split (ms) "
+        + ", ".join(f"{k} {v:.2f}" for k, v in split.items())
+        + (f"; GPU busy {busy:.0%}" if busy is not None else ""),
+        flush=True,
+    )
+    s_ttft, p_ttft = session_ttft(model, best(1)[0][0], args)
+    print(
+        f"TTFT with {args.held} tokens held: session {1000 * s_ttft:.1f} ms, stateless "
+        f"{1000 * p_ttft:.1f} ms",
+        flush=True,
+    )
+
+    def ratio(base: dict[int, float], c: int) -> float | None:
+        return round(base[c] / best(c)[1], 3) if c in base else None  # tok/s ratio = ms ratio
+
+    emit(
+        {
+            "benchmark": "gpu",
+            "machine": machine()
+            | {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"},
+            "model_bytes": weight_bytes,
+            "dtype": str(dtype),
+            "prompt": args.prompt,
+            "output": args.output,
+            "hf_eager_ms": hf["eager"],
+            "hf_static_ms": hf["static"],
+            "engine_ms": {f"{b}{'+graphs' if g else ''}": v for (b, g), v in ours.items()},
+            "step_split_ms": {k: round(v, 3) for k, v in split.items()},
+            "ratio_vs_hf_static_1": ratio(hf["static"], 1),
+            "ratio_vs_hf_static_32": ratio(hf["static"], c_mid),
+            "ratio_vs_hf_eager_32": ratio(hf["eager"], c_mid),
+            "gpu_busy_frac_32": None if busy is None else round(busy, 3),
+            "roofline_frac_64": round(roofline_ms / best(c_top)[1], 3),
+            "ttft_ratio_8k": round(p_ttft / s_ttft, 2),
+        }
+    )
+
+
+if __name__ == "__main__":
+    main()
