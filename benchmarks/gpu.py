@@ -40,8 +40,22 @@ from sessionserve.replicas.loader import LoadedModel
 from sessionserve.replicas.request import SamplingParams
 
 SHAPES = {
-    "1.2b": dict(hidden=2048, layers=16, heads=32, kv_heads=8, intermediate=8192, vocab=128256),
-    "tiny": dict(hidden=256, layers=2, heads=4, kv_heads=2, intermediate=512, vocab=1024),
+    "1.2b": {
+        "hidden": 2048,
+        "layers": 16,
+        "heads": 32,
+        "kv_heads": 8,
+        "intermediate": 8192,
+        "vocab": 128256,
+    },
+    "tiny": {
+        "hidden": 256,
+        "layers": 2,
+        "heads": 4,
+        "kv_heads": 2,
+        "intermediate": 512,
+        "vocab": 1024,
+    },
 }
 
 
