@@ -96,6 +96,7 @@ applications:
           device: {{ $v.model.device | toJson }}
         attention_backend: {{ $e.attentionBackend | toJson }}
         strict_memory_check: {{ $e.strictMemoryCheck | toJson }}
+        cuda_graphs: {{ $e.cudaGraphs | toJson }}
         cache:
           page_size: {{ $e.cache.pageSize | toJson }}
           num_slots: {{ $e.cache.numSlots | toJson }}

@@ -131,6 +131,13 @@ def test_drafter_value_reaches_the_engine_config() -> None:
     assert spec.drafter_path == "/models/EAGLE-LLaMA3.1-Instruct-8B" and spec.num_drafts == 5
 
 
+def test_cuda_graphs_value_reaches_the_engine_config() -> None:
+    for values, want in ((None, True), (FULL, False)):
+        (rs,) = by_kind(render(values) if values else render(), "RayService")
+        args = yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"][0]["args"]
+        assert AppConfig.model_validate(args).engine.cuda_graphs is want
+
+
 @pytest.mark.parametrize(
     ("option", "kind"),
     [
