@@ -3,9 +3,12 @@
     batch = scheduler.schedule() -> logits = runner.forward(batch) -> sample -> process
     -> events to listeners -> (strict) check_memory()
 
-Thread model: every public method takes `self.lock`, so a server thread may call `submit`,
-`abort` and the session calls while another thread runs `step()` in a loop; KV state is only
-ever touched under the lock. Listeners are called after the lock is released.
+Thread model: every public method takes `self.lock`, so in-process callers may call `submit`,
+`abort` and the session calls from one thread while another runs `step()`; KV state is only
+ever touched under the lock. The served replica (server.py) goes further: only its engine
+thread calls the engine (other calls arrive as queued commands), so the lock is never
+contended there and the replica's event loop never waits for a forward. Listeners are called
+after the lock is released.
 """
 
 from __future__ import annotations
