@@ -67,16 +67,19 @@ class EngineLoop(threading.Thread):
         self.error: BaseException | None = None
         self.stats: dict[str, Any] = self._stats()
         self._stats_at = 0.0
+        self._closed = False  # set (under _closing) once the thread stops taking commands
+        self._closing = threading.Lock()
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Future:
         """Run `fn(*args)` on the engine thread between two steps; its result or exception
         arrives in the returned future."""
-        if self.error is not None or self.stopping or not self.is_alive():
-            raise EngineUnavailableError(
-                "this replica's engine is not running; retry (another replica will answer)"
-            )
         fut: Future = Future()
-        self.commands.put((fn, args, fut))
+        with self._closing:
+            if self._closed or self.stopping or not self.is_alive():
+                raise EngineUnavailableError(
+                    "this replica's engine is not running; retry (another replica will answer)"
+                )
+            self.commands.put((fn, args, fut))
         self.wake.set()
         return fut
 
@@ -99,6 +102,8 @@ class EngineLoop(threading.Thread):
             log.exception("engine loop died")
             if self.on_death is not None:
                 self.on_death(e)
+        with self._closing:  # no command can be queued after this: none is left unanswered
+            self._closed = True
         self._fail_pending()
 
     def _drain(self) -> int:

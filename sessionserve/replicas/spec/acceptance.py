@@ -47,7 +47,7 @@ def accept_sampled(
     idx = torch.arange(k, device=target_probs.device)
     d = torch.tensor(drafts, dtype=torch.int64, device=target_probs.device)
     ratios = torch.stack([target_probs[idx, d], draft_probs[idx, d]], 1).double().cpu().tolist()
-    accept_u = torch.rand(k, dtype=torch.float64, generator=generator).tolist()
+    accept_u = uniforms([generator], k)[0].tolist()
     for i in range(k):
         p_d, q_d = ratios[i]
         if accept_u[i] * q_d <= p_d:
