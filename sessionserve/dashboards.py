@@ -1,6 +1,10 @@
 """Grafana dashboards as code: `python -m sessionserve.dashboards` writes them (into
 deploy/grafana and the Helm chart's files/).
 
+Built with Grafana's own Python SDK (`grafana-foundation-sdk`, generated from the schema
+Grafana 11.6 ships), so every panel, query and variable is a typed model and the JSON is
+valid by construction; this module only says *which* panels we want.
+
 Three dashboards (overview, KV and sessions, speculative decoding), each with the Prometheus
 datasource and the replica as variables, a description naming the metric on every panel, and
 ratios guarded against empty denominators. Queries over counters that may not exist yet (a
@@ -15,6 +19,14 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from grafana_foundation_sdk.builders import dashboard as gd
+from grafana_foundation_sdk.builders import prometheus, stat, timeseries
+from grafana_foundation_sdk.builders.common import ReduceDataOptions, VizLegendOptions
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.models import dashboard as dm
+from grafana_foundation_sdk.models.common import LegendDisplayMode
+
+DATASOURCE = dm.DataSourceRef(type_val="prometheus", uid="${datasource}")
 R = '{replica=~"$replica"}'
 W = "[5m]"
 
@@ -38,6 +50,8 @@ def ratio(num: str, den: str) -> str:
 
 @dataclass
 class Panel:
+    """What differs between our panels; `build` turns it into the SDK's panel builder."""
+
     title: str
     exprs: list[tuple[str, str]]  # (PromQL, legend)
     description: str
@@ -45,6 +59,26 @@ class Panel:
     kind: str = "timeseries"  # or "stat"
     width: int = 12
     height: int = 8
+
+    def build(self, panel_id: int) -> timeseries.Panel | stat.Panel:
+        if self.kind == "stat":
+            panel = stat.Panel().reduce_options(ReduceDataOptions().calcs(["lastNotNull"]))
+        else:
+            legend = VizLegendOptions().show_legend(True).display_mode(LegendDisplayMode.LIST)
+            panel = timeseries.Panel().legend(legend)
+        panel = (
+            panel.id(panel_id)
+            .title(self.title)
+            .description(self.description)
+            .datasource(DATASOURCE)
+            .unit(self.unit)
+            .span(self.width)
+            .height(self.height)
+        )
+        for j, (expr, legend_format) in enumerate(self.exprs):
+            query = prometheus.Dataquery().ref_id(chr(65 + j)).expr(expr)
+            panel = panel.with_target(query.legend_format(legend_format).datasource(DATASOURCE))
+        return panel
 
 
 @dataclass
@@ -54,70 +88,37 @@ class Dashboard:
     description: str
     panels: list[Panel] = field(default_factory=list)
 
-    def to_json(self) -> dict:
-        ds = {"type": "prometheus", "uid": "${datasource}"}
-        panels, x, y, row_h = [], 0, 0, 0
-        for i, p in enumerate(self.panels, start=1):
-            if x + p.width > 24:
-                x, y, row_h = 0, y + row_h, 0
-            panels.append(
-                {
-                    "id": i,
-                    "type": p.kind,
-                    "title": p.title,
-                    "description": p.description,
-                    "datasource": ds,
-                    "gridPos": {"x": x, "y": y, "w": p.width, "h": p.height},
-                    "fieldConfig": {"defaults": {"unit": p.unit}, "overrides": []},
-                    "options": {"reduceOptions": {"calcs": ["lastNotNull"]}}
-                    if p.kind == "stat"
-                    else {"legend": {"showLegend": True, "displayMode": "list"}},
-                    "targets": [
-                        {"refId": chr(65 + j), "expr": e, "legendFormat": legend, "datasource": ds}
-                        for j, (e, legend) in enumerate(p.exprs)
-                    ],
-                }
+    def build(self) -> dm.Dashboard:
+        """The dashboard as the SDK's typed model (Grafana's own schema)."""
+        board = (
+            gd.Dashboard(self.title)
+            .uid(self.uid)
+            .description(self.description)
+            .tags(["sessionserve"])
+            .editable()
+            .time("now-1h", "now")
+            .refresh("10s")
+            .with_variable(
+                gd.DatasourceVariable("datasource").label("Data source").type("prometheus")
             )
-            x, row_h = x + p.width, max(row_h, p.height)
-        variables = [
-            {
-                "name": "datasource",
-                "label": "Data source",
-                "type": "datasource",
-                "query": "prometheus",
-                "current": {},
-                "hide": 0,
-            },
-            {
-                "name": "replica",
-                "label": "Replica",
-                "type": "query",
-                "datasource": ds,
-                "query": {
-                    "query": "label_values(ray_sessionserve_kv_total_tokens, replica)",
-                    "refId": "replica",
-                },
-                "includeAll": True,
-                "allValue": ".*",
-                "multi": True,
-                "refresh": 2,
-                "current": {"text": "All", "value": "$__all"},
-                "hide": 0,
-            },
-        ]
-        return {
-            "uid": self.uid,
-            "title": self.title,
-            "description": self.description,
-            "tags": ["sessionserve"],
-            "schemaVersion": 39,
-            "version": 1,
-            "editable": True,
-            "time": {"from": "now-1h", "to": "now"},
-            "refresh": "10s",
-            "templating": {"list": variables},
-            "panels": panels,
-        }
+            .with_variable(
+                gd.QueryVariable("replica")
+                .label("Replica")
+                .datasource(DATASOURCE)
+                .query("label_values(ray_sessionserve_kv_total_tokens, replica)")
+                .include_all(True)
+                .all_value(".*")
+                .multi(True)
+                .refresh(dm.VariableRefresh.ON_TIME_RANGE_CHANGED)
+            )
+        )
+        for i, panel in enumerate(self.panels, start=1):
+            board = board.with_panel(panel.build(i))
+        return board.build()
+
+    def to_json(self) -> dict:
+        """Plain JSON, as Grafana imports it (the SDK's encoder, no hand-written fields)."""
+        return json.loads(json.dumps(self.build(), cls=JSONEncoder))
 
 
 def _stat(title: str, expr: str, desc: str, unit: str = "short") -> Panel:

@@ -48,3 +48,28 @@ def test_overview_has_the_kpi_strip() -> None:
         "Sticky-hit rate",
     ):
         assert kpi in titles
+
+
+def _paths(obj: object, prefix: str = "") -> dict[str, object]:
+    """Every leaf of a JSON document, keyed by its path."""
+    if isinstance(obj, dict):
+        return {k: v for key, val in obj.items() for k, v in _paths(val, f"{prefix}.{key}").items()}
+    if isinstance(obj, list):
+        return {k: v for i, val in enumerate(obj) for k, v in _paths(val, f"{prefix}[{i}]").items()}
+    return {prefix: obj}
+
+
+@pytest.mark.parametrize("name", sorted(DASHBOARDS))
+def test_committed_json_round_trips_through_grafanas_typed_model(name: str) -> None:
+    """Decoding the committed JSON into the SDK's `Dashboard` model (Grafana's schema) and
+    encoding it again keeps every field and value: nothing outside the schema was written."""
+    from grafana_foundation_sdk.cog import plugins
+    from grafana_foundation_sdk.cog.encoder import JSONEncoder
+    from grafana_foundation_sdk.models.dashboard import Dashboard
+
+    plugins.register_default_plugins()  # panel options and queries decode to typed models
+    committed = json.loads((GRAFANA / name).read_text())
+    again = json.loads(json.dumps(Dashboard.from_json(committed), cls=JSONEncoder))
+    before, after = _paths(committed), _paths(again)
+    lost = {k: v for k, v in before.items() if after.get(k, object()) != v}
+    assert not lost, f"fields the schema does not know or changed: {sorted(lost)[:5]}"
