@@ -47,6 +47,27 @@ class UnknownSessionError(SessionServeError, KeyError):
         return str(self.args[0])
 
 
+class UnknownResponseError(SessionServeError):
+    """A stored response (Responses API) that does not exist: never stored (`store: false`),
+    deleted, or gone with its expired or deleted conversation."""
+
+    status_code = 404
+    error_type = "invalid_request_error"  # what OpenAI answers for an unknown response id
+
+    def __init__(self, response_id: str, param: str | None = None) -> None:
+        if param == "previous_response_id":
+            message = f"Previous response with id {response_id!r} not found."
+            self.code = "previous_response_not_found"
+        else:
+            message = f"No response found with id {response_id!r}."
+            self.code = None
+        super().__init__(
+            f"{message} It was never stored (store: false), was deleted, or its "
+            "conversation expired or was deleted."
+        )
+        self.param = param
+
+
 class UnknownModelError(SessionServeError):
     status_code = 404
     error_type = "not_found_error"

@@ -52,7 +52,11 @@ def response_for(exc: BaseException) -> JSONResponse:
     exc = unwrap(exc)
     if isinstance(exc, SessionServeError):
         return error_response(
-            exc.status_code, str(exc), exc.error_type, getattr(exc, "param", None)
+            exc.status_code,
+            str(exc),
+            exc.error_type,
+            getattr(exc, "param", None),
+            getattr(exc, "code", None),
         )
     name = type(exc).__name__
     if name in ("BackPressureError", "DeploymentUnavailableError"):

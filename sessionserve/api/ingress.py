@@ -11,13 +11,13 @@ Tokenization and generation happen on the replica.
 import json
 import logging
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Literal
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 
-from sessionserve.api.errors import error_response, install_error_handlers, response_for
+from sessionserve.api.errors import error_response, install_error_handlers, response_for, unwrap
 from sessionserve.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -26,9 +26,24 @@ from sessionserve.api.protocol import (
     now,
 )
 from sessionserve.api.responses import Kind, Reply
+from sessionserve.api.responses_api import (
+    ResponseCreate,
+    ResponseDraft,
+    ResponseEvents,
+    chat_messages,
+    drop_oldest_turn,
+    item_page,
+    parse_input,
+)
 from sessionserve.config import AppConfig, served_model_name
-from sessionserve.errors import SessionExistsError, UnknownModelError, UnknownSessionError
-from sessionserve.replicas.request import SamplingParams
+from sessionserve.errors import (
+    EngineUnavailableError,
+    SessionExistsError,
+    UnknownModelError,
+    UnknownResponseError,
+    UnknownSessionError,
+)
+from sessionserve.replicas.request import ContextTooLongError, SamplingParams
 from sessionserve.replicas.server import GenerateCall
 from sessionserve.router.directory import get_directory
 
@@ -77,12 +92,16 @@ class Ingress:
 
     @app.delete("/v1/sessions/{session_id}")
     async def close_session(self, session_id: str) -> dict[str, Any]:
-        replica = await self.directory.close.remote(session_id)
-        if replica is None:
+        if not await self._close(session_id):
             raise UnknownSessionError(session_id)
+        return {"id": session_id, "object": "session.deleted", "deleted": True}
+
+    async def _close(self, session_id: str) -> bool:
+        """Forget the session (and its stored responses); free its KV on its replica."""
+        replica = await self.directory.close.remote(session_id)
         if replica:  # frees its KV there (deferred while a turn runs)
             await self.replica.options(session_id=session_id).close_session.remote(session_id)
-        return {"id": session_id, "object": "session.deleted", "deleted": True}
+        return replica is not None
 
     async def _view(self, sid: str) -> SessionView:
         info = await self.directory.info.remote(sid)
@@ -112,12 +131,138 @@ class Ingress:
         )
         return await self._serve(call, body, "completion", body.logprobs is not None)
 
+    # ---- Responses API: a chain of responses is a session ----
+    @app.post("/v1/responses")
+    async def create_response(self, body: ResponseCreate):
+        self._check_model(body.model)
+        body.refuse_unsupported()
+        sampling = self._sampling(body)
+        new_items = parse_input(body.input)
+        earlier: list[dict[str, Any]] = []
+        if body.previous_response_id is not None:  # continue (or fork) its conversation
+            prev = await self.directory.get_response.remote(body.previous_response_id)
+            if prev is None:
+                raise UnknownResponseError(body.previous_response_id, "previous_response_id")
+            sid = prev["session_id"]
+            earlier = prev["items"] + prev["response"]["output"]
+        else:  # a new conversation: a new session, unless nothing is to be kept
+            sid = await self.directory.open.remote(None, None) if body.store else None
+        draft = ResponseDraft(body, self.model, sid, new_session=body.previous_response_id is None)
+        try:
+            stream, first, items = await self._start_response(
+                draft, sampling, earlier + new_items, len(new_items)
+            )
+        except Exception as e:
+            await self._response_failed(draft)
+            return response_for(e)
+        if body.stream:
+            return StreamingResponse(
+                self._response_sse(stream, first, draft, items), media_type="text/event-stream"
+            )
+        try:
+            _, _, final = await self._collect(stream, first)
+            response = await self._finish_response(draft, items, final)
+        except Exception as e:
+            await self._response_failed(draft)
+            return response_for(e)
+        return JSONResponse(response)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(self, response_id: str) -> JSONResponse:
+        stored = await self.directory.get_response.remote(response_id)
+        if stored is None:
+            raise UnknownResponseError(response_id)
+        return JSONResponse(stored["response"])
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(self, response_id: str) -> dict[str, Any]:
+        if not await self.directory.delete_response.remote(response_id):
+            raise UnknownResponseError(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def response_input_items(
+        self,
+        response_id: str,
+        limit: int = Query(20, ge=1, le=100),
+        order: Literal["asc", "desc"] = "desc",
+        after: str | None = None,
+    ) -> dict[str, Any]:
+        stored = await self.directory.get_response.remote(response_id)
+        if stored is None:
+            raise UnknownResponseError(response_id)
+        return item_page(stored["items"], limit, order, after)
+
+    async def _start_response(
+        self, draft: ResponseDraft, sampling: dict[str, Any], items: list[dict], keep: int
+    ) -> tuple[Any, dict[str, Any], list[dict]]:
+        """Open the turn; with `truncation: auto`, drop the oldest turns (never the new input)
+        until the conversation fits the context, counting what went in the draft."""
+        while True:
+            messages = chat_messages(draft.body.instructions, items)
+            call = GenerateCall(sampling, draft.session_id, "chat", messages=messages)
+            try:
+                stream, first = await self._open_stream(call)
+                return stream, first, items
+            except ContextTooLongError:
+                drop = drop_oldest_turn(items, keep) if draft.body.truncation == "auto" else 0
+                if drop == 0:
+                    raise
+                items, draft.truncated_items = items[drop:], draft.truncated_items + drop
+
+    async def _finish_response(
+        self, draft: ResponseDraft, items: list[dict], final: dict[str, Any]
+    ) -> dict[str, Any]:
+        """The finished response object, stored with its conversation unless `store: false`
+        (then nothing is kept, not even in the session's failover log)."""
+        if final["finish_reason"] == "abort":
+            raise EngineUnavailableError(f"the turn was aborted ({final['finish_message']}); retry")
+        response = draft.object(final | {"ingress": self.ingress_id}, final["text"])
+        if draft.body.store and draft.session_id is not None:
+            await self.directory.store_response.remote(
+                draft.session_id, response, items, final["full_ids"]
+            )
+        return response
+
+    async def _response_failed(self, draft: ResponseDraft) -> None:
+        """A first response that never completed leaves no empty conversation behind."""
+        if draft.new_session and draft.session_id is not None:
+            await self._close(draft.session_id)
+
+    async def _response_sse(
+        self, stream: Any, first: dict[str, Any], draft: ResponseDraft, items: list[dict]
+    ) -> AsyncIterator[str]:
+        events, finished = ResponseEvents(draft), False
+        try:
+            for event in events.opening():
+                yield event
+            piece = first
+            while "final" not in piece:
+                event = events.delta(piece["text"])
+                if event:
+                    yield event
+                piece = await stream.__anext__()
+            finished = True
+            response = await self._finish_response(draft, items, piece["final"])
+            for event in events.closing(response):
+                yield event
+        except Exception as e:  # a failure mid-stream: tell the client in-band
+            finished = True
+            await self._response_failed(draft)
+            yield events.error(json.loads(response_for(e).body))
+        finally:
+            if not finished:  # the client disconnected: abort the turn on the replica
+                stream.cancel()
+
     # ---- internals ----
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model:
+            raise UnknownModelError(model, self.model)
+
     async def _session(
         self, request: Request, body_sid: str | None, model: str | None
     ) -> str | None:
-        if model is not None and model != self.model:
-            raise UnknownModelError(model, self.model)
+        self._check_model(model)
         sid = request.headers.get(self.cfg.session_header) or body_sid
         if sid is None:
             return None
@@ -133,11 +278,28 @@ class Ingress:
         SamplingParams.build(**kwargs)  # validate here: a 400 before any replica work
         return kwargs
 
-    async def _serve(self, call: GenerateCall, body: Any, kind: Kind, want_lp: bool):
-        handle = self.replica.options(stream=True, session_id=call.session_id)
-        stream = handle.generate.remote(call)
+    async def _open_stream(self, call: GenerateCall) -> tuple[Any, dict[str, Any]]:
+        """Start the turn on its replica and wait for the first piece, so that errors before
+        any token (bad input, busy session, overload) raise here and become a proper 4xx."""
+        stream = self.replica.options(stream=True, session_id=call.session_id).generate.remote(call)
         try:
-            first = await stream.__anext__()  # errors before any token become a proper 4xx
+            return stream, await stream.__anext__()
+        except Exception as e:
+            raise unwrap(e) from None
+
+    @staticmethod
+    async def _collect(stream: Any, piece: dict[str, Any]) -> tuple[str, list, dict[str, Any]]:
+        """The rest of a non-streamed turn: its text, logprob entries and final record."""
+        text, logprobs = [], []
+        while "final" not in piece:
+            text.append(piece["text"])
+            logprobs += piece.get("logprobs") or []
+            piece = await stream.__anext__()
+        return "".join(text), logprobs, piece["final"]
+
+    async def _serve(self, call: GenerateCall, body: Any, kind: Kind, want_lp: bool):
+        try:
+            stream, first = await self._open_stream(call)
         except Exception as e:
             return response_for(e)
         reply = Reply(kind, self.model, want_lp)
@@ -146,14 +308,9 @@ class Ingress:
             return StreamingResponse(
                 self._sse(stream, first, reply, call, include_usage), media_type="text/event-stream"
             )
-        text, logprobs, piece = [], [], first
-        while "final" not in piece:
-            text.append(piece["text"])
-            logprobs += piece.get("logprobs") or []
-            piece = await stream.__anext__()
-        await self._commit(call, piece["final"])
-        final = piece["final"] | {"ingress": self.ingress_id}
-        return JSONResponse(reply.response("".join(text), logprobs, final))
+        text, logprobs, final = await self._collect(stream, first)
+        await self._commit(call, final)
+        return JSONResponse(reply.response(text, logprobs, final | {"ingress": self.ingress_id}))
 
     async def _sse(
         self,

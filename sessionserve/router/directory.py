@@ -2,9 +2,10 @@
 ingress replica, so a session reaches the same replica whichever process routes it.
 
 It holds, per session: the pinned replica, the token log (prompts and answers of every
-successful turn: the source of truth for re-prefill after a failover), the turn count and the
-idle TTL. Pins change only inside the actor (`resolve_pin`), so two routers placing the same
-session concurrently agree on one replica.
+successful turn: the source of truth for re-prefill after a failover), the turn count, the
+idle TTL, and the stored responses of the Responses API (a chain of responses is one session;
+they expire and are deleted with it). Pins change only inside the actor (`resolve_pin`), so
+two routers placing the same session concurrently agree on one replica.
 """
 
 from __future__ import annotations
@@ -20,6 +21,15 @@ NAMESPACE = "sessionserve"
 
 
 @dataclass
+class StoredResponse:
+    """A Responses API response kept for `previous_response_id`, retrieval and its input
+    items (the whole conversation it answered, so a chain survives deleting its parents)."""
+
+    response: dict
+    items: list[dict]
+
+
+@dataclass
 class SessionRecord:
     session_id: str
     ttl_s: float | None
@@ -27,6 +37,7 @@ class SessionRecord:
     log: array = field(default_factory=lambda: array("I"))
     turns: int = 0
     last_active: float = field(default_factory=time.monotonic)
+    responses: dict[str, StoredResponse] = field(default_factory=dict)
 
 
 class SessionDirectoryState:
@@ -34,6 +45,7 @@ class SessionDirectoryState:
 
     def __init__(self, default_ttl_s: float | None = None) -> None:
         self.sessions: dict[str, SessionRecord] = {}
+        self.response_sessions: dict[str, str] = {}  # response id -> its session
         self.default_ttl_s = default_ttl_s
         self.repins = 0
 
@@ -71,7 +83,7 @@ class SessionDirectoryState:
     def close(self, session_id: str) -> str | None:
         """Forget the session; returns its replica pin ("" if it never ran a turn), None if
         it did not exist."""
-        rec = self.sessions.pop(session_id, None)
+        rec = self._forget(session_id)
         return None if rec is None else (rec.replica or "")
 
     def commit_turn(self, session_id: str, full_ids: list[int]) -> None:
@@ -80,6 +92,39 @@ class SessionDirectoryState:
         if rec is not None:
             rec.log = array("I", full_ids)  # 4 bytes a token: logs of many long sessions
             rec.turns, rec.last_active = rec.turns + 1, time.monotonic()
+
+    # ---- stored responses (Responses API) ----
+    def store_response(
+        self, session_id: str, response: dict, items: list[dict], full_ids: list[int]
+    ) -> bool:
+        """Keep a finished response, a committed turn of its session (one call, so the two
+        never disagree); False if the session is gone (closed or expired)."""
+        if self._live(session_id) is None:
+            return False
+        self.commit_turn(session_id, full_ids)
+        self.sessions[session_id].responses[response["id"]] = StoredResponse(response, items)
+        self.response_sessions[response["id"]] = session_id
+        return True
+
+    def get_response(self, response_id: str) -> dict | None:
+        """{"session_id", "response", "items"} (marking the session active), or None."""
+        session_id = self.response_sessions.get(response_id)
+        rec = self._live(session_id) if session_id is not None else None
+        stored = rec.responses.get(response_id) if rec is not None else None
+        if stored is None:
+            return None
+        return {"session_id": session_id, "response": stored.response, "items": stored.items}
+
+    def delete_response(self, response_id: str) -> bool:
+        session_id = self.response_sessions.pop(response_id, None)
+        rec = self.sessions.get(session_id) if session_id is not None else None
+        return rec is not None and rec.responses.pop(response_id, None) is not None
+
+    def _forget(self, session_id: str) -> SessionRecord | None:
+        rec = self.sessions.pop(session_id, None)
+        for response_id in rec.responses if rec is not None else ():
+            self.response_sessions.pop(response_id, None)
+        return rec
 
     def _live(self, session_id: str) -> SessionRecord | None:
         self._reap()
@@ -122,7 +167,7 @@ class SessionDirectoryState:
         now = time.monotonic()
         for sid, rec in list(self.sessions.items()):
             if rec.ttl_s is not None and now - rec.last_active > rec.ttl_s:
-                del self.sessions[sid]
+                self._forget(sid)
 
 
 SessionDirectory = ray.remote(num_cpus=0)(SessionDirectoryState)

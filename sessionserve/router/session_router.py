@@ -68,15 +68,15 @@ class SessionAffinityRouter(RequestRouter):
         winner, previous = await self._dir().resolve_pin.remote(
             session_id, choice.replica_id.unique_id, list(by_id)
         )
-        if winner == choice.replica_id.unique_id:
+        if previous == winner:  # pinned earlier (through another router process), still there
+            self._count("sticky_hits")
+        else:  # our choice became the pin: a new session, or one whose replica is gone
             self._note_placement(choice)
             if previous is None:
                 self._count("placements")
             else:
                 self._count("repins")
                 log.warning("session %s re-pinned from %s to %s", session_id, previous, winner)
-        else:
-            self._count("sticky_hits")  # pinned by another router process
         self._pins[session_id] = winner
         return [[by_id[winner]]]
 

@@ -157,3 +157,42 @@ def test_resolve_pin_keeps_a_live_pin(alive) -> None:
     assert state.resolve_pin("s", "a", ["a"]) == ("a", None)
     replica, previous = state.resolve_pin("s", "b", alive)
     assert (replica, previous) == (("a", "a") if alive else ("b", "a"))
+
+
+def test_a_pin_seen_through_a_second_router_is_a_sticky_hit_not_a_repin() -> None:
+    """A second router process that picks the session's own replica as its choice must not
+    count (or log) a re-pin: the pin did not move."""
+    state = SessionDirectoryState()
+    one, two = make_router(FakeDirectoryActor(state)), make_router(FakeDirectoryActor(state))
+    a, b = FakeReplica("a", {"free_kv_tokens": 900}), FakeReplica("b", {"free_kv_tokens": 100})
+    assert route(one, [a, b], "s") == [[a]]
+    assert route(two, [a, b], "s") == [[a]]  # two's own choice is a as well
+    assert (two.repins, two.placements, two.sticky_hits) == (0, 0, 1)
+    assert state.repins == 0
+
+
+def test_stored_responses_live_and_die_with_their_session(monkeypatch) -> None:
+    state = SessionDirectoryState(default_ttl_s=10.0)
+    sid = state.open(None, None)
+    items = [{"id": "msg_1", "role": "user"}]
+    assert state.store_response(sid, {"id": "resp_1"}, items, [5, 6, 7])
+    assert state.store_response(sid, {"id": "resp_2"}, items, [5, 6, 7, 8])
+    assert state.get_response("resp_1") == {
+        "session_id": sid,
+        "response": {"id": "resp_1"},
+        "items": items,
+    }
+    assert state.info(sid)["turns"] == 2 and state.log(sid) == [5, 6, 7, 8]  # committed turns
+    assert state.delete_response("resp_1") and not state.delete_response("resp_1")
+    assert state.get_response("resp_1") is None and state.get_response("resp_2") is not None
+    assert state.close(sid) == ""
+    assert state.get_response("resp_2") is None and state.response_sessions == {}
+    assert not state.store_response(sid, {"id": "resp_3"}, items, [1])  # session gone
+    # expiry: the session's idle TTL takes its responses along
+    sid2 = state.open(None, None)
+    state.store_response(sid2, {"id": "resp_4"}, items, [1])
+    import time
+
+    now = time.monotonic()
+    monkeypatch.setattr("time.monotonic", lambda: now + 11)
+    assert state.get_response("resp_4") is None and state.response_sessions == {}

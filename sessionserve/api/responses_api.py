@@ -1,0 +1,359 @@
+"""OpenAI's Responses API over sessions: the request, its input items, the response object and
+the stream events.
+
+A chain of responses linked by `previous_response_id` is one session: the new response is sent
+to the session's pinned replica as a chat-mode turn over the whole conversation (the chain's
+earlier inputs and outputs plus the new input), so the replica reuses the KV it still holds
+and prefills only what is new. Two responses naming the same previous response fork the
+conversation: each is a turn over its own full conversation, so the session rewinds to the
+shared point (its KV reused) and neither branch sees the other's tokens.
+
+Field names, objects and events follow OpenAI's API reference. What we do not serve (tools,
+files, images, reasoning options, background runs, ...) is refused with a 400 naming the
+field, never accepted and ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from sessionserve.api.protocol import new_id
+from sessionserve.replicas.request import InvalidRequestError
+
+INPUT_ROLES = ("user", "assistant", "system", "developer")
+ITEM_KEYS = {"type", "role", "content", "id", "status"}
+
+
+class ResponseCreate(BaseModel):
+    """`POST /v1/responses`. Fields we do not support are declared so that they get a clear
+    400 (see `refuse_unsupported`) rather than "unrecognized argument"."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    previous_response_id: str | None = Field(None, min_length=1, max_length=128)
+    store: bool = True
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    stream: bool = False
+    metadata: dict[str, str] | None = Field(None, max_length=16)
+    truncation: Literal["disabled", "auto"] = "disabled"
+    user: str | None = None
+    safety_identifier: str | None = None
+    # accepted only with the value that means "not used"
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    text: dict[str, Any] | None = None
+    reasoning: Any = None
+    background: bool | None = None
+    include: list[Any] | None = None
+    top_logprobs: int | None = None
+    max_tool_calls: int | None = None
+    prompt: Any = None
+    conversation: Any = None
+    prompt_cache_key: Any = None
+    service_tier: Any = None
+    stream_options: Any = None
+
+    def refuse_unsupported(self) -> None:
+        """400 naming the first field that asks for something this server does not do."""
+        text_format = ((self.text or {}).get("format") or {"type": "text"}).get("type")
+        refused = {
+            "tools": bool(self.tools),
+            "tool_choice": self.tool_choice not in (None, "none", "auto"),
+            "text": text_format != "text" or bool(set(self.text or {}) - {"format"}),
+            "reasoning": self.reasoning is not None,
+            "background": bool(self.background),
+            "include": bool(self.include),
+            "top_logprobs": bool(self.top_logprobs),
+            "max_tool_calls": self.max_tool_calls is not None,
+            "prompt": self.prompt is not None,
+            "conversation": self.conversation is not None,
+            "prompt_cache_key": self.prompt_cache_key is not None,
+            "service_tier": self.service_tier not in (None, "auto", "default"),
+            "stream_options": self.stream_options is not None,
+        }
+        for name, bad in refused.items():
+            if bad:
+                raise InvalidRequestError(
+                    f"{name}: not supported by this server (text in, text out; conversation "
+                    "state through previous_response_id); remove the field",
+                    param=name,
+                )
+        for key, value in (self.metadata or {}).items():
+            if len(key) > 64 or len(value) > 512:
+                raise InvalidRequestError(
+                    "metadata: keys are at most 64 characters, values at most 512",
+                    param="metadata",
+                )
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        kwargs = {
+            "max_tokens": self.max_output_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+        }
+        return {k: v for k, v in kwargs.items() if v is not None}
+
+
+# ---- input items ----
+def _text_part(kind: str, text: str) -> dict[str, Any]:
+    return (
+        {"type": kind, "text": text, "annotations": []}
+        if kind == "output_text"
+        else {
+            "type": kind,
+            "text": text,
+        }
+    )
+
+
+def message_item(role: str, text: str, item_id: str | None = None) -> dict[str, Any]:
+    """A message in the Responses API's item shape (input messages carry `input_text` parts,
+    assistant messages `output_text` ones)."""
+    kind = "output_text" if role == "assistant" else "input_text"
+    return {
+        "id": item_id or new_id("msg"),
+        "type": "message",
+        "role": role,
+        "status": "completed",
+        "content": [_text_part(kind, text)],
+    }
+
+
+def parse_input(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The request's `input` as message items with ids. Text messages only; anything else is
+    a 400 naming the exact place (`input[2].content[0].type`)."""
+    if isinstance(value, str):
+        return [message_item("user", value)]
+    if not value:
+        raise InvalidRequestError("input: send a string or at least one message", "input")
+    return [_parse_item(i, item) for i, item in enumerate(value)]
+
+
+def _parse_item(i: int, item: dict[str, Any]) -> dict[str, Any]:
+    where = f"input[{i}]"
+    kind = item.get("type", "message")
+    if kind != "message":
+        raise InvalidRequestError(
+            f"{where}.type: {kind!r} items are not supported; send text messages "
+            "(and previous_response_id for earlier turns)",
+            param=f"{where}.type",
+        )
+    extra = set(item) - ITEM_KEYS
+    if extra:
+        raise InvalidRequestError(
+            f"{where}: unrecognized field {sorted(extra)[0]!r}", param=f"{where}.{sorted(extra)[0]}"
+        )
+    role = item.get("role")
+    if role not in INPUT_ROLES:
+        raise InvalidRequestError(
+            f"{where}.role: must be one of {', '.join(INPUT_ROLES)}", param=f"{where}.role"
+        )
+    content = item.get("content")
+    if isinstance(content, str):
+        return message_item(role, content)
+    if not isinstance(content, list) or not content:
+        raise InvalidRequestError(
+            f"{where}.content: a string or a list of text parts", param=f"{where}.content"
+        )
+    texts = []
+    for j, part in enumerate(content):
+        part_type = part.get("type") if isinstance(part, dict) else None
+        if part_type not in ("input_text", "output_text") or not isinstance(part.get("text"), str):
+            raise InvalidRequestError(
+                f"{where}.content[{j}].type: {part_type!r} is not supported (text parts only: "
+                "input_text, or output_text in assistant messages)",
+                param=f"{where}.content[{j}].type",
+            )
+        texts.append(part["text"])
+    return message_item(role, "".join(texts))
+
+
+def item_text(item: dict[str, Any]) -> str:
+    return "".join(part["text"] for part in item["content"])
+
+
+def chat_messages(instructions: str | None, items: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """The conversation as chat messages for the model's template. `instructions` apply to
+    this response only (OpenAI does not carry them over a previous_response_id)."""
+    head = [{"role": "system", "content": instructions}] if instructions else []
+    return head + [{"role": it["role"], "content": item_text(it)} for it in items]
+
+
+def drop_oldest_turn(items: list[dict[str, Any]], keep: int) -> int:
+    """How many leading items make up the oldest turn (a run of non-user items after the
+    first user message), never touching the last `keep` items (the new input); 0 if nothing
+    can go."""
+    droppable = len(items) - keep
+    n = 1
+    while n < droppable and items[n]["role"] != "user":
+        n += 1
+    return min(n, droppable) if droppable > 0 else 0
+
+
+# ---- the response object ----
+def usage(final: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "input_tokens": final["prompt_tokens"],
+        "input_tokens_details": {"cached_tokens": final["cached_tokens"]},
+        "output_tokens": final["completion_tokens"],
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": final["prompt_tokens"] + final["completion_tokens"],
+    }
+
+
+@dataclass
+class ResponseDraft:
+    """One response while it is made: everything the object says besides the output."""
+
+    body: ResponseCreate
+    model: str
+    session_id: str | None
+    new_session: bool = False  # opened for this response (closed again if it fails)
+    id: str = field(default_factory=lambda: new_id("resp"))
+    message_id: str = field(default_factory=lambda: new_id("msg"))
+    created_at: int = field(default_factory=lambda: int(time.time()))
+    truncated_items: int = 0
+
+    def message(self, text: str, status: str) -> dict[str, Any]:
+        content = [_text_part("output_text", text)] if status != "in_progress" else []
+        return {
+            "id": self.message_id,
+            "type": "message",
+            "role": "assistant",
+            "status": status,
+            "content": content,
+        }
+
+    def object(self, final: dict[str, Any] | None = None, text: str = "") -> dict[str, Any]:
+        """The response object: in progress without `final`, else completed or incomplete."""
+        status, incomplete, output = "in_progress", None, []
+        if final is not None:
+            status = "incomplete" if final["finish_reason"] == "length" else "completed"
+            if status == "incomplete":
+                incomplete = {"reason": "max_output_tokens"}
+            output = [self.message(text, status)]
+        b = self.body
+        obj: dict[str, Any] = {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status,
+            "completed_at": int(time.time()) if status == "completed" else None,
+            "error": None,
+            "incomplete_details": incomplete,
+            "instructions": b.instructions,
+            "max_output_tokens": b.max_output_tokens,
+            "metadata": b.metadata or {},
+            "model": self.model,
+            "output": output,
+            "parallel_tool_calls": False,
+            "previous_response_id": b.previous_response_id,
+            "reasoning": None,
+            "store": b.store,
+            "temperature": b.temperature if b.temperature is not None else 1.0,
+            "text": {"format": {"type": "text"}},
+            "tool_choice": "none",
+            "tools": [],
+            "top_p": b.top_p if b.top_p is not None else 1.0,
+            "truncation": b.truncation,
+            "usage": usage(final) if final is not None else None,
+            "user": b.user,
+        }
+        # not OpenAI's: where the KV came from, and what `truncation: auto` dropped
+        obj["session"] = {
+            "id": self.session_id,
+            "cached_source": final["cached_source"] if final else None,
+            "replica": final.get("replica") if final else None,
+            "ingress": final.get("ingress") if final else None,
+            "truncated_items": self.truncated_items,
+        }
+        return obj
+
+
+class ResponseEvents:
+    """The Responses API's server-sent events for one response, numbered in order."""
+
+    def __init__(self, draft: ResponseDraft) -> None:
+        self.draft = draft
+        self.seq = 0
+        self.text = ""
+
+    def _event(self, kind: str, **fields: Any) -> str:
+        body = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return f"event: {kind}\ndata: {json.dumps(body)}\n\n"
+
+    def _where(self) -> dict[str, Any]:
+        return {"item_id": self.draft.message_id, "output_index": 0, "content_index": 0}
+
+    def opening(self) -> list[str]:
+        d = self.draft
+        return [
+            self._event("response.created", response=d.object()),
+            self._event("response.in_progress", response=d.object()),
+            self._event(
+                "response.output_item.added", output_index=0, item=d.message("", "in_progress")
+            ),
+            self._event(
+                "response.content_part.added", **self._where(), part=_text_part("output_text", "")
+            ),
+        ]
+
+    def delta(self, text: str) -> str | None:
+        if not text:
+            return None
+        self.text += text
+        return self._event("response.output_text.delta", **self._where(), delta=text, logprobs=[])
+
+    def closing(self, response: dict[str, Any]) -> list[str]:
+        """The closing events, around the finished (and already stored) response object."""
+        text = response["output"][0]["content"][0]["text"]
+        done = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
+        return [
+            self._event("response.output_text.done", **self._where(), text=text, logprobs=[]),
+            self._event(
+                "response.content_part.done", **self._where(), part=_text_part("output_text", text)
+            ),
+            self._event("response.output_item.done", output_index=0, item=response["output"][0]),
+            self._event(done, response=response),
+        ]
+
+    def error(self, body: dict[str, Any]) -> str:
+        err = body["error"]
+        return self._event(
+            "error",
+            code=err.get("code") or err["type"],
+            message=err["message"],
+            param=err.get("param"),
+        )
+
+
+def item_page(
+    items: list[dict[str, Any]], limit: int, order: str, after: str | None
+) -> dict[str, Any]:
+    """`GET /v1/responses/{id}/input_items`: a cursor page (OpenAI's list object)."""
+    ordered = items if order == "asc" else items[::-1]
+    if after is not None:
+        ids = [it["id"] for it in ordered]
+        if after not in ids:
+            raise InvalidRequestError(f"after: no input item {after!r} in this response", "after")
+        ordered = ordered[ids.index(after) + 1 :]
+    page = ordered[:limit]
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": len(ordered) > limit,
+    }

@@ -1,0 +1,140 @@
+"""The Responses API's pure parts: input items, the oldest-turn cut, item pages, events."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sessionserve.api.responses_api import (
+    ResponseCreate,
+    ResponseDraft,
+    ResponseEvents,
+    chat_messages,
+    drop_oldest_turn,
+    item_page,
+    message_item,
+    parse_input,
+)
+from sessionserve.replicas.request import InvalidRequestError
+
+
+def test_input_forms_become_message_items_and_chat_messages() -> None:
+    items = parse_input(
+        [
+            {"role": "developer", "content": "be brief"},
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "a"}]},
+            {"role": "assistant", "content": [{"type": "output_text", "text": "b"}]},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "input_text", "text": "c"},
+                    {"type": "input_text", "text": "d"},
+                ],
+            },
+        ]
+    )
+    assert [it["role"] for it in items] == ["developer", "user", "assistant", "user"]
+    assert items[2]["content"][0]["type"] == "output_text"  # assistant items carry output_text
+    assert len({it["id"] for it in items}) == 4 and all(it["id"].startswith("msg") for it in items)
+    assert chat_messages("sys", items) == [
+        {"role": "system", "content": "sys"},
+        {"role": "developer", "content": "be brief"},
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "b"},
+        {"role": "user", "content": "cd"},
+    ]
+    assert [it["role"] for it in parse_input("hello")] == ["user"]
+
+
+@pytest.mark.parametrize(
+    ("value", "param"),
+    [
+        ([], "input"),
+        ([{"type": "item_reference", "id": "msg_1"}], "input[0].type"),
+        ([{"role": "user", "content": "a"}, {"role": "robot", "content": "b"}], "input[1].role"),
+        (
+            [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}],
+            "input[0].content[0].type",
+        ),
+        ([{"role": "user", "content": []}], "input[0].content"),
+        ([{"role": "user", "content": "a", "extra": 1}], "input[0].extra"),
+    ],
+)
+def test_bad_input_names_the_exact_place(value, param) -> None:
+    with pytest.raises(InvalidRequestError) as err:
+        parse_input(value)
+    assert err.value.param == param
+
+
+def test_unsupported_fields_are_refused_and_neutral_values_accepted() -> None:
+    neutral = ResponseCreate(
+        input="x",
+        tools=[],
+        tool_choice="none",
+        parallel_tool_calls=True,
+        text={"format": {"type": "text"}},
+        include=[],
+        service_tier="auto",
+    )
+    neutral.refuse_unsupported()  # what SDKs send by default passes
+    for field, value in [
+        ("tool_choice", "required"),
+        ("text", {"verbosity": "low"}),
+        ("service_tier", "flex"),
+        ("stream_options", {}),
+    ]:
+        with pytest.raises(InvalidRequestError) as err:
+            ResponseCreate(input="x", **{field: value}).refuse_unsupported()
+        assert err.value.param == field
+
+
+def test_the_oldest_turn_goes_first_and_the_new_input_never() -> None:
+    u, a = message_item("user", "u"), message_item("assistant", "a")
+    items = [u, a, a, u, a, u]  # turn 1 (with two outputs), turn 2, the new input
+    assert drop_oldest_turn(items, keep=1) == 3
+    assert drop_oldest_turn(items[3:], keep=1) == 2
+    assert drop_oldest_turn(items[5:], keep=1) == 0  # only the new input is left
+    assert drop_oldest_turn([u, a, u, u], keep=2) == 2  # never into the new input
+
+
+def test_item_pages_follow_order_limit_and_cursor() -> None:
+    items = [message_item("user", str(i)) for i in range(5)]
+    ids = [it["id"] for it in items]
+    page = item_page(items, 2, "desc", None)
+    assert [it["id"] for it in page["data"]] == ids[::-1][:2] and page["has_more"]
+    nxt = item_page(items, 2, "desc", page["last_id"])
+    assert [it["id"] for it in nxt["data"]] == ids[::-1][2:4]
+    last = item_page(items, 10, "asc", ids[2])
+    assert [it["id"] for it in last["data"]] == ids[3:] and not last["has_more"]
+    with pytest.raises(InvalidRequestError):
+        item_page(items, 2, "asc", "msg_unknown")
+
+
+def test_events_are_numbered_and_carry_the_finished_response() -> None:
+    draft = ResponseDraft(ResponseCreate(input="x"), "m", "s1")
+    events = ResponseEvents(draft)
+    final = {
+        "finish_reason": "stop",
+        "text": "ab",
+        "prompt_tokens": 3,
+        "completion_tokens": 2,
+        "cached_tokens": 1,
+        "cached_source": "session",
+    }
+    stream = events.opening() + [events.delta("a"), events.delta("b")]
+    stream += events.closing(draft.object(final, "ab"))
+    assert events.delta("") is None
+    bodies = [json.loads(chunk.split("data: ", 1)[1]) for chunk in stream]
+    assert [b["sequence_number"] for b in bodies] == list(range(len(bodies)))
+    assert all(
+        chunk.startswith(f"event: {b['type']}\n") for chunk, b in zip(stream, bodies, strict=True)
+    )
+    done = bodies[-1]
+    assert done["type"] == "response.completed" and done["response"]["status"] == "completed"
+    assert done["response"]["output"][0]["content"][0]["text"] == "ab"
+    assert done["response"]["usage"]["input_tokens_details"]["cached_tokens"] == 1
+    cut = draft.object(final | {"finish_reason": "length"}, "ab")
+    assert cut["status"] == "incomplete" and cut["incomplete_details"] == {
+        "reason": "max_output_tokens"
+    }
