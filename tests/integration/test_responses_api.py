@@ -204,6 +204,19 @@ def test_unsupported_or_invalid_fields_get_a_400_naming_them(http, extra, param)
     assert error["param"] == (param or "input[0].type"), error
 
 
+def test_the_official_client_sees_unsupported_features_refused(client) -> None:
+    tool = {"type": "function", "name": "lookup", "parameters": {"type": "object"}}
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model=None, input=words(5), tools=[tool])
+    assert err.value.body["param"] == "tools" and "not supported" in err.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(
+            model=None,
+            input=[{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}],
+        )
+    assert err.value.body["param"] == "input[0].content[0].type"
+
+
 def test_streaming_sends_the_event_sequence_and_equals_the_plain_response(client) -> None:
     prompt = words(228)  # the tiny test model answers it with 3 words and EOS
     with client.responses.stream(
