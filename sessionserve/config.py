@@ -174,6 +174,15 @@ class IngressDeploymentConfig(_Strict):
     num_replicas: int = Field(1, ge=1, description="HTTP ingress replicas.")
     num_cpus: float = Field(0.25, ge=0, description="CPUs per ingress replica.")
     max_ongoing_requests: int = Field(1024, ge=1, description="Requests per ingress replica.")
+    max_body_bytes: int = Field(
+        4 << 20, ge=1024, description="Largest request body; bigger ones get a 413 unread."
+    )
+    api_keys_file: str | None = Field(
+        None,
+        description="File of API keys (one per line); with SESSIONSERVE_API_KEYS (comma-"
+        "separated). With any key configured, /v1/* needs 'Authorization: Bearer <key>' and "
+        "a session belongs to the key that opened it.",
+    )
 
 
 class AppConfig(_Strict):

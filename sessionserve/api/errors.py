@@ -15,10 +15,26 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from sessionserve.api.protocol import ErrorResponse
 from sessionserve.errors import SessionServeError
 
 log = logging.getLogger(__name__)
 RETRY_AFTER_S = "1"
+STATUS_TEXT = {
+    400: "Bad input; `param` names the field",
+    401: "Missing or invalid API key (only when keys are configured)",
+    404: "Unknown model, session or response (or one of another API key)",
+    409: "The session already has a turn in flight, or the id is taken",
+    413: "The request body exceeds ingress.max_body_bytes",
+    429: "Too many sessions; retry after Retry-After",
+    500: "A bug on our side (the body never carries internals)",
+    503: "Overloaded or a replica went away; retry after Retry-After",
+}
+
+
+def ERRORS(*statuses: int) -> dict[int | str, dict[str, Any]]:  # noqa: N802 (reads as a constant)
+    """The OpenAPI `responses` of a route: each status it can answer, with the error body."""
+    return {s: {"model": ErrorResponse, "description": STATUS_TEXT[s]} for s in statuses}
 
 
 def error_body(
@@ -37,13 +53,16 @@ def error_response(
 
 
 def unwrap(exc: BaseException) -> BaseException:
-    """Ray wraps a replica's exception (RayTaskError); the original is its `cause`."""
-    seen = 0
-    while seen < 5 and not isinstance(exc, SessionServeError):
-        cause = getattr(exc, "cause", None) or exc.__cause__
+    """The original exception of one raised in a replica. Ray wraps it in a RayTaskError whose
+    class also derives from the original's (so it *is* a SessionServeError) but whose str is
+    the remote traceback: always take its `cause`, never its message."""
+    for _ in range(5):
+        cause = getattr(exc, "cause", None)
         if cause is None:
-            break
-        exc, seen = cause, seen + 1
+            if isinstance(exc, SessionServeError) or exc.__cause__ is None:
+                break
+            cause = exc.__cause__
+        exc = cause
     return exc
 
 
@@ -85,7 +104,27 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return (f"{param}: {err.get('msg')}" if param else str(err.get("msg"))), param
 
 
+def _openapi_without_422(app: FastAPI) -> None:
+    """Validation errors are 400s here (OpenAI's convention): drop FastAPI's generated 422."""
+    default = app.openapi
+
+    def schema() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            spec = default()
+            for path in spec.get("paths", {}).values():
+                for op in path.values():
+                    op.get("responses", {}).pop("422", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                spec.get("components", {}).get("schemas", {}).pop(name, None)
+            app.openapi_schema = spec
+        return app.openapi_schema
+
+    app.openapi = schema
+
+
 def install_error_handlers(app: FastAPI) -> None:
+    _openapi_without_422(app)
+
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(exc)

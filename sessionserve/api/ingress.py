@@ -17,12 +17,19 @@ from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 
-from sessionserve.api.errors import error_response, install_error_handlers, response_for, unwrap
+from sessionserve.api.errors import (
+    ERRORS,
+    error_response,
+    install_error_handlers,
+    response_for,
+    unwrap,
+)
 from sessionserve.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     SessionCreate,
     SessionView,
+    check_session_id,
     now,
 )
 from sessionserve.api.responses import Kind, Reply
@@ -34,6 +41,12 @@ from sessionserve.api.responses_api import (
     drop_oldest_turn,
     item_page,
     parse_input,
+)
+from sessionserve.api.security import (
+    ApiKeyMiddleware,
+    BodySizeMiddleware,
+    configure,
+    load_api_keys,
 )
 from sessionserve.config import AppConfig, served_model_name
 from sessionserve.errors import (
@@ -50,6 +63,16 @@ from sessionserve.router.directory import get_directory
 log = logging.getLogger(__name__)
 app = FastAPI(title="sessionserve", description="OpenAI-compatible API with streaming sessions")
 install_error_handlers(app)
+app.add_middleware(BodySizeMiddleware)  # added last runs first: the key is checked first
+app.add_middleware(ApiKeyMiddleware)
+
+GENERATE = ERRORS(400, 401, 404, 409, 413, 429, 500, 503)
+LOOKUP = ERRORS(400, 401, 404, 500)
+
+
+def owner(request: Request) -> str | None:
+    """The caller's API key fingerprint (None when the API has no keys)."""
+    return getattr(request.state, "owner", None)
 
 
 @serve.ingress(app)
@@ -62,13 +85,16 @@ class Ingress:
         self.ingress_id = context.replica_id.unique_id
         app_name = context.app_name
         self.directory = get_directory(app_name, self.cfg.engine.sessions.default_ttl_s)
+        keys = load_api_keys(self.cfg.ingress.api_keys_file)
+        configure(app, keys, self.cfg.ingress.max_body_bytes)
+        log.info("API keys: %s", f"{len(keys)} configured" if keys else "none (open API)")
 
     # ---- plain endpoints ----
     @app.get("/health")
     async def health(self) -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=ERRORS(401, 500))
     async def models(self) -> dict[str, Any]:
         return {
             "object": "list",
@@ -78,33 +104,35 @@ class Ingress:
         }
 
     # ---- sessions ----
-    @app.post("/v1/sessions")
-    async def open_session(self, body: SessionCreate | None = None) -> SessionView:
+    @app.post("/v1/sessions", responses=ERRORS(400, 401, 409, 413, 500))
+    async def open_session(
+        self, request: Request, body: SessionCreate | None = None
+    ) -> SessionView:
         body = body or SessionCreate()
-        sid = await self.directory.open.remote(body.session_id, body.ttl_s)
+        sid = await self.directory.open.remote(body.session_id, body.ttl_s, owner(request))
         if sid is None:
             raise SessionExistsError(body.session_id or "")
-        return await self._view(sid)
+        return await self._view(sid, owner(request))
 
-    @app.get("/v1/sessions/{session_id}")
-    async def get_session(self, session_id: str) -> SessionView:
-        return await self._view(session_id)
+    @app.get("/v1/sessions/{session_id}", responses=LOOKUP)
+    async def get_session(self, session_id: str, request: Request) -> SessionView:
+        return await self._view(check_session_id(session_id, "session_id"), owner(request))
 
-    @app.delete("/v1/sessions/{session_id}")
-    async def close_session(self, session_id: str) -> dict[str, Any]:
-        if not await self._close(session_id):
+    @app.delete("/v1/sessions/{session_id}", responses=LOOKUP)
+    async def close_session(self, session_id: str, request: Request) -> dict[str, Any]:
+        if not await self._close(check_session_id(session_id, "session_id"), owner(request)):
             raise UnknownSessionError(session_id)
         return {"id": session_id, "object": "session.deleted", "deleted": True}
 
-    async def _close(self, session_id: str) -> bool:
+    async def _close(self, session_id: str, owner_id: str | None) -> bool:
         """Forget the session (and its stored responses); free its KV on its replica."""
-        replica = await self.directory.close.remote(session_id)
+        replica = await self.directory.close.remote(session_id, owner_id)
         if replica:  # frees its KV there (deferred while a turn runs)
             await self.replica.options(session_id=session_id).close_session.remote(session_id)
         return replica is not None
 
-    async def _view(self, sid: str) -> SessionView:
-        info = await self.directory.info.remote(sid)
+    async def _view(self, sid: str, owner_id: str | None) -> SessionView:
+        info = await self.directory.info.remote(sid, owner_id)
         if info is None:
             raise UnknownSessionError(sid)
         held = None
@@ -113,41 +141,46 @@ class Ingress:
         return SessionView(id=sid, held_tokens=held, **info)
 
     # ---- generation ----
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=GENERATE)
     async def chat(self, body: ChatCompletionRequest, request: Request):
         sid = await self._session(request, body.session_id, body.model)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         call = GenerateCall(self._sampling(body), sid, "chat", messages=messages)
         return await self._serve(call, body, "chat", bool(body.logprobs))
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=GENERATE)
     async def completions(self, body: CompletionRequest, request: Request):
         sid = await self._session(request, body.session_id, body.model)
         history = None
         if sid is not None:  # append mode: the new prompt extends the session's token log
-            history = await self.directory.log.remote(sid)
+            history = await self.directory.log.remote(sid, owner(request))
         call = GenerateCall(
             self._sampling(body), sid, "append", prompt=body.prompt, history_ids=history
         )
         return await self._serve(call, body, "completion", body.logprobs is not None)
 
     # ---- Responses API: a chain of responses is a session ----
-    @app.post("/v1/responses")
-    async def create_response(self, body: ResponseCreate):
+    @app.post("/v1/responses", responses=GENERATE)
+    async def create_response(self, body: ResponseCreate, request: Request):
         self._check_model(body.model)
         body.refuse_unsupported()
         sampling = self._sampling(body)
         new_items = parse_input(body.input)
         earlier: list[dict[str, Any]] = []
         if body.previous_response_id is not None:  # continue (or fork) its conversation
-            prev = await self.directory.get_response.remote(body.previous_response_id)
+            prev = await self.directory.get_response.remote(
+                body.previous_response_id, owner(request)
+            )
             if prev is None:
                 raise UnknownResponseError(body.previous_response_id, "previous_response_id")
             sid = prev["session_id"]
             earlier = prev["items"] + prev["response"]["output"]
         else:  # a new conversation: a new session, unless nothing is to be kept
-            sid = await self.directory.open.remote(None, None) if body.store else None
+            sid = (
+                await self.directory.open.remote(None, None, owner(request)) if body.store else None
+            )
         draft = ResponseDraft(body, self.model, sid, new_session=body.previous_response_id is None)
+        draft.owner = owner(request)
         try:
             stream, first, items = await self._start_response(
                 draft, sampling, earlier + new_items, len(new_items)
@@ -167,28 +200,29 @@ class Ingress:
             return response_for(e)
         return JSONResponse(response)
 
-    @app.get("/v1/responses/{response_id}")
-    async def get_response(self, response_id: str) -> JSONResponse:
-        stored = await self.directory.get_response.remote(response_id)
+    @app.get("/v1/responses/{response_id}", responses=LOOKUP)
+    async def get_response(self, response_id: str, request: Request) -> JSONResponse:
+        stored = await self.directory.get_response.remote(response_id, owner(request))
         if stored is None:
             raise UnknownResponseError(response_id)
         return JSONResponse(stored["response"])
 
-    @app.delete("/v1/responses/{response_id}")
-    async def delete_response(self, response_id: str) -> dict[str, Any]:
-        if not await self.directory.delete_response.remote(response_id):
+    @app.delete("/v1/responses/{response_id}", responses=LOOKUP)
+    async def delete_response(self, response_id: str, request: Request) -> dict[str, Any]:
+        if not await self.directory.delete_response.remote(response_id, owner(request)):
             raise UnknownResponseError(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
 
-    @app.get("/v1/responses/{response_id}/input_items")
+    @app.get("/v1/responses/{response_id}/input_items", responses=LOOKUP)
     async def response_input_items(
         self,
         response_id: str,
+        request: Request,
         limit: int = Query(20, ge=1, le=100),
         order: Literal["asc", "desc"] = "desc",
         after: str | None = None,
     ) -> dict[str, Any]:
-        stored = await self.directory.get_response.remote(response_id)
+        stored = await self.directory.get_response.remote(response_id, owner(request))
         if stored is None:
             raise UnknownResponseError(response_id)
         return item_page(stored["items"], limit, order, after)
@@ -220,14 +254,14 @@ class Ingress:
         response = draft.object(final | {"ingress": self.ingress_id}, final["text"])
         if draft.body.store and draft.session_id is not None:
             await self.directory.store_response.remote(
-                draft.session_id, response, items, final["full_ids"]
+                draft.session_id, response, items, final["full_ids"], draft.owner
             )
         return response
 
     async def _response_failed(self, draft: ResponseDraft) -> None:
         """A first response that never completed leaves no empty conversation behind."""
         if draft.new_session and draft.session_id is not None:
-            await self._close(draft.session_id)
+            await self._close(draft.session_id, draft.owner)
 
     async def _response_sse(
         self, stream: Any, first: dict[str, Any], draft: ResponseDraft, items: list[dict]
@@ -263,13 +297,17 @@ class Ingress:
         self, request: Request, body_sid: str | None, model: str | None
     ) -> str | None:
         self._check_model(model)
-        sid = request.headers.get(self.cfg.session_header) or body_sid
+        header = request.headers.get(self.cfg.session_header)
+        if header is not None:
+            check_session_id(header, self.cfg.session_header)
+        sid = header or body_sid
         if sid is None:
             return None
-        if not await self.directory.touch.remote(sid):
+        if not await self.directory.touch.remote(sid, owner(request)):
             if not self.cfg.engine.sessions.implicit_open:
                 raise UnknownSessionError(sid)
-            await self.directory.open.remote(sid, None)
+            if await self.directory.open.remote(sid, None, owner(request)) is None:
+                raise UnknownSessionError(sid)  # taken by another key: as if it did not exist
         return sid
 
     @staticmethod

@@ -6,11 +6,28 @@ Unknown fields are rejected (400 naming the field), as OpenAI does. Field names 
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from sessionserve.replicas.request import InvalidRequestError
+
+# One rule for session ids wherever they appear (body, header, path): safe in a URL path, a
+# log line and a metric-free label, and bounded.
+SESSION_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
+SESSION_ID_RULE = "1 to 128 characters of A-Z a-z 0-9 . _ : - starting with a letter or digit"
+SessionId = Annotated[str, Field(pattern=SESSION_ID_PATTERN, description=SESSION_ID_RULE)]
+MAX_STOP = 4  # as OpenAI
+
+
+def check_session_id(value: str, param: str) -> str:
+    """`value` if it is a valid session id, else a 400 naming `param`."""
+    if not re.fullmatch(SESSION_ID_PATTERN, value):
+        raise InvalidRequestError(f"{param}: a session id is {SESSION_ID_RULE}", param=param)
+    return value
 
 
 class _Body(BaseModel):
@@ -55,7 +72,14 @@ class _SamplingFields(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    session_id: str | None = Field(None, description="Streaming session (or the header).")
+    session_id: SessionId | None = Field(None, description="Streaming session (or the header).")
+
+    @field_validator("stop")
+    @classmethod
+    def _at_most_four(cls, value: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(value, list) and len(value) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop sequences")
+        return value
 
     def sampling_kwargs(self) -> dict[str, Any]:
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
@@ -102,7 +126,7 @@ class CompletionRequest(_SamplingFields):
 
 
 class SessionCreate(_Body):
-    session_id: str | None = Field(None, min_length=1, max_length=128)
+    session_id: SessionId | None = Field(None, description="Omit it for a server-made id.")
     ttl_s: float | None = Field(None, gt=0)
 
 
@@ -114,6 +138,19 @@ class SessionView(BaseModel):
     history_tokens: int
     held_tokens: int | None
     ttl_s: float | None
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body: every non-2xx answer of the API has this shape."""
+
+    error: ErrorDetail
 
 
 class PromptTokensDetails(BaseModel):

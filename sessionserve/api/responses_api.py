@@ -220,6 +220,7 @@ class ResponseDraft:
     model: str
     session_id: str | None
     new_session: bool = False  # opened for this response (closed again if it fails)
+    owner: str | None = None  # the caller's API key fingerprint (None without keys)
     id: str = field(default_factory=lambda: new_id("resp"))
     message_id: str = field(default_factory=lambda: new_id("msg"))
     created_at: int = field(default_factory=lambda: int(time.time()))

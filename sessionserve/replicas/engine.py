@@ -190,17 +190,17 @@ class Engine:
                 )
             try:
                 self._validate_length(full, sampling)
-            except InvalidRequestError:
+                gen = (
+                    torch.Generator().manual_seed(sampling.seed)
+                    if sampling.seed is not None
+                    else self.generator
+                )
+                req = Request(rid, full, sampling, kv, mode, self.eos_ids, generator=gen)
+            except Exception:
                 if session_id is not None:  # pre-abort: the turn ends, the slot is untouched
                     self.cache.abort(kv)
                     self.sessions.turn_ended(session_id, success=False)
                 raise
-            gen = (
-                torch.Generator().manual_seed(sampling.seed)
-                if sampling.seed is not None
-                else self.generator
-            )
-            req = Request(rid, full, sampling, kv, mode, self.eos_ids, generator=gen)
             self.requests[rid] = req
             if listener is not None:
                 self.listeners[rid] = listener

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from sessionserve.cache.request_kv import RequestKV
 from sessionserve.errors import SessionServeError
@@ -37,25 +37,39 @@ class FinishReason(enum.StrEnum):
     ABORT = "abort"  # client disconnect, explicit abort, shutdown
 
 
+MIN_TEMPERATURE = 1e-4  # logits / T must stay finite in float32
+
+
 class SamplingParams(BaseModel):
     """Validated sampling knobs. temperature 0 means greedy."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     max_tokens: int = Field(256, ge=1, description="Tokens to generate at most.")
+    # Bounds keep the arithmetic finite: a top_p, temperature or repetition penalty near zero
+    # underflows in float32 and turns every probability into NaN.
     temperature: float = Field(1.0, ge=0.0, le=10.0, description="0 = greedy.")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    top_p: float = Field(1.0, ge=1e-8, le=1.0, description="Nucleus sampling mass.")
     top_k: int = Field(0, ge=0, description="Keep the k most likely tokens; 0 = off.")
     min_p: float = Field(0.0, ge=0.0, le=1.0, description="Drop tokens below min_p * p_max.")
-    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0, description="HF-style, 1 = off.")
+    repetition_penalty: float = Field(1.0, ge=0.01, le=10.0, description="HF-style, 1 = off.")
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="OpenAI-style.")
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="OpenAI-style.")
-    seed: int | None = Field(None, description="Same seed, same output.")
+    seed: int | None = Field(
+        None, ge=-(2**63), le=2**64 - 1, description="Same seed, same output (64-bit)."
+    )
     stop: tuple[str, ...] = Field((), description="Stop strings (not included in the text).")
     stop_token_ids: tuple[int, ...] = Field((), description="Token ids that end the answer.")
     ignore_eos: bool = Field(False, description="Keep generating past EOS.")
     logprobs: bool = Field(False, description="Return the sampled tokens' logprobs.")
     top_logprobs: int = Field(0, ge=0, le=20, description="Alternatives per position.")
+
+    @field_validator("temperature")
+    @classmethod
+    def _finite_temperature(cls, value: float) -> float:
+        if 0.0 < value < MIN_TEMPERATURE:
+            raise ValueError(f"use 0 for greedy decoding, or at least {MIN_TEMPERATURE}")
+        return value
 
     @model_validator(mode="after")
     def _check(self) -> SamplingParams:

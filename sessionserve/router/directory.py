@@ -38,6 +38,7 @@ class SessionRecord:
     turns: int = 0
     last_active: float = field(default_factory=time.monotonic)
     responses: dict[str, StoredResponse] = field(default_factory=dict)
+    owner: str | None = None  # the API key fingerprint that opened it (None: no auth)
 
 
 class SessionDirectoryState:
@@ -50,27 +51,33 @@ class SessionDirectoryState:
         self.repins = 0
 
     # ---- registry ----
-    def open(self, session_id: str | None, ttl_s: float | None) -> str | None:
-        """Register a session; None if the id is taken."""
+    # Every call from the API names the caller's `owner` (its API key's fingerprint, None
+    # without keys): a session of another owner is reported exactly as one that does not
+    # exist, so ids reveal nothing across keys.
+    def open(
+        self, session_id: str | None, ttl_s: float | None, owner: str | None = None
+    ) -> str | None:
+        """Register a session; None if the id is taken (by anyone)."""
         self._reap()
         sid = session_id or uuid.uuid4().hex
         if sid in self.sessions:
             return None
-        self.sessions[sid] = SessionRecord(sid, ttl_s if ttl_s is not None else self.default_ttl_s)
+        ttl = ttl_s if ttl_s is not None else self.default_ttl_s
+        self.sessions[sid] = SessionRecord(sid, ttl, owner=owner)
         return sid
 
-    def touch(self, session_id: str) -> bool:
+    def touch(self, session_id: str, owner: str | None = None) -> bool:
         """Whether the session exists (marking it active): the per-request check, which
         ships no token log."""
-        return self._live(session_id) is not None
+        return self._live(session_id, owner) is not None
 
-    def log(self, session_id: str) -> list[int] | None:
+    def log(self, session_id: str, owner: str | None = None) -> list[int] | None:
         """The token log, for an append-mode turn (None if the session does not exist)."""
-        rec = self._live(session_id)
+        rec = self._live(session_id, owner)
         return rec.log.tolist() if rec is not None else None
 
-    def info(self, session_id: str) -> dict | None:
-        rec = self._live(session_id)
+    def info(self, session_id: str, owner: str | None = None) -> dict | None:
+        rec = self._live(session_id, owner)
         if rec is None:
             return None
         return {
@@ -80,9 +87,11 @@ class SessionDirectoryState:
             "ttl_s": rec.ttl_s,
         }
 
-    def close(self, session_id: str) -> str | None:
+    def close(self, session_id: str, owner: str | None = None) -> str | None:
         """Forget the session; returns its replica pin ("" if it never ran a turn), None if
         it did not exist."""
+        if self._live(session_id, owner) is None:
+            return None
         rec = self._forget(session_id)
         return None if rec is None else (rec.replica or "")
 
@@ -95,30 +104,36 @@ class SessionDirectoryState:
 
     # ---- stored responses (Responses API) ----
     def store_response(
-        self, session_id: str, response: dict, items: list[dict], full_ids: list[int]
+        self,
+        session_id: str,
+        response: dict,
+        items: list[dict],
+        full_ids: list[int],
+        owner: str | None = None,
     ) -> bool:
         """Keep a finished response, a committed turn of its session (one call, so the two
         never disagree); False if the session is gone (closed or expired)."""
-        if self._live(session_id) is None:
+        if self._live(session_id, owner) is None:
             return False
         self.commit_turn(session_id, full_ids)
         self.sessions[session_id].responses[response["id"]] = StoredResponse(response, items)
         self.response_sessions[response["id"]] = session_id
         return True
 
-    def get_response(self, response_id: str) -> dict | None:
+    def get_response(self, response_id: str, owner: str | None = None) -> dict | None:
         """{"session_id", "response", "items"} (marking the session active), or None."""
         session_id = self.response_sessions.get(response_id)
-        rec = self._live(session_id) if session_id is not None else None
+        rec = self._live(session_id, owner) if session_id is not None else None
         stored = rec.responses.get(response_id) if rec is not None else None
         if stored is None:
             return None
         return {"session_id": session_id, "response": stored.response, "items": stored.items}
 
-    def delete_response(self, response_id: str) -> bool:
-        session_id = self.response_sessions.pop(response_id, None)
-        rec = self.sessions.get(session_id) if session_id is not None else None
-        return rec is not None and rec.responses.pop(response_id, None) is not None
+    def delete_response(self, response_id: str, owner: str | None = None) -> bool:
+        if self.get_response(response_id, owner) is None:
+            return False
+        session_id = self.response_sessions.pop(response_id)
+        return self.sessions[session_id].responses.pop(response_id, None) is not None
 
     def _forget(self, session_id: str) -> SessionRecord | None:
         rec = self.sessions.pop(session_id, None)
@@ -126,11 +141,12 @@ class SessionDirectoryState:
             self.response_sessions.pop(response_id, None)
         return rec
 
-    def _live(self, session_id: str) -> SessionRecord | None:
+    def _live(self, session_id: str, owner: str | None) -> SessionRecord | None:
         self._reap()
         rec = self.sessions.get(session_id)
-        if rec is not None:
-            rec.last_active = time.monotonic()
+        if rec is None or rec.owner != owner:
+            return None
+        rec.last_active = time.monotonic()
         return rec
 
     # ---- pins ----

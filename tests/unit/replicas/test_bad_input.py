@@ -95,3 +95,36 @@ def test_duplicate_request_id_and_unknown_abort(engine) -> None:
     engine.run_until_idle()
     engine.take_result("dup")
     _still_serving(engine)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("top_p", 5e-324),
+        ("repetition_penalty", 5e-324),
+        ("temperature", 1e-300),
+        ("seed", 2**64),
+        ("seed", -(2**63) - 1),
+    ],
+)
+def test_degenerate_sampling_values_are_refused_by_name(field, value) -> None:
+    """Values that underflow to NaN probabilities (or overflow the 64-bit seed)."""
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams.build(**{field: value})
+    assert e.value.param == field
+    for edge in (2**64 - 1, -(2**63)):  # the whole 64-bit range is fine
+        assert SamplingParams.build(seed=edge).seed == edge
+
+
+def test_a_turn_that_fails_while_queued_leaves_its_session_usable(engine) -> None:
+    """Anything failing in submit after the turn started (here an unchecked seed) ends the
+    turn: no slot stays busy, no KV leaks."""
+    sid = engine.open_session()
+    bad = SamplingParams.model_construct(**(OK.model_dump() | {"seed": 2**64}))
+    with pytest.raises(ValueError):
+        engine.submit([3, 4, 5], bad, session_id=sid)
+    engine.checker.check_idle()
+    (r,) = engine.generate([[3, 4, 5]], OK, session_id=sid)  # not "busy"
+    assert r.completion_tokens == 4
+    engine.close_session(sid)
+    _still_serving(engine)
