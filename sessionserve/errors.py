@@ -121,6 +121,14 @@ class KVCacheFullError(SessionServeError):
     error_type = "overloaded_error"
 
 
+class RequestFailedError(SessionServeError):
+    """This request alone failed on the replica (its sampling, stop check or finish raised);
+    it was stopped, its KV freed, and the replica serves on. Retrying is safe."""
+
+    status_code = 500
+    error_type = "internal_error"
+
+
 class EngineUnavailableError(SessionServeError):
     """The replica's engine thread is not running (it died or the replica is shutting down)."""
 

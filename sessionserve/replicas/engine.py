@@ -32,7 +32,7 @@ from sessionserve.cache import (
     build_session_cache,
 )
 from sessionserve.cache.allocator import floor_align
-from sessionserve.cache.request_kv import RequestKV
+from sessionserve.cache.request_kv import KVState, RequestKV
 from sessionserve.cache.session_cache import TurnMode
 from sessionserve.config import EngineConfig
 from sessionserve.metrics import EngineMetrics
@@ -54,7 +54,7 @@ from sessionserve.replicas.request import (
     SamplingParams,
     TokenLogprob,
 )
-from sessionserve.replicas.sampling import filter_logits, sample, token_logprobs
+from sessionserve.replicas.sampling import SampleOutput, filter_logits, sample, token_logprobs
 from sessionserve.replicas.scheduler import ScheduledBatch, ScheduledSeq, Scheduler
 from sessionserve.replicas.sessions import SessionController, SessionInfo
 from sessionserve.replicas.spec.acceptance import accept_greedy, accept_sampled
@@ -300,24 +300,19 @@ class Engine:
         for s in batch.seqs:  # a verify commits only what it accepts (`_verify`)
             if not s.num_drafts:
                 self.cache.commit(s.req.kv, s.end)
+        failed: list[StepEvent] = []  # requests whose own work raised: they end alone
         if plain:
-            out = sample(
-                logits[[layout[id(s)].logit_row for s in plain]],
-                [s.req.sampling for s in plain],
-                [s.req.tokens if s.req.sampling.repetition_penalty != 1.0 else () for s in plain],
-                [s.req.output_ids for s in plain],
-                [s.req.generator for s in plain],
-            )
-            for i, s in enumerate(plain):
-                lp = out.logprobs[i] if out.logprobs and s.req.sampling.logprobs else None
-                emitted.append((s, [out.token_ids[i]], [lp] if lp else []))
+            emitted += self._sample(plain, logits, layout, failed)
         for s in batch.seqs:
             if s.num_drafts:
-                emitted.append(self._verify(s, drafts[id(s)], logits, layout[id(s)].logit_row))
+                try:
+                    emitted.append(self._verify(s, drafts[id(s)], logits, layout[id(s)].logit_row))
+                except Exception as e:
+                    failed.append(self._fail(s.req, e))
         if not emitted:
             self._catch_up(batch, hidden, layout, decoding=set())
-            return []
-        now, finished = time.monotonic(), set()
+            return failed
+        now, finished, stopped_ok = time.monotonic(), set(), []
         for s, tokens, lps in emitted:
             req = s.req
             req.output_ids.extend(tokens)
@@ -325,18 +320,89 @@ class Engine:
             req.sampled = True
             if req.timings.first_token is None:
                 req.timings.first_token = now
-            if self.stopper.check(req):
-                finished.add(id(s))
-        self._catch_up(batch, hidden, layout, {id(s) for s, _, _ in emitted} - finished)
-        events = []
-        for s, tokens, _ in emitted:
+            try:
+                if self.stopper.check(req):
+                    finished.add(id(s))
+            except Exception as e:
+                failed.append(self._fail(req, e))
+                continue
+            stopped_ok.append((s, tokens))
+        live = {id(s) for s, _ in stopped_ok} - finished
+        self._catch_up(batch, hidden, layout, live, skip={e.rid for e in failed})
+        events = failed
+        for s, tokens in stopped_ok:
             req = s.req
             before = len(req.output_ids) - len(tokens)
-            result = self._finish(req) if id(s) in finished else None
+            try:
+                result = self._finish(req) if id(s) in finished else None
+            except Exception as e:
+                events.append(self._fail(req, e))
+                continue
             events.append(
                 StepEvent(req.rid, req.output_ids[before:], result, req.logprobs[before:])
             )
         return events
+
+    def _sample(
+        self,
+        seqs: list[ScheduledSeq],
+        logits: torch.Tensor,
+        layout: dict[int, SeqLayout],
+        failed: list[StepEvent],
+    ) -> list[tuple[ScheduledSeq, list[int], list[TokenLogprob]]]:
+        """One token for each of `seqs`, batched; if the batch raises, each row again alone
+        (its seeded generator rewound first), so a request that cannot be sampled fails by
+        itself and the others get exactly the tokens they would have had."""
+        rows = [layout[id(s)].logit_row for s in seqs]
+        seeded = {
+            id(s): s.req.generator.get_state() for s in seqs if s.req.sampling.seed is not None
+        }
+        try:
+            outs = [self._sample_rows(seqs, logits[rows])]
+            groups = [seqs]
+        except Exception:
+            outs, groups = [], []
+            for s, row in zip(seqs, rows, strict=True):
+                if id(s) in seeded:
+                    s.req.generator.set_state(seeded[id(s)])
+                try:
+                    outs.append(self._sample_rows([s], logits[[row]]))
+                    groups.append([s])
+                except Exception as e:
+                    failed.append(self._fail(s.req, e))
+        emitted = []
+        for group, out in zip(groups, outs, strict=True):
+            for i, s in enumerate(group):
+                lp = out.logprobs[i] if out.logprobs and s.req.sampling.logprobs else None
+                emitted.append((s, [out.token_ids[i]], [lp] if lp else []))
+        return emitted
+
+    @staticmethod
+    def _sample_rows(seqs: list[ScheduledSeq], logits: torch.Tensor) -> SampleOutput:
+        return sample(
+            logits,
+            [s.req.sampling for s in seqs],
+            [s.req.tokens if s.req.sampling.repetition_penalty != 1.0 else () for s in seqs],
+            [s.req.output_ids for s in seqs],
+            [s.req.generator for s in seqs],
+        )
+
+    def _fail(self, req: Request, exc: Exception) -> StepEvent:
+        """End one request whose own sampling, stop check or finish raised: its KV goes back
+        as for an abort (a session keeps its last successful turn), its caller gets an error
+        result, and the step, the batch and the replica go on."""
+        log.error("request %s failed and was stopped alone: %r", req.rid, exc, exc_info=exc)
+        phase = "decode" if req.sampled else "prefill"
+        if req.kv.state is not KVState.DONE:
+            self.cache.abort(req.kv, req.tokens)
+        self.scheduler.remove(req)
+        req.finish_reason = FinishReason.ERROR
+        req.finish_message = (
+            f"generating this request failed on the replica ({type(exc).__name__}); it was "
+            "stopped alone and its KV freed; retry it"
+        )
+        self.metrics.on_abort(phase)
+        return self._close_request(req, success=False, text="")
 
     def _propose(self, batch: ScheduledBatch) -> dict[int, ChainDrafts]:
         """Draft chains for the decodes that speculate this step (keyed by id(seq))."""
@@ -405,13 +471,17 @@ class Engine:
         hidden: torch.Tensor | None,
         layout: dict[int, SeqLayout],
         decoding: set[int],
+        skip: frozenset[str] | set[str] = frozenset(),
     ) -> None:
         """The drafter's pass over every position committed this step (see spec/proposer);
-        `decoding`: ids of the sequences that sampled and go on decoding (they get a guess)."""
+        `decoding`: ids of the sequences that sampled and go on decoding (they get a guess);
+        `skip`: requests that failed this step (their KV is gone)."""
         if self.proposer is None or hidden is None:
             return
         entries = []
         for s in batch.seqs:
+            if s.req.rid in skip:
+                continue
             req, first = s.req, layout[id(s)].flat_start
             end = req.kv.committed_len
             wants = id(s) in decoding and self.proposer.eligible(req)
@@ -427,17 +497,17 @@ class Engine:
         self.scheduler.remove(req)
         return self._close_request(req, success=True).result
 
-    def _close_request(self, req: Request, success: bool) -> StepEvent:
+    def _close_request(self, req: Request, success: bool, text: str | None = None) -> StepEvent:
         req.timings.finished = time.monotonic()
         if req.session_id is not None:
             self.sessions.turn_ended(req.session_id, success)
-        del self.requests[req.rid]
+        self.requests.pop(req.rid, None)
         t = req.timings
         result = RequestResult(
             rid=req.rid,
             session_id=req.session_id,
             output_ids=list(req.output_ids),
-            text=answer_text(self.tokenizer, req),
+            text=answer_text(self.tokenizer, req) if text is None else text,
             finish_reason=req.finish_reason,
             finish_message=req.finish_message,
             prompt_tokens=len(req.input_ids),

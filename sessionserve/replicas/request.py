@@ -35,6 +35,7 @@ class FinishReason(enum.StrEnum):
     STOP = "stop"  # EOS, a stop token or a stop string
     LENGTH = "length"  # max_tokens or the context limit
     ABORT = "abort"  # client disconnect, explicit abort, shutdown
+    ERROR = "error"  # this request's own sampling, stop check or finish failed (it alone)
 
 
 MIN_TEMPERATURE = 1e-4  # logits / T must stay finite in float32

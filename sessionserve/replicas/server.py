@@ -25,10 +25,19 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from sessionserve.config import EngineConfig
-from sessionserve.errors import EngineUnavailableError, MemoryInvariantError
+from sessionserve.errors import (
+    EngineUnavailableError,
+    MemoryInvariantError,
+    RequestFailedError,
+)
 from sessionserve.metrics import RayEngineMetrics
 from sessionserve.replicas.engine import Engine, StepEvent
-from sessionserve.replicas.request import InvalidRequestError, SamplingParams, TokenLogprob
+from sessionserve.replicas.request import (
+    FinishReason,
+    InvalidRequestError,
+    SamplingParams,
+    TokenLogprob,
+)
 
 log = logging.getLogger(__name__)
 IDLE_TICK_S = 0.5  # while idle: check the idle invariant and refresh the gauges this often
@@ -190,6 +199,8 @@ class ReplicaServer:
                 if isinstance(event, Exception):  # the engine thread died
                     raise event
                 done = event.result is not None
+                if done and event.result.finish_reason is FinishReason.ERROR:
+                    raise RequestFailedError(event.result.finish_message or "request failed")
                 out_ids += event.new_token_ids
                 text = (event.result.text or "") if done else self._visible_text(out_ids, sampling)
                 if event.new_token_ids or len(text) > len(text_sent):

@@ -36,7 +36,7 @@ class SessionRecord:
     replica: str | None = None
     log: array = field(default_factory=lambda: array("I"))
     turns: int = 0
-    last_active: float = field(default_factory=time.monotonic)
+    last_active: float = field(default_factory=lambda: time.monotonic())
     responses: dict[str, StoredResponse] = field(default_factory=dict)
     owner: str | None = None  # the API key fingerprint that opened it (None: no auth)
 

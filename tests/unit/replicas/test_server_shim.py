@@ -42,6 +42,24 @@ def test_stream_deltas_add_up_to_the_answer(server) -> None:
     assert final["full_ids"] == [5, 6, 7] + final["output_ids"]
 
 
+def test_a_request_that_fails_alone_raises_a_typed_500_for_its_caller(server, monkeypatch):
+    from sessionserve.errors import RequestFailedError
+    from sessionserve.replicas.stopping import StopChecker
+
+    def broken(self, req):
+        raise RuntimeError("a stop-check bug")
+
+    monkeypatch.setattr(StopChecker, "check", broken)
+    call = GenerateCall({"max_tokens": 4, "temperature": 0}, prompt=[5, 6])
+    with pytest.raises(RequestFailedError, match="stopped alone") as err:
+        asyncio.run(_collect(server.generate(call)))
+    assert err.value.status_code == 500 and "Traceback" not in str(err.value)
+    monkeypatch.undo()
+    ok = asyncio.run(_collect(server.generate(call)))[-1]["final"]  # the replica serves on
+    assert ok["completion_tokens"] > 0
+    assert server.loop.error is None
+
+
 def test_append_mode_builds_on_the_history_it_is_given(server) -> None:
     call = GenerateCall(
         {"max_tokens": 2, "temperature": 0}, session_id="s", prompt=[9], history_ids=[5, 6, 7, 8]
