@@ -177,6 +177,9 @@ class IngressDeploymentConfig(_Strict):
     max_body_bytes: int = Field(
         4 << 20, ge=1024, description="Largest request body; bigger ones get a 413 unread."
     )
+    max_sessions_per_key: int = Field(
+        4096, ge=1, description="Open sessions one API key may hold (429 beyond; with keys)."
+    )
     api_keys_file: str | None = Field(
         None,
         description="File of API keys (one per line); with SESSIONSERVE_API_KEYS (comma-"

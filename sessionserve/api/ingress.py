@@ -109,7 +109,7 @@ class Ingress:
         self, request: Request, body: SessionCreate | None = None
     ) -> SessionView:
         body = body or SessionCreate()
-        sid = await self.directory.open.remote(body.session_id, body.ttl_s, owner(request))
+        sid = await self._open(body.session_id, body.ttl_s, owner(request))
         if sid is None:
             raise SessionExistsError(body.session_id or "")
         return await self._view(sid, owner(request))
@@ -123,6 +123,12 @@ class Ingress:
         if not await self._close(check_session_id(session_id, "session_id"), owner(request)):
             raise UnknownSessionError(session_id)
         return {"id": session_id, "object": "session.deleted", "deleted": True}
+
+    async def _open(self, sid: str | None, ttl_s: float | None, owner_id: str | None):
+        """Register a session in the directory (None: the id is taken); 429 past the key's
+        `ingress.max_sessions_per_key`."""
+        limit = self.cfg.ingress.max_sessions_per_key
+        return await self.directory.open.remote(sid, ttl_s, owner_id, limit)
 
     async def _close(self, session_id: str, owner_id: str | None) -> bool:
         """Forget the session (and its stored responses); free its KV on its replica."""
@@ -176,9 +182,7 @@ class Ingress:
             sid = prev["session_id"]
             earlier = prev["items"] + prev["response"]["output"]
         else:  # a new conversation: a new session, unless nothing is to be kept
-            sid = (
-                await self.directory.open.remote(None, None, owner(request)) if body.store else None
-            )
+            sid = await self._open(None, None, owner(request)) if body.store else None
         draft = ResponseDraft(body, self.model, sid, new_session=body.previous_response_id is None)
         draft.owner = owner(request)
         try:
@@ -306,7 +310,7 @@ class Ingress:
         if not await self.directory.touch.remote(sid, owner(request)):
             if not self.cfg.engine.sessions.implicit_open:
                 raise UnknownSessionError(sid)
-            if await self.directory.open.remote(sid, None, owner(request)) is None:
+            if await self._open(sid, None, owner(request)) is None:
                 raise UnknownSessionError(sid)  # taken by another key: as if it did not exist
         return sid
 

@@ -158,6 +158,9 @@ class ReplicaServer:
     def __init__(self, engine_config: dict[str, Any]) -> None:
         cfg = EngineConfig.model_validate(engine_config)
         self.engine = Engine(cfg)
+        # every call brings its whole input (see GenerateCall), so a full replica may give an
+        # idle session's slot to a new one: that session's next turn re-prefills
+        self.engine.sessions.reclaim_at_limit = True
         self.streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self.loop = EngineLoop(self.engine, on_death=self._end_streams)
         self.loop.start()

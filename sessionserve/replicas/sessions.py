@@ -43,6 +43,13 @@ class SessionController:
         self.cache = cache
         self.config = config
         self.meta: dict[str, SessionMeta] = {}
+        # At max_sessions, give the least recently used idle session's slot to the new one.
+        # Only safe where every turn brings its whole input (the served replica: the ingress
+        # sends the conversation or the directory's token log), so a reclaimed session's next
+        # turn re-prefills it; an in-process caller relying on the slot's history keeps the
+        # 429 instead.
+        self.reclaim_at_limit = False
+        self.reclaimed_total = 0
 
     def open(self, session_id: str | None = None, ttl_s: float | None = None) -> str:
         if not self.config.enabled:
@@ -50,6 +57,8 @@ class SessionController:
         sid = session_id or uuid.uuid4().hex
         if ttl_s is not None and ttl_s <= 0:
             raise InvalidConfigError(f"ttl_s={ttl_s}: must be > 0 seconds")
+        if self.reclaim_at_limit and len(self.cache.session_slots) >= self.config.max_sessions:
+            self._reclaim_one()
         self.cache.open_session(sid)
         self.meta[sid] = SessionMeta(sid, ttl_s if ttl_s is not None else self.config.default_ttl_s)
         return sid
@@ -102,6 +111,19 @@ class SessionController:
             meta.ttl_s,
             time.monotonic() - meta.last_active,
         )
+
+    def _reclaim_one(self) -> None:
+        """Close the least recently used session with no turn in flight (none: the cache's
+        open refuses with a 429)."""
+        idle = [
+            slot
+            for slot in self.cache.session_slots.values()
+            if slot.turn_rid is None and not slot.closing
+        ]
+        victim = min(idle, key=lambda slot: slot.last_used, default=None)
+        if victim is not None:
+            self.close(victim.session_id)
+            self.reclaimed_total += 1
 
     def reap_expired(self) -> list[str]:
         """Close sessions idle past their TTL (never one with a turn in flight)."""

@@ -17,7 +17,10 @@ from dataclasses import dataclass, field
 
 import ray
 
+from sessionserve.errors import TooManySessionsError
+
 NAMESPACE = "sessionserve"
+REAP_PERIOD_S = 1.0
 
 
 @dataclass
@@ -47,6 +50,8 @@ class SessionDirectoryState:
     def __init__(self, default_ttl_s: float | None = None) -> None:
         self.sessions: dict[str, SessionRecord] = {}
         self.response_sessions: dict[str, str] = {}  # response id -> its session
+        self.owner_sessions: dict[str | None, int] = {}  # open sessions per API key
+        self._next_sweep = 0.0
         self.default_ttl_s = default_ttl_s
         self.repins = 0
 
@@ -55,15 +60,28 @@ class SessionDirectoryState:
     # without keys): a session of another owner is reported exactly as one that does not
     # exist, so ids reveal nothing across keys.
     def open(
-        self, session_id: str | None, ttl_s: float | None, owner: str | None = None
+        self,
+        session_id: str | None,
+        ttl_s: float | None,
+        owner: str | None = None,
+        owner_limit: int | None = None,
     ) -> str | None:
-        """Register a session; None if the id is taken (by anyone)."""
+        """Register a session; None if the id is taken (by anyone). An API key (`owner`) may
+        hold at most `owner_limit` open sessions: beyond, a 429."""
         self._reap()
         sid = session_id or uuid.uuid4().hex
         if sid in self.sessions:
             return None
+        held = self.owner_sessions.get(owner, 0)
+        if owner is not None and owner_limit is not None and held >= owner_limit:
+            raise TooManySessionsError(
+                f"this API key holds {held} open sessions, the limit "
+                f"(ingress.max_sessions_per_key) is {owner_limit}; close some (DELETE "
+                "/v1/sessions/{id}) or let them expire"
+            )
         ttl = ttl_s if ttl_s is not None else self.default_ttl_s
         self.sessions[sid] = SessionRecord(sid, ttl, owner=owner)
+        self.owner_sessions[owner] = held + 1
         return sid
 
     def touch(self, session_id: str, owner: str | None = None) -> bool:
@@ -137,16 +155,26 @@ class SessionDirectoryState:
 
     def _forget(self, session_id: str) -> SessionRecord | None:
         rec = self.sessions.pop(session_id, None)
-        for response_id in rec.responses if rec is not None else ():
+        if rec is None:
+            return None
+        for response_id in rec.responses:
             self.response_sessions.pop(response_id, None)
+        left = self.owner_sessions.get(rec.owner, 0) - 1
+        if left > 0:
+            self.owner_sessions[rec.owner] = left
+        else:
+            self.owner_sessions.pop(rec.owner, None)
         return rec
 
     def _live(self, session_id: str, owner: str | None) -> SessionRecord | None:
         self._reap()
-        rec = self.sessions.get(session_id)
+        rec, now = self.sessions.get(session_id), time.monotonic()
+        if rec is not None and _expired(rec, now):
+            self._forget(session_id)
+            return None
         if rec is None or rec.owner != owner:
             return None
-        rec.last_active = time.monotonic()
+        rec.last_active = now
         return rec
 
     # ---- pins ----
@@ -162,6 +190,7 @@ class SessionDirectoryState:
         rec = self.sessions.get(session_id)
         if rec is None:
             rec = self.sessions[session_id] = SessionRecord(session_id, self.default_ttl_s)
+            self.owner_sessions[None] = self.owner_sessions.get(None, 0) + 1
         previous = rec.replica
         if previous not in alive:
             rec.replica = choice
@@ -180,10 +209,19 @@ class SessionDirectoryState:
         return {"sessions": len(self.sessions), "repins": self.repins}
 
     def _reap(self) -> None:
+        """Forget expired sessions: a full sweep at most once a second (it is O(sessions));
+        `_live` checks the one it is asked about in between."""
         now = time.monotonic()
+        if now < self._next_sweep:
+            return
+        self._next_sweep = now + REAP_PERIOD_S
         for sid, rec in list(self.sessions.items()):
-            if rec.ttl_s is not None and now - rec.last_active > rec.ttl_s:
+            if _expired(rec, now):
                 self._forget(sid)
+
+
+def _expired(rec: SessionRecord, now: float) -> bool:
+    return rec.ttl_s is not None and now - rec.last_active > rec.ttl_s
 
 
 SessionDirectory = ray.remote(num_cpus=0)(SessionDirectoryState)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import random
+from collections import OrderedDict
 
 from ray.serve.request_router import (
     PendingRequest,
@@ -31,8 +32,13 @@ log = logging.getLogger(__name__)
 
 
 class SessionAffinityRouter(RequestRouter):
-    def initialize_state(self, tokens_per_new_session: int = 512, **kwargs) -> None:
-        self._pins: dict[str, str] = {}  # local cache of the directory's pins
+    def initialize_state(
+        self, tokens_per_new_session: int = 512, max_cached_pins: int = 65536, **kwargs
+    ) -> None:
+        # a local cache of the directory's pins, least recently used first and bounded: ids
+        # churn without end, and a forgotten pin costs one directory call, not a wrong route
+        self._pins: OrderedDict[str, str] = OrderedDict()
+        self._max_pins = max_cached_pins
         self._directory = None
         # Stats arrive every ~second; placements made since then are counted here so that a
         # burst of new sessions does not all land on the replica that looked freest.
@@ -62,6 +68,7 @@ class SessionAffinityRouter(RequestRouter):
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         pinned = self._pins.get(session_id)
         if pinned in by_id:  # the common case: no remote call at all
+            self._pins.move_to_end(session_id)
             self._count("sticky_hits")
             return [[by_id[pinned]]]
         choice = self._most_free_kv(candidate_replicas)
@@ -78,12 +85,14 @@ class SessionAffinityRouter(RequestRouter):
                 self._count("repins")
                 log.warning("session %s re-pinned from %s to %s", session_id, previous, winner)
         self._pins[session_id] = winner
+        while len(self._pins) > self._max_pins:
+            self._pins.popitem(last=False)
         return [[by_id[winner]]]
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         dead = replica_id.unique_id
-        self._pins = {s: r for s, r in self._pins.items() if r != dead}
+        self._pins = OrderedDict((s, r) for s, r in self._pins.items() if r != dead)
         self._dir().drop_replica.remote(dead)
 
     # ---- internals ----

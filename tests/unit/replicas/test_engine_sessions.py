@@ -132,3 +132,42 @@ def test_idle_sessions_expire_after_their_ttl(monkeypatch) -> None:
     engine.run_until_idle()
     assert sid not in engine.sessions.meta and keep in engine.sessions.meta
     engine.checker.check_idle()
+
+
+def test_a_full_replica_gives_the_least_recently_used_idle_slot_to_a_new_session() -> None:
+    """Issue 13, finding 3: ids cannot pin every slot until the TTL. Served replicas (every
+    turn brings its whole input) reclaim the LRU idle slot; the reclaimed session's next turn
+    re-prefills and answers as before. In-process engines keep the 429."""
+    from sessionserve.errors import TooManySessionsError
+
+    model = tiny_model()
+    plain = tiny_engine(model, max_sessions=2)
+    for sid in ("a", "b"):
+        plain.open_session(sid)
+    with pytest.raises(TooManySessionsError):
+        plain.open_session("c")
+
+    engine = tiny_engine(model, max_sessions=2)
+    engine.sessions.reclaim_at_limit = True
+    conversation = {sid: [5 + i, 6 + i, 7 + i] for i, sid in enumerate(("a", "b"))}
+    first = {}
+    for sid, ids in conversation.items():  # "a" is the least recently used
+        engine.open_session(sid)
+        first[sid] = engine.generate([ids], GREEDY_LP, session_id=sid, mode="chat")[0]
+    engine.open_session("c")  # takes a's slot
+    assert set(engine.cache.session_slots) == {"b", "c"}
+    assert engine.sessions.reclaimed_total == 1
+    engine.checker.check_idle()
+    full = conversation["a"] + first["a"].output_ids + [9]
+    engine.open_session("a")  # the served replica reopens it (open_missing) and re-prefills
+    again = engine.generate([full], GREEDY_LP, session_id="a", mode="chat")[0]
+    reference = tiny_engine(model, radix=False).generate([full], GREEDY_LP)[0]
+    assert again.output_ids == reference.output_ids
+    assert set(engine.cache.session_slots) == {"a", "c"}  # b was then the LRU idle one
+    busy = [engine.submit([3, 4], GREEDY_LP, session_id=sid) for sid in ("a", "c")]
+    with pytest.raises(TooManySessionsError):  # every slot has a turn in flight: 429
+        engine.open_session("d")
+    engine.run_until_idle()
+    for rid in busy:
+        engine.take_result(rid)
+    engine.checker.check_idle()

@@ -196,3 +196,64 @@ def test_stored_responses_live_and_die_with_their_session(monkeypatch) -> None:
     now = time.monotonic()
     monkeypatch.setattr("time.monotonic", lambda: now + 11)
     assert state.get_response("resp_4") is None and state.response_sessions == {}
+
+
+def test_the_router_pin_cache_is_bounded_and_a_forgotten_pin_still_routes() -> None:
+    state = SessionDirectoryState()
+    router = object.__new__(SessionAffinityRouter)
+    router.initialize_state(tokens_per_new_session=100, max_cached_pins=1000)
+    router._directory = FakeDirectoryActor(state)
+    a, b = FakeReplica("a", {"free_kv_tokens": 900}), FakeReplica("b", {"free_kv_tokens": 800})
+    first = route(router, [a, b], "s-0")[0][0].name
+    for i in range(1, 30_000):  # id churn
+        route(router, [a, b], f"s-{i}")
+    assert len(router._pins) == 1000 and "s-0" not in router._pins
+    assert route(router, [a, b], "s-0")[0][0].name == first  # the directory still knows it
+
+
+def test_directory_memory_does_not_grow_with_session_churn(monkeypatch) -> None:
+    """Tens of thousands of sessions opened, used and closed or left to expire leave nothing
+    behind: no record, no response index entry, no per-key count."""
+    import time
+    import tracemalloc
+
+    state = SessionDirectoryState(default_ttl_s=5.0)
+    clock = [time.monotonic()]
+    monkeypatch.setattr("time.monotonic", lambda: clock[0])
+
+    def churn(n: int, owner: str | None) -> None:
+        for i in range(n):
+            sid = state.open(None, None, owner)
+            state.resolve_pin(sid, "a", ["a"])
+            state.store_response(sid, {"id": f"r-{owner}-{i}"}, [], [5, 6, 7], owner)
+            if i % 2:
+                state.close(sid, owner)
+        clock[0] += 6.0  # the other half expires
+        state.touch("any")
+
+    churn(20_000, "k1")  # the first wave sizes the tables (dicts keep their peak size)
+    tracemalloc.start()
+    before = tracemalloc.take_snapshot()
+    for wave in range(3):  # more waves of the same size: nothing more may stay
+        churn(20_000, f"k{wave + 2}")
+        churn(20_000, None)
+    after = tracemalloc.take_snapshot()
+    tracemalloc.stop()
+    grown = sum(d.size_diff for d in after.compare_to(before, "filename"))
+    assert state.sessions == {} and state.response_sessions == {} and state.owner_sessions == {}
+    # dict tables keep their peak size (a few hundred KB here); a leak of even 20 bytes a
+    # session would be 2.4 MB over these 120,000
+    assert grown < 2 << 20, f"the directory kept {grown} bytes after 120,000 more sessions"
+
+
+def test_an_api_key_may_hold_a_bounded_number_of_sessions() -> None:
+    from sessionserve.errors import TooManySessionsError
+
+    state = SessionDirectoryState()
+    held = [state.open(None, None, "k", owner_limit=2) for _ in range(2)]
+    with pytest.raises(TooManySessionsError, match="max_sessions_per_key") as err:
+        state.open(None, None, "k", owner_limit=2)
+    assert err.value.status_code == 429
+    assert state.open(None, None, "other", owner_limit=2)  # per key
+    state.close(held[0], "k")
+    assert state.open(None, None, "k", owner_limit=2)
