@@ -15,6 +15,11 @@ app.kubernetes.io/name: {{ .Chart.Name }}
 app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 
+{{/* The Secret with the API keys: the user's, or the chart's own. */}}
+{{- define "sessionserve.authSecret" -}}
+{{- .Values.auth.existingSecret | default (printf "%s-api-keys" (include "sessionserve.fullname" .)) -}}
+{{- end -}}
+
 {{/*
 One pod template for the head and the GPU workers (no copy-pasted pod specs).
 Call with (dict "root" $ "role" "head"|"worker" "resources" ... "nodeSelector" ... "tolerations" ...).
@@ -50,6 +55,14 @@ spec:
       imagePullPolicy: {{ $v.image.pullPolicy }}
       resources:
         {{- toYaml .resources | nindent 8 }}
+      {{- if $v.auth.enabled }}
+      env:
+        - name: SESSIONSERVE_API_KEYS
+          valueFrom:
+            secretKeyRef:
+              name: {{ include "sessionserve.authSecret" .root }}
+              key: {{ $v.auth.secretKey }}
+      {{- end }}
       ports:
         {{- if eq .role "head" }}
         - {name: gcs, containerPort: 6379}
@@ -129,5 +142,7 @@ applications:
       ingress:
         num_replicas: {{ $v.ingress.replicas | toJson }}
         num_cpus: {{ $v.ingress.numCpus | toJson }}
+        max_body_bytes: {{ $v.ingress.maxBodyBytes | toJson }}
+        max_sessions_per_key: {{ $v.ingress.maxSessionsPerKey | toJson }}
       session_header: {{ $v.sessionHeader | toJson }}
 {{- end -}}

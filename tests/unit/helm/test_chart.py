@@ -171,6 +171,7 @@ def test_values_schema_rejects_bad_values() -> None:
         ({"replicas": {"count": "three"}}, "/replicas/count"),
         ({"engine": {"cache": {"pageSize": 3}}}, "/engine/cache/pageSize"),
         ({"modle": {}}, "modle"),
+        ({"auth": {"apiKeys": ["sk-one,sk-two"]}}, "/auth/apiKeys/0"),  # commas separate keys
     ]:
         with pytest.raises(helm.HelmValuesError, match=where):
             chart.validate_schema(bad)
@@ -181,3 +182,50 @@ def test_notes_say_how_to_reach_the_api() -> None:
     notes = out["sessionserve/templates/NOTES.txt"]
     assert "port-forward svc/chat-sessionserve-serve-svc 8000:8000" in notes
     assert "x-session-id" in notes
+
+
+def _key_env(rs: dict) -> list[dict | None]:
+    """SESSIONSERVE_API_KEYS of the head's and the workers' containers."""
+    cluster = rs["spec"]["rayClusterConfig"]
+    pods = [cluster["headGroupSpec"]] + cluster["workerGroupSpecs"]
+    found = []
+    for pod in pods:
+        env = pod["template"]["spec"]["containers"][0].get("env") or []
+        found.append(next((e for e in env if e["name"] == "SESSIONSERVE_API_KEYS"), None))
+    return found
+
+
+def test_api_keys_are_on_by_default_from_a_chart_made_secret() -> None:
+    import base64
+
+    docs = render()
+    (secret,) = by_kind(docs, "Secret")
+    assert secret["metadata"]["name"] == "chat-sessionserve-api-keys"
+    generated = base64.b64decode(secret["data"]["api-keys"]).decode()
+    assert generated.startswith("sk-") and len(generated) == 43  # a random key
+    (rs,) = by_kind(docs, "RayService")
+    for env in _key_env(rs):  # head and workers: the ingress may run on either
+        assert env["valueFrom"]["secretKeyRef"] == {
+            "name": "chat-sessionserve-api-keys",
+            "key": "api-keys",
+        }
+    given = render({"auth": {"apiKeys": ["sk-team-a-0001", "sk-team-b-0002"]}})
+    (secret,) = by_kind(given, "Secret")
+    assert base64.b64decode(secret["data"]["api-keys"]).decode() == (
+        "sk-team-a-0001,sk-team-b-0002"
+    )
+
+
+def test_an_existing_secret_or_no_auth_at_all() -> None:
+    docs = render(FULL)  # auth.existingSecret: team-api-keys, entry "keys"
+    assert by_kind(docs, "Secret") == []
+    (rs,) = by_kind(docs, "RayService")
+    for env in _key_env(rs):
+        assert env["valueFrom"]["secretKeyRef"] == {"name": "team-api-keys", "key": "keys"}
+    args = yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"][0]["args"]
+    ingress = AppConfig.model_validate(args).ingress
+    assert (ingress.max_body_bytes, ingress.max_sessions_per_key) == (1048576, 64)
+    off = render({"auth": {"enabled": False}})
+    assert by_kind(off, "Secret") == [] and _key_env(by_kind(off, "RayService")[0]) == [None, None]
+    out = helm.Chart.load(CHART).render({"auth": {"enabled": False}}, name="chat", namespace="llm")
+    assert "API keys are OFF" in out["sessionserve/templates/NOTES.txt"]
