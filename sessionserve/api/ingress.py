@@ -115,8 +115,11 @@ class Ingress:
         return await self._view(sid, owner(request))
 
     @app.get("/v1/sessions/{session_id}", responses=LOOKUP)
-    async def get_session(self, session_id: str, request: Request) -> SessionView:
-        return await self._view(check_session_id(session_id, "session_id"), owner(request))
+    async def get_session(
+        self, session_id: str, request: Request, include_history: bool = False
+    ) -> SessionView:
+        sid = check_session_id(session_id, "session_id")
+        return await self._view(sid, owner(request), include_history)
 
     @app.delete("/v1/sessions/{session_id}", responses=LOOKUP)
     async def close_session(self, session_id: str, request: Request) -> dict[str, Any]:
@@ -137,8 +140,8 @@ class Ingress:
             await self.replica.options(session_id=session_id).close_session.remote(session_id)
         return replica is not None
 
-    async def _view(self, sid: str, owner_id: str | None) -> SessionView:
-        info = await self.directory.info.remote(sid, owner_id)
+    async def _view(self, sid: str, owner_id: str | None, history: bool = False) -> SessionView:
+        info = await self.directory.info.remote(sid, owner_id, history)
         if info is None:
             raise UnknownSessionError(sid)
         held = None

@@ -138,6 +138,9 @@ class SessionView(BaseModel):
     history_tokens: int
     held_tokens: int | None
     ttl_s: float | None
+    history: list[int] | None = Field(
+        None, description="The token log; only with ?include_history=true."
+    )
 
 
 class ErrorDetail(BaseModel):

@@ -94,7 +94,9 @@ class SessionDirectoryState:
         rec = self._live(session_id, owner)
         return rec.log.tolist() if rec is not None else None
 
-    def info(self, session_id: str, owner: str | None = None) -> dict | None:
+    def info(
+        self, session_id: str, owner: str | None = None, with_history: bool = False
+    ) -> dict | None:
         rec = self._live(session_id, owner)
         if rec is None:
             return None
@@ -103,7 +105,7 @@ class SessionDirectoryState:
             "turns": rec.turns,
             "history_tokens": len(rec.log),
             "ttl_s": rec.ttl_s,
-        }
+        } | ({"history": rec.log.tolist()} if with_history else {})
 
     def close(self, session_id: str, owner: str | None = None) -> str | None:
         """Forget the session; returns its replica pin ("" if it never ran a turn), None if

@@ -129,3 +129,18 @@ def test_replicas_are_healthy_after_the_abuse() -> None:
         assert terms["in_flight"] == 0 and terms["live_requests"] == 0
     status = serve.status().applications["sessionserve"].deployments["SessionReplica"]
     assert status.status == "HEALTHY"
+
+
+def test_a_session_view_shows_the_history_only_when_asked(http) -> None:
+    sid = http.post("/v1/sessions", json={}).json()["id"]
+    turn = http.post(
+        "/v1/completions",
+        json={"prompt": [5, 6, 7], "max_tokens": 2, "temperature": 0},
+        headers={"x-session-id": sid},
+    ).json()
+    view = http.get(f"/v1/sessions/{sid}").json()
+    assert view["history"] is None and view["history_tokens"] == 5
+    full = http.get(f"/v1/sessions/{sid}", params={"include_history": "true"}).json()
+    assert full["history"][:3] == [5, 6, 7] and len(full["history"]) == 5
+    assert turn["usage"]["completion_tokens"] == 2
+    http.delete(f"/v1/sessions/{sid}")
