@@ -10,14 +10,20 @@ two routers placing the same session concurrently agree on one replica.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import time
 import uuid
 from array import array
 from dataclasses import dataclass, field
+from typing import Any
 
 import ray
 
 from sessionserve.errors import TooManySessionsError
+from sessionserve.router.directory_store import GcsStore, SessionStore
+
+log = logging.getLogger(__name__)
 
 NAMESPACE = "sessionserve"
 REAP_PERIOD_S = 1.0
@@ -47,13 +53,46 @@ class SessionRecord:
 class SessionDirectoryState:
     """The directory's state and logic (plain Python; `SessionDirectory` is its Ray actor)."""
 
-    def __init__(self, default_ttl_s: float | None = None) -> None:
+    def __init__(
+        self, default_ttl_s: float | None = None, store: SessionStore | None = None
+    ) -> None:
         self.sessions: dict[str, SessionRecord] = {}
         self.response_sessions: dict[str, str] = {}  # response id -> its session
         self.owner_sessions: dict[str | None, int] = {}  # open sessions per API key
         self._next_sweep = 0.0
         self.default_ttl_s = default_ttl_s
         self.repins = 0
+        self.store = store
+        if store is not None:
+            self._restore(store)
+
+    # ---- persistence: a copy of every record in the store ----
+    def _restore(self, store: SessionStore) -> None:
+        """Rebuild from the store (a restarted directory): records first, then responses."""
+        saved = store.load()
+        now = time.monotonic()
+        for key, rec in saved.items():
+            if key.startswith("s/"):
+                rec.last_active = now  # idle clocks restart: touches are not written
+                self.sessions[rec.session_id] = rec
+                self.owner_sessions[rec.owner] = self.owner_sessions.get(rec.owner, 0) + 1
+        for key, (session_id, stored) in ((k, v) for k, v in saved.items() if k[:2] == "r/"):
+            rec = self.sessions.get(session_id)
+            if rec is None:  # its session went while the response was written
+                store.delete(key)
+                continue
+            rec.responses[stored.response["id"]] = stored
+            self.response_sessions[stored.response["id"]] = session_id
+        if saved:
+            log.warning(
+                "session directory rebuilt from the store: %d sessions, %d responses",
+                len(self.sessions),
+                len(self.response_sessions),
+            )
+
+    def _save(self, rec: SessionRecord) -> None:
+        if self.store is not None:  # responses have keys of their own
+            self.store.put(f"s/{rec.session_id}", dataclasses.replace(rec, responses={}))
 
     # ---- registry ----
     # Every call from the API names the caller's `owner` (its API key's fingerprint, None
@@ -82,6 +121,7 @@ class SessionDirectoryState:
         ttl = ttl_s if ttl_s is not None else self.default_ttl_s
         self.sessions[sid] = SessionRecord(sid, ttl, owner=owner)
         self.owner_sessions[owner] = held + 1
+        self._save(self.sessions[sid])
         return sid
 
     def touch(self, session_id: str, owner: str | None = None) -> bool:
@@ -116,11 +156,15 @@ class SessionDirectoryState:
         return None if rec is None else (rec.replica or "")
 
     def commit_turn(self, session_id: str, full_ids: list[int]) -> None:
-        """A turn succeeded: its input and answer are now the session's token log."""
+        """A turn succeeded: its input and answer are now the session's token log.
+        Idempotent: Ray re-sends a call the actor died answering, and the same turn committed
+        twice (the same log) counts once."""
         rec = self.sessions.get(session_id)
-        if rec is not None:
-            rec.log = array("I", full_ids)  # 4 bytes a token: logs of many long sessions
+        log = array("I", full_ids)  # 4 bytes a token: logs of many long sessions
+        if rec is not None and rec.log != log:
+            rec.log = log
             rec.turns, rec.last_active = rec.turns + 1, time.monotonic()
+            self._save(rec)
 
     # ---- stored responses (Responses API) ----
     def store_response(
@@ -135,9 +179,15 @@ class SessionDirectoryState:
         never disagree); False if the session is gone (closed or expired)."""
         if self._live(session_id, owner) is None:
             return False
+        if response["id"] in self.response_sessions:  # a re-sent call: stored already
+            return True
         self.commit_turn(session_id, full_ids)
-        self.sessions[session_id].responses[response["id"]] = StoredResponse(response, items)
+        stored = self.sessions[session_id].responses[response["id"]] = StoredResponse(
+            response, items
+        )
         self.response_sessions[response["id"]] = session_id
+        if self.store is not None:
+            self.store.put(f"r/{response['id']}", (session_id, stored))
         return True
 
     def get_response(self, response_id: str, owner: str | None = None) -> dict | None:
@@ -153,6 +203,8 @@ class SessionDirectoryState:
         if self.get_response(response_id, owner) is None:
             return False
         session_id = self.response_sessions.pop(response_id)
+        if self.store is not None:
+            self.store.delete(f"r/{response_id}")
         return self.sessions[session_id].responses.pop(response_id, None) is not None
 
     def _forget(self, session_id: str) -> SessionRecord | None:
@@ -161,6 +213,10 @@ class SessionDirectoryState:
             return None
         for response_id in rec.responses:
             self.response_sessions.pop(response_id, None)
+            if self.store is not None:
+                self.store.delete(f"r/{response_id}")
+        if self.store is not None:
+            self.store.delete(f"s/{session_id}")
         left = self.owner_sessions.get(rec.owner, 0) - 1
         if left > 0:
             self.owner_sessions[rec.owner] = left
@@ -197,6 +253,7 @@ class SessionDirectoryState:
         if previous not in alive:
             rec.replica = choice
             self.repins += previous is not None
+            self._save(rec)
         return rec.replica, previous
 
     def drop_replica(self, replica: str) -> int:
@@ -205,6 +262,7 @@ class SessionDirectoryState:
         for rec in self.sessions.values():
             if rec.replica == replica:
                 rec.replica, n = None, n + 1
+                self._save(rec)
         return n
 
     def counts(self) -> dict[str, int]:
@@ -226,19 +284,71 @@ def _expired(rec: SessionRecord, now: float) -> bool:
     return rec.ttl_s is not None and now - rec.last_active > rec.ttl_s
 
 
-SessionDirectory = ray.remote(num_cpus=0)(SessionDirectoryState)
+class SessionDirectoryActor(SessionDirectoryState):
+    """The directory as a Ray actor, backed by the GCS store: restarted by Ray when killed or
+    when its node goes (calls made meanwhile wait and are retried), and rebuilt from the store
+    when it starts, so no session, pin, failover log or stored response is lost."""
+
+    def __init__(self, app_name: str, default_ttl_s: float | None = None) -> None:
+        super().__init__(default_ttl_s, GcsStore(app_name))
+
+
+SessionDirectory = ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)(
+    SessionDirectoryActor
+)
 
 
 def directory_name(app_name: str) -> str:
     return f"session-directory-{app_name or 'default'}"
 
 
-def get_directory(app_name: str, default_ttl_s: float | None = None):
-    """The application's directory actor, created on first use (detached: it must outlive any
-    one router or ingress replica, and it dies with the cluster)."""
+def _acquire(app_name: str, default_ttl_s: float | None):
     return SessionDirectory.options(
         name=directory_name(app_name),
         namespace=NAMESPACE,
         get_if_exists=True,
         lifetime="detached",
-    ).remote(default_ttl_s)
+    ).remote(app_name, default_ttl_s)
+
+
+class DirectoryClient:
+    """The ingress's and the routers' handle on the directory: `await client.X.remote(...)`.
+    A restarting actor makes calls wait (Ray retries them); one that is gone for good (killed
+    without restart) is looked up again, which creates it anew from the store, and the call
+    is retried once. Still failing, the caller gets Ray's actor error: a 503 with Retry-After
+    at the API, never a wrong answer."""
+
+    def __init__(self, app_name: str, default_ttl_s: float | None = None) -> None:
+        self.app_name, self.default_ttl_s = app_name, default_ttl_s
+        self.actor = _acquire(app_name, default_ttl_s)
+
+    def __getattr__(self, method: str) -> _Method:
+        return _Method(self, method)
+
+    def reacquire(self) -> None:
+        log.warning("session directory %s is gone: looking it up again", self.app_name)
+        self.actor = _acquire(self.app_name, self.default_ttl_s)
+
+
+class _Method:
+    def __init__(self, client: DirectoryClient, name: str) -> None:
+        self.client, self.name = client, name
+
+    async def remote(self, *args: Any) -> Any:
+        from ray.exceptions import RayActorError
+
+        try:
+            return await getattr(self.client.actor, self.name).remote(*args)
+        except RayActorError:
+            self.client.reacquire()
+            return await getattr(self.client.actor, self.name).remote(*args)
+
+    def send(self, *args: Any) -> None:
+        """Fire and forget (nothing waits for the answer)."""
+        getattr(self.client.actor, self.name).remote(*args)
+
+
+def get_directory(app_name: str, default_ttl_s: float | None = None) -> DirectoryClient:
+    """The application's directory, created on first use (detached: it outlives every router
+    and ingress replica; its state outlives the actor itself, in the GCS store)."""
+    return DirectoryClient(app_name, default_ttl_s)

@@ -93,7 +93,7 @@ class SessionAffinityRouter(RequestRouter):
         super().on_replica_actor_died(replica_id)
         dead = replica_id.unique_id
         self._pins = OrderedDict((s, r) for s, r in self._pins.items() if r != dead)
-        self._dir().drop_replica.remote(dead)
+        self._dir().drop_replica.send(dead)
 
     # ---- internals ----
     def _dir(self):

@@ -257,3 +257,32 @@ def test_an_api_key_may_hold_a_bounded_number_of_sessions() -> None:
     assert state.open(None, None, "other", owner_limit=2)  # per key
     state.close(held[0], "k")
     assert state.open(None, None, "k", owner_limit=2)
+
+
+def test_a_restarted_directory_rebuilds_everything_from_its_store() -> None:
+    """What a killed directory actor comes back with: every open session (owner, pin, token
+    log, turns, TTL), every stored response; nothing that was closed, deleted or expired."""
+    from sessionserve.router.directory_store import MemoryStore
+
+    store = MemoryStore()
+    state = SessionDirectoryState(default_ttl_s=60.0, store=store)
+    kept = state.open("kept", None, "k1")
+    state.resolve_pin(kept, "replica-a", ["replica-a"])
+    state.commit_turn(kept, [5, 6, 7])
+    state.store_response(kept, {"id": "resp-1"}, [{"id": "m1"}], [5, 6, 7, 8], "k1")
+    state.store_response(kept, {"id": "resp-2"}, [], [5, 6, 7, 8, 9], "k1")
+    state.delete_response("resp-2", "k1")
+    gone = state.open("gone", None)
+    state.store_response(gone, {"id": "resp-3"}, [], [1], None)
+    state.close(gone)
+    state.drop_replica("replica-b")  # no effect on kept
+
+    again = SessionDirectoryState(default_ttl_s=60.0, store=store)  # the restarted actor
+    assert set(again.sessions) == {"kept"} and again.touch("kept", "k1")
+    assert not again.touch("kept", "k2")  # ownership survives
+    assert again.get_pin("kept") == "replica-a"
+    assert again.log("kept", "k1") == [5, 6, 7, 8, 9] and again.info("kept", "k1")["turns"] == 3
+    assert again.get_response("resp-1", "k1")["items"] == [{"id": "m1"}]
+    assert again.get_response("resp-2", "k1") is None and again.get_response("resp-3") is None
+    assert again.owner_sessions == {"k1": 1}
+    assert set(store.data) == {"s/kept", "r/resp-1"}  # nothing left of what went
