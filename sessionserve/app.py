@@ -35,6 +35,8 @@ def replica_options(cfg: AppConfig) -> dict[str, Any]:
             request_routing_stats_timeout_s=max(5.0, 2 * r.routing_stats_period_s),
         ),
     }
+    if r.max_replicas_per_node is not None:
+        opts["max_replicas_per_node"] = r.max_replicas_per_node
     if r.autoscaling is not None:
         a = r.autoscaling
         opts["autoscaling_config"] = ServeAutoscaling(

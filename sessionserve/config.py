@@ -163,6 +163,9 @@ class ReplicaDeploymentConfig(_Strict):
         1.0, gt=0, description="How often replicas report free KV to the router."
     )
     health_check_period_s: float = Field(10.0, gt=0, description="Serve health check period.")
+    max_replicas_per_node: int | None = Field(
+        None, ge=1, description="Spread replicas: at most this many on one node (None: any)."
+    )
     request_router: Literal["session_affinity", "power_of_two"] = Field(
         "session_affinity",
         description="session_affinity keeps a session on its replica; power_of_two is Ray's "

@@ -127,7 +127,9 @@ class CompletionRequest(_SamplingFields):
 
 class SessionCreate(_Body):
     session_id: SessionId | None = Field(None, description="Omit it for a server-made id.")
-    ttl_s: float | None = Field(None, gt=0)
+    ttl_s: float | None = Field(
+        None, ge=1.0, le=30 * 86400, description="Idle seconds before the session expires."
+    )
 
 
 class SessionView(BaseModel):

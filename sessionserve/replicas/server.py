@@ -275,7 +275,7 @@ class ReplicaServer:
     async def memory_check(self) -> dict[str, Any]:
         """Run the memory invariant now (idle or busy form) and return its terms."""
         terms = await self._run(self.engine.check_memory)
-        return {"replica": self.replica_id, **terms._asdict()}
+        return {"replica": self.replica_id, "node": _node_id(), **terms._asdict()}
 
     # ---- Serve hooks ----
     def check_health(self) -> None:
@@ -316,6 +316,15 @@ class ReplicaServer:
                 self.engine.abort(rid, message)
             except RuntimeError:  # the replica's event loop is already closed
                 pass
+
+
+def _node_id() -> str | None:
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+    except Exception:  # outside Ray (tests, scripts)
+        return None
 
 
 def _final(event: StepEvent, input_ids: list[int]) -> dict[str, Any]:

@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 
 NAMESPACE = "sessionserve"
 REAP_PERIOD_S = 1.0
+HEAD_NODE_RESOURCE = "node:__internal_head__"  # Ray gives the head node this resource
 
 
 @dataclass
@@ -303,11 +304,14 @@ def directory_name(app_name: str) -> str:
 
 
 def _acquire(app_name: str, default_ttl_s: float | None):
+    """Get or create the actor, on the head node: the node that lives as long as the cluster
+    (a GPU worker may be scaled away or drained)."""
     return SessionDirectory.options(
         name=directory_name(app_name),
         namespace=NAMESPACE,
         get_if_exists=True,
         lifetime="detached",
+        resources={HEAD_NODE_RESOURCE: 0.001},
     ).remote(app_name, default_ttl_s)
 
 
