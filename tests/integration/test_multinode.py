@@ -39,10 +39,11 @@ def test_sessions_pin_across_nodes_and_survive_losing_one(tmp_path) -> None:
     )
     assert proc.returncode == 0 and out.exists(), proc.stdout[-3000:] + proc.stderr[-6000:]
     result = json.loads(out.read_text())
-    print("MULTINODE " + json.dumps(result))
-    assert len(result["nodes_with_sessions"]) == 2  # pinned across both nodes
     moved = [s for s in result["sessions"] if s["was_on_removed_node"]]
     stayed = [s for s in result["sessions"] if not s["was_on_removed_node"]]
+    summary = {"moved": len(moved), "stayed": len(stayed), "recovery_s": result["recovery_s"]}
+    print("MULTINODE " + json.dumps(summary))
+    assert len(result["nodes_with_sessions"]) == 2  # pinned across both nodes
     assert moved and stayed
     for s in moved:  # re-pinned, re-prefilled from the directory's log, the same answer
         assert s["after"]["replica"] != s["before"]["replica"]
@@ -73,7 +74,7 @@ def scenario(out_path: str) -> None:
     temp = tempfile.mkdtemp(prefix="ss-mn-", dir="/tmp")
     cluster = Cluster(
         initialize_head=True,
-        head_node_args={"num_cpus": 1, "include_dashboard": False, "_temp_dir": temp},
+        head_node_args={"num_cpus": 1, "include_dashboard": False, "temp_dir": temp},
     )
     worker = cluster.add_node(num_cpus=1)
     ray.init(address=cluster.address, logging_level="WARNING")
