@@ -121,6 +121,14 @@ class KVCacheFullError(SessionServeError):
     error_type = "overloaded_error"
 
 
+class DirectoryUnavailableError(SessionServeError):
+    """The session directory did not answer in time (its actor is restarting or cannot be
+    placed). Nothing was changed by this request; retry shortly."""
+
+    status_code = 503
+    error_type = "overloaded_error"
+
+
 class RequestFailedError(SessionServeError):
     """This request alone failed on the replica (its sampling, stop check or finish raised);
     it was stopped, its KV freed, and the replica serves on. Retrying is safe."""

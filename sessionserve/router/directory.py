@@ -10,6 +10,7 @@ two routers placing the same session concurrently agree on one replica.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
@@ -20,7 +21,7 @@ from typing import Any
 
 import ray
 
-from sessionserve.errors import TooManySessionsError
+from sessionserve.errors import DirectoryUnavailableError, TooManySessionsError
 from sessionserve.router.directory_store import GcsStore, SessionStore
 
 log = logging.getLogger(__name__)
@@ -28,6 +29,7 @@ log = logging.getLogger(__name__)
 NAMESPACE = "sessionserve"
 REAP_PERIOD_S = 1.0
 HEAD_NODE_RESOURCE = "node:__internal_head__"  # Ray gives the head node this resource
+CALL_TIMEOUT_S = 30.0  # a directory call waits this long for a restarting actor
 
 
 @dataclass
@@ -342,10 +344,21 @@ class _Method:
         from ray.exceptions import RayActorError
 
         try:
-            return await getattr(self.client.actor, self.name).remote(*args)
+            return await self._call(args)
         except RayActorError:
             self.client.reacquire()
-            return await getattr(self.client.actor, self.name).remote(*args)
+            return await self._call(args)
+
+    async def _call(self, args: tuple) -> Any:
+        """One call, bounded: a directory that cannot come back is a 503, never a hang."""
+        ref = getattr(self.client.actor, self.name).remote(*args)
+        try:
+            return await asyncio.wait_for(asyncio.ensure_future(ref), CALL_TIMEOUT_S)
+        except TimeoutError:
+            raise DirectoryUnavailableError(
+                f"the session directory did not answer within {CALL_TIMEOUT_S:.0f} s "
+                "(restarting?); retry shortly"
+            ) from None
 
     def send(self, *args: Any) -> None:
         """Fire and forget (nothing waits for the answer)."""

@@ -214,3 +214,26 @@ def kill_costs(conversations, kills, started: float, elapsed: float) -> dict:
         "failure_statuses": statuses,
         "per_kill": per_kill,
     }
+
+
+def test_a_directory_that_cannot_answer_is_a_503_not_a_hang(served, monkeypatch) -> None:
+    """A directory call is bounded: past CALL_TIMEOUT_S the caller gets a typed 503."""
+    import asyncio
+
+    import ray
+
+    import sessionserve.router.directory as directory
+    from sessionserve.errors import DirectoryUnavailableError
+
+    @ray.remote(num_cpus=0)
+    class Stuck:
+        def touch(self, *args):
+            time.sleep(5)
+            return True
+
+    monkeypatch.setattr(directory, "CALL_TIMEOUT_S", 0.5)
+    client = directory.get_directory("stuck-probe", 60.0)
+    client.actor = Stuck.remote()  # as a directory that is restarting for ever would behave
+    with pytest.raises(DirectoryUnavailableError) as err:
+        asyncio.run(client.touch.remote("any"))
+    assert err.value.status_code == 503
