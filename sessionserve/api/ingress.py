@@ -131,6 +131,8 @@ class Ingress:
         """Register a session in the directory (None: the id is taken); 429 past the key's
         `ingress.max_sessions_per_key`."""
         limit = self.cfg.ingress.max_sessions_per_key
+        if ttl_s is None:  # this deployment's default (the directory may predate a redeploy)
+            ttl_s = self.cfg.engine.sessions.default_ttl_s
         return await self.directory.open.remote(sid, ttl_s, owner_id, limit)
 
     async def _close(self, session_id: str, owner_id: str | None) -> bool:

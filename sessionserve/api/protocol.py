@@ -116,7 +116,7 @@ class ChatCompletionRequest(_SamplingFields):
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] = Field(description="Text, or token ids.")
     logprobs: int | None = Field(None, ge=0, le=20)
-    echo: bool = False
+    echo: Literal[False] = Field(False, description="Not supported: only false is accepted.")
 
     def sampling_kwargs(self) -> dict[str, Any]:
         kw = super().sampling_kwargs()

@@ -144,3 +144,21 @@ def test_a_session_view_shows_the_history_only_when_asked(http) -> None:
     assert full["history"][:3] == [5, 6, 7] and len(full["history"]) == 5
     assert turn["usage"]["completion_tokens"] == 2
     http.delete(f"/v1/sessions/{sid}")
+
+
+def test_echo_is_refused_rather_than_ignored(http) -> None:
+    body = {"prompt": [5, 6], "max_tokens": 1, "echo": True}
+    assert_clean_error(http.post("/v1/completions", json=body), 400, "echo")
+    ok = http.post("/v1/completions", json=body | {"echo": False})
+    assert ok.status_code == 200, ok.text
+
+
+def test_a_session_opened_over_http_gets_this_deployments_default_ttl(http, served) -> None:
+    """The directory actor outlives redeploys: the TTL comes from the deployment that opens
+    the session, not from whichever config created the actor."""
+    sid = http.post("/v1/sessions", json={}).json()["id"]
+    assert http.get(f"/v1/sessions/{sid}").json()["ttl_s"] == 600  # tests/conftest.py
+    custom = http.post("/v1/sessions", json={"ttl_s": 42}).json()
+    assert custom["ttl_s"] == 42
+    for s in (sid, custom["id"]):
+        http.delete(f"/v1/sessions/{s}")
