@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
+import shutil
 import statistics
+import tempfile
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -63,3 +67,29 @@ def median(xs: list[float]) -> float:
 def emit(summary: dict[str, Any]) -> None:
     """The last line of every benchmark: one JSON object."""
     print(json.dumps(summary, sort_keys=True))
+
+
+@contextlib.contextmanager
+def local_serve(port: int) -> Iterator[str]:
+    """Ray (2 CPUs, its own temp dir) and Serve on loopback `port`, with a tiny random-weight
+    model saved for the app; yields the model's directory. Everything goes away after."""
+    import ray
+    from ray import serve
+
+    from tests.models import save_tiny_model
+
+    model_dir = tempfile.mkdtemp(prefix="ss-model-")
+    save_tiny_model(model_dir)
+    ray_tmp = tempfile.mkdtemp(prefix="ss-", dir="/tmp")
+    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=ray_tmp, logging_level="ERROR")
+    serve.start(
+        http_options={"host": "127.0.0.1", "port": port},
+        logging_config={"enable_access_log": False, "log_level": "WARNING"},
+    )
+    try:
+        yield model_dir
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+        shutil.rmtree(model_dir, ignore_errors=True)

@@ -19,16 +19,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import shutil
 import statistics
-import tempfile
 import time
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 import httpx  # noqa: E402
 
-from benchmarks.common import emit  # noqa: E402
+from benchmarks.common import emit, local_serve  # noqa: E402
 
 
 def app_args(model_dir: str, router: str) -> dict:
@@ -111,20 +109,7 @@ def main() -> None:
     )
     ap.add_argument("--port", type=int, default=8123)
     args = ap.parse_args()
-    import ray
-    from ray import serve
-
-    from tests.models import save_tiny_model
-
-    model_dir = tempfile.mkdtemp(prefix="ss-model-")
-    save_tiny_model(model_dir)
-    ray_tmp = tempfile.mkdtemp(prefix="ss-", dir="/tmp")
-    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=ray_tmp, logging_level="ERROR")
-    serve.start(
-        http_options={"host": "127.0.0.1", "port": args.port},
-        logging_config={"enable_access_log": False, "log_level": "WARNING"},
-    )
-    try:
+    with local_serve(args.port) as model_dir:
         results: dict[str, tuple[list[float], list[float]]] = {
             "power_of_two": ([], []),
             "session_affinity": ([], []),
@@ -135,11 +120,6 @@ def main() -> None:
                 lat += more_lat
                 stick.append(more_stick)
         results = {r: (lat, statistics.mean(st)) for r, (lat, st) in results.items()}
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-        shutil.rmtree(ray_tmp, ignore_errors=True)
-        shutil.rmtree(model_dir, ignore_errors=True)
     print(f"{'router':>18} {'requests':>8} {'p50 ms':>8} {'p99 ms':>8} {'stickiness':>10}")
     for name, (lat, stick) in results.items():
         print(f"{name:>18} {len(lat):>8} {pct(lat, 50):>8.1f} {pct(lat, 99):>8.1f} {stick:>10.3f}")

@@ -21,8 +21,6 @@ import argparse
 import json
 import os
 import random
-import shutil
-import tempfile
 import threading
 import time
 from collections import Counter
@@ -32,7 +30,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 import httpx  # noqa: E402
 import psutil  # noqa: E402
 
-from benchmarks.common import emit  # noqa: E402
+from benchmarks.common import emit, local_serve  # noqa: E402
 
 APP = "soak"
 
@@ -201,25 +199,15 @@ def main() -> None:
     ap.add_argument("--report-every", type=int, default=500)
     ap.add_argument("--port", type=int, default=8124)
     args = ap.parse_args()
-    import ray
     from ray import serve
 
     from sessionserve.app import build_app
-    from tests.models import save_tiny_model
 
-    model_dir = tempfile.mkdtemp(prefix="ss-soak-model-")
-    save_tiny_model(model_dir)
-    ray_tmp = tempfile.mkdtemp(prefix="ss-", dir="/tmp")
-    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=ray_tmp, logging_level="ERROR")
-    serve.start(
-        http_options={"host": "127.0.0.1", "port": args.port},
-        logging_config={"enable_access_log": False, "log_level": "WARNING"},
-    )
     counts: Counter = Counter()
     lock = threading.Lock()
     done = [0]
     samples = []
-    try:
+    with local_serve(args.port) as model_dir:
         serve.run(build_app(app_args(model_dir)), name=APP, route_prefix="/")
         base = f"http://127.0.0.1:{args.port}"
         processes, rss0 = replica_processes(), {}
@@ -258,11 +246,6 @@ def main() -> None:
         time.sleep(1.0)  # let aborted turns finish aborting
         final = sample(serve, processes, rss0)
         idle = all(t["in_flight"] == 0 for t in final["terms"].values())
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-        shutil.rmtree(ray_tmp, ignore_errors=True)
-        shutil.rmtree(model_dir, ignore_errors=True)
     growth = {k: round((final["rss"][k] - rss0[k]) / 2**20, 1) for k in final["rss"]}
     errors = {k: v for k, v in counts.items() if k.startswith(("5xx", "unexpected", "transport"))}
     print(f"{'process':>32} {'RSS growth MiB':>15}")

@@ -17,6 +17,15 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # keep Ray on 1
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
 APP = "sessionserve"
+# sampling values that underflow to NaN probabilities or overflow the 64-bit seed: each must be
+# a 400 naming its field (the engine's validation and the HTTP API alike)
+DEGENERATE_SAMPLING = [
+    ("top_p", 5e-324),
+    ("repetition_penalty", 5e-324),
+    ("temperature", 1e-300),
+    ("seed", 2**64),
+    ("seed", -(2**63) - 1),
+]
 
 
 def pytest_addoption(parser) -> None:

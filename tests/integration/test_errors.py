@@ -3,19 +3,12 @@ replicas' memory invariant still holds afterwards."""
 
 from __future__ import annotations
 
-import httpx
 import pytest
 from ray import serve
 
 from tests.conftest import replica_memory
 
 pytestmark = pytest.mark.ray
-
-
-@pytest.fixture
-def http(served) -> httpx.Client:
-    with httpx.Client(base_url=served["base"], timeout=60) as c:
-        yield c
 
 
 CHAT = "/v1/chat/completions"

@@ -8,19 +8,13 @@ import httpx
 import pytest
 from ray import serve
 
-from tests.conftest import replica_memory
+from tests.conftest import DEGENERATE_SAMPLING, replica_memory
 
 pytestmark = pytest.mark.ray
 
 CHAT = "/v1/chat/completions"
 MSG = [{"role": "user", "content": "w5 w6"}]
 INTERNALS = ("Traceback", 'File "', "/site-packages/", "pid=", "ActorID", "ray::")
-
-
-@pytest.fixture
-def http(served) -> httpx.Client:
-    with httpx.Client(base_url=served["base"], timeout=60) as c:
-        yield c
 
 
 def assert_clean_error(r: httpx.Response, status: int, param: str | None = None) -> dict:
@@ -35,16 +29,7 @@ def assert_clean_error(r: httpx.Response, status: int, param: str | None = None)
     return err
 
 
-@pytest.mark.parametrize(
-    ("field", "value"),
-    [
-        ("top_p", 5e-324),
-        ("repetition_penalty", 5e-324),
-        ("temperature", 1e-300),
-        ("seed", 2**64),
-        ("seed", -(2**63) - 1),
-    ],
-)
+@pytest.mark.parametrize(("field", "value"), DEGENERATE_SAMPLING)
 def test_degenerate_sampling_values_are_refused(http, field, value) -> None:
     """Finding 1 and 5: values that make sampling produce NaN (or overflow the seed) get a
     400 naming the field, before any replica work."""

@@ -12,24 +12,10 @@ import openai
 import pytest
 
 from tests.conftest import replica_memory
+from tests.integration.conftest import words
 
 pytestmark = pytest.mark.ray
 PAGE = 4  # the test app's KV page size (tests/conftest.py)
-
-
-def words(*ids: int) -> str:
-    return " ".join(f"w{i}" for i in ids)
-
-
-@pytest.fixture
-def client(served) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{served['base']}/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture
-def http(served) -> httpx.Client:
-    with httpx.Client(base_url=served["base"], timeout=60) as c:
-        yield c
 
 
 def respond(client: openai.OpenAI, text: str, previous=None, **kw):

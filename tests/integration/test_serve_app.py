@@ -4,27 +4,12 @@ Serve (two replicas, our session router, our ingress) on loopback."""
 from __future__ import annotations
 
 import httpx
-import openai
 import pytest
 
 from tests.conftest import replica_memory
+from tests.integration.conftest import words
 
 pytestmark = pytest.mark.ray
-
-
-def words(*ids: int) -> str:
-    return " ".join(f"w{i}" for i in ids)
-
-
-@pytest.fixture
-def client(served) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{served['base']}/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture
-def http(served) -> httpx.Client:
-    with httpx.Client(base_url=served["base"], timeout=60) as c:
-        yield c
 
 
 def open_session(http: httpx.Client, **body) -> str:

@@ -10,6 +10,7 @@ from sessionserve.replicas.request import (
     InvalidRequestError,
     SamplingParams,
 )
+from tests.conftest import DEGENERATE_SAMPLING
 from tests.models import tiny_engine, tiny_model
 
 OK = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
@@ -97,16 +98,7 @@ def test_duplicate_request_id_and_unknown_abort(engine) -> None:
     _still_serving(engine)
 
 
-@pytest.mark.parametrize(
-    ("field", "value"),
-    [
-        ("top_p", 5e-324),
-        ("repetition_penalty", 5e-324),
-        ("temperature", 1e-300),
-        ("seed", 2**64),
-        ("seed", -(2**63) - 1),
-    ],
-)
+@pytest.mark.parametrize(("field", "value"), DEGENERATE_SAMPLING)
 def test_degenerate_sampling_values_are_refused_by_name(field, value) -> None:
     """Values that underflow to NaN probabilities (or overflow the 64-bit seed)."""
     with pytest.raises(InvalidRequestError) as e:
