@@ -67,7 +67,7 @@ app.add_middleware(BodySizeMiddleware)  # added last runs first: the key is chec
 app.add_middleware(ApiKeyMiddleware)
 
 GENERATE = ERRORS(400, 401, 404, 409, 413, 429, 500, 503)
-LOOKUP = ERRORS(400, 401, 404, 500)
+LOOKUP = ERRORS(400, 401, 404, 500, 503)  # 503: the session directory did not answer
 
 
 def owner(request: Request) -> str | None:
@@ -104,7 +104,7 @@ class Ingress:
         }
 
     # ---- sessions ----
-    @app.post("/v1/sessions", responses=ERRORS(400, 401, 409, 413, 500))
+    @app.post("/v1/sessions", responses=ERRORS(400, 401, 409, 413, 429, 500, 503))
     async def open_session(
         self, request: Request, body: SessionCreate | None = None
     ) -> SessionView:

@@ -310,7 +310,7 @@ class Engine:
                 except Exception as e:
                     failed.append(self._fail(s.req, e))
         if not emitted:
-            self._catch_up(batch, hidden, layout, decoding=set())
+            self._catch_up(batch, hidden, layout, decoding=set(), skip={e.rid for e in failed})
             return failed
         now, finished, stopped_ok = time.monotonic(), set(), []
         for s, tokens, lps in emitted:
@@ -354,8 +354,10 @@ class Engine:
         (its seeded generator rewound first), so a request that cannot be sampled fails by
         itself and the others get exactly the tokens they would have had."""
         rows = [layout[id(s)].logit_row for s in seqs]
-        seeded = {
-            id(s): s.req.generator.get_state() for s in seqs if s.req.sampling.seed is not None
+        seeded = {  # greedy rows draw nothing: only sampled, seeded rows need rewinding
+            id(s): s.req.generator.get_state()
+            for s in seqs
+            if s.req.sampling.seed is not None and not s.req.sampling.is_greedy
         }
         try:
             outs = [self._sample_rows(seqs, logits[rows])]
