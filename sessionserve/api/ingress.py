@@ -10,7 +10,7 @@ Tokenization and generation happen on the replica.
 
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Literal
 
 from fastapi import FastAPI, Query, Request
@@ -272,30 +272,22 @@ class Ingress:
         if draft.new_session and draft.session_id is not None:
             await self._close(draft.session_id, draft.owner)
 
-    async def _response_sse(
+    def _response_sse(
         self, stream: Any, first: dict[str, Any], draft: ResponseDraft, items: list[dict]
     ) -> AsyncIterator[str]:
-        events, finished = ResponseEvents(draft), False
-        try:
-            for event in events.opening():
-                yield event
-            piece = first
-            while "final" not in piece:
-                event = events.delta(piece["text"])
-                if event:
-                    yield event
-                piece = await stream.__anext__()
-            finished = True
-            response = await self._finish_response(draft, items, piece["final"])
-            for event in events.closing(response):
-                yield event
-        except Exception as e:  # a failure mid-stream: tell the client in-band
-            finished = True
+        events = ResponseEvents(draft)
+
+        async def finish(final: dict[str, Any]) -> list[str]:
+            return events.closing(await self._finish_response(draft, items, final))
+
+        async def fail(body: dict[str, Any]) -> list[str]:
             await self._response_failed(draft)
-            yield events.error(json.loads(response_for(e).body))
-        finally:
-            if not finished:  # the client disconnected: abort the turn on the replica
-                stream.cancel()
+            return [events.error(body)]
+
+        def delta(piece: dict[str, Any]) -> str | None:
+            return events.delta(piece["text"])
+
+        return self._relay(stream, first, events.opening(), delta, finish, fail)
 
     # ---- internals ----
     def _check_model(self, model: str | None) -> None:
@@ -359,7 +351,7 @@ class Ingress:
         await self._commit(call, final)
         return JSONResponse(reply.response(text, logprobs, final | {"ingress": self.ingress_id}))
 
-    async def _sse(
+    def _sse(
         self,
         stream: Any,
         first: dict[str, Any],
@@ -367,27 +359,48 @@ class Ingress:
         call: GenerateCall,
         include_usage: bool,
     ) -> AsyncIterator[str]:
+        async def finish(final: dict[str, Any]) -> list[str]:
+            await self._commit(call, final)
+            return reply.closing(final, include_usage)
+
+        async def fail(body: dict[str, Any]) -> list[str]:
+            return [Reply._sse(body), "data: [DONE]\n\n"]
+
+        opening = [chunk for chunk in (reply.opening(),) if chunk]
+        return self._relay(stream, first, opening, reply.delta, finish, fail)
+
+    @staticmethod
+    async def _relay(
+        stream: Any,
+        first: dict[str, Any],
+        opening: list[str],
+        delta: Callable[[dict[str, Any]], str | None],
+        finish: Callable[[dict[str, Any]], Awaitable[list[str]]],
+        fail: Callable[[dict[str, Any]], Awaitable[list[str]]],
+    ) -> AsyncIterator[str]:
+        """Relay a turn to an SSE client: the opening chunks, a chunk per delta, then what
+        `finish` makes of the final record. A failure mid-stream is told in-band (`fail`
+        gets the error body); a client that goes away aborts the turn on the replica, which
+        keeps what its session committed."""
         finished = False
         try:
-            opening = reply.opening()
-            if opening:
-                yield opening
+            for chunk in opening:
+                yield chunk
             piece = first
             while "final" not in piece:
-                chunk = reply.delta(piece)
+                chunk = delta(piece)
                 if chunk:
                     yield chunk
                 piece = await stream.__anext__()
             finished = True
-            await self._commit(call, piece["final"])
-            for chunk in reply.closing(piece["final"], include_usage):
+            for chunk in await finish(piece["final"]):
                 yield chunk
-        except Exception as e:  # a failure mid-stream: tell the client in-band
+        except Exception as e:
             finished = True
-            yield Reply._sse(json.loads(response_for(e).body))
-            yield "data: [DONE]\n\n"
+            for chunk in await fail(json.loads(response_for(e).body)):
+                yield chunk
         finally:
-            if not finished:  # the client disconnected: abort the turn on the replica
+            if not finished:  # the client disconnected
                 stream.cancel()
 
     async def _commit(self, call: GenerateCall, final: dict[str, Any]) -> None:
