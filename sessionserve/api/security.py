@@ -16,6 +16,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from sessionserve.api.errors import error_body
 from sessionserve.errors import InvalidConfigError
 
 KEYS_ENV = "SESSIONSERVE_API_KEYS"
@@ -39,18 +40,12 @@ def owner_of(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:32]
 
 
-def _error(status: int, message: str, type_: str, code: str | None) -> tuple[bytes, list]:
-    body = json.dumps(
-        {"error": {"message": message, "type": type_, "param": None, "code": code}}
-    ).encode()
+async def _send_error(send, status: int, message: str, type_: str, code: str | None) -> None:
+    """OpenAI's error body, sent before the app runs (Retry-After etc. are not needed here)."""
+    body = json.dumps(error_body(message, type_, None, code)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if status == 401:
         headers.append((b"www-authenticate", b"Bearer"))
-    return body, headers
-
-
-async def _send_error(send, status: int, message: str, type_: str, code: str | None) -> None:
-    body, headers = _error(status, message, type_, code)
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 

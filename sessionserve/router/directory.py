@@ -77,8 +77,7 @@ class SessionDirectoryState:
         for key, rec in saved.items():
             if key.startswith("s/"):
                 rec.last_active = now  # idle clocks restart: touches are not written
-                self.sessions[rec.session_id] = rec
-                self.owner_sessions[rec.owner] = self.owner_sessions.get(rec.owner, 0) + 1
+                self._register(rec)
         for key, (session_id, stored) in ((k, v) for k, v in saved.items() if k[:2] == "r/"):
             rec = self.sessions.get(session_id)
             if rec is None:  # its session went while the response was written
@@ -122,9 +121,7 @@ class SessionDirectoryState:
                 "/v1/sessions/{id}) or let them expire"
             )
         ttl = ttl_s if ttl_s is not None else self.default_ttl_s
-        self.sessions[sid] = SessionRecord(sid, ttl, owner=owner)
-        self.owner_sessions[owner] = held + 1
-        self._save(self.sessions[sid])
+        self._save(self._register(SessionRecord(sid, ttl, owner=owner)))
         return sid
 
     def touch(self, session_id: str, owner: str | None = None) -> bool:
@@ -210,6 +207,12 @@ class SessionDirectoryState:
             self.store.delete(f"r/{response_id}")
         return self.sessions[session_id].responses.pop(response_id, None) is not None
 
+    def _register(self, rec: SessionRecord) -> SessionRecord:
+        """A session enters the registry (`_forget` is the way out): counted for its owner."""
+        self.sessions[rec.session_id] = rec
+        self.owner_sessions[rec.owner] = self.owner_sessions.get(rec.owner, 0) + 1
+        return rec
+
     def _forget(self, session_id: str) -> SessionRecord | None:
         rec = self.sessions.pop(session_id, None)
         if rec is None:
@@ -250,8 +253,7 @@ class SessionDirectoryState:
         know (no explicit open) is pinned all the same."""
         rec = self.sessions.get(session_id)
         if rec is None:
-            rec = self.sessions[session_id] = SessionRecord(session_id, self.default_ttl_s)
-            self.owner_sessions[None] = self.owner_sessions.get(None, 0) + 1
+            rec = self._register(SessionRecord(session_id, self.default_ttl_s))
         previous = rec.replica
         if previous not in alive:
             rec.replica = choice
