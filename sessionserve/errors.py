@@ -158,3 +158,24 @@ class AppendOnlyViolationError(SessionServeError):
 
 class MemoryInvariantError(SessionServeError):
     """The memory checker found a lost or double-counted KV slot; the message has every term."""
+
+
+class IncompatibleSnapshotError(SessionServeError):
+    """A session's KV snapshot does not fit this replica's pools (another model, dtype or
+    drafter): it cannot be restored here; the session re-prefills from its token log."""
+
+    status_code = 409
+    error_type = "conflict_error"
+
+
+class SessionMovedError(SessionServeError):
+    """The session was migrated to another replica after this call was routed here. The
+    ingress re-routes the turn (the directory already names the new replica); a client sees
+    this only if that keeps failing."""
+
+    status_code = 503
+    error_type = "overloaded_error"
+
+    def __init__(self, session_id: str) -> None:
+        super().__init__(f"session {session_id!r} moved to another replica; retry")
+        self.session_id = session_id

@@ -2,6 +2,9 @@
 
     free + evictable + protected + held + in_flight == total
 
+The host tier is checked too: its byte count equals the sum of its parked snapshots, within
+budget, and every snapshot belongs to an open session whose KV is not resident as well.
+
 `held` is the idle session slots' `ceil_align(allocated) - protected`; `in_flight` the same over
 the live requests the scheduler passes in. A slot whose row a live request borrows counts once,
 as in-flight. Which rows are borrowed is computed from the live batch at every check, never from
@@ -32,6 +35,8 @@ class MemoryTerms(NamedTuple):
     rows_total: int
     rows_free: int
     rows_used: int  # distinct rows of live requests and slots
+    host_bytes: int = 0  # the host tier's parked KV
+    host_sessions: int = 0
 
     @property
     def accounted(self) -> int:
@@ -80,6 +85,7 @@ class MemoryChecker:
                     problems.append(f"session {s.session_id!r}: kv_tokens != committed_len")
                 held += ceil_align(s.allocated_len, p) - s.protected_len
                 held_sessions += 1
+        host_bytes, host_sessions = self._host_tier(problems)
         rows_used = len(slot_rows | set(live_rows))
         t = MemoryTerms(
             total=c.allocator.num_slots,
@@ -93,6 +99,8 @@ class MemoryChecker:
             rows_total=c.rows.num_rows,
             rows_free=c.rows.num_free(),
             rows_used=rows_used,
+            host_bytes=host_bytes,
+            host_sessions=host_sessions,
         )
         if t.accounted != t.total:
             problems.append(f"slots: accounted {t.accounted} != total {t.total}")
@@ -104,6 +112,26 @@ class MemoryChecker:
                 "memory invariant broken: " + "; ".join(problems) + f" [{t}]"
             )
         return t
+
+    def _host_tier(self, problems: list[str]) -> tuple[int, int]:
+        tier = self.cache.host_tier
+        if tier is None:
+            return 0, 0
+        total = 0
+        for sid, snap in tier.entries.items():
+            slot = self.cache.session_slots.get(sid)
+            if slot is None:
+                problems.append(f"host tier keeps KV of session {sid!r}, which is not open")
+            elif slot.holds_kv:
+                problems.append(f"session {sid!r} is resident and parked in the host tier")
+            if any(t.shape[2] != len(snap.tokens) for t in snap.kv):
+                problems.append(f"host tier: session {sid!r}'s KV length != its tokens")
+            total += snap.nbytes
+        if total != tier.bytes_in_use:
+            problems.append(f"host tier: counts {tier.bytes_in_use} bytes, holds {total}")
+        if tier.bytes_in_use > tier.budget_bytes:
+            problems.append(f"host tier: {tier.bytes_in_use} bytes over its budget")
+        return total, len(tier.entries)
 
     def check_busy(self, live: Iterable[RequestKV]) -> MemoryTerms:
         """After every scheduler step: `live` is every request holding KV (running, prefilling)."""

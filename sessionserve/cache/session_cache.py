@@ -11,6 +11,10 @@ The rules (DESIGN.md 4.4), each closing a bug the reference system had:
 - Finish trims speculative overshoot (tokens and KV) before the save.
 - Append mode is append-only (AppendOnlyViolationError); chat mode may rewind to the divergence.
 - Idle sessions are evicted LRU under pressure: KV freed, `history` kept for re-prefill.
+  With a host tier attached, the KV is first copied there (`park`), and the next turn copies
+  it back (`cached_source == "host"`) instead of re-prefilling it.
+- A session moves between replicas as its history plus a snapshot of its KV: `export_session`
+  on the source (which keeps it until the move commits), `adopt` on the target.
 """
 
 from __future__ import annotations
@@ -20,11 +24,15 @@ from dataclasses import dataclass
 from typing import Literal
 
 from sessionserve.cache.allocator import ceil_align, floor_align
+from sessionserve.cache.host_tier import HostTier
+from sessionserve.cache.kv_pool import KVPool
+from sessionserve.cache.kv_snapshot import KVSnapshot, check_compatible, gather, scatter
 from sessionserve.cache.request_cache import RequestCache
 from sessionserve.cache.request_kv import KVState, RequestKV, SessionSlot, lru_tick
 from sessionserve.errors import (
     AppendOnlyViolationError,
     InvalidConfigError,
+    KVCacheFullError,
     SessionBusyError,
     SessionClosingError,
     SessionExistsError,
@@ -55,6 +63,13 @@ class SessionCache(RequestCache):
         self.limits = limits or SessionLimits()
         self.session_slots: dict[str, SessionSlot] = {}
         self.evicted_sessions_total = 0
+        self.kv_pools: list[KVPool] = []  # what a snapshot copies: the target's, the drafter's
+        self.host_tier: HostTier | None = None
+
+    def attach_kv(self, pools: Sequence[KVPool], host_tier: HostTier | None = None) -> None:
+        """The KV tensors behind the slots (needed to park, restore and migrate sessions) and
+        the host tier parked sessions go to (None: eviction drops the KV, as without)."""
+        self.kv_pools, self.host_tier = list(pools), host_tier
 
     # ---- session lifecycle ----
     def open_session(self, session_id: str) -> SessionSlot:
@@ -76,7 +91,7 @@ class SessionCache(RequestCache):
             slot.closing = True
             return False
         self._release_slot_kv(slot)
-        del self.session_slots[session_id]
+        self._forget(slot)
         return True
 
     def session(self, session_id: str) -> SessionSlot:
@@ -104,9 +119,12 @@ class SessionCache(RequestCache):
         if not tokens:
             raise ValueError(f"request {req.rid!r}: empty input; send at least one token")
         slot = self._turn_slot(req) if req.session_id else None
+        key = tokens[:-1]  # the last token is always computed: it yields the next logits
+        source = "session"
+        if slot is not None and not slot.holds_kv and self._restore_parked(slot, key, mode):
+            source = "host"
         if slot is None or not slot.holds_kv:
             return self._match_radix(req, tokens)
-        key = tokens[:-1]  # the last token is always computed: it yields the next logits
         prefix_len = _common_prefix_len(slot.kv_tokens, key)
         if mode == "append" and prefix_len < min(slot.committed_len, len(key)):
             raise AppendOnlyViolationError(
@@ -122,8 +140,54 @@ class SessionCache(RequestCache):
         req.row, req.lock_node, req.state = slot.row, None, KVState.LIVE
         req.committed_len, req.allocated_len = slot.committed_len, slot.allocated_len
         req.protected_len = slot.protected_len
-        self._set_cached(req, len(tokens), prefix_len, "session")
+        self._set_cached(req, len(tokens), prefix_len, source)
         return prefix_len
+
+    # ---- host tier and migration ----
+    def park(self, session_id: str) -> bool:
+        """Move an idle session's KV out of the pool now (into the host tier when there is
+        one and it fits); True if a copy is parked. Its next turn restores or re-prefills."""
+        slot = self.session(session_id)
+        if slot.turn_rid is not None:
+            raise SessionBusyError(session_id, slot.turn_rid)
+        if not slot.holds_kv:
+            return self.host_tier is not None and session_id in self.host_tier
+        parked = self._spill(slot)
+        self._release_slot_kv(slot)
+        return parked
+
+    def export_session(self, session_id: str) -> tuple[list[int], KVSnapshot | None]:
+        """An idle session's token log and a snapshot of the KV it holds (resident or parked;
+        None if neither). The session stays here, unchanged, until the caller closes it."""
+        slot = self.session(session_id)
+        if slot.turn_rid is not None:
+            raise SessionBusyError(session_id, slot.turn_rid)
+        if slot.holds_kv and slot.committed_len:
+            slots = self.rows.read(slot.row, 0, slot.committed_len)
+            return list(slot.history), gather(self.kv_pools, slots, slot.kv_tokens)
+        parked = self.host_tier.get(session_id) if self.host_tier is not None else None
+        return list(slot.history), parked
+
+    def adopt(self, session_id: str, history: Sequence[int], snap: KVSnapshot | None) -> str:
+        """Give an open, idle session (just opened here: a migration's target) the history and
+        KV another replica exported. Returns where the KV went: "pool", "host" (no room in the
+        pool) or "none" (nothing usable: the next turn re-prefills from the history)."""
+        slot = self.session(session_id)
+        if slot.turn_rid is not None or slot.holds_kv:
+            raise SessionBusyError(session_id, slot.turn_rid or "<holds KV>")
+        if snap is not None:
+            check_compatible(self.kv_pools, snap)  # before anything changes
+        slot.history = list(history)
+        upto = _common_prefix_len(snap.tokens, history) if snap is not None else 0
+        if upto == 0:
+            return "none"
+        try:
+            self._restore(slot, snap, upto)
+            return "pool"
+        except KVCacheFullError:
+            if self.host_tier is not None and self.host_tier.put(session_id, snap):
+                return "host"
+            return "none"
 
     # ---- exits ----
     def finish(self, req: RequestKV, final_tokens: Sequence[int]) -> None:
@@ -206,7 +270,13 @@ class SessionCache(RequestCache):
         req.state = KVState.DONE
         if slot.closing:
             self._release_slot_kv(slot)
-            del self.session_slots[slot.session_id]
+            self._forget(slot)
+
+    def _forget(self, slot: SessionSlot) -> None:
+        """A closed session leaves nothing: no slot, no parked copy."""
+        del self.session_slots[slot.session_id]
+        if self.host_tier is not None:
+            self.host_tier.drop(slot.session_id)
 
     def _release_slot_kv(self, slot: SessionSlot) -> None:
         """The only place a slot's row and `[protected, allocated)` are freed."""
@@ -226,10 +296,63 @@ class SessionCache(RequestCache):
         victim = min(self.idle_slots(), key=lambda s: s.last_used, default=None)
         if victim is None:
             return False
+        self._spill(victim)
         self._release_slot_kv(victim)
         victim.evictions += 1
         self.evicted_sessions_total += 1
         return True
+
+    def _spill(self, slot: SessionSlot) -> bool:
+        """Copy an idle slot's committed KV into the host tier (before it is freed)."""
+        if self.host_tier is None or slot.committed_len == 0:
+            return False
+        slots = self.rows.read(slot.row, 0, slot.committed_len)
+        return self.host_tier.put(slot.session_id, gather(self.kv_pools, slots, slot.kv_tokens))
+
+    def _restore_parked(self, slot: SessionSlot, key: Sequence[int], mode: TurnMode) -> bool:
+        """Bring a parked session's KV back for the prefix `key` shares with it. False (the
+        turn re-prefills) when nothing is parked or shared, or the pool has no room."""
+        snap = self.host_tier.get(slot.session_id) if self.host_tier is not None else None
+        if snap is None:
+            return False
+        upto = _common_prefix_len(snap.tokens, key)
+        if mode == "append" and upto < min(len(snap), len(key)):
+            raise AppendOnlyViolationError(
+                f"session {slot.session_id!r}: append-mode input diverges from the parked KV "
+                f"at token {upto} (holds {len(snap)})"
+            )
+        self.host_tier.take(slot.session_id)  # out of the tier: what follows may spill others
+        if upto == 0:
+            return False
+        try:
+            self._restore(slot, snap, upto)
+        except KVCacheFullError:
+            return False
+        self.host_tier.restored_total += 1
+        return True
+
+    def _restore(self, slot: SessionSlot, snap: KVSnapshot, upto: int) -> None:
+        """Make `snap[:upto]` the slot's resident KV: the prefix the radix tree still holds
+        is shared (locked, as a first turn's prompt), the rest gets new slots and is copied
+        in. All or nothing: raises KVCacheFullError having changed nothing."""
+        row = self._alloc_row()
+        m = self.radix.match_prefix(snap.tokens[:upto])
+        self.radix.lock(m.node)
+        self.rows.write(row, 0, m.slots)
+        try:
+            self.make_room(self.allocator.pages_needed(m.length, upto - m.length) * self.page_size)
+            last = self.rows.last_slot(row, m.length)
+            slots = self.allocator.alloc_extend(last, m.length, upto - m.length)
+        except KVCacheFullError:
+            self.radix.unlock(m.node)
+            self.rows.free(row)
+            raise
+        self.rows.write(row, m.length, slots)
+        scatter(self.kv_pools, snap, m.length, upto, slots)
+        slot.row, slot.lock_node, slot.protected_len = row, m.node, m.length
+        slot.committed_len = slot.allocated_len = upto
+        slot.kv_tokens = list(snap.tokens[:upto])
+        slot.borrower = None
 
     def _enforce_limits(self, slot: SessionSlot) -> None:
         cap = self.limits.max_session_tokens

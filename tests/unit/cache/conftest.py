@@ -37,7 +37,13 @@ class Rig:
 
 @pytest.fixture
 def make_rig():
-    def make(page: int = 4, num_slots: int | None = None, rows: int = 16, **limits) -> Rig:
+    def make(
+        page: int = 4,
+        num_slots: int | None = None,
+        rows: int = 16,
+        host_tier_bytes: int | None = None,
+        **limits,
+    ) -> Rig:
         cache = build_session_cache(
             num_slots=num_slots or max(page * 64, 2048),
             page_size=page,
@@ -45,6 +51,6 @@ def make_rig():
             max_context_len=4096,
             limits=SessionLimits(**limits),
         )
-        return Rig(cache, MemoryChecker(cache), Driver(cache))
+        return Rig(cache, MemoryChecker(cache), Driver(cache, host_tier_bytes=host_tier_bytes))
 
     return make

@@ -3,6 +3,8 @@
 `FakeKV` writes, for every computed position, a rolling hash of the tokens up to it into the
 slot. Reused KV is then verified: the slots a match returns must hold exactly the hashes of the
 new request's own tokens. A stale, freed-and-reused, or mis-pointed slot fails this check.
+The hashes live in a real (one-layer, int64) `KVPool`, attached to the cache, so KV the host
+tier parks and restores, or a migration moves, is verified the same way.
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from sessionserve.cache import RequestKV, SessionCache
+from sessionserve.cache import KVPool, KVShape, RequestKV, SessionCache
+from sessionserve.cache.host_tier import HostTier
 
 _MOD = (1 << 61) - 1
 
@@ -25,9 +28,13 @@ def prefix_hashes(tokens: list[int]) -> list[int]:
 
 
 class FakeKV:
-    def __init__(self, cache: SessionCache) -> None:
+    def __init__(self, cache: SessionCache, host_tier_bytes: int | None = None) -> None:
         self.cache = cache
-        self.content = torch.full((cache.allocator.pool_slots,), -1, dtype=torch.int64)
+        self.pool = KVPool(KVShape(1, 1, 1), cache.allocator.pool_slots, dtype=torch.int64)
+        self.pool.k.fill_(-1)
+        self.content = self.pool.k[0, :, 0, 0]  # a view: writes land in the pool
+        tier = HostTier(host_tier_bytes) if host_tier_bytes else None
+        cache.attach_kv([self.pool], tier)
 
     def compute(self, req: RequestKV, tokens: list[int], start: int, end: int) -> None:
         """'Run the model' on positions [start, end) of `tokens`: write their KV."""
@@ -57,9 +64,11 @@ class Turn:
 
 
 class Driver:
-    def __init__(self, cache: SessionCache, seed: int = 0) -> None:
+    def __init__(
+        self, cache: SessionCache, seed: int = 0, host_tier_bytes: int | None = None
+    ) -> None:
         self.cache = cache
-        self.kv = FakeKV(cache)
+        self.kv = FakeKV(cache, host_tier_bytes)
         self.rng = torch.Generator().manual_seed(seed)
 
     def admit(self, turn: Turn) -> int:

@@ -1,6 +1,9 @@
 """Random interleavings of everything the scheduler can do to the cache, for page sizes 1, 16
 and 256. After every rule the busy invariant holds and every reused KV slot holds exactly the
-KV of the tokens it is reused for (FakeKV); at teardown every slot and row is free."""
+KV of the tokens it is reused for (FakeKV); at teardown every slot and row is free. With a host
+tier (a budget smaller than the sessions' KV, so it evicts too), idle sessions are also parked
+explicitly and by pressure and restored by their next turn; restored KV is verified the same
+way, and the invariant covers the tier's bytes."""
 
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ SHARED_PREFIXES = [[5 + (i * 3 + j) % 37 for j in range(n)] for i, n in enumerat
 
 class SessionCacheMachine(RuleBasedStateMachine):
     page_size = 16
+    host_tier_bytes: int | None = None  # FakeKV's pool: 16 bytes a token
 
     def __init__(self) -> None:
         super().__init__()
@@ -49,7 +53,7 @@ class SessionCacheMachine(RuleBasedStateMachine):
             limits=SessionLimits(max_sessions=4, max_session_tokens=max(p, 96)),
         )
         self.checker = MemoryChecker(self.cache)
-        self.drive = Driver(self.cache, seed=1)
+        self.drive = Driver(self.cache, seed=1, host_tier_bytes=self.host_tier_bytes)
         self.turns: list[Turn] = []
         self.history: dict[str, list[int]] = {}  # the model of each session's checkpoint
         self.closing: set[str] = set()
@@ -184,6 +188,8 @@ class SessionCacheMachine(RuleBasedStateMachine):
         sid = turn.req.session_id
         slot = self.cache.session(sid) if sid else None
         expect = None
+        tier = self.cache.host_tier
+        parked = tier.get(sid) if tier is not None and sid else None
         if slot is not None and slot.holds_kv:
             lcp = _common_prefix_len(slot.kv_tokens, turn.tokens[:-1])
             expect = lcp if lcp >= slot.protected_len else None
@@ -194,6 +200,12 @@ class SessionCacheMachine(RuleBasedStateMachine):
             return
         if expect is not None:
             assert (cached, turn.req.cached_source) == (expect, "session" if expect else "none")
+        if parked is not None:  # taken out whether or not it could be restored
+            assert sid not in tier
+            if turn.req.cached_source == "host":
+                assert cached == _common_prefix_len(parked.tokens, turn.tokens[:-1]) > 0
+        else:
+            assert turn.req.cached_source != "host"
         event(f"admitted with cached source {turn.req.cached_source}")
         turn.sampled = False
 
@@ -264,6 +276,27 @@ class SessionCacheMachine(RuleBasedStateMachine):
         self.cache.retract(turn.req, turn.tokens)
         turn.sampled = False
 
+    @rule(sid=SESSION_IDS)
+    def park(self, sid: str) -> None:
+        if sid not in self.history:
+            return
+        slot = self.cache.session(sid)
+        if self._turn_of(sid) is not None:
+            before = dict(vars(slot))
+            try:
+                self.cache.park(sid)
+                raise AssertionError("parked a session with a turn in flight")
+            except SessionBusyError:
+                assert dict(vars(slot)) == before
+            return
+        was_resident, held = slot.holds_kv, slot.committed_len
+        parked = self.cache.park(sid)
+        assert not slot.holds_kv
+        assert parked == (self.cache.host_tier is not None and sid in self.cache.host_tier)
+        if parked and was_resident:
+            event("parked a session in the host tier")
+            assert len(self.cache.host_tier.get(sid)) == held
+
     @rule(n=st.integers(1, 400))
     def memory_pressure(self, n: int) -> None:
         try:
@@ -288,6 +321,11 @@ class SessionCacheMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         if self.cache.evicted_sessions_total:
             event("evicted an idle session")
+        tier = self.cache.host_tier
+        if tier is not None and tier.restored_total:
+            event("restored a session from the host tier")
+        if tier is not None and tier.evicted_total:
+            event("the host tier evicted a session")
         for turn in list(self.turns):
             self.cache.abort(turn.req, turn.tokens)
             self._end(turn)
@@ -296,10 +334,13 @@ class SessionCacheMachine(RuleBasedStateMachine):
         self.cache.flush()
         t = self.checker.check_idle()
         assert t.free == t.total and t.rows_free == t.rows_total, t
+        assert t.host_bytes == t.host_sessions == 0, t
 
 
-def _machine_for(page: int):
-    machine = type(f"SessionCacheMachinePage{page}", (SessionCacheMachine,), {"page_size": page})
+def _machine_for(page: int, host_tier_bytes: int | None = None):
+    name = f"SessionCacheMachinePage{page}" + ("HostTier" if host_tier_bytes else "")
+    attrs = {"page_size": page, "host_tier_bytes": host_tier_bytes}
+    machine = type(name, (SessionCacheMachine,), attrs)
     test = machine.TestCase
     test.settings = settings(
         max_examples=EXAMPLES,
@@ -310,6 +351,7 @@ def _machine_for(page: int):
     return test
 
 
-TestSessionCachePage1 = _machine_for(1)
+TestSessionCachePage1 = _machine_for(1, host_tier_bytes=16 * 120)
 TestSessionCachePage16 = _machine_for(16)
-TestSessionCachePage256 = _machine_for(256)
+TestSessionCachePage16HostTier = _machine_for(16, host_tier_bytes=16 * 120)
+TestSessionCachePage256 = _machine_for(256, host_tier_bytes=16 * 120)

@@ -1,0 +1,218 @@
+"""The host tier and session export/adopt, on the cache alone (FakeKV content is verified on
+every restore: a restored slot must hold exactly the KV of its own tokens)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sessionserve.cache import KVPool, KVShape, floor_align
+from sessionserve.cache.host_tier import HostTier
+from sessionserve.cache.kv_snapshot import KVSnapshot
+from sessionserve.errors import (
+    AppendOnlyViolationError,
+    IncompatibleSnapshotError,
+    InvalidConfigError,
+    SessionBusyError,
+)
+
+TOKEN_BYTES = 16  # FakeKV's pool: one layer, one head, dim 1, int64 k and v
+
+
+def _prompt(n: int, base: int = 3) -> list[int]:
+    return [base + (i * 7) % 40 for i in range(n)]
+
+
+def _wipe_free_slots(r) -> None:
+    """Forget the KV of every free slot (as a reused slot would), so only a real copy back
+    can pass the content check."""
+    allocated = r.cache.allocator._page_allocated.repeat_interleave(r.cache.page_size)
+    r.drive.kv.content[~allocated] = -1
+
+
+def _session_turn(r, sid: str, rid: str, tokens: list[int], n: int = 5) -> list[int]:
+    t = r.turn(sid, rid, tokens)
+    r.drive.run_turn(t, n)
+    r.check.check_idle()
+    return t.tokens
+
+
+@pytest.mark.parametrize("page", [1, 16, 256])
+def test_parked_session_restores_from_host_not_prefill(make_rig, page: int) -> None:
+    r = make_rig(page=page, host_tier_bytes=1 << 20)
+    r.cache.open_session("s")
+    history = _session_turn(r, "s", "t1", _prompt(300))
+    assert r.cache.park("s")
+    t = r.check.check_idle()
+    assert t.host_sessions == 1 and t.host_bytes == TOKEN_BYTES * (len(history) - 1)
+    assert not r.cache.session("s").holds_kv
+    _wipe_free_slots(r)  # what was freed is gone: only the host copy has it
+    nxt = r.turn("s", "t2", history + _prompt(4, base=9))
+    cached = r.drive.admit(nxt)  # verifies every restored position's content
+    assert (cached, nxt.req.cached_source) == (len(history) - 1, "host")
+    # the first prompt's pages the radix tree still held are shared again, not copied
+    assert nxt.req.protected_len == floor_align(300, page)
+    r.busy(nxt)
+    assert "s" not in r.cache.host_tier and r.cache.host_tier.restored_total == 1
+    r.drive.prefill(nxt)
+    r.drive.sample(nxt)
+    r.cache.finish(nxt.req, nxt.tokens)
+    third = r.turn("s", "t3", nxt.tokens + [5])
+    assert r.drive.admit(third) == len(nxt.tokens) - 1  # resident again after the restore
+    r.cache.abort(third.req, third.tokens)
+    r.all_free()
+
+
+def test_pressure_eviction_spills_to_host_and_restore_shares_the_radix_prefix(make_rig) -> None:
+    page = 16
+    r = make_rig(page=page, num_slots=64 * page, host_tier_bytes=1 << 20)
+    r.cache.open_session("a")
+    a_hist = _session_turn(r, "a", "a1", _prompt(500))
+    # a plain request needing most of the pool evicts the idle session: spilled first
+    big = r.turn(None, "big", _prompt(900, base=11))
+    r.drive.run_turn(big, 2)
+    assert r.cache.evicted_sessions_total == 1 and "a" in r.cache.host_tier
+    r.check.check_idle()
+    _wipe_free_slots(r)
+    nxt = r.turn("a", "a2", a_hist + [7, 8])
+    assert r.drive.admit(nxt) == len(a_hist) - 1 and nxt.req.cached_source == "host"
+    r.cache.abort(nxt.req, nxt.tokens)
+    r.all_free()
+
+
+def test_host_tier_lru_falls_back_to_reprefill(make_rig) -> None:
+    r = make_rig(page=4, host_tier_bytes=TOKEN_BYTES * 150)
+    hist = {}
+    for sid in ("a", "b"):
+        r.cache.open_session(sid)
+        hist[sid] = _session_turn(r, sid, f"{sid}1", _prompt(100, base=len(sid) + ord(sid) % 5))
+    assert r.cache.park("a")
+    assert r.cache.park("b")  # does not fit beside a's copy: a (least recent) is dropped
+    assert "a" not in r.cache.host_tier and "b" in r.cache.host_tier
+    assert r.cache.host_tier.evicted_total == 1
+    r.check.check_idle()
+    a2 = r.turn("a", "a2", hist["a"] + [5])
+    assert r.drive.admit(a2) < len(hist["a"]) - 1 and a2.req.cached_source != "host"
+    r.cache.abort(a2.req, a2.tokens)
+    r.all_free()
+
+
+def test_a_copy_bigger_than_the_budget_is_not_kept(make_rig) -> None:
+    r = make_rig(page=4, host_tier_bytes=TOKEN_BYTES * 10)
+    r.cache.open_session("s")
+    _session_turn(r, "s", "t1", _prompt(40))
+    assert not r.cache.park("s")
+    assert len(r.cache.host_tier) == 0 and r.cache.host_tier.evicted_total == 1
+    r.check.check_idle()
+    r.all_free()
+
+
+def test_park_refuses_a_busy_session_and_close_drops_the_copy(make_rig) -> None:
+    r = make_rig(page=4, host_tier_bytes=1 << 20)
+    r.cache.open_session("s")
+    hist = _session_turn(r, "s", "t1", _prompt(30))
+    t = r.turn("s", "t2", hist + [4])
+    with pytest.raises(SessionBusyError):
+        r.cache.park("s")
+    r.cache.abort(t.req, t.tokens)
+    assert r.cache.park("s")
+    assert r.cache.close_session("s")
+    assert len(r.cache.host_tier) == 0 and r.cache.host_tier.bytes_in_use == 0
+    r.all_free()
+
+
+def test_append_mode_may_not_rewrite_parked_history(make_rig) -> None:
+    r = make_rig(page=4, host_tier_bytes=1 << 20)
+    r.cache.open_session("s")
+    hist = _session_turn(r, "s", "t1", _prompt(30))
+    r.cache.park("s")
+    t = r.turn("s", "t2", [99] + hist[1:] + [4], mode="append")
+    with pytest.raises(AppendOnlyViolationError):
+        r.drive.admit(t)
+    assert "s" in r.cache.host_tier  # refused before anything changed
+    r.cache.abort(t.req, t.tokens)
+    r.check.check_idle()
+    r.all_free()
+
+
+def test_chat_mode_restores_only_the_shared_prefix(make_rig) -> None:
+    r = make_rig(page=4, host_tier_bytes=1 << 20)
+    r.cache.open_session("s")
+    hist = _session_turn(r, "s", "t1", _prompt(60))
+    r.cache.park("s")
+    rewound = hist[:25] + [41, 42, 43]
+    t = r.turn("s", "t2", rewound, mode="chat")
+    assert r.drive.admit(t) == 25 and t.req.cached_source == "host"
+    r.busy(t)
+    r.cache.abort(t.req, t.tokens)
+    r.all_free()
+
+
+def test_export_then_adopt_moves_a_session_between_caches(make_rig) -> None:
+    src, dst = make_rig(page=16, host_tier_bytes=1 << 20), make_rig(page=4)
+    src.cache.open_session("s")
+    hist = _session_turn(src, "s", "t1", _prompt(200))
+    history, snap = src.cache.export_session("s")
+    assert history == hist and len(snap) == len(hist) - 1
+    assert src.cache.session("s").holds_kv  # the source keeps it until the move commits
+    dst.cache.open_session("s")
+    assert dst.cache.adopt("s", history, snap) == "pool"
+    dst.check.check_idle()
+    t = dst.turn("s", "t2", hist + [6, 7])
+    assert dst.drive.admit(t) == len(hist) - 1 and t.req.cached_source == "session"
+    dst.cache.abort(t.req, t.tokens)
+    assert src.cache.close_session("s")
+    src.all_free()
+    dst.all_free()
+
+
+def test_a_parked_session_exports_its_host_copy(make_rig) -> None:
+    src, dst = make_rig(page=4, host_tier_bytes=1 << 20), make_rig(page=4)
+    src.cache.open_session("s")
+    hist = _session_turn(src, "s", "t1", _prompt(50))
+    src.cache.park("s")
+    _, snap = src.cache.export_session("s")
+    assert snap is src.cache.host_tier.get("s")
+    dst.cache.open_session("s")
+    assert dst.cache.adopt("s", hist, snap) == "pool"
+    t = dst.turn("s", "t2", hist + [6])
+    assert dst.drive.admit(t) == len(hist) - 1
+    dst.cache.abort(t.req, t.tokens)
+    src.all_free()
+    dst.all_free()
+
+
+def test_adopt_without_room_parks_in_the_host_tier_or_keeps_only_history(make_rig) -> None:
+    src = make_rig(page=4)
+    src.cache.open_session("s")
+    hist = _session_turn(src, "s", "t1", _prompt(200))
+    _, snap = src.cache.export_session("s")
+    for tier, where in ((1 << 20, "host"), (None, "none")):
+        dst = make_rig(page=4, num_slots=64, host_tier_bytes=tier)
+        dst.cache.open_session("s")
+        assert dst.cache.adopt("s", hist, snap) == where
+        dst.check.check_idle()
+        assert dst.cache.session("s").history == hist and not dst.cache.session("s").holds_kv
+        dst.all_free()
+    src.all_free()
+
+
+def test_adopt_refuses_a_snapshot_of_another_model(make_rig) -> None:
+    dst = make_rig(page=4)
+    dst.cache.open_session("s")
+    other = KVSnapshot([5, 6], [torch.zeros(2, 3, 2, 1, 1, dtype=torch.int64)])
+    with pytest.raises(IncompatibleSnapshotError, match="different models"):
+        dst.cache.adopt("s", [5, 6, 7], other)
+    assert dst.cache.session("s").history == []
+    dst.all_free()
+
+
+def test_host_tier_budget_is_validated_and_counted() -> None:
+    with pytest.raises(InvalidConfigError):
+        HostTier(0)
+    tier = HostTier(100)
+    pool = KVPool(KVShape(1, 1, 1), 8, dtype=torch.int64)
+    snap = KVSnapshot([1, 2], [torch.stack((pool.k[:, :2], pool.v[:, :2]))])
+    assert tier.put("a", snap) and tier.bytes_in_use == snap.nbytes == 32
+    assert tier.put("a", snap) and tier.bytes_in_use == 32  # replaced, not added
+    assert tier.take("a") is snap and tier.bytes_in_use == 0 and not tier.drop("a")
