@@ -27,6 +27,7 @@ def replica_options(cfg: AppConfig) -> dict[str, Any]:
         "max_ongoing_requests": r.max_ongoing_requests,
         "max_queued_requests": r.max_queued_requests,
         "health_check_period_s": r.health_check_period_s,
+        "graceful_shutdown_timeout_s": r.graceful_shutdown_timeout_s,
         "request_router_config": RequestRouterConfig(
             request_router_class=SessionAffinityRouter
             if r.request_router == "session_affinity"

@@ -70,6 +70,20 @@ class SessionConfig(_Strict):
     implicit_open: bool = Field(
         False, description="A request naming an unknown session opens it (else 404)."
     )
+    host_tier_bytes: int | None = Field(
+        None,
+        ge=1,
+        description="Host memory (pinned on CUDA) for the KV of idle sessions evicted from "
+        "the pool, LRU within it: their next turn copies it back instead of re-prefilling "
+        "the history. None = no host tier (evicted sessions re-prefill).",
+    )
+    migrate_on_shutdown_s: float = Field(
+        10.0,
+        ge=0,
+        description="When Serve stops a replica (scale-down, redeploy, node drain), the time "
+        "it spends moving its idle sessions (token log and KV) to live replicas; sessions "
+        "not moved in time re-prefill on their next turn. 0 = move none.",
+    )
 
 
 class SchedulerConfig(_Strict):
@@ -163,6 +177,12 @@ class ReplicaDeploymentConfig(_Strict):
         1.0, gt=0, description="How often replicas report free KV to the router."
     )
     health_check_period_s: float = Field(10.0, gt=0, description="Serve health check period.")
+    graceful_shutdown_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="How long Serve lets a stopping replica finish its requests and move its "
+        "sessions (engine.sessions.migrate_on_shutdown_s of it) before killing it.",
+    )
     max_replicas_per_node: int | None = Field(
         None, ge=1, description="Spread replicas: at most this many on one node (None: any)."
     )
@@ -200,3 +220,12 @@ class AppConfig(_Strict):
     session_header: str = Field(
         "x-session-id", description="HTTP header naming the session (or body `session_id`)."
     )
+
+    @model_validator(mode="after")
+    def _check(self) -> AppConfig:
+        if self.engine.sessions.migrate_on_shutdown_s >= self.replica.graceful_shutdown_timeout_s:
+            raise ValueError(
+                "engine.sessions.migrate_on_shutdown_s must be below "
+                "replica.graceful_shutdown_timeout_s (Serve kills the replica at that point)"
+            )
+        return self

@@ -40,6 +40,26 @@ REPLICA_METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "sessionserve_kv_in_flight_tokens": ("gauge", "KV slots of running requests", ()),
     "sessionserve_running_requests": ("gauge", "Requests in the running batch", ()),
     "sessionserve_queued_requests": ("gauge", "Requests waiting for admission", ()),
+    "sessionserve_host_tier_bytes": ("gauge", "Host-tier bytes of parked sessions' KV", ()),
+    "sessionserve_host_tier_sessions": ("gauge", "Sessions whose KV is parked in host memory", ()),
+    "sessionserve_host_tier_parks": ("counter", "Idle sessions' KV copied to the host tier", ()),
+    "sessionserve_host_tier_restores": ("counter", "Sessions' KV copied back from host", ()),
+    "sessionserve_host_tier_evictions": ("counter", "Parked KV dropped for the host budget", ()),
+    "sessionserve_host_tier_restore_seconds": (
+        "histogram",
+        "Time to copy a parked session's KV back into the pool (host side)",
+        (),
+    ),
+    "sessionserve_sessions_migrated": (
+        "counter",
+        "Sessions moved to another replica, by trigger (admin, shutdown)",
+        ("trigger",),
+    ),
+    "sessionserve_migration_seconds": (
+        "histogram",
+        "Export + transfer + import time of one session migration (source side)",
+        (),
+    ),
     "sessionserve_memory_checks": ("counter", "Memory invariant checks run", ()),
     "sessionserve_memory_check_failures": ("counter", "Memory invariant checks that failed", ()),
     "sessionserve_retractions": ("counter", "Decode requests retracted for KV", ()),
@@ -99,6 +119,12 @@ class EngineMetrics:
     def on_abort(self, phase: str) -> None:
         pass
 
+    def on_restore(self, seconds: float) -> None:
+        """A parked session's KV was copied back from the host tier."""
+
+    def on_migration(self, trigger: str, seconds: float) -> None:
+        """A session moved from this replica to another (`trigger`: admin or shutdown)."""
+
 
 class RayEngineMetrics(EngineMetrics):
     """Exports through Ray's metrics agent, labelled with this replica and model."""
@@ -157,6 +183,13 @@ class RayEngineMetrics(EngineMetrics):
 
     def on_abort(self, phase: str) -> None:
         self.m["sessionserve_aborts"].inc(1, tags=self.tags | {"phase": phase})
+
+    def on_restore(self, seconds: float) -> None:
+        self.m["sessionserve_host_tier_restore_seconds"].observe(seconds, tags=self.tags)
+
+    def on_migration(self, trigger: str, seconds: float) -> None:
+        self.m["sessionserve_sessions_migrated"].inc(1, tags=self.tags | {"trigger": trigger})
+        self.m["sessionserve_migration_seconds"].observe(seconds, tags=self.tags)
 
 
 class RouterMetrics:

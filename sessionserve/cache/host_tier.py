@@ -10,7 +10,7 @@ decides what goes in and comes out, the memory checker proves the byte count.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 
 from sessionserve.cache.kv_snapshot import KVSnapshot
 from sessionserve.errors import InvalidConfigError
@@ -26,6 +26,11 @@ class HostTier:
         self.parked_total = 0  # snapshots stored
         self.restored_total = 0  # snapshots taken back into the pool
         self.evicted_total = 0  # snapshots dropped for the budget (or too big to keep)
+        self.restore_seconds: deque[float] = deque(maxlen=1024)  # drained by the metrics
+
+    def note_restore(self, seconds: float) -> None:
+        self.restored_total += 1
+        self.restore_seconds.append(seconds)
 
     def __contains__(self, session_id: str) -> bool:
         return session_id in self.entries

@@ -31,6 +31,10 @@ class KVSnapshot:
     def __len__(self) -> int:
         return len(self.tokens)
 
+    def prefix(self, n: int) -> KVSnapshot:
+        """The first `n` positions, copied (a view would keep the whole buffer alive)."""
+        return KVSnapshot(self.tokens[:n], [t[:, :, :n].clone() for t in self.kv])
+
 
 def gather(pools: Sequence[KVPool], slots: torch.Tensor, tokens: Sequence[int]) -> KVSnapshot:
     """Copy the KV at `slots` (one per token) out of every pool. On CUDA the copy lands in

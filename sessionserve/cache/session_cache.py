@@ -19,6 +19,7 @@ The rules (DESIGN.md 4.4), each closing a bug the reference system had:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -256,6 +257,7 @@ class SessionCache(RequestCache):
     def _rollback(self, slot: SessionSlot) -> None:
         """Drop KV of an unfinished turn: keep only what matches the checkpoint."""
         if not slot.holds_kv:
+            self._rollback_parked(slot)
             return
         keep = _common_prefix_len(slot.kv_tokens, slot.history)
         if keep == 0 or keep < slot.protected_len:
@@ -324,12 +326,25 @@ class SessionCache(RequestCache):
         self.host_tier.take(slot.session_id)  # out of the tier: what follows may spill others
         if upto == 0:
             return False
+        started = time.perf_counter()
         try:
             self._restore(slot, snap, upto)
         except KVCacheFullError:
             return False
-        self.host_tier.restored_total += 1
+        self.host_tier.note_restore(time.perf_counter() - started)
         return True
+
+    def _rollback_parked(self, slot: SessionSlot) -> None:
+        """A retracted turn's KV may have been parked with the session's: cut it back to
+        the checkpoint, as `_rollback` does for resident KV."""
+        snap = self.host_tier.get(slot.session_id) if self.host_tier is not None else None
+        if snap is None:
+            return
+        keep = _common_prefix_len(snap.tokens, slot.history)
+        if keep < len(snap):
+            self.host_tier.take(slot.session_id)
+            if keep:
+                self.host_tier.put(slot.session_id, snap.prefix(keep))
 
     def _restore(self, slot: SessionSlot, snap: KVSnapshot, upto: int) -> None:
         """Make `snap[:upto]` the slot's resident KV: the prefix the radix tree still holds

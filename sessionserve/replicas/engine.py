@@ -32,6 +32,7 @@ from sessionserve.cache import (
     build_session_cache,
 )
 from sessionserve.cache.allocator import floor_align
+from sessionserve.cache.host_tier import HostTier
 from sessionserve.cache.request_kv import KVState, RequestKV
 from sessionserve.cache.session_cache import TurnMode
 from sessionserve.config import EngineConfig
@@ -56,7 +57,7 @@ from sessionserve.replicas.request import (
 )
 from sessionserve.replicas.sampling import SampleOutput, filter_logits, sample, token_logprobs
 from sessionserve.replicas.scheduler import ScheduledBatch, ScheduledSeq, Scheduler
-from sessionserve.replicas.sessions import SessionController, SessionInfo
+from sessionserve.replicas.sessions import SessionController, SessionExport, SessionInfo
 from sessionserve.replicas.spec.acceptance import accept_greedy, accept_sampled
 from sessionserve.replicas.spec.checkpoint import load_drafter
 from sessionserve.replicas.spec.drafter import EagleDrafter
@@ -117,6 +118,9 @@ class Engine:
             most = min(cfg.scheduler.max_running_requests, cfg.cuda_graph_max_batch)
             self.runner.graphs = DecodeGraphs(self.runner, buckets_up_to(most))
         self.proposer = self._build_proposer(cfg, model, drafter)
+        pools = [self.runner.kv_pool] + ([self.proposer.pool] if self.proposer else [])
+        tier = HostTier(s.host_tier_bytes) if s.host_tier_bytes else None
+        self.cache.attach_kv(pools, tier)  # the drafter's KV parks and moves with the target's
         self.spec_stats = SpecStats()
         limit = min(c.max_context_len, self.cache.allocator.num_slots)
         self.scheduler = Scheduler(
@@ -160,6 +164,30 @@ class Engine:
     def session_info(self, session_id: str) -> SessionInfo:
         with self.lock:
             return self.sessions.info(session_id)
+
+    def park_session(self, session_id: str) -> bool:
+        """Move an idle session's KV to the host tier now (True if kept there)."""
+        with self.lock:
+            return self.cache.park(session_id)
+
+    def export_session(self, session_id: str) -> SessionExport:
+        """An idle session's token log and KV, ready to leave this process."""
+        with self.lock:
+            export = self.sessions.export(session_id)
+        if self.runner.device.type == "cuda":  # the device -> pinned host copies landed
+            torch.cuda.synchronize(self.runner.device)
+        return export
+
+    def import_session(self, export: SessionExport) -> str:
+        """Take over a session another replica exported; returns where its KV went."""
+        with self.lock:
+            return self.sessions.adopt(export)
+
+    def idle_sessions(self) -> list[str]:
+        """Open sessions with no turn in flight, most recently used first."""
+        with self.lock:
+            slots = [s for s in self.cache.session_slots.values() if s.turn_rid is None]
+            return [s.session_id for s in sorted(slots, key=lambda s: -s.last_used)]
 
     # ---- requests ----
     def submit(
@@ -260,6 +288,8 @@ class Engine:
                     "running_requests": terms.live_requests,
                     "queued_requests": len(self.scheduler.waiting),
                     "open_sessions": len(self.cache.session_slots),
+                    "host_tier_bytes": terms.host_bytes,
+                    "host_tier_sessions": terms.host_sessions,
                 },
                 counter_totals={
                     "memory_checks": self.checker.checks,
@@ -268,8 +298,21 @@ class Engine:
                     "session_evictions": self.cache.evicted_sessions_total,
                     "spec_drafted_tokens": self.spec_stats.drafted,
                     "spec_accepted_tokens": self.spec_stats.accepted,
+                    **self._host_tier_totals(),
                 },
             )
+
+    def _host_tier_totals(self) -> dict[str, int]:
+        tier = self.cache.host_tier
+        if tier is None:
+            return {}
+        while tier.restore_seconds:
+            self.metrics.on_restore(tier.restore_seconds.popleft())
+        return {
+            "host_tier_parks": tier.parked_total,
+            "host_tier_restores": tier.restored_total,
+            "host_tier_evictions": tier.evicted_total,
+        }
 
     def has_work(self) -> bool:
         with self.lock:

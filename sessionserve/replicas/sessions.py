@@ -12,10 +12,11 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from sessionserve.cache.kv_snapshot import KVSnapshot
 from sessionserve.cache.request_kv import RequestKV
 from sessionserve.cache.session_cache import SessionCache, TurnMode
 from sessionserve.config import SessionConfig
-from sessionserve.errors import InvalidConfigError, UnknownSessionError
+from sessionserve.errors import InvalidConfigError, SessionBusyError, UnknownSessionError
 
 
 @dataclass
@@ -36,6 +37,22 @@ class SessionInfo:
     turn_in_flight: bool
     ttl_s: float | None
     idle_s: float
+
+
+@dataclass
+class SessionExport:
+    """A session on its way to another replica (through Ray's object store): its token log,
+    a snapshot of its KV (None: nothing resident or parked) and its counters."""
+
+    session_id: str
+    history: list[int]
+    kv: KVSnapshot | None
+    ttl_s: float | None
+    turns: int
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.kv.nbytes if self.kv is not None else 0
 
 
 class SessionController:
@@ -111,6 +128,27 @@ class SessionController:
             meta.ttl_s,
             time.monotonic() - meta.last_active,
         )
+
+    def export(self, session_id: str) -> SessionExport:
+        """What another replica needs to take the session over (it stays here meanwhile)."""
+        history, kv = self.cache.export_session(session_id)
+        meta = self.meta[session_id]
+        return SessionExport(session_id, history, kv, meta.ttl_s, meta.turns)
+
+    def adopt(self, export: SessionExport) -> str:
+        """Take over an exported session, replacing a stale copy of it here. Returns where its
+        KV went ("pool", "host" or "none"; see SessionCache.adopt)."""
+        sid = export.session_id
+        if sid in self.cache.session_slots and not self.close(sid):
+            raise SessionBusyError(sid, self.cache.session(sid).turn_rid or "<closing>")
+        self.open(sid, export.ttl_s)
+        try:
+            where = self.cache.adopt(sid, export.history, export.kv)
+        except Exception:
+            self.close(sid)
+            raise
+        self.meta[sid].turns = export.turns
+        return where
 
     def _reclaim_one(self) -> None:
         """Close the least recently used session with no turn in flight (none: the cache's

@@ -216,3 +216,25 @@ def test_host_tier_budget_is_validated_and_counted() -> None:
     assert tier.put("a", snap) and tier.bytes_in_use == snap.nbytes == 32
     assert tier.put("a", snap) and tier.bytes_in_use == 32  # replaced, not added
     assert tier.take("a") is snap and tier.bytes_in_use == 0 and not tier.drop("a")
+
+
+def test_an_aborted_turn_parked_by_pressure_leaves_only_the_checkpoint(make_rig) -> None:
+    """A retracted turn's KV sits in the slot; evicted then, it is parked with the session's.
+    The turn's abort must cut the parked copy back to the checkpoint (found by the state
+    machine: the next append turn was refused as rewriting history)."""
+    r = make_rig(page=4, host_tier_bytes=1 << 20)
+    r.cache.open_session("s")
+    hist = _session_turn(r, "s", "t1", _prompt(30))
+    t = r.turn("s", "t2", hist + [4, 5, 6])
+    r.drive.admit(t)
+    r.drive.prefill(t)
+    r.cache.retract(t.req, t.tokens)
+    r.cache.make_room(r.cache.allocator.num_slots)  # pressure: everything idle is evicted
+    assert len(r.cache.host_tier.get("s")) == len(hist) + 3
+    r.cache.abort(t.req, t.tokens)
+    assert r.cache.host_tier.get("s").tokens == hist
+    r.check.check_idle()
+    t3 = r.turn("s", "t3", hist + [9])
+    assert r.drive.admit(t3) == len(hist) and t3.req.cached_source == "host"
+    r.cache.abort(t3.req, t3.tokens)
+    r.all_free()

@@ -253,7 +253,9 @@ class SessionCacheMachine(RuleBasedStateMachine):
     @rule(i=PICK, overshoot=st.integers(0, 6))
     def finish(self, i: int, overshoot: int) -> None:
         turn = self._pick(i, lambda t: t.req.is_live and t.sampled)
-        keep = max(turn.prompt_len + 1, len(turn.tokens) - overshoot)
+        # overshoot is what the last verify accepted past a stop: never below what a
+        # re-admission (after a retract) matched, which the engine's last verify came after
+        keep = max(turn.prompt_len + 1, turn.req.protected_len, len(turn.tokens) - overshoot)
         final = turn.tokens[:keep]
         self.cache.finish(turn.req, final)
         event("finished a session turn" if turn.req.session_id else "finished a plain request")
