@@ -36,6 +36,8 @@ def replica_options(cfg: AppConfig) -> dict[str, Any]:
             request_routing_stats_timeout_s=max(5.0, 2 * r.routing_stats_period_s),
         ),
     }
+    if r.env_vars:
+        opts["ray_actor_options"]["runtime_env"] = {"env_vars": dict(r.env_vars)}
     if r.max_replicas_per_node is not None:
         opts["max_replicas_per_node"] = r.max_replicas_per_node
     if r.autoscaling is not None:

@@ -183,6 +183,10 @@ class ReplicaDeploymentConfig(_Strict):
         description="How long Serve lets a stopping replica finish its requests and move its "
         "sessions (engine.sessions.migrate_on_shutdown_s of it) before killing it.",
     )
+    env_vars: dict[str, str] = Field(
+        default_factory=dict,
+        description="Environment variables of the replica processes (Ray runtime_env).",
+    )
     max_replicas_per_node: int | None = Field(
         None, ge=1, description="Spread replicas: at most this many on one node (None: any)."
     )

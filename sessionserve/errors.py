@@ -179,3 +179,29 @@ class SessionMovedError(SessionServeError):
     def __init__(self, session_id: str) -> None:
         super().__init__(f"session {session_id!r} moved to another replica; retry")
         self.session_id = session_id
+
+
+class SessionNotPlacedError(SessionServeError):
+    """A migration asked for a session that has not run a turn: no replica holds it yet."""
+
+    status_code = 409
+    error_type = "conflict_error"
+
+    def __init__(self, session_id: str) -> None:
+        super().__init__(
+            f"session {session_id!r} has not run a turn yet: no replica holds it, nothing to move"
+        )
+
+
+class UnknownReplicaError(SessionServeError):
+    """A call addressed to a replica that is not running (a wrong id, or it went away)."""
+
+    status_code = 409
+    error_type = "conflict_error"
+
+
+class MigrationFailedError(SessionServeError):
+    """A session could not be moved; it stays, intact, on its replica. Retrying is safe."""
+
+    status_code = 503
+    error_type = "overloaded_error"

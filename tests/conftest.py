@@ -124,16 +124,16 @@ def served(tmp_path_factory):
     shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
-def replica_memory() -> dict[str, dict]:
+def replica_memory(app: str = APP, replicas: int = 2) -> dict[str, dict]:
     """Each model replica's memory-invariant terms (it raises if the invariant is broken).
-    Unpinned calls spread at random, so enough of them reach both replicas."""
+    Unpinned calls spread at random, so enough of them reach every replica."""
     from ray import serve
 
-    handle = serve.get_deployment_handle("SessionReplica", app_name=APP)
+    handle = serve.get_deployment_handle("SessionReplica", app_name=app)
     seen: dict[str, dict] = {}
     for _ in range(40):
         terms = handle.memory_check.remote().result(timeout_s=30)
         seen[terms["replica"]] = terms
-        if len(seen) == 2:
+        if len(seen) == replicas:
             break
     return seen

@@ -28,6 +28,8 @@ from sessionserve.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     SessionCreate,
+    SessionMigrate,
+    SessionMigration,
     SessionView,
     check_session_id,
     now,
@@ -51,14 +53,22 @@ from sessionserve.api.security import (
 from sessionserve.config import AppConfig, served_model_name
 from sessionserve.errors import (
     EngineUnavailableError,
+    MigrationFailedError,
     SessionExistsError,
+    SessionMovedError,
+    SessionNotPlacedError,
     UnknownModelError,
     UnknownResponseError,
     UnknownSessionError,
 )
-from sessionserve.replicas.request import ContextTooLongError, SamplingParams
+from sessionserve.replicas.request import (
+    ContextTooLongError,
+    InvalidRequestError,
+    SamplingParams,
+)
 from sessionserve.replicas.server import GenerateCall
 from sessionserve.router.directory import get_directory
+from sessionserve.router.pin_cache import forget_pin
 
 log = logging.getLogger(__name__)
 app = FastAPI(title="sessionserve", description="OpenAI-compatible API with streaming sessions")
@@ -68,6 +78,7 @@ app.add_middleware(ApiKeyMiddleware)
 
 GENERATE = ERRORS(400, 401, 404, 409, 413, 429, 500, 503)
 LOOKUP = ERRORS(400, 401, 404, 500, 503)  # 503: the session directory did not answer
+MOVED_RETRIES = 2  # a turn routed to a replica its session just left is re-routed this often
 
 
 def owner(request: Request) -> str | None:
@@ -126,6 +137,31 @@ class Ingress:
         if not await self._close(check_session_id(session_id, "session_id"), owner(request)):
             raise UnknownSessionError(session_id)
         return {"id": session_id, "object": "session.deleted", "deleted": True}
+
+    @app.post("/v1/sessions/{session_id}/migrate", responses=ERRORS(400, 401, 404, 409, 500, 503))
+    async def migrate_session(
+        self, session_id: str, request: Request, body: SessionMigrate | None = None
+    ) -> SessionMigration:
+        """Move an idle session (its token log and KV) to another replica; its turns follow.
+        409 while a turn runs; on any failure it stays, intact, where it was."""
+        sid = check_session_id(session_id, "session_id")
+        info = await self.directory.info.remote(sid, owner(request))
+        if info is None:
+            raise UnknownSessionError(sid)
+        source, target = info["replica"], (body.target_replica if body else None)
+        if source is None:
+            raise SessionNotPlacedError(sid)
+        if target == source:
+            raise InvalidRequestError(
+                f"session {sid!r} is on replica {target!r} already", param="target_replica"
+            )
+        result = await self.replica.migrate_session.remote(sid, target, replica=source)
+        forget_pin(sid)
+        if result["target"] is None:
+            raise MigrationFailedError(
+                f"session {sid!r} was not moved ({result['error']}); it is unchanged on its replica"
+            )
+        return SessionMigration(id=sid, **{k: v for k, v in result.items() if k != "error"})
 
     async def _open(self, sid: str | None, ttl_s: float | None, owner_id: str | None):
         """Register a session in the directory (None: the id is taken); 429 past the key's
@@ -320,11 +356,17 @@ class Ingress:
     async def _open_stream(self, call: GenerateCall) -> tuple[Any, dict[str, Any]]:
         """Start the turn on its replica and wait for the first piece, so that errors before
         any token (bad input, busy session, overload) raise here and become a proper 4xx."""
-        stream = self.replica.options(stream=True, session_id=call.session_id).generate.remote(call)
-        try:
-            return stream, await stream.__anext__()
-        except Exception as e:
-            raise unwrap(e) from None
+        for attempt in range(MOVED_RETRIES + 1):
+            handle = self.replica.options(stream=True, session_id=call.session_id)
+            stream = handle.generate.remote(call)
+            try:
+                return stream, await stream.__anext__()
+            except Exception as e:
+                err = unwrap(e)
+                if not isinstance(err, SessionMovedError) or attempt == MOVED_RETRIES:
+                    raise err from None
+                forget_pin(call.session_id)  # migrated: the directory names the new replica
+        raise AssertionError("unreachable")
 
     @staticmethod
     async def _collect(stream: Any, piece: dict[str, Any]) -> tuple[str, list, dict[str, Any]]:

@@ -132,6 +132,29 @@ class SessionCreate(_Body):
     )
 
 
+class SessionMigrate(_Body):
+    target_replica: str | None = Field(
+        None,
+        max_length=128,
+        description="The replica id to move to (as `session.replica` reports it); omitted: "
+        "the other replica with the most free KV.",
+    )
+
+
+class SessionMigration(BaseModel):
+    id: str
+    object: Literal["session.migration"] = "session.migration"
+    source: str = Field(description="The replica the session left.")
+    target: str = Field(description="The replica that holds it now.")
+    kv: Literal["pool", "host", "none"] = Field(
+        description="Where its KV went: the target's pool, its host tier (no room), or "
+        "nowhere (the next turn re-prefills the history)."
+    )
+    kv_bytes: int
+    history_tokens: int
+    seconds: float
+
+
 class SessionView(BaseModel):
     id: str
     object: Literal["session"] = "session"

@@ -6,7 +6,8 @@ that the thread runs between two steps, answered through futures the asyncio loo
 that loop never waits for a forward. Tokens stream back through an asyncio queue fed by the
 engine's listener. Routing statistics are a snapshot the thread publishes. A cancelled stream
 (client disconnect) aborts its request, which keeps what the session has committed.
-Tokenization happens here, next to the model's tokenizer.
+Tokenization happens here, next to the model's tokenizer. Sessions move between replicas
+through `migration.SessionMover` (an admin call, or this replica being stopped).
 """
 
 from __future__ import annotations
@@ -29,15 +30,19 @@ from sessionserve.errors import (
     EngineUnavailableError,
     MemoryInvariantError,
     RequestFailedError,
+    UnknownReplicaError,
 )
+from sessionserve.faults import fault_point
 from sessionserve.metrics import RayEngineMetrics
 from sessionserve.replicas.engine import Engine, StepEvent
+from sessionserve.replicas.migration import SessionMover
 from sessionserve.replicas.request import (
     FinishReason,
     InvalidRequestError,
     SamplingParams,
     TokenLogprob,
 )
+from sessionserve.replicas.sessions import SessionExport
 
 log = logging.getLogger(__name__)
 IDLE_TICK_S = 0.5  # while idle: check the idle invariant and refresh the gauges this often
@@ -167,11 +172,15 @@ class ReplicaServer:
         try:
             from ray import serve
 
-            self.replica_id = serve.get_replica_context().replica_id.unique_id
+            context = serve.get_replica_context()
+            self.replica_id = context.replica_id.unique_id
+            self.app_name, self.deployment = context.app_name, context.deployment
         except Exception:  # constructed outside Serve (tests, scripts): no metrics export
-            self.replica_id = "local"
+            self.replica_id, self.app_name, self.deployment = "local", None, None
         else:
             self.engine.metrics = RayEngineMetrics(self.replica_id, self.engine.model_name)
+        self.mover = SessionMover(self.engine, self._run, self.replica_id)
+        self._peer_handles: tuple[Any, Any] | None = None
 
     # ---- generation ----
     async def generate(self, call: GenerateCall) -> AsyncIterator[dict[str, Any]]:
@@ -185,6 +194,7 @@ class ReplicaServer:
         # append mode), so the cache reuses the longest prefix it holds and rewinds if the log
         # and the held KV ever disagree: the directory's log is the source of truth.
         done, out_ids, text_sent = False, [], ""
+        await self.mover.admit_turn(call.session_id)  # moved elsewhere: the ingress re-routes
         self.streams[rid] = (aio, events)  # before submitting: a death in between is seen
         try:
             await self._run(
@@ -260,7 +270,8 @@ class ReplicaServer:
         return (call.history_ids or []) + new
 
     # ---- sessions ----
-    async def close_session(self, session_id: str) -> bool:
+    async def close_session(self, session_id: str, replica: str | None = None) -> bool:
+        self._check_addressed(replica)
         try:
             return await self._run(self.engine.close_session, session_id)
         except KeyError:
@@ -271,6 +282,48 @@ class ReplicaServer:
             return (await self._run(self.engine.session_info, session_id)).held_tokens
         except KeyError:
             return None
+
+    async def park_session(self, session_id: str) -> bool:
+        """Move an idle session's KV to the host tier now (True if kept there)."""
+        return await self._run(self.engine.park_session, session_id)
+
+    # ---- migration (`replica=`/`avoid=` address the call: see SessionAffinityRouter) ----
+    async def migrate_session(
+        self, session_id: str, target: str | None = None, replica: str | None = None
+    ) -> dict[str, Any]:
+        """Move one of this replica's idle sessions to `target` (None: the freest other)."""
+        self._check_addressed(replica)
+        handle, directory = self._peers()
+        return (await self.mover.move(session_id, handle, directory, target)).as_dict()
+
+    async def import_session(
+        self, export: SessionExport, replica: str | None = None, avoid: str | None = None
+    ) -> dict[str, str]:
+        """Take over a session another replica exported (the target side of a migration)."""
+        self._check_addressed(replica, avoid)
+        self.mover.arrived(export.session_id)
+        kv = await self._run(self.engine.import_session, export)
+        fault_point("import_session")  # chaos tests: the target dies mid-migration
+        return {"replica": self.replica_id, "kv": kv}
+
+    def _check_addressed(self, replica: str | None, avoid: str | None = None) -> None:
+        """The router sends an addressed call to that replica when it runs; otherwise it
+        lands elsewhere and is refused here, naming the problem."""
+        if replica is not None and replica != self.replica_id:
+            raise UnknownReplicaError(f"replica {replica!r} is not running")
+        if avoid is not None and avoid == self.replica_id:
+            raise UnknownReplicaError("no other replica is running to take the session")
+
+    def _peers(self) -> tuple[Any, Any]:
+        """This deployment's handle (to reach the other replicas) and the directory."""
+        if self._peer_handles is None:
+            from ray import serve
+
+            from sessionserve.router.directory import get_directory
+
+            handle = serve.get_deployment_handle(self.deployment, self.app_name)
+            self._peer_handles = (handle, get_directory(self.app_name))
+        return self._peer_handles
 
     async def memory_check(self) -> dict[str, Any]:
         """Run the memory invariant now (idle or busy form) and return its terms."""
@@ -291,10 +344,22 @@ class ReplicaServer:
         # ts lets the router tell a fresh report from a repeated one
         return {"ts": time.time(), **self.loop.stats}
 
-    def __del__(self) -> None:
+    async def __del__(self) -> None:
         """Serve calls this after its graceful drain (in-flight requests get
-        `graceful_shutdown_timeout_s` to finish); whatever is still running is aborted, so
-        streams end with finish_reason "abort" and sessions keep their committed turns."""
+        `graceful_shutdown_timeout_s` to finish): idle sessions move to live replicas for up
+        to `sessions.migrate_on_shutdown_s` (the rest re-prefill on their next turn), then
+        the engine stops."""
+        budget = self.engine.config.sessions.migrate_on_shutdown_s
+        if budget > 0 and self.app_name is not None and self.loop.is_alive():
+            try:
+                await self.mover.move_all(*self._peers(), budget)
+            except Exception:  # moving is best effort: the sessions can re-prefill
+                log.exception("moving sessions off this replica failed")
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        """Stop the engine: whatever is still running is aborted, so streams end with
+        finish_reason "abort" and sessions keep their committed turns."""
         loop = getattr(self, "loop", None)
         if loop is None or loop.stopping:
             return

@@ -261,6 +261,16 @@ class SessionDirectoryState:
             self._save(rec)
         return rec.replica, previous
 
+    def move_pin(self, session_id: str, source: str, target: str) -> bool:
+        """A migration's commit: the session's pin goes from `source` to `target` only if it
+        still is `source` (False: closed, expired or re-pinned meanwhile; nothing changed)."""
+        rec = self.sessions.get(session_id)
+        if rec is None or rec.replica != source:
+            return False
+        rec.replica = target
+        self._save(rec)
+        return True
+
     def drop_replica(self, replica: str) -> int:
         """A replica died: forget its pins (its sessions are re-placed on their next turn)."""
         n = 0

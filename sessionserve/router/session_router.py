@@ -9,14 +9,18 @@
 - If the pinned replica is gone (died, scaled down), the session is re-pinned to a live one; its
   next turn re-prefills from the token log in the directory.
 - Requests without a session: power of two choices by queue length and free KV.
-Routing stats are only used to *place*; a pin is never moved because of stale stats.
+- Calls addressed to a replica (a migration's steps): keyword `replica=` goes to that replica,
+  `avoid=` to the one with the most free KV among the others. If there is no such replica the
+  call lands on another, which refuses it by name (UnknownReplicaError), never silently.
+Routing stats are only used to *place*; a pin is never moved because of stale stats. A
+session's pin changes when its replica dies or it is migrated: the migrating process calls
+`forget_pin`, any other finds out from the old replica (SessionMovedError) and does the same.
 """
 
 from __future__ import annotations
 
 import logging
 import random
-from collections import OrderedDict
 
 from ray.serve.request_router import (
     PendingRequest,
@@ -27,6 +31,7 @@ from ray.serve.request_router import (
 
 from sessionserve.metrics import RouterMetrics
 from sessionserve.router.directory import get_directory
+from sessionserve.router.pin_cache import PinCache
 
 log = logging.getLogger(__name__)
 
@@ -35,10 +40,7 @@ class SessionAffinityRouter(RequestRouter):
     def initialize_state(
         self, tokens_per_new_session: int = 512, max_cached_pins: int = 65536, **kwargs
     ) -> None:
-        # a local cache of the directory's pins, least recently used first and bounded: ids
-        # churn without end, and a forgotten pin costs one directory call, not a wrong route
-        self._pins: OrderedDict[str, str] = OrderedDict()
-        self._max_pins = max_cached_pins
+        self._pins = PinCache(max_cached_pins)  # a local cache of the directory's pins
         self._directory = None
         # Stats arrive every ~second; placements made since then are counted here so that a
         # burst of new sessions does not all land on the replica that looked freest.
@@ -62,6 +64,9 @@ class SessionAffinityRouter(RequestRouter):
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
+        kwargs = pending_request.kwargs if pending_request else {}
+        if candidate_replicas and (kwargs.get("replica") or kwargs.get("avoid")):
+            return self._addressed(candidate_replicas, kwargs.get("replica"), kwargs.get("avoid"))
         session_id = pending_request.metadata.session_id if pending_request else None
         if not session_id or not candidate_replicas:
             return self._two_choices(candidate_replicas)
@@ -84,18 +89,25 @@ class SessionAffinityRouter(RequestRouter):
             else:
                 self._count("repins")
                 log.warning("session %s re-pinned from %s to %s", session_id, previous, winner)
-        self._pins[session_id] = winner
-        while len(self._pins) > self._max_pins:
-            self._pins.popitem(last=False)
+        self._pins.put(session_id, winner)
         return [[by_id[winner]]]
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         dead = replica_id.unique_id
-        self._pins = OrderedDict((s, r) for s, r in self._pins.items() if r != dead)
+        self._pins.drop_replica(dead)
         self._dir().drop_replica.send(dead)
 
     # ---- internals ----
+    def _addressed(
+        self, replicas: list[RunningReplica], replica: str | None, avoid: str | None
+    ) -> list[list[RunningReplica]]:
+        by_id = {r.replica_id.unique_id: r for r in replicas}
+        if replica in by_id:
+            return [[by_id[replica]]]
+        others = [r for r in replicas if r.replica_id.unique_id != avoid] or replicas
+        return [[self._most_free_kv(others)]]
+
     def _dir(self):
         if self._directory is None:
             self._directory = get_directory(self.app_name)

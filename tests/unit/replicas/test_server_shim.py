@@ -23,7 +23,7 @@ def server(tmp_path_factory):
         }
     )
     yield srv
-    srv.__del__()
+    srv.shutdown()
 
 
 async def _collect(gen):
@@ -88,7 +88,7 @@ def test_shutdown_aborts_what_is_still_running(tmp_path) -> None:
     save_tiny_model(tmp_path)
     srv = ReplicaServer({"model": {"path": str(tmp_path)}})
     rid = srv.engine.submit([5, 6], SamplingParams(max_tokens=3000, ignore_eos=True))
-    srv.__del__()
+    srv.shutdown()
     srv.loop.join(10)
     assert not srv.loop.is_alive()
     assert srv.engine.take_result(rid).finish_reason.value == "abort"
@@ -129,7 +129,7 @@ def test_the_event_loop_never_waits_for_a_forward(tmp_path) -> None:
         assert a[-1]["final"]["completion_tokens"] == b[-1]["final"]["completion_tokens"] == 3
     finally:
         release.set()
-        srv.__del__()
+        srv.shutdown()
 
 
 def test_a_dead_engine_thread_fails_calls_instead_of_hanging(tmp_path) -> None:

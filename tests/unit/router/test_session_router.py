@@ -51,10 +51,38 @@ def make_router(directory: FakeDirectoryActor) -> SessionAffinityRouter:
     return router
 
 
-def route(router, replicas, session_id):
-    pending = SimpleNamespace(metadata=SimpleNamespace(session_id=session_id))
+def route(router, replicas, session_id, **kwargs):
+    pending = SimpleNamespace(metadata=SimpleNamespace(session_id=session_id), kwargs=kwargs)
     ranks = asyncio.run(router.choose_replicas(replicas, pending))
     return ranks
+
+
+def test_addressed_calls_go_to_the_named_replica_or_avoid_one() -> None:
+    router = make_router(FakeDirectoryActor(SessionDirectoryState()))
+    a = FakeReplica("a", {"free_kv_tokens": 9000, "ts": 1.0})
+    b = FakeReplica("b", {"free_kv_tokens": 10, "ts": 1.0})
+    c = FakeReplica("c", {"free_kv_tokens": 5000, "ts": 1.0})
+    assert route(router, [a, b, c], None, replica="b") == [[b]]
+    assert route(router, [a, b, c], None, replica=None, avoid="a") == [[c]]  # freest other
+    # a named replica that is not running: the call lands elsewhere and is refused there
+    assert route(router, [a, b], None, replica="gone") == [[a]]
+    assert route(router, [a], None, avoid="a") == [[a]]  # nowhere else: refused by a itself
+    assert router._directory.calls == 0  # addressed calls never ask the directory
+
+
+def test_forget_pin_makes_the_next_request_ask_the_directory() -> None:
+    from sessionserve.router.pin_cache import forget_pin
+
+    state = SessionDirectoryState()
+    router = make_router(FakeDirectoryActor(state))
+    a = FakeReplica("a", {"free_kv_tokens": 9000, "ts": 1.0})
+    b = FakeReplica("b", {"free_kv_tokens": 10, "ts": 1.0})
+    assert route(router, [a, b], "s") == [[a]]
+    assert state.move_pin("s", "a", "b") and not state.move_pin("s", "a", "b")
+    assert route(router, [a, b], "s") == [[a]]  # the cached pin: stale until forgotten
+    forget_pin("s")
+    assert route(router, [a, b], "s") == [[b]]
+    assert not state.move_pin("unknown", "a", "b")
 
 
 def test_sessions_stick_and_new_ones_go_where_kv_is_free() -> None:
