@@ -36,16 +36,18 @@ def engine(
     num_slots: int = 8192,
     max_running: int = 64,
     prefill: int = 1024,
+    host_tier_bytes: int | None = None,
+    max_context_len: int = 8192,
 ) -> Engine:
     cfg = EngineConfig(
         cache=CacheConfig(
             page_size=16,
             num_slots=num_slots,
             max_rows=max_running + 8,
-            max_context_len=min(num_slots, 8192),
+            max_context_len=min(num_slots, max_context_len),
             radix_cache=radix,
         ),
-        sessions=SessionConfig(enabled=sessions),
+        sessions=SessionConfig(enabled=sessions, host_tier_bytes=host_tier_bytes),
         scheduler=SchedulerConfig(max_running_requests=max_running, max_prefill_tokens=prefill),
     )
     return Engine(cfg, loaded)

@@ -20,7 +20,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -181,6 +181,7 @@ class ReplicaServer:
             self.engine.metrics = RayEngineMetrics(self.replica_id, self.engine.model_name)
         self.mover = SessionMover(self.engine, self._run, self.replica_id)
         self._peer_handles: tuple[Any, Any] | None = None
+        self._stopped = False
 
     # ---- generation ----
     async def generate(self, call: GenerateCall) -> AsyncIterator[dict[str, Any]]:
@@ -344,11 +345,22 @@ class ReplicaServer:
         # ts lets the router tell a fresh report from a repeated one
         return {"ts": time.time(), **self.loop.stats}
 
-    async def __del__(self) -> None:
+    def __del__(self) -> Awaitable[None] | None:
         """Serve calls this after its graceful drain (in-flight requests get
-        `graceful_shutdown_timeout_s` to finish): idle sessions move to live replicas for up
-        to `sessions.migrate_on_shutdown_s` (the rest re-prefill on their next turn), then
-        the engine stops."""
+        `graceful_shutdown_timeout_s` to finish) and awaits what it returns: idle sessions
+        move to live replicas for up to `sessions.migrate_on_shutdown_s` (the rest re-prefill
+        on their next turn), then the engine stops. Called by the garbage collector (or with
+        no event loop running), it just stops the engine."""
+        if getattr(self, "_stopped", True):  # stopped already, or __init__ never finished
+            return None
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            self.shutdown()
+            return None
+        return self._move_sessions_then_stop()
+
+    async def _move_sessions_then_stop(self) -> None:
         budget = self.engine.config.sessions.migrate_on_shutdown_s
         if budget > 0 and self.app_name is not None and self.loop.is_alive():
             try:
@@ -360,6 +372,7 @@ class ReplicaServer:
     def shutdown(self) -> None:
         """Stop the engine: whatever is still running is aborted, so streams end with
         finish_reason "abort" and sessions keep their committed turns."""
+        self._stopped = True
         loop = getattr(self, "loop", None)
         if loop is None or loop.stopping:
             return
