@@ -248,6 +248,41 @@ def kv_and_sessions() -> Dashboard:
                 "ray_sessionserve_retractions_total (decodes preempted for KV), per second.",
             ),
             Panel(
+                "Host tier",
+                [
+                    (f"sum({m('host_tier_bytes')})", "bytes parked"),
+                    (f"sum({m('host_tier_sessions')})", "sessions parked"),
+                ],
+                "ray_sessionserve_host_tier_bytes and host_tier_sessions: idle sessions' KV "
+                "copied to host memory (engine.sessions.host_tier_bytes), restored by their "
+                "next turn instead of a re-prefill.",
+            ),
+            Panel(
+                "Host tier traffic",
+                [
+                    (rate("host_tier_parks_total"), "parks/s"),
+                    (rate("host_tier_restores_total"), "restores/s"),
+                    (rate("host_tier_evictions_total"), "host evictions/s"),
+                    (f"{quantile(0.5, 'host_tier_restore_seconds')} or vector(0)", "restore p50 s"),
+                ],
+                "ray_sessionserve_host_tier_{parks,restores,evictions}_total per second "
+                "(evictions: parked KV dropped for the budget, that session re-prefills) and "
+                "the median of ray_sessionserve_host_tier_restore_seconds.",
+            ),
+            Panel(
+                "Session migrations",
+                [
+                    (
+                        f"sum by (trigger) (rate({m('sessions_migrated_total')}{W})) or vector(0)",
+                        "{{trigger}}",
+                    ),
+                    (f"{quantile(0.5, 'migration_seconds')} or vector(0)", "move p50 s"),
+                ],
+                "ray_sessionserve_sessions_migrated_total by trigger (admin: POST "
+                "/v1/sessions/{id}/migrate; shutdown: a stopping replica) per second, and the "
+                "median of ray_sessionserve_migration_seconds (export + transfer + import).",
+            ),
+            Panel(
                 "Memory checks",
                 [
                     (rate("memory_checks_total"), "checks/s"),

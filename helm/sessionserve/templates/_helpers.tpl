@@ -122,6 +122,8 @@ applications:
           max_session_tokens: {{ $e.sessions.maxSessionTokens | toJson }}
           default_ttl_s: {{ $e.sessions.defaultTtlS | toJson }}
           implicit_open: {{ $e.sessions.implicitOpen | toJson }}
+          host_tier_bytes: {{ $e.sessions.hostTierBytes | toJson }}
+          migrate_on_shutdown_s: {{ $e.sessions.migrateOnShutdownS | toJson }}
         scheduler:
           max_running_requests: {{ $e.scheduler.maxRunningRequests | toJson }}
           max_prefill_tokens: {{ $e.scheduler.maxPrefillTokens | toJson }}
@@ -133,6 +135,7 @@ applications:
         num_cpus: {{ $v.replicas.numCpus | toJson }}
         num_gpus: {{ $v.replicas.numGpus | toJson }}
         max_ongoing_requests: {{ $v.replicas.maxOngoingRequests | toJson }}
+        graceful_shutdown_timeout_s: {{ $v.replicas.gracefulShutdownTimeoutS | toJson }}
         {{- if $v.replicas.autoscaling.enabled }}
         autoscaling:
           min_replicas: {{ $v.replicas.autoscaling.minReplicas | toJson }}
