@@ -6,11 +6,11 @@
      re-prefill: evicted with no copy: the whole history is prefilled again
    restore_speedup_<n> = re-prefill / host.
 2. Migration of the session with the first history length: export from one engine, through
-   Ray's object store (ray.put, then ray.get in a separate worker process on this node, which
-   copies it out as the target replica does), import into a second engine; vs re-prefilling
-   the history on the target. migrate_speedup_<n> = re-prefill / (export + transfer + import).
+   Ray's object store (ray.put, ray.get: one copy in, mapped out, as a handle call between two
+   replicas on one node), import into a second engine; vs re-prefilling the history there.
+   migrate_speedup_<n> = re-prefill / (export + transfer + import).
 3. Hot/cold sessions in the shape of SGLang's session benchmark: --hot sessions take a turn
-   every round, --cold ones every 4th, in a pool too small for all of them; session-cache hit
+   every round, --cold ones every 4th, in a pool holding 60% of their KV; session-cache hit
    rate (cached / prompt tokens), mean TTFT and re-prefilled tokens with the host tier on and
    off. ttft_gain_hotcold = mean TTFT off / on.
 All figures are medians of --repeats (part 1, 2) on the default model (SmolLM2-135M, fp32),
@@ -62,16 +62,12 @@ def next_turn_ttft(loaded, history: int, repeats: int) -> dict[str, float]:
 
 
 def migration(loaded, history: int, repeats: int) -> dict[str, float]:
+    """A replica's handle call puts the export in the object store (one copy) and the target
+    maps it from there (zero-copy on one node), so: export, ray.put, ray.get, import."""
     import ray
 
     ray.init(num_cpus=1, include_dashboard=False, logging_level="ERROR")
-
-    @ray.remote
-    def hop(export):  # a copy out of the object store in another process, as a replica gets it
-        return export
-
     try:
-        ray.get(hop.remote(torch.zeros(4)))  # start the worker (and its torch import)
         source = engine(loaded, radix=False, num_slots=history + 512)
         target = engine(loaded, radix=False, num_slots=2 * (history + 512))
         sid = source.open_session()
@@ -80,8 +76,7 @@ def migration(loaded, history: int, repeats: int) -> dict[str, float]:
         for rep in range(repeats):
             t0 = time.perf_counter()
             export = source.export_session(sid)
-            moved = ray.get(hop.remote(ray.put(export)))
-            target.import_session(moved)
+            target.import_session(ray.get(ray.put(export)))
             moves.append(time.perf_counter() - t0)
             nbytes = export.kv_bytes
             (r,) = target.generate([ids(200 + rep, 16)], ONE_TOKEN, session_id=sid)
@@ -104,22 +99,28 @@ def migration(loaded, history: int, repeats: int) -> dict[str, float]:
 
 
 def hot_cold(loaded, hot: int, cold: int, rounds: int, tier: bool) -> dict[str, float]:
-    prompt, per_turn = 400, 24  # tokens: first message, then each new message
-    slots = (hot + cold // 2) * (prompt + rounds * (per_turn + 4)) // 16 * 16  # too few for all
+    prompt, per_turn, answer = 400, 24, ANSWER.max_tokens  # tokens
+    cold_turns = -(-rounds // 4)
+    need = hot * (prompt + rounds * (per_turn + answer)) + cold * (
+        prompt + cold_turns * (per_turn + answer)
+    )
+    slots = int(0.6 * need) // 16 * 16  # the pool holds 60% of the sessions' KV
     eng = engine(loaded, radix=False, num_slots=slots, host_tier_bytes=HOST_TIER if tier else None)
     sids = [eng.open_session() for _ in range(hot + cold)]
+    started: set[str] = set()
     ttfts, prompt_tokens, cached, sources = [], 0, 0, {"session": 0, "host": 0, "none": 0}
     for rnd in range(rounds):
         for i, sid in enumerate(sids):
             if i >= hot and rnd % 4 != i % 4:  # cold: every 4th round, staggered
                 continue
-            new = ids(1000 * i + rnd, prompt if rnd == 0 else per_turn)
+            new = ids(1000 * i + rnd, per_turn if sid in started else prompt)
             (r,) = eng.generate([new], ANSWER, session_id=sid)
-            if rnd:  # first turns prefill in both modes alike
+            if sid in started:  # first turns prefill in both modes alike
                 ttfts.append(r.ttft_s)
                 prompt_tokens += r.prompt_tokens
                 cached += r.cached_tokens
                 sources[r.cached_source] += 1
+            started.add(sid)
     return {
         "hit_rate": cached / prompt_tokens,
         "mean_ttft_s": sum(ttfts) / len(ttfts),

@@ -163,6 +163,19 @@ class Ingress:
             )
         return SessionMigration(id=sid, **{k: v for k, v in result.items() if k != "error"})
 
+    @app.post("/v1/sessions/{session_id}/park", responses=LOOKUP | ERRORS(409))
+    async def park_session(self, session_id: str, request: Request) -> dict[str, Any]:
+        """Move an idle session's KV out of device memory now (to the host tier when the
+        replica has one; else it is dropped and the next turn re-prefills)."""
+        sid = check_session_id(session_id, "session_id")
+        info = await self.directory.info.remote(sid, owner(request))
+        if info is None:
+            raise UnknownSessionError(sid)
+        parked = False
+        if info["replica"] is not None:
+            parked = await self.replica.options(session_id=sid).park_session.remote(sid)
+        return {"id": sid, "object": "session.parked", "host_tier": parked}
+
     async def _open(self, sid: str | None, ttl_s: float | None, owner_id: str | None):
         """Register a session in the directory (None: the id is taken); 429 past the key's
         `ingress.max_sessions_per_key`."""
@@ -356,7 +369,8 @@ class Ingress:
     async def _open_stream(self, call: GenerateCall) -> tuple[Any, dict[str, Any]]:
         """Start the turn on its replica and wait for the first piece, so that errors before
         any token (bad input, busy session, overload) raise here and become a proper 4xx."""
-        for attempt in range(MOVED_RETRIES + 1):
+        attempt = 0
+        while True:
             handle = self.replica.options(stream=True, session_id=call.session_id)
             stream = handle.generate.remote(call)
             try:
@@ -365,8 +379,8 @@ class Ingress:
                 err = unwrap(e)
                 if not isinstance(err, SessionMovedError) or attempt == MOVED_RETRIES:
                     raise err from None
-                forget_pin(call.session_id)  # migrated: the directory names the new replica
-        raise AssertionError("unreachable")
+            forget_pin(call.session_id)  # migrated: the directory names the new replica
+            attempt += 1
 
     @staticmethod
     async def _collect(stream: Any, piece: dict[str, Any]) -> tuple[str, list, dict[str, Any]]:

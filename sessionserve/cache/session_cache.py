@@ -185,8 +185,8 @@ class SessionCache(RequestCache):
         try:
             self._restore(slot, snap, upto)
             return "pool"
-        except KVCacheFullError:
-            if self.host_tier is not None and self.host_tier.put(session_id, snap):
+        except KVCacheFullError:  # parked as a copy of our own (not the sender's buffers)
+            if self.host_tier is not None and self.host_tier.put(session_id, snap.prefix(upto)):
                 return "host"
             return "none"
 
@@ -313,7 +313,9 @@ class SessionCache(RequestCache):
 
     def _restore_parked(self, slot: SessionSlot, key: Sequence[int], mode: TurnMode) -> bool:
         """Bring a parked session's KV back for the prefix `key` shares with it. False (the
-        turn re-prefills) when nothing is parked or shared, or the pool has no room."""
+        turn re-prefills) when nothing is parked or shared. No room in the pool raises
+        KVCacheFullError with the copy back in the tier: the turn waits for room, as any
+        admission does, rather than recompute what is parked."""
         snap = self.host_tier.get(slot.session_id) if self.host_tier is not None else None
         if snap is None:
             return False
@@ -330,7 +332,8 @@ class SessionCache(RequestCache):
         try:
             self._restore(slot, snap, upto)
         except KVCacheFullError:
-            return False
+            self.host_tier.put(slot.session_id, snap)
+            raise
         self.host_tier.note_restore(time.perf_counter() - started)
         return True
 

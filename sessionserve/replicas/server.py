@@ -286,7 +286,10 @@ class ReplicaServer:
 
     async def park_session(self, session_id: str) -> bool:
         """Move an idle session's KV to the host tier now (True if kept there)."""
-        return await self._run(self.engine.park_session, session_id)
+        try:
+            return await self._run(self.engine.park_session, session_id)
+        except KeyError:  # never reached this replica (or expired here): nothing held
+            return False
 
     # ---- migration (`replica=`/`avoid=` address the call: see SessionAffinityRouter) ----
     async def migrate_session(

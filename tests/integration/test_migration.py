@@ -98,9 +98,21 @@ def test_admin_migrate_moves_the_kv_and_the_turns_follow(mig) -> None:
     # and back, naming the target explicitly
     r = mig.post(f"/v1/sessions/{sid}/migrate", json={"target_replica": source})
     assert r.status_code == 200 and r.json()["target"] == source, r.text
-    for terms in replica_memory(MIG_APP).values():
-        assert terms["host_bytes"] >= 0  # the call itself raises if the invariant is broken
+    assert len(replica_memory(MIG_APP)) == 2  # each check raises if its invariant is broken
     assert mig.delete(f"/v1/sessions/{sid}").status_code == 200
+
+
+def test_a_parked_session_is_restored_from_the_host_tier(mig) -> None:
+    sid = "mig-park"
+    messages = _converse(mig, sid, 2, seed=5)
+    r = mig.post(f"/v1/sessions/{sid}/park")
+    assert r.status_code == 200 and r.json()["host_tier"] is True, r.text
+    assert mig.get(f"/v1/sessions/{sid}").json()["held_tokens"] == 0
+    out = _next_turn_is_exact(mig, sid, messages)
+    assert out["session"]["cached_source"] == "host"
+    assert mig.post("/v1/sessions/nope/park").status_code == 404
+    assert mig.get(f"/v1/sessions/{sid}").json()["held_tokens"] > 0  # resident again
+    replica_memory(MIG_APP)
 
 
 def test_migrate_errors_are_clear(mig) -> None:

@@ -13,6 +13,7 @@ from sessionserve.errors import (
     AppendOnlyViolationError,
     IncompatibleSnapshotError,
     InvalidConfigError,
+    KVCacheFullError,
     SessionBusyError,
 )
 
@@ -237,4 +238,26 @@ def test_an_aborted_turn_parked_by_pressure_leaves_only_the_checkpoint(make_rig)
     t3 = r.turn("s", "t3", hist + [9])
     assert r.drive.admit(t3) == len(hist) and t3.req.cached_source == "host"
     r.cache.abort(t3.req, t3.tokens)
+    r.all_free()
+
+
+def test_a_restore_without_room_waits_with_the_copy_kept(make_rig) -> None:
+    """No room to copy the parked KV back: the admission fails as any admission without room
+    does (the scheduler retries it), keeping the copy, instead of re-prefilling it."""
+    r = make_rig(page=4, num_slots=256, host_tier_bytes=1 << 20)
+    r.cache.open_session("s")
+    hist = _session_turn(r, "s", "t1", _prompt(100))
+    r.cache.park("s")
+    hog = r.turn(None, "hog", _prompt(220, base=5))
+    r.drive.admit(hog)
+    r.drive.prefill(hog)  # a running request holds most of the pool
+    t2 = r.turn("s", "t2", hist + [5])
+    with pytest.raises(KVCacheFullError):
+        r.drive.admit(t2)
+    assert "s" in r.cache.host_tier and t2.req.row is None
+    r.busy(hog)
+    r.drive.sample(hog)
+    r.cache.finish(hog.req, hog.tokens)
+    assert r.drive.admit(t2) == len(hist) - 1 and t2.req.cached_source == "host"
+    r.cache.abort(t2.req, t2.tokens)
     r.all_free()
