@@ -36,7 +36,9 @@ class KVSnapshot:
         return KVSnapshot(self.tokens[:n], [t[:, :, :n].clone() for t in self.kv])
 
 
-def gather(pools: Sequence[KVPool], slots: torch.Tensor, tokens: Sequence[int]) -> KVSnapshot:
+def gather(
+    pools: Sequence[KVPool], slots: torch.Tensor, tokens: Sequence[int], page_size: int = 1
+) -> KVSnapshot:
     """Copy the KV at `slots` (one per token) out of every pool. On CUDA the copy lands in
     pinned host memory without blocking the host: it is ordered before any later kernel on the
     stream (so the freed slots can be reused at once); `synchronize` before reading it on the
@@ -46,7 +48,7 @@ def gather(pools: Sequence[KVPool], slots: torch.Tensor, tokens: Sequence[int]) 
     out = []
     for pool in pools:
         idx = slots.to(pool.k.device)
-        both = torch.stack((pool.k.index_select(1, idx), pool.v.index_select(1, idx)))
+        both = torch.stack([_read(t, idx, page_size) for t in (pool.k, pool.v)])
         if both.device.type == "cuda":
             host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
             host.copy_(both, non_blocking=True)
@@ -56,7 +58,12 @@ def gather(pools: Sequence[KVPool], slots: torch.Tensor, tokens: Sequence[int]) 
 
 
 def scatter(
-    pools: Sequence[KVPool], snap: KVSnapshot, start: int, end: int, slots: torch.Tensor
+    pools: Sequence[KVPool],
+    snap: KVSnapshot,
+    start: int,
+    end: int,
+    slots: torch.Tensor,
+    page_size: int = 1,
 ) -> None:
     """Write positions `[start, end)` of `snap` into `slots` of every pool (host -> device
     asynchronously on CUDA, ordered before the forward that reads them)."""
@@ -66,8 +73,45 @@ def scatter(
     for pool, t in zip(pools, snap.kv, strict=True):
         part = t[:, :, start:end].to(pool.k.device, non_blocking=True)
         idx = slots.to(pool.k.device)
-        pool.k.index_copy_(1, idx, part[0])
-        pool.v.index_copy_(1, idx, part[1])
+        _write(pool.k, idx, part[0], page_size)
+        _write(pool.v, idx, part[1], page_size)
+
+
+def _whole_pages(slots: torch.Tensor, page_size: int) -> torch.Tensor | None:
+    """The pages holding `slots` if they are whole pages in order (positions of a row from a
+    page boundary always are, but a last partial page), else None: then copies go page by
+    page (a few hundred copies) instead of token by token (thousands per layer)."""
+    n = slots.numel()
+    if page_size == 1 or n < page_size:
+        return None
+    pages = slots[::page_size] // page_size
+    expect = (pages[:, None] * page_size + torch.arange(page_size, device=slots.device)).flatten()
+    return pages if torch.equal(expect[:n], slots) else None
+
+
+def _read(t: torch.Tensor, slots: torch.Tensor, page_size: int) -> torch.Tensor:
+    """`t[:, slots]` of a pool tensor [layers, pool_slots, heads, dim]."""
+    pages = _whole_pages(slots, page_size)
+    if pages is None:
+        return t.index_select(1, slots)
+    layers, _, heads, dim = t.shape
+    paged = t.view(layers, -1, page_size, heads, dim).index_select(1, pages)
+    return paged.view(layers, -1, heads, dim)[:, : slots.numel()]
+
+
+def _write(t: torch.Tensor, slots: torch.Tensor, values: torch.Tensor, page_size: int) -> None:
+    """`t[:, slots] = values` for a pool tensor [layers, pool_slots, heads, dim]."""
+    pages = _whole_pages(slots, page_size)
+    if pages is None:
+        t.index_copy_(1, slots, values)
+        return
+    full = slots.numel() // page_size
+    layers, _, heads, dim = t.shape
+    if full:
+        block = values[:, : full * page_size].reshape(layers, full, page_size, heads, dim)
+        t.view(layers, -1, page_size, heads, dim).index_copy_(1, pages[:full], block)
+    if slots.numel() > full * page_size:  # the last, partial page
+        t.index_copy_(1, slots[full * page_size :], values[:, full * page_size :])
 
 
 def check_compatible(pools: Sequence[KVPool], snap: KVSnapshot) -> None:

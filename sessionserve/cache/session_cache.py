@@ -165,7 +165,7 @@ class SessionCache(RequestCache):
             raise SessionBusyError(session_id, slot.turn_rid)
         if slot.holds_kv and slot.committed_len:
             slots = self.rows.read(slot.row, 0, slot.committed_len)
-            return list(slot.history), gather(self.kv_pools, slots, slot.kv_tokens)
+            return list(slot.history), gather(self.kv_pools, slots, slot.kv_tokens, self.page_size)
         parked = self.host_tier.get(session_id) if self.host_tier is not None else None
         return list(slot.history), parked
 
@@ -309,7 +309,9 @@ class SessionCache(RequestCache):
         if self.host_tier is None or slot.committed_len == 0:
             return False
         slots = self.rows.read(slot.row, 0, slot.committed_len)
-        return self.host_tier.put(slot.session_id, gather(self.kv_pools, slots, slot.kv_tokens))
+        return self.host_tier.put(
+            slot.session_id, gather(self.kv_pools, slots, slot.kv_tokens, self.page_size)
+        )
 
     def _restore_parked(self, slot: SessionSlot, key: Sequence[int], mode: TurnMode) -> bool:
         """Bring a parked session's KV back for the prefix `key` shares with it. False (the
@@ -366,7 +368,7 @@ class SessionCache(RequestCache):
             self.rows.free(row)
             raise
         self.rows.write(row, m.length, slots)
-        scatter(self.kv_pools, snap, m.length, upto, slots)
+        scatter(self.kv_pools, snap, m.length, upto, slots, self.page_size)
         slot.row, slot.lock_node, slot.protected_len = row, m.node, m.length
         slot.committed_len = slot.allocated_len = upto
         slot.kv_tokens = list(snap.tokens[:upto])

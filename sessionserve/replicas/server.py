@@ -367,10 +367,19 @@ class ReplicaServer:
         budget = self.engine.config.sessions.migrate_on_shutdown_s
         if budget > 0 and self.app_name is not None and self.loop.is_alive():
             try:
-                await self.mover.move_all(*self._peers(), budget)
+                if self._running_peers() > 0:  # none when the whole app is being deleted
+                    await self.mover.move_all(*self._peers(), budget)
             except Exception:  # moving is best effort: the sessions can re-prefill
                 log.exception("moving sessions off this replica failed")
         self.shutdown()
+
+    def _running_peers(self) -> int:
+        """Replicas of this deployment Serve reports running (this stopping one is not)."""
+        from ray import serve
+
+        app = serve.status().applications.get(self.app_name)
+        deployment = app.deployments.get(self.deployment) if app is not None else None
+        return deployment.replica_states.get("RUNNING", 0) if deployment is not None else 0
 
     def shutdown(self) -> None:
         """Stop the engine: whatever is still running is aborted, so streams end with
