@@ -72,16 +72,17 @@ def emit(summary: dict[str, Any]) -> None:
 
 
 @contextlib.contextmanager
-def local_serve(port: int) -> Iterator[str]:
+def local_serve(port: int, **model_shape: int) -> Iterator[str]:
     """Ray (2 CPUs, its own temp dir) and Serve on loopback `port`, with a tiny random-weight
-    model saved for the app; yields the model's directory. Everything goes away after."""
+    model (of `model_shape`, e.g. hidden_size) saved for the app; yields the model's
+    directory. Everything goes away after."""
     import ray
     from ray import serve
 
     from tests.models import save_tiny_model
 
     model_dir = tempfile.mkdtemp(prefix="ss-model-")
-    save_tiny_model(model_dir)
+    save_tiny_model(model_dir, **model_shape)
     ray_tmp = tempfile.mkdtemp(prefix="ss-", dir="/tmp")
     ray.init(num_cpus=2, include_dashboard=False, _temp_dir=ray_tmp, logging_level="ERROR")
     serve.start(

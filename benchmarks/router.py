@@ -36,7 +36,6 @@ def app_args(model_dir: str, router: str) -> dict:
             "cache": {"page_size": 4, "num_slots": 16384, "max_rows": 256, "max_context_len": 256},
             "sessions": {"implicit_open": True},
         },
-        **({"runtime": 1} if False else {}),
         "replica": {
             "num_replicas": 2,
             "num_cpus": 0.5,

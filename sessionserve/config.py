@@ -190,6 +190,14 @@ class ReplicaDeploymentConfig(_Strict):
     max_replicas_per_node: int | None = Field(
         None, ge=1, description="Spread replicas: at most this many on one node (None: any)."
     )
+    rebalance_queue_len: int | None = Field(
+        None,
+        ge=2,
+        description="With the session_affinity router: a session whose replica has at least "
+        "this many requests queued or running is migrated (its KV moves) to a replica with at "
+        "most half as many before its turn runs. None = never (the default: measured in "
+        "docs/benchmarks.md).",
+    )
     request_router: Literal["session_affinity", "power_of_two"] = Field(
         "session_affinity",
         description="session_affinity keeps a session on its replica; power_of_two is Ray's "

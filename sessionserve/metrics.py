@@ -84,6 +84,11 @@ ROUTER_METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "sessionserve_router_sticky_hits": ("counter", "Session requests sent to their pin", ()),
     "sessionserve_router_placements": ("counter", "New sessions placed on a replica", ()),
     "sessionserve_router_repins": ("counter", "Sessions moved off a dead replica", ()),
+    "sessionserve_router_rebalances": (
+        "counter",
+        "Sessions migrated off a saturated replica before their turn",
+        (),
+    ),
 }
 
 

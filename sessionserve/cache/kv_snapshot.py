@@ -10,9 +10,11 @@ that restores it allocates its own slots.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from sessionserve.cache.kv_pool import KVPool
@@ -31,9 +33,31 @@ class KVSnapshot:
     def __len__(self) -> int:
         return len(self.tokens)
 
+    def __getstate__(self) -> dict:
+        """Pickled (Ray's object store), the tensors travel as raw numpy bytes: the store
+        maps those without a copy, where a pickled torch tensor is copied twice each way."""
+        return {
+            "tokens": self.tokens,
+            "kv": [(_raw(t), t.dtype, tuple(t.shape)) for t in self.kv],
+        }
+
+    def __setstate__(self, state: dict) -> None:
+        self.tokens = state["tokens"]
+        self.kv = [_from_raw(raw, dtype, shape) for raw, dtype, shape in state["kv"]]
+
     def prefix(self, n: int) -> KVSnapshot:
         """The first `n` positions, copied (a view would keep the whole buffer alive)."""
         return KVSnapshot(self.tokens[:n], [t[:, :, :n].clone() for t in self.kv])
+
+
+def _raw(t: torch.Tensor) -> np.ndarray:
+    return t.contiguous().view(-1).view(torch.uint8).numpy()  # any dtype, bf16 included
+
+
+def _from_raw(raw: np.ndarray, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    with warnings.catch_warnings():  # a read-only buffer (the object store's): only read
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(raw).view(dtype).view(shape)
 
 
 def gather(
@@ -48,7 +72,12 @@ def gather(
     out = []
     for pool in pools:
         idx = slots.to(pool.k.device)
-        both = torch.stack([_read(t, idx, page_size) for t in (pool.k, pool.v)])
+        layers, _, heads, dim = pool.k.shape
+        both = torch.empty(
+            (2, layers, idx.numel(), heads, dim), dtype=pool.dtype, device=idx.device
+        )
+        _read(pool.k, idx, page_size, both[0])
+        _read(pool.v, idx, page_size, both[1])
         if both.device.type == "cuda":
             host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
             host.copy_(both, non_blocking=True)
@@ -89,14 +118,21 @@ def _whole_pages(slots: torch.Tensor, page_size: int) -> torch.Tensor | None:
     return pages if torch.equal(expect[:n], slots) else None
 
 
-def _read(t: torch.Tensor, slots: torch.Tensor, page_size: int) -> torch.Tensor:
-    """`t[:, slots]` of a pool tensor [layers, pool_slots, heads, dim]."""
+def _read(t: torch.Tensor, slots: torch.Tensor, page_size: int, out: torch.Tensor) -> None:
+    """`out[:] = t[:, slots]` for a pool tensor [layers, pool_slots, heads, dim], straight
+    into `out` (contiguous [layers, len(slots), heads, dim]): no temporary copy."""
     pages = _whole_pages(slots, page_size)
     if pages is None:
-        return t.index_select(1, slots)
+        torch.index_select(t, 1, slots, out=out)
+        return
+    n, full = slots.numel(), slots.numel() // page_size
     layers, _, heads, dim = t.shape
-    paged = t.view(layers, -1, page_size, heads, dim).index_select(1, pages)
-    return paged.view(layers, -1, heads, dim)[:, : slots.numel()]
+    paged = t.view(layers, -1, page_size, heads, dim)
+    for layer in range(layers):  # each layer's rows of `out` are contiguous
+        dest = out[layer, : full * page_size].view(full, page_size, heads, dim)
+        torch.index_select(paged[layer], 0, pages[:full], out=dest)
+    if n > full * page_size:  # the last, partial page
+        out[:, full * page_size :] = t.index_select(1, slots[full * page_size :])
 
 
 def _write(t: torch.Tensor, slots: torch.Tensor, values: torch.Tensor, page_size: int) -> None:

@@ -261,3 +261,17 @@ def test_a_restore_without_room_waits_with_the_copy_kept(make_rig) -> None:
     assert r.drive.admit(t2) == len(hist) - 1 and t2.req.cached_source == "host"
     r.cache.abort(t2.req, t2.tokens)
     r.all_free()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_snapshot_pickles_as_raw_buffers_and_back(dtype: torch.dtype) -> None:
+    import pickle
+
+    kv = torch.randn(2, 3, 5, 2, 4).to(dtype)
+    snap = KVSnapshot([1, 2, 3, 4, 5], [kv, kv[:, :1].clone()])
+    state = snap.__getstate__()
+    assert all(raw.dtype.name == "uint8" for raw, _, _ in state["kv"])  # numpy: zero-copy
+    back = pickle.loads(pickle.dumps(snap, protocol=5))
+    assert back.tokens == snap.tokens and back.nbytes == snap.nbytes
+    for a, b in zip(back.kv, snap.kv, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
