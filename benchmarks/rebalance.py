@@ -2,7 +2,8 @@
 
 Two replicas of a small random model (4 layers, hidden 256; one torch thread each) on loopback.
 --sessions sessions take one turn each; those pinned to the first session's replica A are
-split into hogs and probes. The hogs start long decodes on A (--hog-tokens each, all at once)
+split into hogs and probes. The hogs start long turns on A (--hog-prompt tokens of prompt,
+--hog-tokens of answer each, all at once)
 and, while they run, each probe sends one short turn, one after the other; its latency is
 recorded. Replica B is idle all along. Two variants of the same app:
   off: `replica.rebalance_queue_len: null` (the default): a probe's turn waits in A's batch
@@ -11,7 +12,7 @@ recorded. Replica B is idle all along. Two variants of the same app:
     probe_p50_gain = p50(off) / p50(on)        (> 1: rebalancing pays)
 plus the hogs' decode throughput in both (rebalancing must not cost A's running work).
 
-    .venv/bin/python -m benchmarks.rebalance [--sessions 24] [--hog-tokens 300] [--threshold 4]
+    .venv/bin/python -m benchmarks.rebalance [--sessions 40] [--hog-prompt 2] [--hog-tokens 300]
 """
 
 from __future__ import annotations
@@ -66,10 +67,11 @@ async def run(base: str, args) -> dict:
         home = {s: out["session"]["replica"] for s, (_, out) in zip(sids, first, strict=True)}
         on_a = [s for s in sids if home[s] == home[sids[0]]]
         hogs, probes = on_a[: args.hogs], on_a[args.hogs :][: args.probes]
-        if len(probes) < 2:
+        if len(probes) < args.probes:
             raise SystemExit(f"only {len(on_a)} sessions landed on one replica: raise --sessions")
         started = time.perf_counter()
-        hog_tasks = [asyncio.ensure_future(turn(s, [9, 10], args.hog_tokens)) for s in hogs]
+        hog_prompt = [9 + i % 200 for i in range(args.hog_prompt)]
+        hog_tasks = [asyncio.ensure_future(turn(s, hog_prompt, args.hog_tokens)) for s in hogs]
         await asyncio.sleep(1.0)  # A is busy and its stats say so
         latencies, moved = [], 0
         for s in probes:
@@ -90,10 +92,11 @@ async def run(base: str, args) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--sessions", type=int, default=24)
+    ap.add_argument("--sessions", type=int, default=40)
     ap.add_argument("--hogs", type=int, default=8)
     ap.add_argument("--probes", type=int, default=4)
     ap.add_argument("--hog-tokens", type=int, default=300)
+    ap.add_argument("--hog-prompt", type=int, default=2, help="tokens of each hog's prompt")
     ap.add_argument("--threshold", type=int, default=4)
     ap.add_argument("--port", type=int, default=8391)
     args = ap.parse_args()
@@ -114,6 +117,8 @@ def main() -> None:
         {
             "benchmark": "rebalance",
             "threshold": args.threshold,
+            "hog_prompt": args.hog_prompt,
+            "hog_tokens": args.hog_tokens,
             "probe_p50_ms_off": round(off["probe_p50_ms"], 1),
             "probe_p50_ms_on": round(on["probe_p50_ms"], 1),
             "probes_moved_on": on["probes_moved"],

@@ -32,9 +32,6 @@ def replica_options(cfg: AppConfig) -> dict[str, Any]:
             request_router_class=SessionAffinityRouter
             if r.request_router == "session_affinity"
             else POWER_OF_TWO_ROUTER,
-            request_router_kwargs={"rebalance_queue_len": r.rebalance_queue_len}
-            if r.request_router == "session_affinity"
-            else {},
             request_routing_stats_period_s=r.routing_stats_period_s,
             request_routing_stats_timeout_s=max(5.0, 2 * r.routing_stats_period_s),
         ),

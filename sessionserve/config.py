@@ -193,9 +193,9 @@ class ReplicaDeploymentConfig(_Strict):
     rebalance_queue_len: int | None = Field(
         None,
         ge=2,
-        description="With the session_affinity router: a session whose replica has at least "
-        "this many requests queued or running is migrated (its KV moves) to a replica with at "
-        "most half as many before its turn runs. None = never (the default: measured in "
+        description="With the session_affinity router: before a turn, a session whose replica "
+        "has at least this many requests queued or running is migrated (its KV moves) to a "
+        "replica with at most half as many. None = never (the default: measured in "
         "docs/benchmarks.md).",
     )
     request_router: Literal["session_affinity", "power_of_two"] = Field(

@@ -279,7 +279,8 @@ def kv_and_sessions() -> Dashboard:
                     (f"{quantile(0.5, 'migration_seconds')} or vector(0)", "move p50 s"),
                 ],
                 "ray_sessionserve_sessions_migrated_total by trigger (admin: POST "
-                "/v1/sessions/{id}/migrate; shutdown: a stopping replica) per second, and the "
+                "/v1/sessions/{id}/migrate; shutdown: a stopping replica; rebalance: off a "
+                "saturated one) per second, and the "
                 "median of ray_sessionserve_migration_seconds (export + transfer + import).",
             ),
             Panel(

@@ -52,7 +52,7 @@ REPLICA_METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     ),
     "sessionserve_sessions_migrated": (
         "counter",
-        "Sessions moved to another replica, by trigger (admin, shutdown)",
+        "Sessions moved to another replica, by trigger (admin, shutdown, rebalance)",
         ("trigger",),
     ),
     "sessionserve_migration_seconds": (
@@ -84,11 +84,6 @@ ROUTER_METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "sessionserve_router_sticky_hits": ("counter", "Session requests sent to their pin", ()),
     "sessionserve_router_placements": ("counter", "New sessions placed on a replica", ()),
     "sessionserve_router_repins": ("counter", "Sessions moved off a dead replica", ()),
-    "sessionserve_router_rebalances": (
-        "counter",
-        "Sessions migrated off a saturated replica before their turn",
-        (),
-    ),
 }
 
 

@@ -68,7 +68,7 @@ from sessionserve.replicas.request import (
 )
 from sessionserve.replicas.server import GenerateCall
 from sessionserve.router.directory import get_directory
-from sessionserve.router.pin_cache import forget_pin
+from sessionserve.router.pin_cache import forget_pin, rebalance_plan
 
 log = logging.getLogger(__name__)
 app = FastAPI(title="sessionserve", description="OpenAI-compatible API with streaming sessions")
@@ -369,6 +369,8 @@ class Ingress:
     async def _open_stream(self, call: GenerateCall) -> tuple[Any, dict[str, Any]]:
         """Start the turn on its replica and wait for the first piece, so that errors before
         any token (bad input, busy session, overload) raise here and become a proper 4xx."""
+        if call.session_id is not None and self.cfg.replica.rebalance_queue_len is not None:
+            await self._rebalance(call.session_id, self.cfg.replica.rebalance_queue_len)
         attempt = 0
         while True:
             handle = self.replica.options(stream=True, session_id=call.session_id)
@@ -381,6 +383,24 @@ class Ingress:
                     raise err from None
             forget_pin(call.session_id)  # migrated: the directory names the new replica
             attempt += 1
+
+    async def _rebalance(self, session_id: str, queue_len: int) -> None:
+        """Before a turn: move its session off a saturated replica to a calm one (its KV
+        moves; `replica.rebalance_queue_len`). Best effort: on any failure the turn simply
+        runs where the session is."""
+        plan = rebalance_plan(session_id, queue_len)
+        if plan is None:
+            return
+        source, target = plan
+        try:
+            result = await self.replica.migrate_session.remote(
+                session_id, target, replica=source, trigger="rebalance"
+            )
+        except Exception as e:  # a turn in flight, or a replica went away
+            log.info("session %s not rebalanced off %s: %s", session_id, source, unwrap(e))
+            return
+        if result["target"] is not None:
+            forget_pin(session_id)
 
     @staticmethod
     async def _collect(stream: Any, piece: dict[str, Any]) -> tuple[str, list, dict[str, Any]]:

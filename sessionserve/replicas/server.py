@@ -293,12 +293,17 @@ class ReplicaServer:
 
     # ---- migration (`replica=`/`avoid=` address the call: see SessionAffinityRouter) ----
     async def migrate_session(
-        self, session_id: str, target: str | None = None, replica: str | None = None
+        self,
+        session_id: str,
+        target: str | None = None,
+        replica: str | None = None,
+        trigger: str = "admin",
     ) -> dict[str, Any]:
-        """Move one of this replica's idle sessions to `target` (None: the freest other)."""
+        """Move one of this replica's idle sessions to `target` (None: the freest other);
+        `trigger` (admin or rebalance) labels the metric."""
         self._check_addressed(replica)
         handle, directory = self._peers()
-        return (await self.mover.move(session_id, handle, directory, target)).as_dict()
+        return (await self.mover.move(session_id, handle, directory, target, trigger)).as_dict()
 
     async def import_session(
         self, export: SessionExport, replica: str | None = None, avoid: str | None = None

@@ -1,4 +1,5 @@
-"""The routers' local caches of session pins, and `forget_pin` to drop one process-wide.
+"""What the routers of this process know, reachable from the ingress: their caches of session
+pins (`forget_pin` drops one everywhere) and the replicas' latest load (`rebalance_plan`).
 
 A module of its own, not part of session_router.py, because Serve ships the router class by
 value (cloudpickle): that module's globals in a router are a copy, unreachable from the
@@ -10,8 +11,11 @@ from __future__ import annotations
 
 import weakref
 from collections import OrderedDict
+from typing import Any
 
 _caches: weakref.WeakSet[PinCache] = weakref.WeakSet()
+_loads: dict[str, dict[str, Any]] = {}  # replica id -> its latest routing stats
+_rebalanced: dict[str, Any] = {}  # source replica -> the stats report its last move used
 
 
 class PinCache(OrderedDict):
@@ -41,3 +45,41 @@ def forget_pin(session_id: str) -> None:
     request for it asks the directory."""
     for cache in list(_caches):
         cache.pop(session_id, None)
+
+
+def note_loads(replicas: list[Any]) -> None:
+    """The routers report the replicas they route to (with their routing stats); replicas
+    no longer among them are forgotten."""
+    seen = {r.replica_id.unique_id: (r.routing_stats or {}) for r in replicas}
+    if seen:
+        _loads.clear()
+        _loads.update(seen)
+
+
+def pinned(session_id: str) -> str | None:
+    for cache in list(_caches):
+        replica = cache.get(session_id)
+        if replica is not None:
+            return replica
+    return None
+
+
+def rebalance_plan(session_id: str, queue_len: int) -> tuple[str, str] | None:
+    """(source, target) when the session's replica reports at least `queue_len` requests
+    queued or running and another reports at most half as many (the one with the most free
+    KV among those); else None. One move per source per stats report: a stale report cannot
+    move a crowd of sessions."""
+    source = pinned(session_id)
+    stats = _loads.get(source) if source is not None else None
+    if stats is None or stats.get("queue_len", 0) < queue_len:
+        return None
+    if _rebalanced.get(source) == stats.get("ts"):
+        return None
+    calm = [
+        (r, s) for r, s in _loads.items() if r != source and s.get("queue_len", 0) <= queue_len // 2
+    ]
+    if not calm:
+        return None
+    target = max(calm, key=lambda rs: rs[1].get("free_kv_tokens", 0))[0]
+    _rebalanced[source] = stats.get("ts")
+    return source, target

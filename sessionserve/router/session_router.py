@@ -12,11 +12,10 @@
 - Calls addressed to a replica (a migration's steps): keyword `replica=` goes to that replica,
   `avoid=` to the one with the most free KV among the others. If there is no such replica the
   call lands on another, which refuses it by name (UnknownReplicaError), never silently.
-- Rebalancing (`rebalance_queue_len`, off by default): a session whose replica reports at
-  least that many requests queued or running is migrated, before its turn, to a replica with
-  at most half as many (its KV moves, the turn runs there); at most one such move per source
-  replica per stats report, so one stale report cannot move a crowd.
-Routing stats are used to *place* and to rebalance; a pin never moves on a guess. A
+- It records the replicas' latest stats where the ingress's rebalancing reads them
+  (`pin_cache.rebalance_plan`): a migration cannot run inside a routing decision (it is a
+  request through this same router).
+Routing stats are used to *place*; a pin never moves on a guess. A
 session's pin changes when its replica dies or it is migrated: the migrating process calls
 `forget_pin`, any other finds out from the old replica (SessionMovedError) and does the same.
 """
@@ -35,7 +34,7 @@ from ray.serve.request_router import (
 
 from sessionserve.metrics import RouterMetrics
 from sessionserve.router.directory import get_directory
-from sessionserve.router.pin_cache import PinCache
+from sessionserve.router.pin_cache import PinCache, note_loads
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +44,6 @@ class SessionAffinityRouter(RequestRouter):
         self,
         tokens_per_new_session: int = 512,
         max_cached_pins: int = 65536,
-        rebalance_queue_len: int | None = None,
         **kwargs,
     ) -> None:
         self._pins = PinCache(max_cached_pins)  # a local cache of the directory's pins
@@ -57,10 +55,6 @@ class SessionAffinityRouter(RequestRouter):
         self.sticky_hits = 0
         self.placements = 0
         self.repins = 0
-        self.rebalances = 0
-        self._rebalance_queue_len = rebalance_queue_len
-        self._rebalanced_at: dict[str, float] = {}  # source replica -> stats time of its move
-        self._handle = None
         try:
             self._metrics: RouterMetrics | None = RouterMetrics(self.app_name)
         except Exception:  # no Ray metrics here (a unit test)
@@ -76,6 +70,7 @@ class SessionAffinityRouter(RequestRouter):
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
+        note_loads(candidate_replicas)  # for the ingress's rebalancing (pin_cache.py)
         kwargs = pending_request.kwargs if pending_request else {}
         if candidate_replicas and (kwargs.get("replica") or kwargs.get("avoid")):
             return self._addressed(candidate_replicas, kwargs.get("replica"), kwargs.get("avoid"))
@@ -86,9 +81,6 @@ class SessionAffinityRouter(RequestRouter):
         pinned = self._pins.get(session_id)
         if pinned in by_id:  # the common case: no remote call at all
             self._pins.move_to_end(session_id)
-            moved = await self._maybe_rebalance(session_id, by_id[pinned], candidate_replicas)
-            if moved is not None:
-                return [[moved]]
             self._count("sticky_hits")
             return [[by_id[pinned]]]
         choice = self._most_free_kv(candidate_replicas)
@@ -114,48 +106,6 @@ class SessionAffinityRouter(RequestRouter):
         self._dir().drop_replica.send(dead)
 
     # ---- internals ----
-    async def _maybe_rebalance(
-        self, session_id: str, source: RunningReplica, replicas: list[RunningReplica]
-    ) -> RunningReplica | None:
-        """Move the session off a saturated replica to a calm one; None: stay."""
-        limit = self._rebalance_queue_len
-        stats = source.routing_stats or {}
-        src = source.replica_id.unique_id
-        if limit is None or stats.get("queue_len", 0) < limit:
-            return None
-        if self._rebalanced_at.get(src) == stats.get("ts"):  # one move per report
-            return None
-        calm = [
-            r
-            for r in replicas
-            if r is not source and (r.routing_stats or {}).get("queue_len", 0) <= limit // 2
-        ]
-        if not calm:
-            return None
-        target = self._most_free_kv(calm)
-        self._rebalanced_at[src] = stats.get("ts")
-        try:
-            result = await self._deployment_handle().migrate_session.remote(
-                session_id, target.replica_id.unique_id, replica=src
-            )
-        except Exception as e:  # busy, gone, or the target refused: the turn stays
-            log.info("session %s not rebalanced off %s: %s", session_id, src, e)
-            return None
-        if result["target"] != target.replica_id.unique_id:
-            return None
-        self._pins.put(session_id, result["target"])
-        self._note_placement(target)
-        self._count("rebalances")
-        return target
-
-    def _deployment_handle(self):
-        if self._handle is None:
-            from ray import serve
-
-            d = self._deployment_id
-            self._handle = serve.get_deployment_handle(d.name, d.app_name)
-        return self._handle
-
     def _addressed(
         self, replicas: list[RunningReplica], replica: str | None, avoid: str | None
     ) -> list[list[RunningReplica]]:

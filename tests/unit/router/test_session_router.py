@@ -316,70 +316,28 @@ def test_a_restarted_directory_rebuilds_everything_from_its_store() -> None:
     assert set(store.data) == {"s/kept", "r/resp-1"}  # nothing left of what went
 
 
-class FakeMigrations:
-    """The deployment handle's `migrate_session`: moves the pin in the directory state as a
-    replica's SessionMover would (or fails, when told to)."""
+def test_rebalance_plan_moves_a_session_off_a_saturated_replica() -> None:
+    from sessionserve.router import pin_cache
 
-    def __init__(self, state: SessionDirectoryState, fail: bool = False) -> None:
-        self.state, self.fail, self.calls = state, fail, []
-
-    @property
-    def migrate_session(self):
-        return self
-
-    async def remote(self, session_id: str, target: str, replica: str) -> dict:
-        self.calls.append((session_id, target, replica))
-        if self.fail:
-            raise RuntimeError("SessionBusyError")
-        assert self.state.move_pin(session_id, replica, target)
-        return {"target": target}
-
-
-def _rebalancing_router(state: SessionDirectoryState, fail: bool = False):
-    router = object.__new__(SessionAffinityRouter)
-    router.initialize_state(tokens_per_new_session=100, rebalance_queue_len=8)
-    router._directory = FakeDirectoryActor(state)
-    router._handle = FakeMigrations(state, fail)
-    return router
-
-
-def test_a_session_on_a_saturated_replica_moves_to_a_calm_one_before_its_turn() -> None:
-    state = SessionDirectoryState()
-    router = _rebalancing_router(state)
-    a = FakeReplica("a", {"free_kv_tokens": 9000, "queue_len": 0, "ts": 1.0})
-    b = FakeReplica("b", {"free_kv_tokens": 10, "queue_len": 0, "ts": 1.0})
-    c = FakeReplica("c", {"free_kv_tokens": 5000, "queue_len": 6, "ts": 1.0})
-    for sid in ("s1", "s2"):
-        assert route(router, [a, b, c], sid) == [[a]]
-    assert router._handle.calls == []  # not saturated: nothing moves
-    a.routing_stats = {"free_kv_tokens": 100, "queue_len": 8, "ts": 2.0}
-    assert route(router, [a, b, c], "s1") == [[b]]  # c is not calm (6 > 8 // 2)
-    assert router._handle.calls == [("s1", "b", "a")] and router.rebalances == 1
-    assert state.get_pin("s1") == "b" and route(router, [a, b, c], "s1") == [[b]]
-    # one move per stats report: s2 waits on a until a fresh report says a is still busy
-    assert route(router, [a, b, c], "s2") == [[a]] and len(router._handle.calls) == 1
-    a.routing_stats = dict(a.routing_stats, ts=3.0)
-    assert route(router, [a, b, c], "s2") == [[b]]
-
-
-def test_a_failed_rebalance_leaves_the_turn_on_its_replica() -> None:
-    state = SessionDirectoryState()
-    router = _rebalancing_router(state, fail=True)
-    a = FakeReplica("a", {"free_kv_tokens": 9000, "queue_len": 0, "ts": 1.0})
-    b = FakeReplica("b", {"free_kv_tokens": 10, "queue_len": 0, "ts": 1.0})
-    assert route(router, [a, b], "s") == [[a]]
-    a.routing_stats = {"free_kv_tokens": 100, "queue_len": 30, "ts": 2.0}
-    assert route(router, [a, b], "s") == [[a]]
-    assert len(router._handle.calls) == 1 and state.get_pin("s") == "a"
-    assert router.rebalances == 0
-
-
-def test_rebalancing_is_off_by_default() -> None:
     state = SessionDirectoryState()
     router = make_router(FakeDirectoryActor(state))
-    router._handle = FakeMigrations(state)
-    a = FakeReplica("a", {"free_kv_tokens": 9000, "queue_len": 0, "ts": 1.0})
-    b = FakeReplica("b", {"free_kv_tokens": 10, "queue_len": 0, "ts": 1.0})
-    assert route(router, [a, b], "s") == [[a]]
-    a.routing_stats = {"free_kv_tokens": 100, "queue_len": 500, "ts": 2.0}
-    assert route(router, [a, b], "s") == [[a]] and router._handle.calls == []
+    a = FakeReplica("rb-a", {"free_kv_tokens": 9000, "queue_len": 0, "ts": 1.0})
+    b = FakeReplica("rb-b", {"free_kv_tokens": 10, "queue_len": 0, "ts": 1.0})
+    c = FakeReplica("rb-c", {"free_kv_tokens": 5000, "queue_len": 6, "ts": 1.0})
+    for sid in ("rb-s1", "rb-s2"):
+        assert route(router, [a, b, c], sid) == [[a]]
+    assert pin_cache.rebalance_plan("rb-s1", 8) is None  # a is not saturated
+    a.routing_stats = {"free_kv_tokens": 100, "queue_len": 8, "ts": 2.0}
+    route(router, [a, b, c], "rb-s1")  # the router sees the new stats
+    assert pin_cache.rebalance_plan("rb-s1", 8) == ("rb-a", "rb-b")  # c: 6 > 8 // 2
+    # one move per report: a second session waits for a fresh report still saying "busy"
+    assert pin_cache.rebalance_plan("rb-s2", 8) is None
+    a.routing_stats = dict(a.routing_stats, ts=3.0)
+    route(router, [a, b, c], "rb-s2")
+    assert pin_cache.rebalance_plan("rb-s2", 8) == ("rb-a", "rb-b")
+    assert pin_cache.rebalance_plan("rb-unknown", 8) is None  # no pin here: nothing to move
+    b.routing_stats = {"free_kv_tokens": 10, "queue_len": 7, "ts": 3.0}
+    c.routing_stats = {"free_kv_tokens": 10, "queue_len": 9, "ts": 3.0}
+    a.routing_stats = dict(a.routing_stats, ts=4.0)
+    route(router, [a, b, c], "rb-s2")
+    assert pin_cache.rebalance_plan("rb-s2", 8) is None  # nobody is calm
