@@ -194,10 +194,15 @@ class SessionNotPlacedError(SessionServeError):
 
 
 class UnknownReplicaError(SessionServeError):
-    """A call addressed to a replica that is not running (a wrong id, or it went away)."""
+    """A call addressed to a replica that is not running (a wrong id, or it went away), or
+    one it cannot take (it is stopping). `replica`: the one that refused, if any."""
 
     status_code = 409
     error_type = "conflict_error"
+
+    def __init__(self, message: str, replica: str | None = None) -> None:
+        super().__init__(message)
+        self.replica = replica
 
 
 class MigrationFailedError(SessionServeError):

@@ -20,12 +20,12 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from sessionserve.errors import SessionBusyError, SessionMovedError
+from sessionserve.errors import SessionBusyError, SessionMovedError, UnknownReplicaError
 from sessionserve.replicas.engine import Engine
 from sessionserve.replicas.sessions import SessionExport
 
@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 HOLD_S = 30.0  # longest a session stays marked moving
 MOVED_MEMORY = 65536  # sessions remembered as moved (a stale route past that re-prefills here)
 SHUTDOWN_CONCURRENCY = 4
+IMPORT_TRIES = 3  # replicas tried for an import without an explicit target
 
 
 @dataclass
@@ -93,9 +94,7 @@ class SessionMover:
             session_id, self.replica_id, None, "none", export.kv_bytes, len(export.history), 0.0
         )
         try:
-            placed = await handle.import_session.remote(
-                export, replica=target, avoid=self.replica_id
-            )
+            placed = await self._import(handle, export, target)
             if await directory.move_pin.remote(session_id, self.replica_id, placed["replica"]):
                 result.target, result.kv = placed["replica"], placed["kv"]
             else:  # closed or re-pinned meanwhile: the copy there must not linger
@@ -111,9 +110,26 @@ class SessionMover:
             self.engine.metrics.on_migration(trigger, result.seconds)
         return result
 
+    async def _import(self, handle: Any, export: SessionExport, target: str | None) -> dict:
+        """Import on `target`, or on the freest other replica: one that refuses (it is
+        stopping too, as in a rolling update) is avoided on the next try."""
+        avoid = [self.replica_id]
+        for attempt in range(IMPORT_TRIES):
+            try:
+                return await handle.import_session.remote(export, replica=target, avoid=avoid)
+            except Exception as e:
+                err = getattr(e, "cause", None) or e
+                if target is not None or attempt == IMPORT_TRIES - 1:
+                    raise
+                if not isinstance(err, UnknownReplicaError) or not err.replica:
+                    raise
+                avoid.append(err.replica)
+        raise AssertionError("unreachable")
+
     async def move_all(self, handle: Any, directory: Any, budget_s: float) -> list[MoveResult]:
         """Serve is stopping this replica: move every idle session to live replicas within
         `budget_s`, most recently used first; the rest re-prefill on their next turn."""
+        started = time.monotonic()
         sids = await self._run(self.engine.idle_sessions)
         gate = asyncio.Semaphore(SHUTDOWN_CONCURRENCY)
         results: list[MoveResult] = []
@@ -129,12 +145,13 @@ class SessionMover:
             for task in late:
                 task.cancel()
             await asyncio.gather(*late, return_exceptions=True)
-        moved = sum(r.target is not None for r in results)
+        moved = [r for r in results if r.target is not None]
         log.warning(
-            "replica stopping: moved %d of %d sessions to live replicas in %.1f s",
-            moved,
+            "replica stopping: moved %d of %d sessions to live replicas in %.1f s (KV: %s)",
+            len(moved),
             len(sids),
-            sum(r.seconds for r in results),
+            time.monotonic() - started,
+            dict(Counter(r.kv for r in moved)),
         )
         return results
 

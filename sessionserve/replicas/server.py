@@ -181,7 +181,7 @@ class ReplicaServer:
             self.engine.metrics = RayEngineMetrics(self.replica_id, self.engine.model_name)
         self.mover = SessionMover(self.engine, self._run, self.replica_id)
         self._peer_handles: tuple[Any, Any] | None = None
-        self._stopped = False
+        self._stopped = self._stopping = False
 
     # ---- generation ----
     async def generate(self, call: GenerateCall) -> AsyncIterator[dict[str, Any]]:
@@ -306,21 +306,26 @@ class ReplicaServer:
         return (await self.mover.move(session_id, handle, directory, target, trigger)).as_dict()
 
     async def import_session(
-        self, export: SessionExport, replica: str | None = None, avoid: str | None = None
+        self,
+        export: SessionExport,
+        replica: str | None = None,
+        avoid: list[str] | None = None,
     ) -> dict[str, str]:
         """Take over a session another replica exported (the target side of a migration)."""
         self._check_addressed(replica, avoid)
+        if self._stopping:  # Serve is stopping this one too (a rolling update)
+            raise UnknownReplicaError(f"replica {self.replica_id!r} is stopping", self.replica_id)
         self.mover.arrived(export.session_id)
         kv = await self._run(self.engine.import_session, export)
         fault_point("import_session")  # chaos tests: the target dies mid-migration
         return {"replica": self.replica_id, "kv": kv}
 
-    def _check_addressed(self, replica: str | None, avoid: str | None = None) -> None:
+    def _check_addressed(self, replica: str | None, avoid: list[str] | None = None) -> None:
         """The router sends an addressed call to that replica when it runs; otherwise it
         lands elsewhere and is refused here, naming the problem."""
         if replica is not None and replica != self.replica_id:
             raise UnknownReplicaError(f"replica {replica!r} is not running")
-        if avoid is not None and avoid == self.replica_id:
+        if avoid and self.replica_id in avoid:
             raise UnknownReplicaError("no other replica is running to take the session")
 
     def _peers(self) -> tuple[Any, Any]:
@@ -366,25 +371,25 @@ class ReplicaServer:
         except RuntimeError:
             self.shutdown()
             return None
+        self._stopping = True  # from now on, sessions leave and none arrive
         return self._move_sessions_then_stop()
 
     async def _move_sessions_then_stop(self) -> None:
         budget = self.engine.config.sessions.migrate_on_shutdown_s
         if budget > 0 and self.app_name is not None and self.loop.is_alive():
             try:
-                if self._running_peers() > 0:  # none when the whole app is being deleted
+                if not self._app_is_deleted():
                     await self.mover.move_all(*self._peers(), budget)
             except Exception:  # moving is best effort: the sessions can re-prefill
                 log.exception("moving sessions off this replica failed")
         self.shutdown()
 
-    def _running_peers(self) -> int:
-        """Replicas of this deployment Serve reports running (this stopping one is not)."""
+    def _app_is_deleted(self) -> bool:
+        """The whole application is going (no replica will take sessions): don't try."""
         from ray import serve
 
         app = serve.status().applications.get(self.app_name)
-        deployment = app.deployments.get(self.deployment) if app is not None else None
-        return deployment.replica_states.get("RUNNING", 0) if deployment is not None else 0
+        return app is None or app.status == "DELETING"
 
     def shutdown(self) -> None:
         """Stop the engine: whatever is still running is aborted, so streams end with

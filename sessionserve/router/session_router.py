@@ -10,7 +10,7 @@
   next turn re-prefills from the token log in the directory.
 - Requests without a session: power of two choices by queue length and free KV.
 - Calls addressed to a replica (a migration's steps): keyword `replica=` goes to that replica,
-  `avoid=` to the one with the most free KV among the others. If there is no such replica the
+  `avoid=[...]` to the one with the most free KV among the others. If there is no such replica the
   call lands on another, which refuses it by name (UnknownReplicaError), never silently.
 - It records the replicas' latest stats where the ingress's rebalancing reads them
   (`pin_cache.rebalance_plan`): a migration cannot run inside a routing decision (it is a
@@ -107,12 +107,12 @@ class SessionAffinityRouter(RequestRouter):
 
     # ---- internals ----
     def _addressed(
-        self, replicas: list[RunningReplica], replica: str | None, avoid: str | None
+        self, replicas: list[RunningReplica], replica: str | None, avoid: list[str] | None
     ) -> list[list[RunningReplica]]:
         by_id = {r.replica_id.unique_id: r for r in replicas}
         if replica in by_id:
             return [[by_id[replica]]]
-        others = [r for r in replicas if r.replica_id.unique_id != avoid] or replicas
+        others = [r for r in replicas if r.replica_id.unique_id not in (avoid or ())] or replicas
         return [[self._most_free_kv(others)]]
 
     def _dir(self):

@@ -77,7 +77,10 @@ def _next_turn_is_exact(c: httpx.Client, sid: str, messages: list[dict]) -> dict
     out = _turn(c, messages, sid)
     ref = _turn(c, messages, None)
     assert out["choices"][0]["message"] == ref["choices"][0]["message"]
-    assert out["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert out["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, (
+        out["usage"],
+        out["session"],
+    )
     return out
 
 
@@ -195,6 +198,8 @@ def test_a_target_dying_mid_migration_leaves_the_session_intact(served) -> None:
 
 
 def test_redeploy_to_one_replica_moves_every_session(served) -> None:
+    """A Python `serve.run` redeploy is a rolling update: one old replica is removed (2 -> 1),
+    the other replaced by a new one; the sessions move twice, old -> old -> new."""
     from ray import serve
 
     from sessionserve.app import build_app
@@ -215,7 +220,7 @@ def test_redeploy_to_one_replica_moves_every_session(served) -> None:
                     out = _next_turn_is_exact(c, sid, messages)
                     assert out["session"]["replica"] == survivor
                 except AssertionError as e:
-                    failed.append((sid, placed[sid] == survivor, str(e)[:200]))
+                    failed.append((sid, placed[sid] == survivor, str(e)[:400]))
             assert not failed, failed
             (terms,) = replica_memory(REDEPLOY_APP, replicas=1).values()
             assert terms["held_sessions"] + terms["host_sessions"] >= 20

@@ -63,10 +63,11 @@ def test_addressed_calls_go_to_the_named_replica_or_avoid_one() -> None:
     b = FakeReplica("b", {"free_kv_tokens": 10, "ts": 1.0})
     c = FakeReplica("c", {"free_kv_tokens": 5000, "ts": 1.0})
     assert route(router, [a, b, c], None, replica="b") == [[b]]
-    assert route(router, [a, b, c], None, replica=None, avoid="a") == [[c]]  # freest other
+    assert route(router, [a, b, c], None, replica=None, avoid=["a"]) == [[c]]  # freest other
+    assert route(router, [a, b, c], None, avoid=["a", "c"]) == [[b]]
     # a named replica that is not running: the call lands elsewhere and is refused there
     assert route(router, [a, b], None, replica="gone") == [[a]]
-    assert route(router, [a], None, avoid="a") == [[a]]  # nowhere else: refused by a itself
+    assert route(router, [a], None, avoid=["a"]) == [[a]]  # nowhere else: refused by a itself
     assert router._directory.calls == 0  # addressed calls never ask the directory
 
 
