@@ -145,9 +145,7 @@ class Ingress:
         """Move an idle session (its token log and KV) to another replica; its turns follow.
         409 while a turn runs; on any failure it stays, intact, where it was."""
         sid = check_session_id(session_id, "session_id")
-        info = await self.directory.info.remote(sid, owner(request))
-        if info is None:
-            raise UnknownSessionError(sid)
+        info = await self._info(sid, owner(request))
         source, target = info["replica"], (body.target_replica if body else None)
         if source is None:
             raise SessionNotPlacedError(sid)
@@ -168,9 +166,7 @@ class Ingress:
         """Move an idle session's KV out of device memory now (to the host tier when the
         replica has one; else it is dropped and the next turn re-prefills)."""
         sid = check_session_id(session_id, "session_id")
-        info = await self.directory.info.remote(sid, owner(request))
-        if info is None:
-            raise UnknownSessionError(sid)
+        info = await self._info(sid, owner(request))
         parked = False
         if info["replica"] is not None:
             parked = await self.replica.options(session_id=sid).park_session.remote(sid)
@@ -191,10 +187,15 @@ class Ingress:
             await self.replica.options(session_id=session_id).close_session.remote(session_id)
         return replica is not None
 
-    async def _view(self, sid: str, owner_id: str | None, history: bool = False) -> SessionView:
+    async def _info(self, sid: str, owner_id: str | None, history: bool = False) -> dict:
+        """The directory's record of a session of this caller's (404 if there is none)."""
         info = await self.directory.info.remote(sid, owner_id, history)
         if info is None:
             raise UnknownSessionError(sid)
+        return info
+
+    async def _view(self, sid: str, owner_id: str | None, history: bool = False) -> SessionView:
+        info = await self._info(sid, owner_id, history)
         held = None
         if info["replica"] is not None:
             held = await self.replica.options(session_id=sid).session_held_tokens.remote(sid)

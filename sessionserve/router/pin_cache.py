@@ -48,12 +48,17 @@ def forget_pin(session_id: str) -> None:
 
 
 def note_loads(replicas: list[Any]) -> None:
-    """The routers report the replicas they route to (with their routing stats); replicas
-    no longer among them are forgotten."""
-    seen = {r.replica_id.unique_id: (r.routing_stats or {}) for r in replicas}
-    if seen:
-        _loads.clear()
-        _loads.update(seen)
+    """The routers report the replicas they route to, with their routing stats."""
+    for r in replicas:
+        _loads[r.replica_id.unique_id] = r.routing_stats or {}
+
+
+def forget_replica(replica: str) -> None:
+    """A replica died: never a rebalancing target again."""
+    _loads.pop(replica, None)
+    _rebalanced.pop(replica, None)
+    for cache in list(_caches):
+        cache.drop_replica(replica)
 
 
 def pinned(session_id: str) -> str | None:

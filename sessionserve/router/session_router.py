@@ -34,7 +34,7 @@ from ray.serve.request_router import (
 
 from sessionserve.metrics import RouterMetrics
 from sessionserve.router.directory import get_directory
-from sessionserve.router.pin_cache import PinCache, note_loads
+from sessionserve.router.pin_cache import PinCache, forget_replica, note_loads
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ class SessionAffinityRouter(RequestRouter):
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         dead = replica_id.unique_id
-        self._pins.drop_replica(dead)
+        forget_replica(dead)  # this router's pins and the loads the ingress reads
         self._dir().drop_replica.send(dead)
 
     # ---- internals ----
