@@ -34,7 +34,7 @@ from ray.serve.request_router import (
 
 from sessionserve.metrics import RouterMetrics
 from sessionserve.router.directory import get_directory
-from sessionserve.router.pin_cache import PinCache, forget_replica, note_loads
+from sessionserve.router.pin_cache import PinCache, forget_replica
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ class SessionAffinityRouter(RequestRouter):
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
-        note_loads(candidate_replicas)  # for the ingress's rebalancing (pin_cache.py)
+        self._pins.note_loads(candidate_replicas)  # for the ingress's rebalancing
         kwargs = pending_request.kwargs if pending_request else {}
         if candidate_replicas and (kwargs.get("replica") or kwargs.get("avoid")):
             return self._addressed(candidate_replicas, kwargs.get("replica"), kwargs.get("avoid"))
