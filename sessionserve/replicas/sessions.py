@@ -139,8 +139,11 @@ class SessionController:
         """Take over an exported session, replacing a stale copy of it here. Returns where its
         KV went ("pool", "host" or "none"; see SessionCache.adopt)."""
         sid = export.session_id
-        if sid in self.cache.session_slots and not self.close(sid):
-            raise SessionBusyError(sid, self.cache.session(sid).turn_rid or "<closing>")
+        stale = self.cache.session_slots.get(sid)
+        if stale is not None and stale.turn_rid is not None:  # refused, changing nothing
+            raise SessionBusyError(sid, stale.turn_rid)
+        if stale is not None:
+            self.close(sid)
         self.open(sid, export.ttl_s)
         try:
             where = self.cache.adopt(sid, export.history, export.kv)

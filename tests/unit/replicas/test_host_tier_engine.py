@@ -136,3 +136,22 @@ def test_export_refuses_a_busy_session_and_import_another_model() -> None:
     other.checker.check_idle()
     source.close_session(sid)
     source.checker.check_idle()
+
+
+def test_an_import_over_a_busy_copy_is_refused_and_changes_nothing() -> None:
+    model = tiny_model()
+    source, target = tiny_engine(model, page_size=4), tiny_engine(model, page_size=4)
+    for e in (source, target):
+        e.open_session("s")
+        e.generate([_input(0, 20)], GREEDY_LP, session_id="s")
+    export = source.export_session("s")
+    rid = target.submit(_input(1, 5), GREEDY_LP, session_id="s")  # a turn runs there
+    with pytest.raises(SessionBusyError):
+        target.import_session(export)
+    assert not target.cache.session("s").closing  # the running turn's session stays open
+    target.run_until_idle()
+    assert target.take_result(rid).finish_reason.value == "length"
+    assert "s" in target.cache.session_slots
+    for e in (source, target):
+        e.close_session("s")
+        e.checker.check_idle()
