@@ -76,7 +76,12 @@ install_error_handlers(app)
 app.add_middleware(BodySizeMiddleware)  # added last runs first: the key is checked first
 app.add_middleware(ApiKeyMiddleware)
 
-GENERATE = ERRORS(400, 401, 404, 409, 413, 429, 500, 503)
+GENERATE = ERRORS(400, 401, 404, 409, 413, 429, 500, 503) | {
+    200: {  # JSON, or with `stream: true` server-sent events
+        "description": "The answer (JSON), or with `stream: true` its server-sent events",
+        "content": {"text/event-stream": {"schema": {"type": "string"}}},
+    }
+}
 LOOKUP = ERRORS(400, 401, 404, 500, 503)  # 503: the session directory did not answer
 MOVED_RETRIES = 2  # a turn routed to a replica its session just left is re-routed this often
 
