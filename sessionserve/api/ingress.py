@@ -76,10 +76,15 @@ install_error_handlers(app)
 app.add_middleware(BodySizeMiddleware)  # added last runs first: the key is checked first
 app.add_middleware(ApiKeyMiddleware)
 
+SSE_EVENT = {  # one server-sent event: `data:` holds a JSON chunk (or [DONE])
+    "type": "object",
+    "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
+    "required": ["data"],
+}
 GENERATE = ERRORS(400, 401, 404, 409, 413, 429, 500, 503) | {
-    200: {  # JSON, or with `stream: true` server-sent events
+    200: {
         "description": "The answer (JSON), or with `stream: true` its server-sent events",
-        "content": {"text/event-stream": {"schema": {"type": "string"}}},
+        "content": {"text/event-stream": {"schema": SSE_EVENT}},
     }
 }
 LOOKUP = ERRORS(400, 401, 404, 500, 503)  # 503: the session directory did not answer

@@ -59,3 +59,16 @@ def test_no_5xx_and_every_answer_conforms(served) -> None:
     # every operation was exercised (parameterless ones have a single distinct case)
     assert all(calls.get(op.label, 0) >= 1 for op in operations), calls
     assert sum(calls.values()) >= 8 * (len(operations) - 2), calls
+
+
+def test_a_streamed_answer_conforms(served) -> None:
+    """A streamed chat completion (what the fuzz above may or may not generate) against the
+    documented text/event-stream 200: every event validated."""
+    api = schemathesis.openapi.from_url(f"{served['base']}/openapi.json")
+    operation = api["/v1/chat/completions"]["POST"]
+    body = {"messages": [{"role": "user", "content": "w5 w6"}], "max_tokens": 4, "stream": True}
+    case = operation.Case(body=body, media_type="application/json")
+    response = case.call(timeout=60)
+    assert response.status_code == 200
+    assert response.headers["content-type"][0].startswith("text/event-stream")
+    case.validate_response(response, checks=CHECKS)
