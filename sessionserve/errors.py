@@ -28,6 +28,20 @@ def _restore(cls: type[SessionServeError], args: tuple, state: dict) -> SessionS
     return err
 
 
+def unwrap(exc: BaseException) -> BaseException:
+    """The original exception of one raised in a replica. Ray wraps it in a RayTaskError whose
+    class also derives from the original's (so it *is* a SessionServeError) but whose str is
+    the remote traceback: always take its `cause`, never its message."""
+    for _ in range(5):
+        cause = getattr(exc, "cause", None)
+        if cause is None:
+            if isinstance(exc, SessionServeError) or exc.__cause__ is None:
+                break
+            cause = exc.__cause__
+        exc = cause
+    return exc
+
+
 class InvalidConfigError(SessionServeError, ValueError):
     status_code = 400
     error_type = "invalid_request_error"

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sessionserve.api.protocol import ErrorResponse
-from sessionserve.errors import SessionServeError
+from sessionserve.errors import SessionServeError, unwrap
 
 log = logging.getLogger(__name__)
 RETRY_AFTER_S = "1"
@@ -50,20 +50,6 @@ def error_response(
     return JSONResponse(
         error_body(message, type_, param, code), status_code=status, headers=headers
     )
-
-
-def unwrap(exc: BaseException) -> BaseException:
-    """The original exception of one raised in a replica. Ray wraps it in a RayTaskError whose
-    class also derives from the original's (so it *is* a SessionServeError) but whose str is
-    the remote traceback: always take its `cause`, never its message."""
-    for _ in range(5):
-        cause = getattr(exc, "cause", None)
-        if cause is None:
-            if isinstance(exc, SessionServeError) or exc.__cause__ is None:
-                break
-            cause = exc.__cause__
-        exc = cause
-    return exc
 
 
 def response_for(exc: BaseException) -> JSONResponse:

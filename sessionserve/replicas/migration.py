@@ -25,7 +25,12 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from sessionserve.errors import SessionBusyError, SessionMovedError, UnknownReplicaError
+from sessionserve.errors import (
+    SessionBusyError,
+    SessionMovedError,
+    UnknownReplicaError,
+    unwrap,
+)
 from sessionserve.replicas.engine import Engine
 from sessionserve.replicas.sessions import SessionExport
 
@@ -118,7 +123,7 @@ class SessionMover:
             try:
                 return await handle.import_session.remote(export, replica=target, avoid=avoid)
             except Exception as e:
-                err = getattr(e, "cause", None) or e
+                err = unwrap(e)
                 if target is not None or attempt == IMPORT_TRIES - 1:
                     raise
                 if not isinstance(err, UnknownReplicaError) or not err.replica:
