@@ -7,8 +7,9 @@ import pytest
 from sessionserve.config import CacheConfig, EngineConfig
 from sessionserve.replicas.engine import Engine
 from sessionserve.replicas.request import FinishReason, SamplingParams
+from tests.markers import needs_default_model
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, needs_default_model]
 
 
 def _chat_ids(tokenizer, messages: list[dict]) -> list[int]:

