@@ -35,6 +35,7 @@ from benchmarks.common import emit, machine
 from sessionserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from sessionserve.replicas import engine as engine_module
 from sessionserve.replicas.attention import flashinfer_unsupported
+from sessionserve.replicas.cuda_graphs import bucket_for
 from sessionserve.replicas.engine import Engine
 from sessionserve.replicas.loader import LoadedModel
 from sessionserve.replicas.request import SamplingParams
@@ -71,6 +72,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--skip-hf-static", action="store_true", help="no compiled HF baseline")
     ap.add_argument("--held", type=int, default=8000, help="session history for the TTFT test")
     ap.add_argument("--profile-steps", type=int, default=20)
+    ap.add_argument("--log-dir", default=None, help="write the profiler tables here")
     return ap.parse_args()
 
 
@@ -236,10 +238,15 @@ def step_split(eng: Engine, c: int, args) -> dict[str, float]:
     return split
 
 
-def gpu_busy(eng: Engine, c: int, args) -> float | None:
-    """Kernel time / wall time over decode-only steps (torch.profiler, CUDA only)."""
+def gpu_busy(eng: Engine, c: int, args) -> tuple[float | None, float | None]:
+    """GPU-busy share of a decode step at concurrency `c`, two ways (CUDA only):
+    - replay: the GPU time of the step's decode graph replayed back to back (no host work in
+      between; CUDA events) over the wall time of a real step: what share of a step the GPU
+      computes. Needs graphs.
+    - profiler: kernel time / wall time over decode steps (torch.profiler). Its table goes to
+      `--log-dir` for reading; it may not see every kernel inside graph replays."""
     if eng.runner.device.type != "cuda":
-        return None
+        return None, None
     from torch.profiler import ProfilerActivity, profile
 
     submit_round(eng, c, args, 4)
@@ -248,14 +255,43 @@ def gpu_busy(eng: Engine, c: int, args) -> float | None:
     sync(eng.runner.device)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t = time.perf_counter()
-        for _ in range(args.profile_steps):
-            if decode_only(eng):
-                eng.step()
+        n = 0
+        while n < args.profile_steps and decode_only(eng):
+            eng.step()
+            n += 1
         sync(eng.runner.device)
         wall = time.perf_counter() - t
     eng.run_until_idle()
     kernel_us = sum(e.self_device_time_total for e in prof.key_averages())
-    return kernel_us / 1e6 / wall
+    if args.log_dir:
+        table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=40)
+        cpu = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
+        with open(f"{args.log_dir}/profile_c{c}.txt", "w") as f:
+            f.write(f"{n} decode steps, wall {1000 * wall:.1f} ms\n{table}\n{cpu}\n")
+    replay = graph_replay_ms(eng, c)
+    by_replay = None if replay is None else replay / (1000 * wall / max(n, 1))
+    return by_replay, kernel_us / 1e6 / wall
+
+
+def graph_replay_ms(eng: Engine, c: int, reps: int = 50) -> float | None:
+    """GPU time of one replay of the decode graph that serves `c` sequences (None without
+    graphs). Its buffers still hold the last step's inputs: replays rewrite those KV slots with
+    the same values."""
+    graphs = eng.runner.graphs
+    size = bucket_for(c, graphs.buckets) if graphs is not None else None
+    found = [g for (b, _), g in graphs.graphs.items() if b == size and g.graph] if size else []
+    if not found:
+        return None
+    graph = found[-1].graph
+    for _ in range(3):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
 
 
 def ttft(eng: Engine, ids: list[int], **kw: Any) -> float:
@@ -337,11 +373,12 @@ def main() -> None:
     c_top = max(args.concurrency)
     (b_mid, g_mid), _ = best(c_mid)
     split = step_split(make_engine(model, b_mid, g_mid, c_mid, args), c_mid, args)
-    busy = gpu_busy(make_engine(model, b_mid, g_mid, c_mid, args), c_mid, args)
+    busy, busy_profiler = gpu_busy(make_engine(model, b_mid, g_mid, c_mid, args), c_mid, args)
     print(
         f"c={c_mid} {b_mid} graphs={g_mid}: step split (ms) "
         + ", ".join(f"{k} {v:.2f}" for k, v in split.items())
-        + (f"; GPU busy {busy:.0%}" if busy is not None else ""),
+        + (f"; GPU busy {busy:.0%} (graph replay time / step)" if busy is not None else "")
+        + (f", {busy_profiler:.0%} (profiler kernels)" if busy_profiler is not None else ""),
         flush=True,
     )
     s_ttft, p_ttft = session_ttft(model, best(1)[0][0], args)
@@ -371,6 +408,7 @@ def main() -> None:
             "ratio_vs_hf_static_32": ratio(hf["static"], c_mid),
             "ratio_vs_hf_eager_32": ratio(hf["eager"], c_mid),
             "gpu_busy_frac_32": None if busy is None else round(busy, 3),
+            "gpu_busy_frac_32_profiler": None if busy_profiler is None else round(busy_profiler, 3),
             "roofline_frac_64": round(roofline_ms / best(c_top)[1], 3),
             "ttft_ratio_8k": round(p_ttft / s_ttft, 2),
         }

@@ -7,6 +7,7 @@ returned to the pool only by whoever holds it last (`free`). Rows are never shar
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from sessionserve.errors import DoubleFreeError, InvalidConfigError, NoFreeRowError
@@ -20,7 +21,10 @@ class RequestRows:
             )
         self.num_rows = num_rows
         self.max_context_len = max_context_len
-        self.table = torch.zeros(num_rows, max_context_len, dtype=torch.int64)
+        # numpy owns the memory and `table` is a torch view of it: scalar reads and writes on
+        # the per-step hot path (one decode slot per request) cost ~0.2 us in numpy, ~3 us in torch
+        self._np = np.zeros((num_rows, max_context_len), dtype=np.int64)
+        self.table = torch.from_numpy(self._np)
         self._free_rows: list[int] = list(range(num_rows - 1, -1, -1))
         self._in_use = [False] * num_rows
 
@@ -49,9 +53,21 @@ class RequestRows:
             raise ValueError(f"positions up to {end} exceed max_context_len={self.max_context_len}")
         self.table[row, start:end] = slots
 
+    def write_run(self, row: int, start: int, first_slot: int, count: int) -> None:
+        """Positions [start, start + count) get consecutive slots from `first_slot` (a
+        partial page being filled: the decode hot path)."""
+        if start + count > self.max_context_len:
+            raise ValueError(
+                f"positions up to {start + count} exceed max_context_len={self.max_context_len}"
+            )
+        self._np[row, start : start + count] = np.arange(first_slot, first_slot + count)
+
     def read(self, row: int, start: int, end: int) -> torch.Tensor:
         return self.table[row, start:end]
 
+    def read_list(self, row: int, start: int, end: int) -> list[int]:
+        return self._np[row, start:end].tolist()
+
     def last_slot(self, row: int, length: int) -> int | None:
         """Slot of position `length - 1`, the anchor for filling a partial page."""
-        return int(self.table[row, length - 1]) if length > 0 else None
+        return int(self._np[row, length - 1]) if length > 0 else None

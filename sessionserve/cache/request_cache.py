@@ -51,21 +51,24 @@ class RequestCache:
         return m.length
 
     # ---- growth ----
-    def allocate(self, req: RequestKV, new_len: int) -> torch.Tensor:
-        """Give positions [allocated, new_len) slots; returns them. All or nothing.
+    def allocate(self, req: RequestKV, new_len: int) -> None:
+        """Give positions [allocated, new_len) slots. All or nothing.
 
         Evicts radix pages and idle sessions first; raises KVCacheFullError if still short.
         """
         self._expect(req, KVState.LIVE, "allocate")
-        extend = new_len - req.allocated_len
+        start = req.allocated_len
+        extend, in_page = new_len - start, start % self.page_size
         if extend <= 0:
-            return torch.empty(0, dtype=torch.int64)
-        self.make_room(self.allocator.pages_needed(req.allocated_len, extend) * self.page_size)
-        last = self.rows.last_slot(req.row, req.allocated_len)
-        slots = self.allocator.alloc_extend(last, req.allocated_len, extend)
-        self.rows.write(req.row, req.allocated_len, slots)
+            return
+        if in_page and extend <= self.page_size - in_page:
+            # the request's partial last page has room: no page is taken, nothing evicted
+            self.rows.write_run(req.row, start, self.rows.last_slot(req.row, start) + 1, extend)
+        else:
+            self.make_room(self.allocator.pages_needed(start, extend) * self.page_size)
+            slots = self.allocator.alloc_extend(self.rows.last_slot(req.row, start), start, extend)
+            self.rows.write(req.row, start, slots)
         req.allocated_len = new_len
-        return slots
 
     def commit(self, req: RequestKV, committed_len: int) -> None:
         """Positions [0, committed_len) now hold valid KV (computed and accepted)."""
@@ -84,6 +87,10 @@ class RequestCache:
 
     def slots(self, req: RequestKV, start: int, end: int) -> torch.Tensor:
         return self.rows.read(req.row, start, end)
+
+    def slot_list(self, req: RequestKV, start: int, end: int) -> list[int]:
+        """`slots` as host ints (cheaper for a few positions, e.g. a decode's one)."""
+        return self.rows.read_list(req.row, start, end)
 
     # ---- exits (ordinary requests) ----
     def finish(self, req: RequestKV, final_tokens: Sequence[int]) -> None:

@@ -468,8 +468,8 @@ class Engine:
             end = s.end + len(extra)
             ids.extend(s.req.token_slice(s.start, s.end))
             ids.extend(extra)
-            pos.append(torch.arange(s.start, end))
-            out_slots.append(self.cache.slots(kv, s.start, end))
+            pos.extend(range(s.start, end))
+            out_slots.extend(self.cache.slot_list(kv, s.start, end))
             seqs.append(SeqSpec(end - s.start, self.cache.slots(kv, 0, end)))
             layout[id(s)] = SeqLayout(n, len(logit_idx) if s.samples else -1)
             n += end - s.start
@@ -477,8 +477,8 @@ class Engine:
                 logit_idx.extend(range(n - 1 - len(extra), n))
         fb = ForwardBatch(
             torch.tensor(ids),
-            torch.cat(pos),
-            torch.cat(out_slots),
+            torch.tensor(pos),
+            torch.tensor(out_slots),
             seqs,
             torch.tensor(logit_idx, dtype=torch.int64),
             want_hidden=self.proposer is not None,

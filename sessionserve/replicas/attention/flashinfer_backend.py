@@ -35,14 +35,15 @@ class _Plan:
 def page_table(seqs: list[SeqSpec], page_size: int) -> tuple[torch.Tensor, ...]:
     """Host int32 (kv_indptr [B+1], page ids [sum pages], last_page_len [B]) of `seqs`, whose
     positions are laid out page by page (slot // page_size is the page)."""
-    pages = [s.ctx_slots[::page_size] // page_size for s in seqs]
-    counts = torch.tensor([p.numel() for p in pages], dtype=torch.int32)
+    lens = torch.tensor([s.ctx_len for s in seqs], dtype=torch.int32)
+    counts = (lens + page_size - 1) // page_size
     indptr = torch.zeros(len(seqs) + 1, dtype=torch.int32)
     torch.cumsum(counts, 0, out=indptr[1:])
-    lens = torch.tensor([s.ctx_len for s in seqs], dtype=torch.int32)
     last = lens - (counts - 1) * page_size
-    flat = torch.cat(pages).to(torch.int32) if pages else torch.zeros(0, dtype=torch.int32)
-    return indptr, flat, last
+    if not seqs:
+        return indptr, torch.zeros(0, dtype=torch.int32), last
+    flat = torch.cat([s.ctx_slots[::page_size] for s in seqs]) // page_size
+    return indptr, flat.to(torch.int32), last
 
 
 class FlashInferBackend(AttentionBackend):
