@@ -220,11 +220,20 @@ def timed_parts(eng: Engine, device: torch.device):
                 delattr(obj, name)  # back to the class attribute
 
 
-def step_split(eng: Engine, c: int, args) -> dict[str, float]:
-    """ms per decode step of each part, and the rest (bookkeeping, stops, events)."""
-    submit_round(eng, c, args, 3)
+def steady_decode(eng: Engine, c: int, args, seed: int, warm_steps: int = 3) -> None:
+    """Submit a round and step past its prefills and first decodes (which capture graphs), so
+    what is measured next are ordinary decode steps."""
+    submit_round(eng, c, args, seed)
     while eng.has_work() and not decode_only(eng):
         eng.step()
+    for _ in range(warm_steps):
+        eng.step()
+    sync(eng.runner.device)
+
+
+def step_split(eng: Engine, c: int, args) -> dict[str, float]:
+    """ms per decode step of each part, and the rest (bookkeeping, stops, events)."""
+    steady_decode(eng, c, args, 3)
     n, total = 0, 0.0
     with timed_parts(eng, eng.runner.device) as parts:
         while decode_only(eng) and n < 50:
@@ -249,10 +258,13 @@ def gpu_busy(eng: Engine, c: int, args) -> tuple[float | None, float | None]:
         return None, None
     from torch.profiler import ProfilerActivity, profile
 
-    submit_round(eng, c, args, 4)
-    while eng.has_work() and not decode_only(eng):
+    steady_decode(eng, c, args, 4)
+    walls = []
+    for _ in range(args.profile_steps):
+        t = time.perf_counter()
         eng.step()
-    sync(eng.runner.device)
+        walls.append(time.perf_counter() - t)
+    step_ms = 1000 * statistics.median(walls)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t = time.perf_counter()
         n = 0
@@ -261,7 +273,6 @@ def gpu_busy(eng: Engine, c: int, args) -> tuple[float | None, float | None]:
             n += 1
         sync(eng.runner.device)
         wall = time.perf_counter() - t
-    eng.run_until_idle()
     kernel_us = sum(e.self_device_time_total for e in prof.key_averages())
     if args.log_dir:
         table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=40)
@@ -269,7 +280,10 @@ def gpu_busy(eng: Engine, c: int, args) -> tuple[float | None, float | None]:
         with open(f"{args.log_dir}/profile_c{c}.txt", "w") as f:
             f.write(f"{n} decode steps, wall {1000 * wall:.1f} ms\n{table}\n{cpu}\n")
     replay = graph_replay_ms(eng, c)
-    by_replay = None if replay is None else replay / (1000 * wall / max(n, 1))
+    eng.run_until_idle()
+    if replay is not None:
+        print(f"c={c}: decode graph replay {replay:.2f} ms of GPU time, step {step_ms:.2f} ms")
+    by_replay = None if replay is None else replay / step_ms
     return by_replay, kernel_us / 1e6 / wall
 
 
@@ -302,7 +316,8 @@ def ttft(eng: Engine, ids: list[int], **kw: Any) -> float:
 
 
 def session_ttft(model, backend: str, args) -> tuple[float, float]:
-    """(session TTFT, stateless TTFT) of a 32-token turn after `args.held` held tokens."""
+    """(session TTFT, stateless TTFT) of a 32-token turn after `args.held` held tokens (the
+    session's median of three turns; each adds ~33 tokens to what it holds)."""
     history = prompts(1, args.held, model.config.vocab_size, 5)[0].tolist()
     turn = prompts(1, 32, model.config.vocab_size, 6)[0].tolist()
     eng = make_engine(model, backend, True, 4, args, sessions=True)
@@ -311,7 +326,7 @@ def session_ttft(model, backend: str, args) -> tuple[float, float]:
     first = eng.generate(
         [history], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True), session_id=sid
     )[0]
-    session_s = ttft(eng, turn, session_id=sid)
+    session_s = statistics.median(ttft(eng, turn, session_id=sid) for _ in range(3))
     full = history + first.output_ids + turn
     plain = make_engine(model, backend, True, 4, args, sessions=False)
     ttft(plain, turn)
