@@ -8,6 +8,7 @@ replica deployment with `session_id` set (the session router pins it), and forma
 Tokenization and generation happen on the replica.
 """
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -195,6 +196,7 @@ class Ingress:
         replica = await self.directory.close.remote(session_id, owner_id)
         if replica:  # frees its KV there (deferred while a turn runs)
             await self.replica.options(session_id=session_id).close_session.remote(session_id)
+            forget_pin(session_id)  # this process's routers drop the closed session's pin
         return replica is not None
 
     async def _info(self, sid: str, owner_id: str | None, history: bool = False) -> dict:
@@ -322,9 +324,10 @@ class Ingress:
             raise EngineUnavailableError(f"the turn was aborted ({final['finish_message']}); retry")
         response = draft.object(final | {"ingress": self.ingress_id}, final["text"])
         if draft.body.store and draft.session_id is not None:
-            await self.directory.store_response.remote(
+            stored = self.directory.store_response.remote(
                 draft.session_id, response, items, final["full_ids"], draft.owner
             )
+            await asyncio.shield(self._kept_or_freed(draft.session_id, stored))
         return response
 
     async def _response_failed(self, draft: ResponseDraft) -> None:
@@ -491,8 +494,19 @@ class Ingress:
                 stream.cancel()
 
     async def _commit(self, call: GenerateCall, final: dict[str, Any]) -> None:
+        """Record a finished session turn in the failover log. Shielded: a client that
+        disconnects meanwhile must not leave the replica holding a turn the log lacks."""
         if call.session_id is not None and final["finish_reason"] != "abort":
-            await self.directory.commit_turn.remote(call.session_id, final["full_ids"])
+            recorded = self.directory.commit_turn.remote(call.session_id, final["full_ids"])
+            await asyncio.shield(self._kept_or_freed(call.session_id, recorded))
+
+    async def _kept_or_freed(self, session_id: str, recorded: Awaitable[bool]) -> None:
+        """A turn's record went to the directory; if the session was gone there (deleted or
+        expired while the turn ran), free what the turn left on its replica."""
+        if not await recorded:
+            log.info("session %s was closed during its turn: its replica copy is freed", session_id)
+            await self.replica.options(session_id=session_id).close_session.remote(session_id)
+            forget_pin(session_id)
 
 
 __all__ = ["Ingress", "app", "error_response"]

@@ -155,16 +155,20 @@ class SessionDirectoryState:
         rec = self._forget(session_id)
         return None if rec is None else (rec.replica or "")
 
-    def commit_turn(self, session_id: str, full_ids: list[int]) -> None:
-        """A turn succeeded: its input and answer are now the session's token log.
+    def commit_turn(self, session_id: str, full_ids: list[int]) -> bool:
+        """A turn succeeded: its input and answer are now the session's token log. False: the
+        session is gone (closed or expired while the turn ran), nothing is kept.
         Idempotent: Ray re-sends a call the actor died answering, and the same turn committed
         twice (the same log) counts once."""
         rec = self.sessions.get(session_id)
+        if rec is None:
+            return False
         log = array("I", full_ids)  # 4 bytes a token: logs of many long sessions
-        if rec is not None and rec.log != log:
+        if rec.log != log:
             rec.log = log
             rec.turns, rec.last_active = rec.turns + 1, time.monotonic()
             self._save(rec)
+        return True
 
     # ---- stored responses (Responses API) ----
     def store_response(
@@ -250,10 +254,12 @@ class SessionDirectoryState:
         """The session's replica: its pin if that replica is alive, else `choice`, which
         becomes the pin. Returns (replica, previous pin). One call, atomic in this actor, so
         routers placing the same session concurrently agree. A session the registry does not
-        know (no explicit open) is pinned all the same."""
+        know (closed or expired after the ingress checked it) is routed to `choice` but not
+        registered: a DELETE racing a turn must not bring the session back, ownerless; the
+        ingress frees what that turn left on the replica (`commit_turn` says it is gone)."""
         rec = self.sessions.get(session_id)
         if rec is None:
-            rec = self._register(SessionRecord(session_id, self.default_ttl_s))
+            return choice, None
         previous = rec.replica
         if previous not in alive:
             rec.replica = choice

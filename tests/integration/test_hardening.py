@@ -109,6 +109,39 @@ def test_the_openapi_schema_declares_every_error_status(http) -> None:
         assert "404" in paths[path]["get"]["responses"]
 
 
+def test_a_session_deleted_during_its_turn_stays_deleted_and_its_kv_is_freed(served, http):
+    """DELETE while a streamed turn runs: the turn still answers, then the session is gone
+    everywhere: no record (404 for a view and for a turn naming it), nothing held on any
+    replica (the deferred close ran), and no turn count or log came back with the commit."""
+    import json
+    import time
+
+    def held() -> int:
+        return sum(t["held_sessions"] for t in replica_memory().values())
+
+    before = held()
+    sid = http.post("/v1/sessions", json={}).json()["id"]
+    body = {"prompt": [5, 6, 7], "max_tokens": 300, "ignore_eos": True, "stream": True}
+    with (
+        httpx.Client(base_url=served["base"], timeout=60) as other,
+        other.stream("POST", "/v1/completions", json=body, headers={"x-session-id": sid}) as run,
+    ):
+        lines = run.iter_lines()
+        next(lines)  # the turn is generating
+        assert http.delete(f"/v1/sessions/{sid}").json()["deleted"] is True
+        rest = list(lines)
+    events = [json.loads(x[len("data: ") :]) for x in rest if x.startswith("data: {")]
+    reasons = [c["choices"][0]["finish_reason"] for c in events if c.get("choices")]
+    assert rest[-1] == "data: [DONE]" and reasons[-1] == "length"  # the turn ran to its end
+    assert_clean_error(http.get(f"/v1/sessions/{sid}"), 404)
+    turn = {"prompt": [9], "max_tokens": 2}
+    assert_clean_error(http.post("/v1/completions", json=turn, headers={"x-session-id": sid}), 404)
+    deadline = time.monotonic() + 10
+    while held() != before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert held() == before
+
+
 def test_replicas_are_healthy_after_the_abuse() -> None:
     for terms in replica_memory().values():
         assert terms["in_flight"] == 0 and terms["live_requests"] == 0

@@ -44,6 +44,14 @@ class FakeDirectoryActor:
         return _Remote(getattr(self.state, name))
 
 
+def opened(*session_ids: str) -> SessionDirectoryState:
+    """A directory holding these sessions, opened as the ingress opens them before routing."""
+    state = SessionDirectoryState()
+    for sid in session_ids:
+        state.open(sid, None)
+    return state
+
+
 def make_router(directory: FakeDirectoryActor) -> SessionAffinityRouter:
     router = object.__new__(SessionAffinityRouter)  # skip Serve's constructor
     router.initialize_state(tokens_per_new_session=100)
@@ -74,7 +82,7 @@ def test_addressed_calls_go_to_the_named_replica_or_avoid_one() -> None:
 def test_forget_pin_makes_the_next_request_ask_the_directory() -> None:
     from sessionserve.router.pin_cache import forget_pin
 
-    state = SessionDirectoryState()
+    state = opened("s")
     router = make_router(FakeDirectoryActor(state))
     a = FakeReplica("a", {"free_kv_tokens": 9000, "ts": 1.0})
     b = FakeReplica("b", {"free_kv_tokens": 10, "ts": 1.0})
@@ -131,7 +139,7 @@ def test_near_equal_free_kv_ties_and_fewest_sessions_wins() -> None:
 
 
 def test_a_pin_is_shared_between_router_processes() -> None:
-    state = SessionDirectoryState()
+    state = opened("s")
     one, two = make_router(FakeDirectoryActor(state)), make_router(FakeDirectoryActor(state))
     a = FakeReplica("a", {"free_kv_tokens": 100, "ts": 1.0})
     b = FakeReplica("b", {"free_kv_tokens": 990, "ts": 1.0})
@@ -142,7 +150,7 @@ def test_a_pin_is_shared_between_router_processes() -> None:
 
 
 def test_dead_replica_sessions_are_repinned() -> None:
-    state = SessionDirectoryState()
+    state = opened("s")
     router = make_router(FakeDirectoryActor(state))
     a, b = FakeReplica("a", {"free_kv_tokens": 900}), FakeReplica("b", {"free_kv_tokens": 100})
     assert route(router, [a, b], "s") == [[a]]
@@ -180,9 +188,25 @@ def test_directory_registry_log_and_ttl(monkeypatch) -> None:
     assert state.close(other) == ""  # existed, never pinned
 
 
+def test_a_closed_session_is_not_brought_back_by_routing_or_a_late_commit() -> None:
+    """A DELETE racing a turn: the router may still route the turn (to its choice), but the
+    directory registers nothing, and the turn's commit says the session is gone (the ingress
+    then frees the replica's copy) instead of recreating it without an owner."""
+    state = SessionDirectoryState(default_ttl_s=60.0)
+    sid = state.open("s", None, "alice")
+    assert state.resolve_pin(sid, "a", ["a"]) == ("a", None)
+    assert state.commit_turn(sid, [5, 6, 7]) and state.commit_turn(sid, [5, 6, 7])
+    assert state.close(sid, "alice") == "a"
+    assert state.resolve_pin(sid, "b", ["a", "b"]) == ("b", None)
+    assert not state.commit_turn(sid, [5, 6, 7, 8, 9])
+    assert state.sessions == {} and state.info(sid) is None and state.info(sid, "bob") is None
+    assert state.get_pin(sid) is None and state.counts()["sessions"] == 0
+    assert state.open(sid, None, "bob") == sid  # the id is free again, for a new session
+
+
 @pytest.mark.parametrize("alive", [["a"], []])
 def test_resolve_pin_keeps_a_live_pin(alive) -> None:
-    state = SessionDirectoryState()
+    state = opened("s")
     assert state.resolve_pin("s", "a", ["a"]) == ("a", None)
     replica, previous = state.resolve_pin("s", "b", alive)
     assert (replica, previous) == (("a", "a") if alive else ("b", "a"))
@@ -191,7 +215,7 @@ def test_resolve_pin_keeps_a_live_pin(alive) -> None:
 def test_a_pin_seen_through_a_second_router_is_a_sticky_hit_not_a_repin() -> None:
     """A second router process that picks the session's own replica as its choice must not
     count (or log) a re-pin: the pin did not move."""
-    state = SessionDirectoryState()
+    state = opened("s")
     one, two = make_router(FakeDirectoryActor(state)), make_router(FakeDirectoryActor(state))
     a, b = FakeReplica("a", {"free_kv_tokens": 900}), FakeReplica("b", {"free_kv_tokens": 100})
     assert route(one, [a, b], "s") == [[a]]
@@ -228,7 +252,7 @@ def test_stored_responses_live_and_die_with_their_session(monkeypatch) -> None:
 
 
 def test_the_router_pin_cache_is_bounded_and_a_forgotten_pin_still_routes() -> None:
-    state = SessionDirectoryState()
+    state = opened("s-0")
     router = object.__new__(SessionAffinityRouter)
     router.initialize_state(tokens_per_new_session=100, max_cached_pins=1000)
     router._directory = FakeDirectoryActor(state)

@@ -1,0 +1,87 @@
+"""How the ingress records a finished session turn: shielded from client disconnects, and a
+turn whose session was closed meanwhile is freed on its replica (not kept, not resurrected).
+The ingress's own methods run against a real directory state and a fake replica handle."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+from sessionserve.api.ingress import Ingress
+from sessionserve.replicas.server import GenerateCall
+from sessionserve.router import pin_cache
+from sessionserve.router.directory import SessionDirectoryState
+
+
+class FakeReplicaHandle:
+    def __init__(self) -> None:
+        self.closed: list[str] = []
+
+    def options(self, session_id: str | None = None, **_: object) -> SimpleNamespace:
+        async def close_session(sid: str) -> bool:
+            self.closed.append(sid)
+            return True
+
+        return SimpleNamespace(close_session=SimpleNamespace(remote=close_session))
+
+
+class SlowDirectory:
+    """`commit_turn.remote` waits for `release` before recording (a slow directory call)."""
+
+    def __init__(self, state: SessionDirectoryState) -> None:
+        self.state, self.release = state, asyncio.Event()
+
+    @property
+    def commit_turn(self) -> SimpleNamespace:
+        async def remote(sid: str, ids: list[int]) -> bool:
+            await self.release.wait()
+            return self.state.commit_turn(sid, ids)
+
+        return SimpleNamespace(remote=remote)
+
+
+def ingress_with(state: SessionDirectoryState) -> SimpleNamespace:
+    fake = SimpleNamespace(replica=FakeReplicaHandle(), directory=SlowDirectory(state))
+    fake._kept_or_freed = lambda *a: Ingress._kept_or_freed(fake, *a)
+    return fake
+
+
+def final(ids: list[int]) -> dict:
+    return {"finish_reason": "length", "full_ids": ids}
+
+
+def test_a_client_disconnect_during_the_commit_does_not_lose_the_turn() -> None:
+    state = SessionDirectoryState()
+    sid = state.open("s", None)
+    ingress = ingress_with(state)
+
+    async def scenario() -> None:
+        call = GenerateCall({}, sid)
+        handler = asyncio.create_task(Ingress._commit(ingress, call, final([5, 6, 7])))
+        await asyncio.sleep(0.01)  # the commit is waiting on the directory
+        handler.cancel()  # the client went away: the request handler is cancelled
+        await asyncio.sleep(0.01)
+        ingress.directory.release.set()
+        await asyncio.sleep(0.01)  # the shielded commit completes on its own
+
+    asyncio.run(scenario())
+    assert state.log(sid) == [5, 6, 7] and state.info(sid)["turns"] == 1
+    assert ingress.replica.closed == []  # kept: nothing freed
+
+
+def test_a_turn_of_a_session_closed_meanwhile_is_freed_on_its_replica() -> None:
+    state = SessionDirectoryState()
+    sid = state.open("s", None)
+    state.resolve_pin(sid, "replica-a", ["replica-a"])
+    cache = pin_cache.PinCache(10)  # a router's cached pin in this process
+    cache.put(sid, "replica-a")
+    ingress = ingress_with(state)
+    assert state.close(sid) == "replica-a"  # DELETE while the turn ran
+
+    async def scenario() -> None:
+        ingress.directory.release.set()
+        await Ingress._commit(ingress, GenerateCall({}, sid), final([5, 6, 7]))
+
+    asyncio.run(scenario())
+    assert ingress.replica.closed == [sid]  # its KV on the replica is freed
+    assert sid not in cache and state.sessions == {}  # nothing brings it back
