@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from sessionserve.cache.request_kv import RequestKV
 from sessionserve.errors import SessionServeError
+from sessionserve.replicas.detokenize import IncrementalText
 from sessionserve.replicas.spec.draft_state import DraftState
 from sessionserve.replicas.spec.stats import SpecStats
 
@@ -149,6 +150,7 @@ class Request:
     finished_len: int | None = None  # output tokens that belong to the answer
     sampled: bool = False  # input computed and a token pending: ready to decode
     stop_checked: int = 0  # output tokens the stop checker has seen
+    stop_text: IncrementalText | None = None  # the answer's text, for stop strings
     cached_tokens: int = 0  # reused at first admission (what usage reports)
     cached_source: str = "none"
     retractions: int = 0

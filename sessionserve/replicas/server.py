@@ -34,6 +34,8 @@ from sessionserve.errors import (
 )
 from sessionserve.faults import fault_point
 from sessionserve.metrics import RayEngineMetrics
+from sessionserve.replicas import client_error_logs
+from sessionserve.replicas.detokenize import IncrementalText
 from sessionserve.replicas.engine import Engine, StepEvent
 from sessionserve.replicas.migration import SessionMover
 from sessionserve.replicas.request import (
@@ -179,6 +181,7 @@ class ReplicaServer:
             self.replica_id, self.app_name, self.deployment = "local", None, None
         else:
             self.engine.metrics = RayEngineMetrics(self.replica_id, self.engine.model_name)
+            client_error_logs.install()  # Serve's "Request failed." for a 4xx: one INFO line
         self.mover = SessionMover(self.engine, self._run, self.replica_id)
         self._peer_handles: tuple[Any, Any] | None = None
         self._stopped = self._stopping = False
@@ -194,7 +197,8 @@ class ReplicaServer:
         # The input is always complete (the ingress passes the session's token log for
         # append mode), so the cache reuses the longest prefix it holds and rewinds if the log
         # and the held KV ever disagree: the directory's log is the source of truth.
-        done, out_ids, text_sent = False, [], ""
+        done, text_sent = False, ""
+        answer = IncrementalText(self.engine.tokenizer)  # O(new tokens) per event
         await self.mover.admit_turn(call.session_id)  # moved elsewhere: the ingress re-routes
         self.streams[rid] = (aio, events)  # before submitting: a death in between is seen
         try:
@@ -215,8 +219,8 @@ class ReplicaServer:
                 done = event.result is not None
                 if done and event.result.finish_reason is FinishReason.ERROR:
                     raise RequestFailedError(event.result.finish_message or "request failed")
-                out_ids += event.new_token_ids
-                text = (event.result.text or "") if done else self._visible_text(out_ids, sampling)
+                answer.extend(event.new_token_ids)
+                text = (event.result.text or "") if done else self._visible_text(answer, sampling)
                 if event.new_token_ids or len(text) > len(text_sent):
                     yield {
                         "token_ids": event.new_token_ids,
@@ -237,10 +241,11 @@ class ReplicaServer:
         """`fn` on the engine thread (queued before this returns, even if cancelled)."""
         return await asyncio.wrap_future(self.loop.call(functools.partial(fn, *args, **kwargs)))
 
-    def _visible_text(self, out_ids: list[int], sampling: SamplingParams) -> str:
+    @staticmethod
+    def _visible_text(answer: IncrementalText, sampling: SamplingParams) -> str:
         """The answer so far, minus a tail that might still become a stop string (so what is
         sent is always a prefix of the final answer)."""
-        text = self.engine.tokenizer.decode(out_ids, skip_special_tokens=True)
+        text = answer.text
         hold = max((len(s) - 1 for s in sampling.stop), default=0)
         return text[: max(0, len(text) - hold)]
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from sessionserve.replicas.detokenize import IncrementalText
 from sessionserve.replicas.request import FinishReason, Request
 
 
@@ -30,18 +31,27 @@ class StopChecker:
             if len(req.input_ids) + i + 1 >= self.max_context_len:
                 return self._finish(req, FinishReason.LENGTH, i + 1)
         if p.stop and self.tokenizer is not None:
-            text = self.tokenizer.decode(out, skip_special_tokens=True)
-            if any(s in text for s in p.stop):
-                return self._finish(req, FinishReason.STOP, self._stop_string_end(req))
+            text = req.stop_text = req.stop_text or IncrementalText(self.tokenizer)
+            seen = len(text.text)
+            if text.extend(out[len(text.ids) :]):  # only the new text (and what a stop
+                # string could span into it) is searched: O(new tokens) per step
+                tail = text.text[max(0, seen - max(len(s) for s in p.stop) + 1) :]
+                if any(s in tail for s in p.stop):
+                    return self._finish(req, FinishReason.STOP, self._stop_string_end(req))
         return False
 
     def _stop_string_end(self, req: Request) -> int:
-        """Fewest output tokens whose text contains a stop string."""
-        for n in range(1, len(req.output_ids) + 1):
-            text = self.tokenizer.decode(req.output_ids[:n], skip_special_tokens=True)
+        """Fewest output tokens whose text contains a stop string (a bisection: a longer
+        prefix's text contains a shorter one's)."""
+        lo, hi = 1, len(req.output_ids)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            text = self.tokenizer.decode(req.output_ids[:mid], skip_special_tokens=True)
             if any(s in text for s in req.sampling.stop):
-                return n
-        return len(req.output_ids)
+                hi = mid
+            else:
+                lo = mid + 1
+        return hi
 
     @staticmethod
     def _finish(req: Request, reason: FinishReason, finished_len: int) -> bool:

@@ -1,0 +1,34 @@
+"""Client errors raised in a replica are logged as one INFO line, not an ERROR traceback.
+
+Ray Serve logs every exception a replica method raises with `logger.exception("Request
+failed.")`. For our typed 4xx errors (context too long, a session busy or unknown, bad
+input) that is noise that buries real failures: the caller already gets a clear 4xx. The
+filter rewrites those records in place; 5xx and foreign exceptions keep their traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from sessionserve.errors import SessionServeError, unwrap
+
+RAY_SERVE_LOGGER = "ray.serve"
+
+
+class ClientErrorsAsInfo(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        err = unwrap(exc) if exc is not None else None
+        if isinstance(err, SessionServeError) and err.status_code < 500:
+            record.levelno, record.levelname = logging.INFO, "INFO"
+            record.msg = "request refused (%d %s): %s"
+            record.args = (err.status_code, type(err).__name__, err)
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+def install() -> None:
+    """Once per process (idempotent)."""
+    logger = logging.getLogger(RAY_SERVE_LOGGER)
+    if not any(isinstance(f, ClientErrorsAsInfo) for f in logger.filters):
+        logger.addFilter(ClientErrorsAsInfo())

@@ -1,0 +1,48 @@
+"""A replica's client errors (4xx) are logged by Ray Serve's logger as one INFO line; real
+failures keep their ERROR level and traceback."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from sessionserve.replicas import client_error_logs
+from sessionserve.replicas.request import ContextTooLongError
+
+
+class WrappedLikeRay(Exception):
+    """Ray's RayTaskError carries the original exception as `cause`."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__("Traceback (most recent call last): ...")
+        self.cause = cause
+
+
+def log_failure(exc: BaseException) -> None:
+    try:
+        raise exc
+    except Exception:
+        logging.getLogger(client_error_logs.RAY_SERVE_LOGGER).exception("Request failed.")
+
+
+@pytest.mark.parametrize("wrap", [False, True])
+def test_a_client_error_is_one_info_line(caplog, wrap) -> None:
+    client_error_logs.install()
+    client_error_logs.install()  # idempotent
+    serve_logger = logging.getLogger(client_error_logs.RAY_SERVE_LOGGER)
+    assert (
+        sum(isinstance(f, client_error_logs.ClientErrorsAsInfo) for f in serve_logger.filters) == 1
+    )
+    err = ContextTooLongError("the request needs 9000 tokens; the limit is 4096", "max_tokens")
+    with caplog.at_level(logging.INFO, logger=client_error_logs.RAY_SERVE_LOGGER):
+        log_failure(WrappedLikeRay(err) if wrap else err)
+        log_failure(RuntimeError("a real bug"))
+    refused, failed = caplog.records
+    assert refused.levelno == logging.INFO and refused.exc_info is None
+    assert refused.getMessage() == (
+        "request refused (400 ContextTooLongError): the request needs 9000 tokens; the limit "
+        "is 4096"
+    )
+    assert "Traceback" not in caplog.handler.format(refused)
+    assert failed.levelno == logging.ERROR and failed.exc_info is not None
