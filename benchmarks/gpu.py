@@ -140,8 +140,10 @@ def hf_step_ms(model, c: int, args: argparse.Namespace, static: bool) -> float:
 
 
 # ---- our engine ----
-def make_engine(model, backend: str, graphs: bool, c: int, args, sessions: bool = True):
-    held = args.held + 64
+def make_engine(
+    model, backend: str, graphs: bool, c: int, args, sessions: bool = True, extend: bool = True
+):
+    held = args.held + 256
     slots = max(c * (args.prompt + args.output) * 2, 2 * held + 4096)
     cfg = EngineConfig(
         model=ModelConfig(device=str(model.device)),
@@ -155,6 +157,7 @@ def make_engine(model, backend: str, graphs: bool, c: int, args, sessions: bool 
         scheduler=SchedulerConfig(max_running_requests=c, max_prefill_tokens=8192),
         attention_backend=backend,
         cuda_graphs=graphs,
+        cuda_graph_max_extend=256 if extend else 0,
     )
     return Engine(cfg, LoadedModel(model, None, "random-llama", "benchmarks.gpu"))
 
@@ -315,22 +318,26 @@ def ttft(eng: Engine, ids: list[int], **kw: Any) -> float:
     return time.perf_counter() - t
 
 
-def session_ttft(model, backend: str, args) -> tuple[float, float]:
-    """(session TTFT, stateless TTFT) of a 32-token turn after `args.held` held tokens (the
-    session's median of three turns; each adds ~33 tokens to what it holds)."""
+def session_ttft(model, backend: str, args) -> dict[str, float]:
+    """TTFT (s) of a 32-token turn after `args.held` held tokens: in a session (the median of
+    three turns; each adds ~33 tokens to what it holds), with its extend replayed as a CUDA
+    graph and eagerly, and the same whole request stateless (radix off)."""
     history = prompts(1, args.held, model.config.vocab_size, 5)[0].tolist()
     turn = prompts(1, 32, model.config.vocab_size, 6)[0].tolist()
-    eng = make_engine(model, backend, True, 4, args, sessions=True)
-    ttft(eng, turn)  # warm-up
-    sid = eng.open_session()
-    first = eng.generate(
-        [history], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True), session_id=sid
-    )[0]
-    session_s = statistics.median(ttft(eng, turn, session_id=sid) for _ in range(3))
+    out: dict[str, float] = {}
+    for name, extend in (("session", True), ("session_eager_extend", False)):
+        eng = make_engine(model, backend, True, 4, args, sessions=True, extend=extend)
+        ttft(eng, turn)  # warm-up
+        sid = eng.open_session()
+        first = eng.generate(
+            [history], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True), session_id=sid
+        )[0]
+        out[name] = statistics.median(ttft(eng, turn, session_id=sid) for _ in range(3))
     full = history + first.output_ids + turn
     plain = make_engine(model, backend, True, 4, args, sessions=False)
     ttft(plain, turn)
-    return session_s, statistics.median(ttft(plain, full) for _ in range(2))
+    out["stateless"] = statistics.median(ttft(plain, full) for _ in range(2))
+    return out
 
 
 def main() -> None:
@@ -396,10 +403,11 @@ def main() -> None:
         + (f", {busy_profiler:.0%} (profiler kernels)" if busy_profiler is not None else ""),
         flush=True,
     )
-    s_ttft, p_ttft = session_ttft(model, best(1)[0][0], args)
+    t = session_ttft(model, best(1)[0][0], args)
     print(
-        f"TTFT with {args.held} tokens held: session {1000 * s_ttft:.1f} ms, stateless "
-        f"{1000 * p_ttft:.1f} ms",
+        f"TTFT with {args.held} tokens held: session {1000 * t['session']:.1f} ms (eager "
+        f"extend {1000 * t['session_eager_extend']:.1f} ms), stateless "
+        f"{1000 * t['stateless']:.1f} ms",
         flush=True,
     )
 
@@ -425,7 +433,8 @@ def main() -> None:
             "gpu_busy_frac_32": None if busy is None else round(busy, 3),
             "gpu_busy_frac_32_profiler": None if busy_profiler is None else round(busy_profiler, 3),
             "roofline_frac_64": round(roofline_ms / best(c_top)[1], 3),
-            "ttft_ratio_8k": round(p_ttft / s_ttft, 2),
+            "ttft_ms_8k": {k: round(1000 * v, 2) for k, v in t.items()},
+            "ttft_ratio_8k": round(t["stateless"] / t["session"], 2),
         }
     )
 

@@ -134,6 +134,15 @@ class EngineConfig(_Strict):
         "scheduler.max_running_requests); bounds the graphs' memory (logits are "
         "batch x vocab floats). Bigger decode batches run eagerly.",
     )
+    cuda_graph_max_extend: int = Field(
+        256,
+        ge=0,
+        le=4096,
+        description="On CUDA with cuda_graphs, a step that extends one sequence by at most this "
+        "many tokens (a session turn, a short prompt) replays a graph per query/context bucket "
+        "instead of launching every kernel from Python (eagerly a short forward costs tens of "
+        "ms of launch overhead). 0: such steps run eagerly.",
+    )
     strict_memory_check: bool = Field(
         False, description="Check the memory invariant after every step (tests turn it on)."
     )

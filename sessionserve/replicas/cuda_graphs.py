@@ -5,7 +5,9 @@ bucket), so the unmodified transformers model plus our attention is captured ove
 buffers: token ids, positions, output slots, and the backend's static metadata. A step pads
 its batch up to the next bucket (padding rows read and write only the reserved slot 0), copies
 its inputs into the buffers, re-plans the backend outside the graph, and replays. Prefill,
-mixed and verify steps run eagerly.
+mixed and verify steps run eagerly, except short single-sequence extends (a session turn, a
+short prompt: `ExtendGraphs`), which replay graphs per query/context bucket over the torch
+backend's static plan whatever the decode backend (FlashInfer reads the same pool layout).
 
 Graphs are captured lazily, on a bucket's first use, into one shared memory pool. With
 `capture=False` the same static path runs eagerly: that is how CPU tests check the padding
@@ -16,13 +18,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from sessionserve.replicas.attention.base import ForwardMeta
+from sessionserve.replicas.attention.base import ForwardMeta, to_device
+from sessionserve.replicas.attention.torch_backend import TorchPagedBackend
 from sessionserve.replicas.model_runner import ForwardBatch, ModelRunner
 
 log = logging.getLogger(__name__)
@@ -103,21 +106,98 @@ class DecodeGraphs:
         self.graphs[(size, key)] = g
         if not self.capture:
             return g
-        t0 = time.perf_counter()
         self.runner.backend.fill_decode(g.plan, [])  # all padding: a valid plan to capture
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up runs allocate outside the graph
-            for _ in range(2):
-                self._forward(g)
-        torch.cuda.current_stream().wait_stream(side)
-        g.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g.graph, pool=self.pool):
+        g.graph = capture(lambda: self._forward(g), self.pool, f"decode batch {size}, key {key}")
+        return g
+
+
+def capture(forward: Callable[[], None], pool: Any, what: str) -> Any:
+    """A CUDA graph of `forward` (after two warm-up runs on a side stream, which allocate
+    outside the graph) in the shared memory `pool`."""
+    t0 = time.perf_counter()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            forward()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        forward()
+    log.info("captured a CUDA graph (%s) in %.0f ms", what, 1000 * (time.perf_counter() - t0))
+    return graph
+
+
+EXTEND_BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+
+
+@dataclass
+class _ExtendGraph:
+    ids: torch.Tensor  # [Q] static inputs (padding: token 0 at position 0, slot 0)
+    positions: torch.Tensor
+    out_slots: torch.Tensor
+    logit_row: torch.Tensor  # [1] index of the last real token
+    plan: Any
+    logits: torch.Tensor | None = None  # [1, V]
+    graph: Any = None
+
+
+class ExtendGraphs:
+    """One sequence extended by 2..`max_tokens` new tokens, at most one sampled (a session
+    turn or a short prompt; no drafter): a graph per (query bucket, context bucket). Eagerly
+    such a forward is bound by launching a few hundred kernels from Python, whatever its
+    size; replayed, it costs what its kernels cost."""
+
+    def __init__(
+        self, runner: ModelRunner, backend: TorchPagedBackend, max_tokens: int, capture=True
+    ):
+        self.runner, self.backend, self.capture = runner, backend, capture
+        self.buckets = buckets_up_to(max_tokens, EXTEND_BUCKETS)
+        self.graphs: dict[tuple[int, int], _ExtendGraph] = {}
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.replays = 0
+
+    def run(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        if len(batch.seqs) != 1 or batch.want_hidden or len(batch.logit_idx) > 1:
+            return None
+        (seq,) = batch.seqs
+        n = seq.q_len
+        if n < 2 or seq.tree_mask is not None or (batch.logit_idx.tolist() not in ([], [n - 1])):
+            return None
+        size, width = bucket_for(n, self.buckets), self.backend.graph_key([seq])
+        if size is None or width is None:
+            return None
+        g = self.graphs.get((size, width)) or self._build(size, width)
+        host = torch.zeros(4, size, dtype=torch.int64)
+        host[0, :n], host[1, :n], host[2, :n] = batch.input_ids, batch.positions, batch.out_slots
+        host[3, 0] = n - 1
+        staged = to_device(host, self.runner.device)
+        g.ids.copy_(staged[0], non_blocking=True)
+        g.positions.copy_(staged[1], non_blocking=True)
+        g.out_slots.copy_(staged[2], non_blocking=True)
+        g.logit_row.copy_(staged[3, :1], non_blocking=True)
+        self.backend.fill_extend(g.plan, seq)
+        if g.graph is not None:
+            g.graph.replay()
+        else:
             self._forward(g)
-        log.info(
-            "captured a decode CUDA graph: batch %d, key %s, in %.0f ms",
-            size,
-            key,
-            1000 * (time.perf_counter() - t0),
-        )
+        self.replays += 1
+        return g.logits[: len(batch.logit_idx)], None
+
+    def _forward(self, g: _ExtendGraph) -> None:
+        r = self.runner
+        meta = ForwardMeta(self.backend, r.kv_pool, g.out_slots, g.plan)
+        hidden = r.decode_hidden(g.ids, g.positions, meta)
+        g.logits = r.lm_head(hidden[g.logit_row])
+
+    @torch.inference_mode()
+    def _build(self, size: int, width: int) -> _ExtendGraph:
+        dev = self.runner.device
+        zeros = lambda n: torch.zeros(n, dtype=torch.int64, device=dev)  # noqa: E731
+        plan = self.backend.static_extend(size, width, dev)
+        g = _ExtendGraph(zeros(size), zeros(size), zeros(size), zeros(1), plan)
+        self.graphs[(size, width)] = g
+        if self.capture:
+            self.backend.fill_extend(g.plan, None)  # all padding: a valid plan to capture
+            g.graph = capture(lambda: self._forward(g), self.pool, f"extend {size} x {width}")
         return g

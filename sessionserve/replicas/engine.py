@@ -43,7 +43,8 @@ from sessionserve.replicas.attention import (
     attention_scale,
     select_backend,
 )
-from sessionserve.replicas.cuda_graphs import DecodeGraphs, buckets_up_to
+from sessionserve.replicas.attention.torch_backend import TorchPagedBackend
+from sessionserve.replicas.cuda_graphs import DecodeGraphs, ExtendGraphs, buckets_up_to
 from sessionserve.replicas.loader import LoadedModel, load_model
 from sessionserve.replicas.model_runner import ForwardBatch, ModelRunner
 from sessionserve.replicas.request import (
@@ -118,6 +119,10 @@ class Engine:
             most = min(cfg.scheduler.max_running_requests, cfg.cuda_graph_max_batch)
             self.runner.graphs = DecodeGraphs(self.runner, buckets_up_to(most))
         self.proposer = self._build_proposer(cfg, model, drafter)
+        if self.runner.graphs is not None and cfg.cuda_graph_max_extend > 1 and not self.proposer:
+            self.runner.extend_graphs = ExtendGraphs(
+                self.runner, self._extend_backend(), cfg.cuda_graph_max_extend
+            )
         pools = [self.runner.kv_pool] + ([self.proposer.pool] if self.proposer else [])
         tier = HostTier(s.host_tier_bytes) if s.host_tier_bytes else None
         self.cache.attach_kv(pools, tier)  # the drafter's KV parks and moves with the target's
@@ -623,6 +628,14 @@ class Engine:
             self.config.attention_backend, param.device, **self._backend_dims(model)
         )
         return pool, backend
+
+    def _extend_backend(self) -> TorchPagedBackend:
+        """Short extends replay graphs over the torch backend's static plan (any decode
+        backend: the pool layout is shared)."""
+        backend = self.runner.backend
+        if isinstance(backend, TorchPagedBackend):
+            return backend
+        return TorchPagedBackend(self.config.cache.max_context_len)
 
     def _backend_dims(self, model: Any) -> dict[str, Any]:
         shape, cfg, c = KVShape.from_hf_config(model.config), model.config, self.config.cache

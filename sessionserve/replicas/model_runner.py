@@ -3,7 +3,8 @@
 It sees only tensors: token ids, positions, the slot each new token's KV goes to, and one
 `SeqSpec` per sequence (its new-token count and context slots). It never sees requests or
 sessions. The batch arrives as host tensors and goes to the device in one copy. Pure-decode
-batches replay a CUDA graph when `graphs` is set (see cuda_graphs.py); the rest run eagerly.
+batches replay a CUDA graph when `graphs` is set, short single-sequence extends when
+`extend_graphs` is (see cuda_graphs.py); the rest run eagerly.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from sessionserve.replicas.attention import AttentionBackend, ForwardMeta, SeqSp
 from sessionserve.replicas.attention.base import to_device
 
 if TYPE_CHECKING:
-    from sessionserve.replicas.cuda_graphs import DecodeGraphs
+    from sessionserve.replicas.cuda_graphs import DecodeGraphs, ExtendGraphs
 
 
 @dataclass
@@ -47,6 +48,7 @@ class ModelRunner:
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
         self.graphs: DecodeGraphs | None = None  # set by the engine on CUDA
+        self.extend_graphs: ExtendGraphs | None = None
         install(model)
 
     @torch.inference_mode()
@@ -56,6 +58,10 @@ class ModelRunner:
         pool. The decoder and the LM head run separately so the hidden states come for free."""
         if self.graphs is not None and batch.is_decode:
             out = self.graphs.run(batch)
+            if out is not None:
+                return out
+        elif self.extend_graphs is not None:
+            out = self.extend_graphs.run(batch)
             if out is not None:
                 return out
         n = len(batch.input_ids)

@@ -107,6 +107,30 @@ class TorchPagedBackend(AttentionBackend):
         static.ctx_slots.copy_(to_device(ctx, static.ctx_slots.device), non_blocking=True)
         static.mask.copy_(to_device(mask[:, None, None], static.mask.device), non_blocking=True)
 
+    def static_extend(self, q_len: int, width: int, device: torch.device) -> list[_Group]:
+        """One group of fixed shape: `q_len` query tokens of one sequence over a context of
+        `width` columns (CUDA graphs for short extends, see cuda_graphs.ExtendGraphs)."""
+        group = _Group(
+            token_idx=torch.arange(q_len, device=device)[None],
+            ctx_slots=torch.zeros(1, width, dtype=torch.int64, device=device),
+            mask=torch.zeros(1, 1, q_len, width, dtype=torch.bool, device=device),
+        )
+        return [group]
+
+    def fill_extend(self, static: list[_Group], seq: SeqSpec | None) -> None:
+        """Write `seq` (at most q_len new tokens) into `static`; query rows past its tokens are
+        padding that sees only column 0 (slot 0, never read by a real row)."""
+        (static,) = static
+        q_len, width = static.mask.shape[2], static.mask.shape[3]
+        ctx = torch.zeros(1, width, dtype=torch.int64)
+        mask = torch.zeros(q_len, width, dtype=torch.bool)
+        mask[:, 0] = True
+        if seq is not None:
+            ctx[0, : seq.ctx_len] = seq.ctx_slots
+            mask[: seq.q_len] = context_mask(torch.tensor([seq.ctx_len]), seq.q_len, width)[0]
+        static.ctx_slots.copy_(to_device(ctx, static.ctx_slots.device), non_blocking=True)
+        static.mask.copy_(to_device(mask[None, None], static.mask.device), non_blocking=True)
+
     def forward(
         self,
         layer: int,

@@ -15,7 +15,12 @@ from sessionserve.replicas.attention import attention_scale, select_backend
 from sessionserve.replicas.attention.base import SeqSpec
 from sessionserve.replicas.attention.flashinfer_backend import page_table
 from sessionserve.replicas.attention.torch_backend import TorchPagedBackend, context_mask
-from sessionserve.replicas.cuda_graphs import DecodeGraphs, bucket_for, buckets_up_to
+from sessionserve.replicas.cuda_graphs import (
+    DecodeGraphs,
+    ExtendGraphs,
+    bucket_for,
+    buckets_up_to,
+)
 from sessionserve.replicas.request import SamplingParams
 from sessionserve.replicas.sampling import draw, filter_logits, sample, uniforms
 from tests.markers import needs_default_model
@@ -181,6 +186,37 @@ def test_static_decode_path_gives_the_eager_tokens(model, page_size) -> None:
     assert results[True][4].cached_tokens > 0  # the session's second turn reused its KV
 
 
+@pytest.mark.parametrize("prefill", [512, 16])
+def test_static_extend_path_gives_the_eager_tokens(model, prefill) -> None:
+    """What an extend graph replays (one sequence, padded query and context buckets), run
+    eagerly: the same tokens and logprobs as the eager engine, for prompts, prefill chunks
+    (prefill=16: chunks that sample nothing) and session turns on a held history."""
+    p = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=True)
+    results, replays = {}, 0
+    for static in (False, True):
+        engine = tiny_engine(model, page_size=4, prefill=prefill)
+        if static:
+            backend = engine.runner.backend
+            engine.runner.extend_graphs = ExtendGraphs(engine.runner, backend, 64, capture=False)
+        out = [engine.generate([x], p)[0] for x in PROMPTS]  # one sequence per step
+        sid = engine.open_session()
+        history = [5 + (3 * i) % 50 for i in range(70)]
+        out.append(engine.generate([history], p, session_id=sid)[0])
+        out.append(engine.generate([out[-1].output_ids[-1:] + [9, 10, 11]], p, session_id=sid)[0])
+        engine.close_session(sid)
+        engine.check_memory()
+        results[static] = out
+        if static:
+            replays = engine.runner.extend_graphs.replays
+            sizes = {k[0] for k in engine.runner.extend_graphs.graphs}
+    for eager, static in zip(results[False], results[True], strict=True):
+        assert static.output_ids == eager.output_ids
+        for a, b in zip(eager.logprobs, static.logprobs, strict=True):
+            assert abs(a.logprob - b.logprob) < 1e-4
+    assert results[True][-1].cached_tokens > 70  # the turn extended the held history
+    assert replays >= 4 and len(sizes) >= 2
+
+
 # ---- on a GPU (skipped without CUDA) ----
 @pytest.mark.gpu
 def test_seeded_sampling_is_the_same_on_cpu_and_cuda() -> None:
@@ -200,14 +236,19 @@ def test_cuda_graph_replay_gives_the_eager_tokens(model) -> None:
     for graphs in (False, True):
         engine = tiny_engine(model, device="cuda", cuda_graphs=graphs)
         res = engine.generate(PROMPTS, p) + engine.generate(PROMPTS[:1], sampled)
+        sid = engine.open_session()  # session turns: single-sequence extends
+        res += engine.generate([PROMPTS[2]], p, session_id=sid)
+        res += engine.generate([res[-1].output_ids[-1:] + [9, 10, 11]], p, session_id=sid)
+        engine.close_session(sid)
+        engine.check_memory()
         out[graphs] = res
         assert (engine.runner.graphs is not None) == graphs
         if graphs:
-            assert engine.runner.graphs.replays > 0
+            assert engine.runner.graphs.replays > 0 and engine.runner.extend_graphs.replays >= 2
     for a, b in zip(out[False], out[True], strict=True):
         assert a.output_ids == b.output_ids
     cpu = tiny_engine(model, device="cpu").generate(PROMPTS[:1], sampled)[0]
-    assert cpu.output_ids == out[True][-1].output_ids  # seeded: same tokens on CPU and CUDA
+    assert cpu.output_ids == out[True][3].output_ids  # seeded: same tokens on CPU and CUDA
 
 
 @pytest.mark.gpu
