@@ -42,7 +42,7 @@ def app_args(model_dir: str) -> dict:
             "cache": {"page_size": 4, "num_slots": 8192, "max_rows": 64, "max_context_len": 1024},
             "sessions": {"implicit_open": True, "max_sessions": 64, "default_ttl_s": 600},
             "scheduler": {"max_prefill_tokens": 128},
-            "strict_memory_check": True,
+            "memory_check": "every_step",
         },
         "replica": {"num_replicas": 2, "num_cpus": 0.5, "routing_stats_period_s": 0.5},
         "ingress": {"num_replicas": 1, "num_cpus": 0.25},

@@ -27,7 +27,7 @@ def _demo(args: argparse.Namespace) -> int:
     cfg = EngineConfig(
         model=ModelConfig(path=args.model, torch_threads=args.threads),
         cache=CacheConfig(num_slots=8192, max_rows=32),
-        strict_memory_check=True,
+        memory_check="every_step",
     )
     engine = Engine(cfg)
     print(f"loaded {engine.model_name} in {time.monotonic() - t0:.1f} s\n")

@@ -143,8 +143,15 @@ class EngineConfig(_Strict):
         "instead of launching every kernel from Python (eagerly a short forward costs tens of "
         "ms of launch overhead). 0: such steps run eagerly.",
     )
-    strict_memory_check: bool = Field(
-        False, description="Check the memory invariant after every step (tests turn it on)."
+    memory_check: Literal["every_step", "periodic", "off"] = Field(
+        "periodic",
+        description="When the step loop checks the KV memory invariant (a broken one raises, and "
+        "a served replica reports unhealthy): after every step (tests; O(requests + sessions) "
+        "a step), every memory_check_period_s, or never (exported gauges still compute, and "
+        "so check, the terms they report).",
+    )
+    memory_check_period_s: float = Field(
+        10.0, gt=0, description="Seconds between checks under memory_check: periodic."
     )
 
     @model_validator(mode="after")

@@ -70,7 +70,7 @@ def app_args(model_dir: str) -> dict:
             "cache": {"page_size": 4, "num_slots": 8192, "max_rows": 64, "max_context_len": 2048},
             "sessions": {"implicit_open": False, "default_ttl_s": 600},
             "scheduler": {"max_prefill_tokens": 64},
-            "strict_memory_check": True,
+            "memory_check": "every_step",
         },
         "replica": {
             "num_replicas": 2,

@@ -100,7 +100,7 @@ def tiny_engine(
     cuda_graphs: bool = True,
     **session_kw,
 ) -> Engine:
-    """An engine in strict memory mode around a (copy of a) tiny model, on `device` (default:
+    """An engine checking memory every step, around a (copy of a) tiny model, on `device` (default:
     the test device). `drafter`: a function making an EAGLE head for the copied model (e.g.
     `mimic_drafter`), to speculate."""
     device = device or engine_device()
@@ -122,7 +122,7 @@ def tiny_engine(
         spec=SpecConfig(num_drafts=num_drafts),
         attention_backend=backend,
         cuda_graphs=cuda_graphs,
-        strict_memory_check=True,
+        memory_check="every_step",
     )
     return Engine(cfg, LoadedModel(model, word_tokenizer(), "tiny", "tests"), drafter=head)
 

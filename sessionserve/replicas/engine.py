@@ -1,7 +1,7 @@
 """The replica's engine: the step loop and the in-process API (no Ray needed).
 
     batch = scheduler.schedule() -> logits = runner.forward(batch) -> sample -> process
-    -> events to listeners -> (strict) check_memory()
+    -> events to listeners -> check_memory() (per the `memory_check` policy)
 
 Thread model: every public method takes `self.lock`, so in-process callers may call `submit`,
 `abort` and the session calls from one thread while another runs `step()`; KV state is only
@@ -119,7 +119,8 @@ class Engine:
             most = min(cfg.scheduler.max_running_requests, cfg.cuda_graph_max_batch)
             self.runner.graphs = DecodeGraphs(self.runner, buckets_up_to(most))
         self.proposer = self._build_proposer(cfg, model, drafter)
-        if self.runner.graphs is not None and cfg.cuda_graph_max_extend > 1 and not self.proposer:
+        extend = cfg.cuda_graph_max_extend > 1 and self.proposer is None  # a drafter needs
+        if self.runner.graphs is not None and extend:  # every hidden state: eager extends
             self.runner.extend_graphs = ExtendGraphs(
                 self.runner, self._extend_backend(), cfg.cuda_graph_max_extend
             )
@@ -143,6 +144,7 @@ class Engine:
         self.generator = torch.Generator().manual_seed(0)
         self.lock = threading.RLock()
         self._last_reap = time.monotonic()
+        self._next_memory_check = 0.0  # periodic policy: the first step checks
         self.metrics = metrics or EngineMetrics()
 
     def _build_proposer(
@@ -267,12 +269,23 @@ class Engine:
             self._maybe_reap()
             batch = self.scheduler.schedule()
             events = self._run(batch) if batch else []
-            if self.config.strict_memory_check:
+            if self._memory_check_due():
                 self.check_memory()
             if self.metrics.gauges_due():
                 self.report_gauges()
         self._dispatch(events)
         return events
+
+    def _memory_check_due(self) -> bool:
+        """The `memory_check` policy, applied by the step itself (not by metrics export)."""
+        policy = self.config.memory_check
+        if policy != "periodic":
+            return policy == "every_step"
+        now = time.monotonic()
+        if now < self._next_memory_check:
+            return False
+        self._next_memory_check = now + self.config.memory_check_period_s
+        return True
 
     def check_memory(self) -> MemoryTerms:
         """The memory invariant now: the busy form over the live batch, or the idle form

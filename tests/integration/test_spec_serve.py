@@ -34,7 +34,7 @@ def spec_served(served, tmp_path_factory):
     save_tiny_model(model_dir, seed=3, num_hidden_layers=1)
     args = app_args(str(model_dir))
     engine_cfg = AppConfig.model_validate(args).engine
-    plain = Engine(engine_cfg.model_copy(update={"strict_memory_check": True}))
+    plain = Engine(engine_cfg.model_copy(update={"memory_check": "every_step"}))
     drafter_dir = tmp_path_factory.mktemp("spec-head")
     save_drafter(mimic_drafter(copy.deepcopy(plain.loaded.model)), drafter_dir)
     args["engine"]["spec"] = {"drafter_path": str(drafter_dir), "num_drafts": 4}

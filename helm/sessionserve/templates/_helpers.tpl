@@ -108,7 +108,7 @@ applications:
           dtype: {{ $v.model.dtype | toJson }}
           device: {{ $v.model.device | toJson }}
         attention_backend: {{ $e.attentionBackend | toJson }}
-        strict_memory_check: {{ $e.strictMemoryCheck | toJson }}
+        memory_check: {{ $e.memoryCheck | toJson }}
         cuda_graphs: {{ $e.cudaGraphs | toJson }}
         cache:
           page_size: {{ $e.cache.pageSize | toJson }}

@@ -1,7 +1,7 @@
 """The reference acceptance matrix (streaming-sessions.md s.6.1) on six configurations, two of
 them with EAGLE speculative decoding (drafts allocated, verified, rejected, trimmed every step).
 
-Every engine runs in strict memory mode (busy invariant after every step, idle invariant when
+Every engine checks memory every step (busy invariant after every step, idle invariant when
 drained); every scenario ends with all sessions closed and every KV slot and row free.
 """
 

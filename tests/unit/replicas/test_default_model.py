@@ -20,7 +20,7 @@ def _chat_ids(tokenizer, messages: list[dict]) -> list[int]:
 
 def test_two_turn_chat_about_a_fact_reuses_the_session() -> None:
     engine = Engine(
-        EngineConfig(cache=CacheConfig(num_slots=4096, max_rows=16), strict_memory_check=True)
+        EngineConfig(cache=CacheConfig(num_slots=4096, max_rows=16), memory_check="every_step")
     )
     tok = engine.tokenizer
     greedy = SamplingParams(max_tokens=48, temperature=0)
@@ -49,7 +49,7 @@ def test_speculative_greedy_equals_plain_on_the_default_model() -> None:
 
     from sessionserve.replicas.spec.training import initial_drafter
 
-    cfg = EngineConfig(cache=CacheConfig(num_slots=4096, max_rows=16), strict_memory_check=True)
+    cfg = EngineConfig(cache=CacheConfig(num_slots=4096, max_rows=16), memory_check="every_step")
     plain = Engine(cfg)
     model = plain.loaded.model
     head = initial_drafter(model, torch.arange(model.config.vocab_size)).eval()

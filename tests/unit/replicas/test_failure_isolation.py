@@ -1,7 +1,7 @@
 """A request whose own work fails (sampling, verifying drafts, the stop check) fails alone:
 it ends with an error result and its KV is given back, while the step, the rest of the batch
 and the engine go on with exactly the tokens they would have had (issue 13, finding 1). The
-strict memory check runs after every step (tiny_engine)."""
+memory check runs after every step (tiny_engine)."""
 
 from __future__ import annotations
 

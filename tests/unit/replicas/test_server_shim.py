@@ -18,7 +18,7 @@ def server(tmp_path_factory):
     srv = ReplicaServer(
         {
             "model": {"path": str(d)},
-            "strict_memory_check": True,
+            "memory_check": "every_step",
             "cache": {"page_size": 4, "num_slots": 2048, "max_rows": 16, "max_context_len": 1024},
         }
     )
@@ -100,7 +100,7 @@ def test_the_event_loop_never_waits_for_a_forward(tmp_path) -> None:
     import threading
 
     save_tiny_model(tmp_path)
-    srv = ReplicaServer({"model": {"path": str(tmp_path)}, "strict_memory_check": True})
+    srv = ReplicaServer({"model": {"path": str(tmp_path)}, "memory_check": "every_step"})
     runner, entered, release = srv.engine.runner, threading.Event(), threading.Event()
     real_forward = runner.forward
 

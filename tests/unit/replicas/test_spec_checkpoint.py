@@ -120,7 +120,7 @@ def test_cli_trains_and_the_engine_serves_with_the_result(target_dir, tmp_path, 
         model=ModelConfig(path=str(target_dir)),
         cache=CacheConfig(num_slots=2048, max_context_len=512),
         spec=SpecConfig(drafter_path=str(out), num_drafts=3),
-        strict_memory_check=True,
+        memory_check="every_step",
     )
     spec, plain = Engine(cfg), Engine(cfg.model_copy(update={"spec": SpecConfig()}))
     prompts = [[5, 9, 44, 3], [70, 8, 120, 33, 4]]

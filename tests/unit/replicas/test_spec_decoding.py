@@ -2,7 +2,7 @@
 for token; stops, max_tokens and aborts inside a verified run are exact; the drafter's KV
 holds exactly the committed positions; sessions continue from what was committed.
 
-Every engine here runs in strict memory mode: the busy invariant is checked after each step.
+Every engine here runs in every-step memory checking: the busy invariant is checked after each step.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def _long_run_start(engine, prompt: list[int]) -> int:
 
 def test_max_tokens_and_stop_tokens_inside_an_accepted_run_are_exact() -> None:
     """The verify emits several tokens at once; the answer ends exactly where a plain engine
-    stops, and the overshoot is trimmed from the tokens (and the KV: strict mode checks)."""
+    stops, and the overshoot is trimmed from the tokens (and the KV: the memory check sees it)."""
     model = tiny_model(num_hidden_layers=1, seed=3)
     prompt = _prompts(3, (25,))[0]
     spec = tiny_engine(model, drafter=mimic_drafter, page_size=1)

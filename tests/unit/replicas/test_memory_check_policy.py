@@ -1,0 +1,64 @@
+"""`engine.memory_check`: the step loop itself checks the invariant, per policy, whether or not
+metrics are exported (an in-process engine exports none)."""
+
+from __future__ import annotations
+
+import pytest
+
+from sessionserve.cache.checker import MemoryInvariantError
+from sessionserve.replicas.request import SamplingParams
+from tests.models import tiny_engine
+
+P = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+
+def engine_with(policy: str, period_s: float = 10.0):
+    engine = tiny_engine()
+    engine.config = engine.config.model_copy(
+        update={"memory_check": policy, "memory_check_period_s": period_s}
+    )
+    return engine
+
+
+def steps(engine, n: int) -> None:
+    engine.submit([5, 6, 7], P)
+    for _ in range(n):
+        engine.step()
+
+
+@pytest.mark.parametrize(("policy", "checks"), [("every_step", 5), ("periodic", 1), ("off", 0)])
+def test_the_step_checks_per_policy(policy, checks) -> None:
+    engine = engine_with(policy)
+    steps(engine, 5)
+    assert engine.checker.checks == checks
+
+
+def test_periodic_checks_again_once_the_period_passed(monkeypatch) -> None:
+    import time
+
+    clock = [time.monotonic()]
+    monkeypatch.setattr("time.monotonic", lambda: clock[0])
+    engine = engine_with("periodic", period_s=2.0)
+    steps(engine, 3)
+    assert engine.checker.checks == 1
+    clock[0] += 2.5
+    engine.step()
+    engine.step()
+    assert engine.checker.checks == 2
+
+
+@pytest.mark.parametrize("policy", ["every_step", "periodic"])
+def test_a_broken_invariant_is_caught_by_the_step(policy) -> None:
+    engine = engine_with(policy)
+    engine.cache.allocator.alloc_extend(None, 0, 16)  # a page nobody accounts for
+    with pytest.raises(MemoryInvariantError, match="accounted"):
+        steps(engine, 1)
+
+
+def test_off_never_checks_from_the_step() -> None:
+    engine = engine_with("off")
+    engine.cache.allocator.alloc_extend(None, 0, 16)
+    steps(engine, 3)  # no check, no raise
+    assert engine.checker.checks == 0
+    with pytest.raises(MemoryInvariantError):
+        engine.check_memory()  # an explicit check still sees it
