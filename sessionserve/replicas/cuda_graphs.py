@@ -82,14 +82,11 @@ class DecodeGraphs:
         return g.logits[:n], hidden
 
     def _fill(self, g: _Graph, batch: ForwardBatch) -> None:
-        n, size = len(batch.seqs), g.ids.numel()
-        host = torch.zeros(3, size, dtype=torch.int64)  # padding: token 0 at position 0, slot 0
-        host[0, :n], host[1, :n], host[2, :n] = batch.input_ids, batch.positions, batch.out_slots
-        dev = self.runner.device
-        staged = host.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else host
-        g.ids.copy_(staged[0], non_blocking=True)
-        g.positions.copy_(staged[1], non_blocking=True)
-        g.out_slots.copy_(staged[2], non_blocking=True)
+        stage(
+            (g.ids, g.positions, g.out_slots),
+            (batch.input_ids, batch.positions, batch.out_slots),
+            self.runner.device,
+        )
         self.runner.backend.fill_decode(g.plan, batch.seqs)
 
     def _forward(self, g: _Graph) -> None:
@@ -109,6 +106,17 @@ class DecodeGraphs:
         self.runner.backend.fill_decode(g.plan, [])  # all padding: a valid plan to capture
         g.graph = capture(lambda: self._forward(g), self.pool, f"decode batch {size}, key {key}")
         return g
+
+
+def stage(buffers: Sequence[torch.Tensor], rows: Sequence[torch.Tensor], device) -> None:
+    """Host rows into a graph's static int64 buffers with one host-to-device copy; each
+    buffer's tail past its row is zero (padding: token 0 at position 0, slot 0)."""
+    host = torch.zeros(len(buffers), max(b.numel() for b in buffers), dtype=torch.int64)
+    for i, row in enumerate(rows):
+        host[i, : row.numel()] = row
+    staged = to_device(host, device)
+    for buf, row in zip(buffers, staged, strict=True):
+        buf.copy_(row[: buf.numel()], non_blocking=True)
 
 
 def capture(forward: Callable[[], None], pool: Any, what: str) -> Any:
@@ -168,14 +176,11 @@ class ExtendGraphs:
         if size is None or width is None:
             return None
         g = self.graphs.get((size, width)) or self._build(size, width)
-        host = torch.zeros(4, size, dtype=torch.int64)
-        host[0, :n], host[1, :n], host[2, :n] = batch.input_ids, batch.positions, batch.out_slots
-        host[3, 0] = n - 1
-        staged = to_device(host, self.runner.device)
-        g.ids.copy_(staged[0], non_blocking=True)
-        g.positions.copy_(staged[1], non_blocking=True)
-        g.out_slots.copy_(staged[2], non_blocking=True)
-        g.logit_row.copy_(staged[3, :1], non_blocking=True)
+        stage(
+            (g.ids, g.positions, g.out_slots, g.logit_row),
+            (batch.input_ids, batch.positions, batch.out_slots, torch.tensor([n - 1])),
+            self.runner.device,
+        )
         self.backend.fill_extend(g.plan, seq)
         if g.graph is not None:
             g.graph.replay()
