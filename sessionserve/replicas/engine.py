@@ -119,8 +119,9 @@ class Engine:
             most = min(cfg.scheduler.max_running_requests, cfg.cuda_graph_max_batch)
             self.runner.graphs = DecodeGraphs(self.runner, buckets_up_to(most))
         self.proposer = self._build_proposer(cfg, model, drafter)
-        extend = cfg.cuda_graph_max_extend > 1 and self.proposer is None  # a drafter needs
-        if self.runner.graphs is not None and extend:  # every hidden state: eager extends
+        # short extends replay graphs too, unless a drafter needs every hidden state
+        extend = cfg.cuda_graph_max_extend > 1 and self.proposer is None
+        if self.runner.graphs is not None and extend:
             self.runner.extend_graphs = ExtendGraphs(
                 self.runner, self._extend_backend(), cfg.cuda_graph_max_extend
             )
