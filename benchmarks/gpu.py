@@ -33,7 +33,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from benchmarks.common import emit, machine
 from sessionserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from sessionserve.replicas import engine as engine_module
+from sessionserve.replicas import model_runner as runner_module
 from sessionserve.replicas.attention import flashinfer_unsupported
 from sessionserve.replicas.cuda_graphs import bucket_for
 from sessionserve.replicas.engine import Engine
@@ -210,14 +210,14 @@ def timed_parts(eng: Engine, device: torch.device):
         setattr(obj, name, timed)
 
     wrap(eng.scheduler, "schedule", "schedule")
-    wrap(eng, "_forward_batch", "batch")
+    wrap(eng.runner, "prepare", "batch")
     wrap(eng.runner, "forward", "forward", synced=True)
-    wrap(engine_module, "sample", "sample")
+    wrap(runner_module, "sample", "sample")
     try:
         yield parts
     finally:
         for obj, name, inner in reversed(saved):
-            if obj is engine_module:
+            if obj is runner_module:
                 setattr(obj, name, inner)
             else:
                 delattr(obj, name)  # back to the class attribute

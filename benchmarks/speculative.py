@@ -25,7 +25,7 @@ from benchmarks.common import emit, load, machine, setup_threads
 from sessionserve.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from sessionserve.replicas.engine import Engine
 from sessionserve.replicas.request import SamplingParams
-from sessionserve.replicas.spec.training import shipped_prompts
+from sessionserve.training.drafter import shipped_prompts
 
 # written for this benchmark; none of them is in the training prompt set
 EVAL_PROMPTS = [

@@ -65,7 +65,7 @@ def _config_schema(_: argparse.Namespace) -> int:
 
 
 def _train_drafter(args: argparse.Namespace) -> int:
-    from sessionserve.replicas.spec.training import TrainConfig, train_drafter
+    from sessionserve.training.drafter import TrainConfig, train_drafter
 
     fields = TrainConfig.__dataclass_fields__
     cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in fields and v is not None})

@@ -98,11 +98,13 @@ def tiny_engine(
     num_drafts: int = 4,
     device: str | None = None,
     cuda_graphs: bool = True,
+    memory_check: str = "every_step",
+    memory_check_period_s: float = 10.0,
     **session_kw,
 ) -> Engine:
-    """An engine checking memory every step, around a (copy of a) tiny model, on `device` (default:
-    the test device). `drafter`: a function making an EAGLE head for the copied model (e.g.
-    `mimic_drafter`), to speculate."""
+    """An engine (checking memory every step unless told otherwise) around a (copy of a) tiny
+    model, on `device` (default: the test device). `drafter`: a function making an EAGLE head
+    for the copied model (e.g. `mimic_drafter`), to speculate."""
     device = device or engine_device()
     model = copy.deepcopy(model) if model is not None else tiny_model()
     head = drafter(model) if drafter is not None else None  # built on CPU, moved with it
@@ -122,7 +124,8 @@ def tiny_engine(
         spec=SpecConfig(num_drafts=num_drafts),
         attention_backend=backend,
         cuda_graphs=cuda_graphs,
-        memory_check="every_step",
+        memory_check=memory_check,
+        memory_check_period_s=memory_check_period_s,
     )
     return Engine(cfg, LoadedModel(model, word_tokenizer(), "tiny", "tests"), drafter=head)
 
@@ -145,7 +148,7 @@ def mimic_drafter(model, noise: float = 0.0, seed: int = 0):
     layer and final norm are the target's. It sees the context shifted by one token (no
     first token), so it agrees with the target often but not always; `noise` perturbs it
     further. Acceptance is then high and uneven, what the speculative tests need."""
-    from sessionserve.replicas.spec.drafter import EagleDrafter, drafter_config
+    from sessionserve.replicas.speculative.drafter import EagleDrafter, drafter_config
 
     if model.config.num_hidden_layers != 1:
         raise ValueError("mimic_drafter needs a one-layer target (tiny_model(num_hidden_layers=1))")
@@ -164,7 +167,7 @@ def mimic_drafter(model, noise: float = 0.0, seed: int = 0):
 
 def random_drafter(model, seed: int = 0):
     """An untrained EAGLE head for any tiny target (acceptance near zero)."""
-    from sessionserve.replicas.spec.drafter import EagleDrafter, drafter_config
+    from sessionserve.replicas.speculative.drafter import EagleDrafter, drafter_config
 
     torch.manual_seed(seed)
     cfg = drafter_config(model.config, initializer_range=0.08)

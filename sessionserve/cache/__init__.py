@@ -8,7 +8,7 @@ sessions) on top; `MemoryChecker` proves the accounting after every step.
 from __future__ import annotations
 
 from sessionserve.cache.allocator import PagedAllocator, ceil_align, floor_align
-from sessionserve.cache.checker import MemoryChecker, MemoryTerms
+from sessionserve.cache.checker import CheckSchedule, MemoryChecker, MemoryTerms
 from sessionserve.cache.kv_pool import KVPool, KVShape
 from sessionserve.cache.radix import RadixCache
 from sessionserve.cache.req_to_token import RequestRows
@@ -33,6 +33,7 @@ __all__ = [
     "KVPool",
     "KVShape",
     "KVState",
+    "CheckSchedule",
     "MemoryChecker",
     "MemoryTerms",
     "PagedAllocator",

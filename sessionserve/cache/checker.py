@@ -14,8 +14,9 @@ caught instead of trusted. Metrics read the same terms (`terms()`), so they cann
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Sequence
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 from sessionserve.cache.allocator import ceil_align
 from sessionserve.cache.request_kv import RequestKV
@@ -44,6 +45,23 @@ class MemoryTerms(NamedTuple):
 
     def __str__(self) -> str:
         return " ".join(f"{k}={v}" for k, v in self._asdict().items()) + f" sum={self.accounted}"
+
+
+class CheckSchedule:
+    """When a step loop runs the check: every step, at most once per `period_s` (the first
+    call is due), or never."""
+
+    def __init__(self, policy: Literal["every_step", "periodic", "off"], period_s: float) -> None:
+        self.policy, self.period_s, self._next = policy, period_s, 0.0
+
+    def due(self) -> bool:
+        if self.policy != "periodic":
+            return self.policy == "every_step"
+        now = time.monotonic()
+        if now < self._next:
+            return False
+        self._next = now + self.period_s
+        return True
 
 
 class MemoryChecker:

@@ -28,6 +28,14 @@ class HostTier:
         self.evicted_total = 0  # snapshots dropped for the budget (or too big to keep)
         self.restore_seconds: deque[float] = deque(maxlen=1024)  # drained by the metrics
 
+    def totals(self) -> dict[str, int]:
+        """Running totals, by the short names the metrics export."""
+        return {
+            "host_tier_parks": self.parked_total,
+            "host_tier_restores": self.restored_total,
+            "host_tier_evictions": self.evicted_total,
+        }
+
     def note_restore(self, seconds: float) -> None:
         self.restored_total += 1
         self.restore_seconds.append(seconds)

@@ -134,3 +134,15 @@ def _file_hash(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 22), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+def eos_token_ids(model: Any, tokenizer: Any | None) -> frozenset[int]:
+    """Every id that ends an answer: the generation config's and the tokenizer's."""
+    ids: set[int] = set()
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for source in (gen_eos, getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, list | tuple):
+            ids.update(source)
+    return frozenset(ids)

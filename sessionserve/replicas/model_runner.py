@@ -1,25 +1,31 @@
-"""Runs the transformers model on a flattened batch over the paged KV pool.
+"""Runs one step's forward: `run(batch) -> StepOutput` prepares the inputs, runs the model
+over the paged KV pool, and samples the sequences that end their input this step.
 
-It sees only tensors: token ids, positions, the slot each new token's KV goes to, and one
-`SeqSpec` per sequence (its new-token count and context slots). It never sees requests or
-sessions. The batch arrives as host tensors and goes to the device in one copy. Pure-decode
-batches replay a CUDA graph when `graphs` is set, short single-sequence extends when
-`extend_graphs` is (see cuda_graphs.py); the rest run eagerly.
+`run` reads the scheduled sequences' tokens and slot tables (never writes KV bookkeeping: the
+scheduler commits). `forward` sees only tensors: token ids, positions, the slot each new token's
+KV goes to, and one `SeqSpec` per sequence (its new-token count and context slots). The batch
+goes to the device in one copy. Pure-decode batches replay a CUDA graph when `graphs` is set,
+short single-sequence extends when `extend_graphs` is (see cuda_graphs.py); the rest run eagerly.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
 from sessionserve.cache.kv_pool import KVPool
+from sessionserve.cache.session_cache import SessionCache
 from sessionserve.replicas.attention import AttentionBackend, ForwardMeta, SeqSpec, install
 from sessionserve.replicas.attention.base import to_device
+from sessionserve.replicas.request import TokenLogprob
+from sessionserve.replicas.sampling import SampleOutput, sample
 
 if TYPE_CHECKING:
     from sessionserve.replicas.cuda_graphs import DecodeGraphs, ExtendGraphs
+    from sessionserve.replicas.scheduler import ScheduledBatch, ScheduledSeq
+    from sessionserve.replicas.speculative.proposer import ChainDrafts
 
 
 @dataclass
@@ -39,9 +45,32 @@ class ForwardBatch:
         )
 
 
+class SeqLayout(NamedTuple):
+    """Where one scheduled sequence sits in a step's flat forward."""
+
+    flat_start: int  # index of its first token (in the hidden states)
+    logit_row: int  # its first logits row (k + 1 rows for a verify); -1 if it samples nothing
+
+
+@dataclass
+class StepOutput:
+    """What one step's forward produced, by request id. `emitted` holds each sampled
+    sequence's new tokens (the speculative decoder adds its verified runs); `errors` the
+    requests whose own sampling or verify raised (they end alone, the batch goes on)."""
+
+    logits: torch.Tensor
+    hidden: torch.Tensor | None
+    layout: dict[str, SeqLayout]
+    emitted: dict[str, tuple[list[int], list[TokenLogprob]]] = field(default_factory=dict)
+    errors: dict[str, Exception] = field(default_factory=dict)
+
+
 class ModelRunner:
-    def __init__(self, model: Any, kv_pool: KVPool, backend: AttentionBackend) -> None:
+    def __init__(
+        self, model: Any, kv_pool: KVPool, backend: AttentionBackend, cache: SessionCache
+    ) -> None:
         self.model = model
+        self.cache = cache  # read for slot tables only
         self.kv_pool = kv_pool
         self.backend = backend
         self.device = next(model.parameters()).device
@@ -50,6 +79,74 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None  # set by the engine on CUDA
         self.extend_graphs: ExtendGraphs | None = None
         install(model)
+
+    def run(
+        self, batch: ScheduledBatch, drafts: dict[str, ChainDrafts], want_hidden: bool = False
+    ) -> StepOutput:
+        """Prepare, forward, and sample one token for each sequence that samples without
+        drafts (a verify's rows are the speculative decoder's)."""
+        fb, layout = self.prepare(batch, drafts, want_hidden)
+        logits, hidden = self.forward(fb)
+        out = StepOutput(logits, hidden, layout)
+        plain = [s for s in batch.seqs if s.samples and s.num_drafts == 0]
+        if plain:
+            self._sample(plain, out)
+        return out
+
+    def prepare(
+        self, batch: ScheduledBatch, drafts: dict[str, ChainDrafts], want_hidden: bool
+    ) -> tuple[ForwardBatch, dict[str, SeqLayout]]:
+        """The flat forward (drafts after their sequence's pending token), and where each
+        sequence sits in it."""
+        ids, pos, out_slots, seqs, logit_idx, layout, n = [], [], [], [], [], {}, 0
+        for s in batch.seqs:
+            kv, chain = s.req.kv, drafts.get(s.req.rid)
+            extra = chain.tokens if chain else []
+            end = s.end + len(extra)
+            ids.extend(s.req.token_slice(s.start, s.end))
+            ids.extend(extra)
+            pos.extend(range(s.start, end))
+            out_slots.extend(self.cache.slot_list(kv, s.start, end))
+            seqs.append(SeqSpec(end - s.start, self.cache.slots(kv, 0, end)))
+            layout[s.req.rid] = SeqLayout(n, len(logit_idx) if s.samples else -1)
+            n += end - s.start
+            if s.samples:
+                logit_idx.extend(range(n - 1 - len(extra), n))
+        fb = ForwardBatch(
+            torch.tensor(ids),
+            torch.tensor(pos),
+            torch.tensor(out_slots),
+            seqs,
+            torch.tensor(logit_idx, dtype=torch.int64),
+            want_hidden=want_hidden,
+        )
+        return fb, layout
+
+    def _sample(self, seqs: list[ScheduledSeq], out: StepOutput) -> None:
+        """One token for each of `seqs`, batched; if the batch raises, each row again alone
+        (its seeded generator rewound first), so a request that cannot be sampled fails by
+        itself and the others get exactly the tokens they would have had."""
+        rows = [out.layout[s.req.rid].logit_row for s in seqs]
+        seeded = {  # greedy rows draw nothing: only sampled, seeded rows need rewinding
+            s.req.rid: s.req.generator.get_state()
+            for s in seqs
+            if s.req.sampling.seed is not None and not s.req.sampling.is_greedy
+        }
+        try:
+            groups = [(seqs, _sample_rows(seqs, out.logits[rows]))]
+        except Exception:
+            groups = []
+            for s, row in zip(seqs, rows, strict=True):
+                if s.req.rid in seeded:
+                    s.req.generator.set_state(seeded[s.req.rid])
+                try:
+                    groups.append(([s], _sample_rows([s], out.logits[[row]])))
+                except Exception as e:
+                    out.errors[s.req.rid] = e
+        for group, sampled in groups:
+            for i, s in enumerate(group):
+                lp = sampled.logprobs[i] if sampled.logprobs and s.req.sampling.logprobs else None
+                out.emitted[s.req.rid] = ([sampled.token_ids[i]], [lp] if lp else [])
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -84,3 +181,13 @@ class ModelRunner:
         return self.decoder(
             input_ids=ids[None], position_ids=positions[None], use_cache=False, paged_meta=meta
         ).last_hidden_state[0]
+
+
+def _sample_rows(seqs: list[ScheduledSeq], logits: torch.Tensor) -> SampleOutput:
+    return sample(
+        logits,
+        [s.req.sampling for s in seqs],
+        [s.req.tokens if s.req.sampling.repetition_penalty != 1.0 else () for s in seqs],
+        [s.req.output_ids for s in seqs],
+        [s.req.generator for s in seqs],
+    )

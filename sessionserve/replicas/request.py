@@ -13,8 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from sessionserve.cache.request_kv import RequestKV
 from sessionserve.errors import SessionServeError
 from sessionserve.replicas.detokenize import IncrementalText
-from sessionserve.replicas.spec.draft_state import DraftState
-from sessionserve.replicas.spec.stats import SpecStats
+from sessionserve.replicas.speculative.draft_state import DraftState
+from sessionserve.replicas.speculative.stats import SpecStats
 
 
 class InvalidRequestError(SessionServeError, ValueError):
@@ -206,3 +206,50 @@ class RequestResult:
     spec_drafted: int = 0  # speculative tokens proposed for this request
     spec_accepted: int = 0  # of which the target accepted
     spec_steps: int = 0  # verify steps (mean acceptance length = (accepted + steps) / steps)
+
+    @classmethod
+    def of(cls, req: Request, text: str | None) -> RequestResult:
+        t = req.timings
+        return cls(
+            rid=req.rid,
+            session_id=req.session_id,
+            output_ids=list(req.output_ids),
+            text=text,
+            finish_reason=req.finish_reason,
+            finish_message=req.finish_message,
+            prompt_tokens=len(req.input_ids),
+            completion_tokens=len(req.output_ids),
+            cached_tokens=req.cached_tokens,
+            cached_source=req.cached_source,
+            logprobs=list(req.logprobs),
+            queue_s=t.queue_s,
+            ttft_s=t.ttft_s,
+            decode_s=t.decode_s,
+            retractions=req.retractions,
+            spec_drafted=req.spec.drafted,
+            spec_accepted=req.spec.accepted,
+            spec_steps=req.spec.steps,
+        )
+
+
+def check_prompt_ids(ids: list[int], vocab_size: int) -> None:
+    if not ids:
+        raise InvalidRequestError("the prompt is empty: send at least one token", "prompt")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequestError(
+            f"token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})", "prompt"
+        )
+
+
+def check_context(full: list[int], sampling: SamplingParams, limit: int) -> None:
+    """`full` (a session's history included) and max_tokens must fit the context."""
+    want = len(full) + sampling.max_tokens
+    if want > limit:
+        raise ContextTooLongError(
+            f"this model's maximum context length is {limit} tokens; the request needs "
+            f"{len(full)} input tokens (the session history included) + max_tokens "
+            f"{sampling.max_tokens} = {want}. Shorten the input, lower max_tokens, or "
+            "start a new session",
+            param="max_tokens" if len(full) < limit else "messages",
+        )

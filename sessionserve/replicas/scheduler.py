@@ -1,24 +1,34 @@
-"""Admission and batching: which tokens of which requests run in the next forward.
+"""Admission, batching and the step's bookkeeping: which tokens of which requests run in the
+next forward (`schedule`), and what their results do to KV and requests (`process`).
 
 One step holds every running decode (one token each) and then prefill chunks up to the
 `max_prefill_tokens` budget: first requests whose prefill is already under way, then new ones in
 arrival order while KV allows (free + evictable radix pages + idle sessions, minus a reserve for
 the running decodes). When a decode cannot get a slot, the youngest decode request is retracted:
 its KV goes back to the cache (a session turn's is parked in its slot) and it waits to be
-re-admitted ahead of new requests.
+re-admitted ahead of new requests. After the forward, `process` commits each sequence's KV,
+appends its tokens, checks stops, lets the drafter catch up, and finishes what is done: besides
+admission, the only code that changes a request's KV (a verify's commit is the speculative
+decoder's).
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+from sessionserve.cache.request_kv import KVState
 from sessionserve.cache.session_cache import SessionCache
 from sessionserve.config import SchedulerConfig
 from sessionserve.errors import KVCacheFullError
-from sessionserve.replicas.request import Request
+from sessionserve.replicas.request import Request, TokenLogprob
+from sessionserve.replicas.stopping import StopChecker
+
+if TYPE_CHECKING:
+    from sessionserve.replicas.model_runner import StepOutput
+    from sessionserve.replicas.speculative.decoder import SpeculativeDecoder
 
 
 @dataclass
@@ -43,16 +53,30 @@ class ScheduledBatch:
         return bool(self.seqs)
 
 
+@dataclass
+class SeqUpdate:
+    """One request's news from a step: its new tokens (trimmed to the answer when it finished),
+    and whether it finished, or failed alone (`error`; its KV is already given back)."""
+
+    req: Request
+    new_tokens: list[int] = field(default_factory=list)
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)
+    finished: bool = False
+    error: Exception | None = None
+
+
 class Scheduler:
     def __init__(
         self,
         cache: SessionCache,
         config: SchedulerConfig,
-        draft_len: Callable[[Request], int] | None = None,
+        stopper: StopChecker,
+        speculative: SpeculativeDecoder | None = None,
     ) -> None:
         self.cache = cache
         self.config = config
-        self.draft_len = draft_len or (lambda req: 0)
+        self.stopper = stopper
+        self.speculative = speculative
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.retractions_total = 0
@@ -71,6 +95,13 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+
+    def release(self, req: Request) -> None:
+        """Give back what an aborted or failed request holds and forget it; a session turn
+        keeps what is committed (the session continues from its last successful turn)."""
+        if req.kv.state is not KVState.DONE:
+            self.cache.abort(req.kv, req.tokens)
+        self.remove(req)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -100,7 +131,7 @@ class Scheduler:
         i, drafts = 0, []
         while i < len(decodes):
             req = decodes[i]
-            k = self.draft_len(req)
+            k = self.speculative.draft_len(req) if self.speculative else 0
             try:
                 self._allocate_decode(req, k)
             except KVCacheFullError:
@@ -159,3 +190,55 @@ class Scheduler:
         self.running.remove(req)
         self.waiting.appendleft(req)
         batch.retracted.append(req)
+
+    # ---- after the forward ----
+    def process(self, batch: ScheduledBatch, out: StepOutput) -> list[SeqUpdate]:
+        """Commit the step's KV, append the sampled tokens, check stops, let the drafter catch
+        up on what was committed, and finish what is done. A request whose own sampling, stop
+        check or finish raised ends alone (KV given back); the batch goes on."""
+        for s in batch.seqs:  # a verify committed only what it accepted
+            if not s.num_drafts:
+                self.cache.commit(s.req.kv, s.end)
+        updates, now = [], time.monotonic()
+        for s in batch.seqs:
+            req = s.req
+            if req.rid in out.errors:
+                updates.append(self._fail(req, out.errors[req.rid]))
+            elif req.rid in out.emitted:  # (a prefill chunk samples nothing)
+                updates.append(self._append(req, *out.emitted[req.rid], now))
+        if self.speculative is not None:
+            failed = {u.req.rid for u in updates if u.error}
+            going_on = {u.req.rid for u in updates if not (u.error or u.finished)}
+            self.speculative.catch_up(batch, out, going_on, failed)
+        return [self._finish(u) if u.finished else u for u in updates]
+
+    def _append(
+        self, req: Request, tokens: list[int], logprobs: list[TokenLogprob], now: float
+    ) -> SeqUpdate:
+        req.output_ids.extend(tokens)
+        req.logprobs.extend(logprobs)
+        req.sampled = True
+        if req.timings.first_token is None:
+            req.timings.first_token = now
+        try:
+            finished = self.stopper.check(req)
+        except Exception as e:
+            return self._fail(req, e)
+        return SeqUpdate(req, tokens, logprobs, finished)
+
+    def _finish(self, u: SeqUpdate) -> SeqUpdate:
+        """Trim the output to the answer (a verify may overshoot a stop), save the KV."""
+        req = u.req
+        before = len(req.output_ids) - len(u.new_tokens)
+        n = req.finished_len if req.finished_len is not None else len(req.output_ids)
+        del req.output_ids[n:], req.logprobs[n:]
+        try:
+            self.cache.finish(req.kv, req.tokens)
+        except Exception as e:
+            return self._fail(req, e)
+        self.remove(req)
+        return SeqUpdate(req, req.output_ids[before:], req.logprobs[before:], finished=True)
+
+    def _fail(self, req: Request, error: Exception) -> SeqUpdate:
+        self.release(req)
+        return SeqUpdate(req, error=error)

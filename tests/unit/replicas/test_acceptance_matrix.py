@@ -84,7 +84,7 @@ def test_s1_kv_cache_inheritance(engine) -> None:
         # all but the last answer token (never fed back), or all of it when a verify
         # overshot past max_tokens and the KV of that token was computed and kept
         full = r.prompt_tokens + r.completion_tokens
-        assert held == full - 1 or (held == full and engine.proposer is not None)
+        assert held == full - 1 or (held == full and engine.speculative is not None)
         prev = r
     assert engine.close_session(sid)
     _drain_and_check(engine)

@@ -47,7 +47,7 @@ def test_speculative_greedy_equals_plain_on_the_default_model() -> None:
     from: the target's last layer, an identity `fc`): token-identical greedy output."""
     import torch
 
-    from sessionserve.replicas.spec.training import initial_drafter
+    from sessionserve.training.drafter import initial_drafter
 
     cfg = EngineConfig(cache=CacheConfig(num_slots=4096, max_rows=16), memory_check="every_step")
     plain = Engine(cfg)

@@ -13,11 +13,7 @@ P = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
 
 def engine_with(policy: str, period_s: float = 10.0):
-    engine = tiny_engine()
-    engine.config = engine.config.model_copy(
-        update={"memory_check": policy, "memory_check_period_s": period_s}
-    )
-    return engine
+    return tiny_engine(memory_check=policy, memory_check_period_s=period_s)
 
 
 def steps(engine, n: int) -> None:

@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from sessionserve.errors import InvalidConfigError
-from sessionserve.replicas.spec.checkpoint import save_drafter
-from sessionserve.replicas.spec.drafter import EagleDrafter, drafter_config
+from sessionserve.replicas.speculative.checkpoint import save_drafter
+from sessionserve.replicas.speculative.drafter import EagleDrafter, drafter_config
 
 log = logging.getLogger(__name__)
 DATASET = "dataset.pt"
@@ -56,7 +56,7 @@ class TrainConfig:
 
 
 def shipped_prompts() -> list[str]:
-    text = resources.files("sessionserve.replicas.spec").joinpath("data/train_prompts.txt")
+    text = resources.files("sessionserve.training").joinpath("data/train_prompts.txt")
     return [line for line in text.read_text().splitlines() if line.strip()]
 
 

@@ -23,8 +23,8 @@ from sessionserve.cache.session_cache import SessionCache
 from sessionserve.replicas.attention import ATTN_NAME, AttentionBackend, ForwardMeta, SeqSpec
 from sessionserve.replicas.request import Request
 from sessionserve.replicas.sampling import draw, uniforms
-from sessionserve.replicas.spec.draft_state import DraftState
-from sessionserve.replicas.spec.drafter import EagleDrafter
+from sessionserve.replicas.speculative.draft_state import DraftState
+from sessionserve.replicas.speculative.drafter import EagleDrafter
 
 
 @dataclass

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
 from sessionserve.errors import InvalidConfigError
-from sessionserve.replicas.spec.drafter import EagleDrafter
+from sessionserve.replicas.speculative.drafter import EagleDrafter
 
 WEIGHTS = "model.safetensors"
 LEGACY_WEIGHTS = "pytorch_model.bin"

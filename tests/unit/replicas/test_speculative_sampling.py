@@ -12,7 +12,7 @@ import itertools
 import torch
 
 from sessionserve.replicas.request import SamplingParams
-from sessionserve.replicas.spec.acceptance import accept_sampled
+from sessionserve.replicas.speculative.acceptance import accept_sampled
 from tests.models import mimic_drafter, tiny_engine, tiny_model
 
 ALPHA = 0.01

@@ -1,0 +1,99 @@
+"""Builds an engine's parts from its config: the session cache, the model runner (KV pool,
+attention backend, CUDA graphs) and, with a drafter, the speculative decoder. Kept apart from
+the engine so the engine reads as the step loop and its API."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sessionserve.cache import KVPool, KVShape, SessionLimits, build_session_cache
+from sessionserve.cache.allocator import floor_align
+from sessionserve.cache.host_tier import HostTier
+from sessionserve.cache.session_cache import SessionCache
+from sessionserve.config import EngineConfig
+from sessionserve.metrics import EngineMetrics
+from sessionserve.replicas.attention import AttentionBackend, attention_scale, select_backend
+from sessionserve.replicas.attention.torch_backend import TorchPagedBackend
+from sessionserve.replicas.cuda_graphs import DecodeGraphs, ExtendGraphs, buckets_up_to
+from sessionserve.replicas.model_runner import ModelRunner
+from sessionserve.replicas.speculative.checkpoint import load_drafter
+from sessionserve.replicas.speculative.decoder import SpeculativeDecoder
+from sessionserve.replicas.speculative.drafter import EagleDrafter
+from sessionserve.replicas.speculative.proposer import EagleProposer
+
+
+def build_cache(cfg: EngineConfig) -> SessionCache:
+    c, s = cfg.cache, cfg.sessions
+    return build_session_cache(
+        num_slots=floor_align(c.num_slots, c.page_size),
+        page_size=c.page_size,
+        max_rows=c.max_rows,
+        max_context_len=c.max_context_len,
+        radix_enabled=c.radix_cache,
+        limits=SessionLimits(s.max_sessions, s.max_held_tokens, s.max_session_tokens),
+    )
+
+
+def context_limit(cfg: EngineConfig, cache: SessionCache) -> int:
+    """The most tokens one sequence may hold: the configured context, or the whole pool."""
+    return min(cfg.cache.max_context_len, cache.allocator.num_slots)
+
+
+def build_runner(
+    cfg: EngineConfig,
+    model: Any,
+    cache: SessionCache,
+    metrics: EngineMetrics,
+    drafter: EagleDrafter | None = None,
+) -> tuple[ModelRunner, SpeculativeDecoder | None]:
+    """The runner and, when a drafter is given or configured, the speculative decoder; both
+    KV pools are attached to the cache (the drafter's KV parks and moves with the target's)."""
+    runner = ModelRunner(model, *pool_and_backend(cfg, model, cache), cache)
+    if cfg.cuda_graphs and runner.device.type == "cuda":
+        most = min(cfg.scheduler.max_running_requests, cfg.cuda_graph_max_batch)
+        runner.graphs = DecodeGraphs(runner, buckets_up_to(most))
+    if drafter is None and cfg.spec.drafter_path is not None:
+        drafter = load_drafter(cfg.spec.drafter_path, model)
+    speculative = None
+    if drafter is not None:
+        proposer = EagleProposer(
+            drafter,
+            *pool_and_backend(cfg, drafter, cache),
+            cache,
+            cfg.spec.num_drafts,
+            model.config.vocab_size,
+        )
+        speculative = SpeculativeDecoder(proposer, cache, metrics, context_limit(cfg, cache))
+    elif runner.graphs is not None and cfg.cuda_graph_max_extend > 1:
+        # short extends replay graphs too, unless a drafter needs every hidden state; over the
+        # torch backend's static plan whatever the decode backend (the pool layout is shared)
+        backend = runner.backend
+        if not isinstance(backend, TorchPagedBackend):
+            backend = TorchPagedBackend(cfg.cache.max_context_len)
+        runner.extend_graphs = ExtendGraphs(runner, backend, cfg.cuda_graph_max_extend)
+    pools = [runner.kv_pool] + ([speculative.proposer.pool] if speculative else [])
+    s = cfg.sessions
+    cache.attach_kv(pools, HostTier(s.host_tier_bytes) if s.host_tier_bytes else None)
+    return runner, speculative
+
+
+def pool_and_backend(
+    cfg: EngineConfig, model: Any, cache: SessionCache
+) -> tuple[KVPool, AttentionBackend]:
+    """A KV pool shaped for `model` (the target or the drafter) over the shared slots, and an
+    attention backend for its head layout."""
+    param, shape, c = next(model.parameters()), KVShape.from_hf_config(model.config), cfg.cache
+    pool = KVPool(shape, cache.allocator.pool_slots, dtype=param.dtype, device=param.device)
+    backend = select_backend(
+        cfg.attention_backend,
+        param.device,
+        page_size=c.page_size,
+        num_heads=model.config.num_attention_heads,
+        num_kv_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        scaling=attention_scale(model, shape.head_dim),
+        dtype=param.dtype,
+        num_pages=cache.allocator.pool_slots // c.page_size,
+        max_context_len=c.max_context_len,
+    )
+    return pool, backend
