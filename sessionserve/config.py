@@ -7,10 +7,12 @@ takes `EngineConfig` directly. `sessionserve config-schema` prints the JSON sche
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+if TYPE_CHECKING:
+    import torch
 
 
 class _Strict(BaseModel):
@@ -35,7 +37,10 @@ class ModelConfig(_Strict):
     )
 
     def torch_dtype(self) -> torch.dtype:
-        """The dtype to load with: `auto` resolved for this config's device."""
+        """The dtype to load with: `auto` resolved for this config's device. (torch is
+        imported here, not at the top: the ingress reads this module and never loads torch.)"""
+        import torch
+
         if self.dtype == "auto":
             return torch.bfloat16 if torch.device(self.device).type == "cuda" else torch.float32
         return getattr(torch, self.dtype)

@@ -224,3 +224,18 @@ class MigrationFailedError(SessionServeError):
 
     status_code = 503
     error_type = "overloaded_error"
+
+
+class InvalidRequestError(SessionServeError, ValueError):
+    """Bad input from a client; `param` names the offending field (OpenAI's error shape)."""
+
+    status_code = 400
+    error_type = "invalid_request_error"
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class ContextTooLongError(InvalidRequestError):
+    pass

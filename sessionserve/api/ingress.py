@@ -53,7 +53,9 @@ from sessionserve.api.security import (
 )
 from sessionserve.config import AppConfig, served_model_name
 from sessionserve.errors import (
+    ContextTooLongError,
     EngineUnavailableError,
+    InvalidRequestError,
     MigrationFailedError,
     SessionExistsError,
     SessionMovedError,
@@ -62,14 +64,9 @@ from sessionserve.errors import (
     UnknownResponseError,
     UnknownSessionError,
 )
-from sessionserve.replicas.request import (
-    ContextTooLongError,
-    InvalidRequestError,
-    SamplingParams,
-)
-from sessionserve.replicas.server import GenerateCall
 from sessionserve.router.directory import get_directory
 from sessionserve.router.pin_cache import forget_pin, rebalance_plan
+from sessionserve.wire import GenerateCall, SamplingParams
 
 log = logging.getLogger(__name__)
 app = FastAPI(title="sessionserve", description="OpenAI-compatible API with streaming sessions")
@@ -216,19 +213,24 @@ class Ingress:
     # ---- generation ----
     @app.post("/v1/chat/completions", responses=GENERATE)
     async def chat(self, body: ChatCompletionRequest, request: Request):
-        sid = await self._session(request, body.session_id, body.model)
+        sid, ttl_s = await self._session(request, body.session_id, body.model)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        call = GenerateCall(self._sampling(body), sid, "chat", messages=messages)
+        call = GenerateCall(self._sampling(body), sid, "chat", messages=messages, ttl_s=ttl_s)
         return await self._serve(call, body, "chat", bool(body.logprobs))
 
     @app.post("/v1/completions", responses=GENERATE)
     async def completions(self, body: CompletionRequest, request: Request):
-        sid = await self._session(request, body.session_id, body.model)
+        sid, ttl_s = await self._session(request, body.session_id, body.model)
         history = None
         if sid is not None:  # append mode: the new prompt extends the session's token log
             history = await self.directory.log.remote(sid, owner(request))
         call = GenerateCall(
-            self._sampling(body), sid, "append", prompt=body.prompt, history_ids=history
+            self._sampling(body),
+            sid,
+            "append",
+            prompt=body.prompt,
+            history_ids=history,
+            ttl_s=ttl_s,
         )
         return await self._serve(call, body, "completion", body.logprobs is not None)
 
@@ -359,20 +361,24 @@ class Ingress:
 
     async def _session(
         self, request: Request, body_sid: str | None, model: str | None
-    ) -> str | None:
+    ) -> tuple[str | None, float | None]:
+        """The turn's session id (header or body; None: no session) and its idle TTL, which
+        the replica applies if it opens the session (its first turn there)."""
         self._check_model(model)
         header = request.headers.get(self.cfg.session_header)
         if header is not None:
             check_session_id(header, self.cfg.session_header)
         sid = header or body_sid
         if sid is None:
-            return None
-        if not await self.directory.touch.remote(sid, owner(request)):
+            return None, None
+        record = await self.directory.touch.remote(sid, owner(request))
+        if record is None:
             if not self.cfg.engine.sessions.implicit_open:
                 raise UnknownSessionError(sid)
             if await self._open(sid, None, owner(request)) is None:
                 raise UnknownSessionError(sid)  # taken by another key: as if it did not exist
-        return sid
+            record = {"ttl_s": self.cfg.engine.sessions.default_ttl_s}
+        return sid, record["ttl_s"]
 
     @staticmethod
     def _sampling(body: Any) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from sessionserve.replicas.request import InvalidRequestError
+from sessionserve.errors import InvalidRequestError
 
 # One rule for session ids wherever they appear (body, header, path): safe in a URL path, a
 # log line and a metric-free label, and bounded.

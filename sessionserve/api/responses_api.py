@@ -23,7 +23,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from sessionserve.api.protocol import new_id
-from sessionserve.replicas.request import InvalidRequestError
+from sessionserve.errors import InvalidRequestError
 
 INPUT_ROLES = ("user", "assistant", "system", "developer")
 ITEM_KEYS = {"type", "role", "content", "id", "status"}

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import time
 from dataclasses import dataclass, field
 
 from sessionserve.cache.radix import RadixNode
@@ -61,6 +62,8 @@ class SessionSlot:
     (len == committed_len); normally a prefix of `history`, longer only while a retracted turn's
     KV is parked. `turn_rid` marks the one turn in flight; `borrower` is the live request using
     the row (checked against the live batch by the memory checker, never trusted for accounting).
+    The slot is also the session's whole record on its replica (TTL, turns): nothing else holds
+    session state there.
     """
 
     session_id: str
@@ -76,6 +79,11 @@ class SessionSlot:
     closing: bool = False
     last_used: int = field(default_factory=lru_tick)
     evictions: int = 0
+    # the session's own record (the replica's one place for it): idle TTL, counters
+    ttl_s: float | None = None
+    created_at: float = field(default_factory=time.time)
+    last_active: float = field(default_factory=time.monotonic)  # a turn started or ended
+    turns: int = 0  # successful turns
 
     @property
     def holds_kv(self) -> bool:

@@ -45,7 +45,12 @@ from sessionserve.replicas.request import (
     check_prompt_ids,
 )
 from sessionserve.replicas.scheduler import Scheduler, SeqUpdate
-from sessionserve.replicas.sessions import SessionController, SessionExport, SessionInfo
+from sessionserve.replicas.sessions import (
+    SessionController,
+    SessionExport,
+    SessionInfo,
+    SessionSeed,
+)
 from sessionserve.replicas.speculative.drafter import EagleDrafter
 from sessionserve.replicas.speculative.stats import SpecStats
 from sessionserve.replicas.stopping import StopChecker, answer_text
@@ -151,11 +156,12 @@ class Engine:
         mode: TurnMode = "append",
         rid: str | None = None,
         listener: Listener | None = None,
-        open_missing: bool = False,
+        open_missing: SessionSeed | None = None,
     ) -> str:
         """Queue a request; returns its id. Raises a typed error, changing nothing, on bad
         input, a busy or closing session, or an input beyond the context. `open_missing` opens
-        an unknown session (the served app's ingress has already checked it exists)."""
+        a session this replica does not hold, from its TTL and token log (the served app's
+        ingress has already checked it exists)."""
         sampling = sampling or SamplingParams()
         rid = rid or f"req-{next(_rid_counter)}"
         check_prompt_ids(input_ids, self.vocab_size)

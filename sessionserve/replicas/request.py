@@ -1,107 +1,29 @@
-"""Request, SamplingParams, FinishReason and the result a request ends with."""
+"""Request (what the scheduler sees), its timings, and the result a request ends with.
+SamplingParams and FinishReason are the wire's (`sessionserve/wire.py`)."""
 
 from __future__ import annotations
 
-import enum
 import time
 from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from sessionserve.cache.request_kv import RequestKV
-from sessionserve.errors import SessionServeError
+from sessionserve.errors import ContextTooLongError, InvalidRequestError
 from sessionserve.replicas.detokenize import IncrementalText
 from sessionserve.replicas.speculative.draft_state import DraftState
 from sessionserve.replicas.speculative.stats import SpecStats
+from sessionserve.wire import FinishReason, SamplingParams
 
-
-class InvalidRequestError(SessionServeError, ValueError):
-    """Bad input from a client; `param` names the offending field (OpenAI's error shape)."""
-
-    status_code = 400
-    error_type = "invalid_request_error"
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
-
-
-class ContextTooLongError(InvalidRequestError):
-    pass
-
-
-class FinishReason(enum.StrEnum):
-    STOP = "stop"  # EOS, a stop token or a stop string
-    LENGTH = "length"  # max_tokens or the context limit
-    ABORT = "abort"  # client disconnect, explicit abort, shutdown
-    ERROR = "error"  # this request's own sampling, stop check or finish failed (it alone)
-
-
-MIN_TEMPERATURE = 1e-4  # logits / T must stay finite in float32
-
-
-class SamplingParams(BaseModel):
-    """Validated sampling knobs. temperature 0 means greedy."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    max_tokens: int = Field(256, ge=1, description="Tokens to generate at most.")
-    # Bounds keep the arithmetic finite: a top_p, temperature or repetition penalty near zero
-    # underflows in float32 and turns every probability into NaN.
-    temperature: float = Field(1.0, ge=0.0, le=10.0, description="0 = greedy.")
-    top_p: float = Field(1.0, ge=1e-8, le=1.0, description="Nucleus sampling mass.")
-    top_k: int = Field(0, ge=0, description="Keep the k most likely tokens; 0 = off.")
-    min_p: float = Field(0.0, ge=0.0, le=1.0, description="Drop tokens below min_p * p_max.")
-    repetition_penalty: float = Field(1.0, ge=0.01, le=10.0, description="HF-style, 1 = off.")
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="OpenAI-style.")
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="OpenAI-style.")
-    seed: int | None = Field(
-        None, ge=-(2**63), le=2**64 - 1, description="Same seed, same output (64-bit)."
-    )
-    stop: tuple[str, ...] = Field((), description="Stop strings (not included in the text).")
-    stop_token_ids: tuple[int, ...] = Field((), description="Token ids that end the answer.")
-    ignore_eos: bool = Field(False, description="Keep generating past EOS.")
-    logprobs: bool = Field(False, description="Return the sampled tokens' logprobs.")
-    top_logprobs: int = Field(0, ge=0, le=20, description="Alternatives per position.")
-
-    @field_validator("temperature")
-    @classmethod
-    def _finite_temperature(cls, value: float) -> float:
-        if 0.0 < value < MIN_TEMPERATURE:
-            raise ValueError(f"use 0 for greedy decoding, or at least {MIN_TEMPERATURE}")
-        return value
-
-    @model_validator(mode="after")
-    def _check(self) -> SamplingParams:
-        if self.top_logprobs and not self.logprobs:
-            object.__setattr__(self, "logprobs", True)
-        if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
-        return self
-
-    @classmethod
-    def build(cls, **kwargs: object) -> SamplingParams:
-        """Validate, turning pydantic's error into an InvalidRequestError naming the field."""
-        try:
-            return cls(**{k: v for k, v in kwargs.items() if v is not None})
-        except ValidationError as e:
-            err = e.errors()[0]
-            param = ".".join(str(x) for x in err["loc"]) or None
-            raise InvalidRequestError(f"{param}: {err['msg']}", param=param) from None
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
-
-    @property
-    def has_penalties(self) -> bool:
-        return (
-            self.repetition_penalty != 1.0
-            or self.frequency_penalty != 0.0
-            or self.presence_penalty != 0.0
-        )
+__all__ = [  # the wire's types are re-exported: the engine's API names them
+    "ContextTooLongError",
+    "FinishReason",
+    "InvalidRequestError",
+    "Request",
+    "RequestResult",
+    "SamplingParams",
+]
 
 
 @dataclass
@@ -206,6 +128,7 @@ class RequestResult:
     spec_drafted: int = 0  # speculative tokens proposed for this request
     spec_accepted: int = 0  # of which the target accepted
     spec_steps: int = 0  # verify steps (mean acceptance length = (accepted + steps) / steps)
+    input_ids: list[int] = field(default_factory=list)  # the whole input, history included
 
     @classmethod
     def of(cls, req: Request, text: str | None) -> RequestResult:
@@ -229,6 +152,7 @@ class RequestResult:
             spec_drafted=req.spec.drafted,
             spec_accepted=req.spec.accepted,
             spec_steps=req.spec.steps,
+            input_ids=list(req.input_ids),
         )
 
 

@@ -22,12 +22,12 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from sessionserve.config import EngineConfig
 from sessionserve.errors import (
     EngineUnavailableError,
+    InvalidRequestError,
     MemoryInvariantError,
     RequestFailedError,
     UnknownReplicaError,
@@ -38,29 +38,12 @@ from sessionserve.replicas import client_error_logs
 from sessionserve.replicas.detokenize import IncrementalText
 from sessionserve.replicas.engine import Engine, StepEvent
 from sessionserve.replicas.migration import SessionMover
-from sessionserve.replicas.request import (
-    FinishReason,
-    InvalidRequestError,
-    SamplingParams,
-    TokenLogprob,
-)
-from sessionserve.replicas.sessions import SessionExport
+from sessionserve.replicas.request import TokenLogprob
+from sessionserve.replicas.sessions import SessionExport, SessionSeed
+from sessionserve.wire import FinishReason, GenerateCall, SamplingParams
 
 log = logging.getLogger(__name__)
 IDLE_TICK_S = 0.5  # while idle: check the idle invariant and refresh the gauges this often
-
-
-@dataclass
-class GenerateCall:
-    """What the ingress sends a replica for one request."""
-
-    sampling: dict[str, Any]
-    session_id: str | None = None
-    mode: Literal["append", "chat"] = "append"
-    messages: list[dict[str, str]] | None = None  # chat: the whole conversation
-    prompt: str | list[int] | None = None  # completions: text or ids (appended in a session)
-    history_ids: list[int] | None = None  # append mode: the session's token log (directory)
-    rid: str | None = None
 
 
 class EngineLoop(threading.Thread):
@@ -194,9 +177,10 @@ class ReplicaServer:
         events: asyncio.Queue[StepEvent | Exception] = asyncio.Queue()
         aio = asyncio.get_running_loop()
         rid = call.rid or uuid.uuid4().hex
-        # The input is always complete (the ingress passes the session's token log for
-        # append mode), so the cache reuses the longest prefix it holds and rewinds if the log
-        # and the held KV ever disagree: the directory's log is the source of truth.
+        # Chat mode brings the whole conversation (the cache reuses the longest prefix it
+        # holds); append mode brings the new prompt, extending this replica's history of the
+        # session, with the directory's failover log for a replica that does not hold it.
+        seed = SessionSeed(call.ttl_s, call.history_ids if call.mode == "append" else None)
         done, text_sent = False, ""
         answer = IncrementalText(self.engine.tokenizer)  # O(new tokens) per event
         await self.mover.admit_turn(call.session_id)  # moved elsewhere: the ingress re-routes
@@ -207,10 +191,10 @@ class ReplicaServer:
                 ids,
                 sampling,
                 session_id=call.session_id,
-                mode="chat",
+                mode=call.mode,
                 rid=rid,
                 listener=lambda e: aio.call_soon_threadsafe(events.put_nowait, e),
-                open_missing=True,
+                open_missing=seed,
             )
             while not done:
                 event = await events.get()
@@ -229,7 +213,7 @@ class ReplicaServer:
                     }
                     text_sent = text
                 if done:
-                    yield {"final": _final(event, ids) | {"replica": self.replica_id}}
+                    yield {"final": _final(event) | {"replica": self.replica_id}}
         finally:
             self.streams.pop(rid, None)
             if not done and self.loop.error is None:
@@ -267,13 +251,10 @@ class ReplicaServer:
                 )
             except Exception as e:  # a template that rejects the roles or order
                 raise InvalidRequestError(f"messages: {e}", param="messages") from None
-        prompt = call.prompt
-        new = (
-            list(prompt)
-            if isinstance(prompt, list)
-            else tok(prompt or "", add_special_tokens=False).input_ids
-        )
-        return (call.history_ids or []) + new
+        prompt = call.prompt  # append mode: only the new tokens (the session's come after)
+        if isinstance(prompt, list):
+            return list(prompt)
+        return tok(prompt or "", add_special_tokens=False).input_ids
 
     # ---- sessions ----
     async def close_session(self, session_id: str, replica: str | None = None) -> bool:
@@ -432,7 +413,7 @@ def _node_id() -> str | None:
         return None
 
 
-def _final(event: StepEvent, input_ids: list[int]) -> dict[str, Any]:
+def _final(event: StepEvent) -> dict[str, Any]:
     r = event.result
     return {
         "finish_reason": r.finish_reason.value,
@@ -446,5 +427,5 @@ def _final(event: StepEvent, input_ids: list[int]) -> dict[str, Any]:
         "spec_drafted": r.spec_drafted,
         "spec_accepted": r.spec_accepted,
         "ttft_s": r.ttft_s,
-        "full_ids": input_ids + r.output_ids,
+        "full_ids": r.input_ids + r.output_ids,  # the session's token log after this turn
     }

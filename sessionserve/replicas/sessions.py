@@ -1,16 +1,18 @@
 """The session controller: open/close, TTL, and how a turn's input is built.
 
-KV and the one-turn-in-flight rule live in the cache (`SessionCache`); this layer adds what the
-API needs on top: generated ids, implicit open, idle TTL, per-session counters, and the input of
-a turn: append mode adds the new tokens to the session's history (prompts and answers so far);
-chat mode takes the client's whole conversation, and the cache reuses the longest prefix it holds.
+KV, the one-turn-in-flight rule and the session's record (TTL, turns: `SessionSlot`) live in
+the cache (`SessionCache`); this layer adds what the API needs on top: generated ids, implicit
+open, reaping idle sessions past their TTL, and the input of a turn: append mode adds the new
+tokens to the session's history (prompts and answers so far); chat mode takes the client's
+whole conversation, and the cache reuses the longest prefix it holds.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from sessionserve.cache.kv_snapshot import KVSnapshot
 from sessionserve.cache.request_kv import RequestKV
@@ -18,14 +20,18 @@ from sessionserve.cache.session_cache import SessionCache, TurnMode
 from sessionserve.config import SessionConfig
 from sessionserve.errors import InvalidConfigError, SessionBusyError, UnknownSessionError
 
+log = logging.getLogger(__name__)
 
-@dataclass
-class SessionMeta:
-    session_id: str
-    ttl_s: float | None
-    created_at: float = field(default_factory=time.time)
-    last_active: float = field(default_factory=time.monotonic)
-    turns: int = 0
+
+@dataclass(frozen=True)
+class SessionSeed:
+    """How to open a session this replica does not hold, on its turn (the served app's ingress
+    has checked that it exists): its idle TTL (None: the configured default) and, for append
+    mode, the token log it has elsewhere (the directory's failover log), which the first turn
+    here re-prefills and extends."""
+
+    ttl_s: float | None = None
+    history: list[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -59,7 +65,6 @@ class SessionController:
     def __init__(self, cache: SessionCache, config: SessionConfig) -> None:
         self.cache = cache
         self.config = config
-        self.meta: dict[str, SessionMeta] = {}
         # At max_sessions, give the least recently used idle session's slot to the new one.
         # Only safe where every turn brings its whole input (the served replica: the ingress
         # sends the conversation or the directory's token log), so a reclaimed session's next
@@ -76,16 +81,13 @@ class SessionController:
             raise InvalidConfigError(f"ttl_s={ttl_s}: must be > 0 seconds")
         if self.reclaim_at_limit and len(self.cache.session_slots) >= self.config.max_sessions:
             self._reclaim_one()
-        self.cache.open_session(sid)
-        self.meta[sid] = SessionMeta(sid, ttl_s if ttl_s is not None else self.config.default_ttl_s)
+        slot = self.cache.open_session(sid)
+        slot.ttl_s = ttl_s if ttl_s is not None else self.config.default_ttl_s
         return sid
 
     def close(self, session_id: str) -> bool:
         """True if closed now; False if deferred until the running turn ends."""
-        closed = self.cache.close_session(session_id)
-        if closed:
-            self.meta.pop(session_id, None)
-        return closed
+        return self.cache.close_session(session_id)
 
     def start_turn(
         self,
@@ -93,47 +95,56 @@ class SessionController:
         rid: str,
         new_ids: list[int],
         mode: TurnMode,
-        open_missing: bool = False,
+        open_missing: SessionSeed | None = None,
     ) -> tuple[RequestKV, list[int]]:
         """Mark the turn in flight and build its full input. Raises (changing nothing) when the
-        session is unknown (and neither implicit open nor `open_missing`), busy or closing."""
-        if session_id not in self.meta:
+        session is unknown (and neither implicit open nor `open_missing`), busy or closing.
+        Append mode extends this replica's history of the session: the slot is the source of
+        truth; a log from elsewhere that disagrees is reported, never used to rewrite it."""
+        seed = open_missing or SessionSeed()
+        if session_id not in self.cache.session_slots:
             if not (self.config.implicit_open or open_missing):
                 raise UnknownSessionError(session_id)
-            self.open(session_id)
+            self.open(session_id, seed.ttl_s)
+            if mode == "append" and seed.history:
+                self.cache.adopt(session_id, seed.history, None)  # KV: re-prefilled
+        slot = self.cache.session(session_id)
+        if mode == "append" and seed.history is not None and seed.history != slot.history:
+            log.warning(
+                "session %s: the failover log (%d tokens) differs from this replica's history "
+                "(%d tokens); the replica's is kept (the log is rewritten when the turn commits)",
+                session_id,
+                len(seed.history),
+                len(slot.history),
+            )
         kv = self.cache.start_turn(session_id, rid)
-        meta = self.meta[session_id]
-        meta.last_active = time.monotonic()
-        history = self.cache.session(session_id).history
-        return kv, (history + new_ids if mode == "append" else list(new_ids))
+        slot.last_active = time.monotonic()
+        return kv, (slot.history + new_ids if mode == "append" else list(new_ids))
 
     def turn_ended(self, session_id: str, success: bool) -> None:
-        meta = self.meta.get(session_id)
-        if session_id not in self.cache.session_slots:  # a deferred close completed
-            self.meta.pop(session_id, None)
-        elif meta is not None:
-            meta.last_active = time.monotonic()
-            meta.turns += int(success)
+        slot = self.cache.session_slots.get(session_id)  # None: a deferred close completed
+        if slot is not None:
+            slot.last_active = time.monotonic()
+            slot.turns += int(success)
 
     def info(self, session_id: str) -> SessionInfo:
         slot = self.cache.session(session_id)
-        meta = self.meta[session_id]
         held = self.cache.slot_held_tokens(slot) if slot.holds_kv else 0
         return SessionInfo(
             session_id,
-            meta.turns,
+            slot.turns,
             len(slot.history),
             held,
             slot.turn_rid is not None,
-            meta.ttl_s,
-            time.monotonic() - meta.last_active,
+            slot.ttl_s,
+            time.monotonic() - slot.last_active,
         )
 
     def export(self, session_id: str) -> SessionExport:
         """What another replica needs to take the session over (it stays here meanwhile)."""
         history, kv = self.cache.export_session(session_id)
-        meta = self.meta[session_id]
-        return SessionExport(session_id, history, kv, meta.ttl_s, meta.turns)
+        slot = self.cache.session(session_id)
+        return SessionExport(session_id, history, kv, slot.ttl_s, slot.turns)
 
     def adopt(self, export: SessionExport) -> str:
         """Take over an exported session, replacing a stale copy of it here. Returns where its
@@ -150,7 +161,7 @@ class SessionController:
         except Exception:
             self.close(sid)
             raise
-        self.meta[sid].turns = export.turns
+        self.cache.session(sid).turns = export.turns
         return where
 
     def _reclaim_one(self) -> None:
@@ -169,11 +180,10 @@ class SessionController:
     def reap_expired(self) -> list[str]:
         """Close sessions idle past their TTL (never one with a turn in flight)."""
         now, closed = time.monotonic(), []
-        for sid, meta in list(self.meta.items()):
-            slot = self.cache.session_slots.get(sid)
-            if meta.ttl_s is None or slot is None or slot.turn_rid is not None:
+        for sid, slot in list(self.cache.session_slots.items()):
+            if slot.ttl_s is None or slot.turn_rid is not None:
                 continue
-            if now - meta.last_active > meta.ttl_s:
+            if now - slot.last_active > slot.ttl_s:
                 self.close(sid)
                 closed.append(sid)
         return closed

@@ -124,10 +124,11 @@ class SessionDirectoryState:
         self._save(self._register(SessionRecord(sid, ttl, owner=owner)))
         return sid
 
-    def touch(self, session_id: str, owner: str | None = None) -> bool:
-        """Whether the session exists (marking it active): the per-request check, which
-        ships no token log."""
-        return self._live(session_id, owner) is not None
+    def touch(self, session_id: str, owner: str | None = None) -> dict | None:
+        """The per-request check (marking the session active; ships no token log): None if
+        the session does not exist, else what its replica needs to open it (its TTL)."""
+        rec = self._live(session_id, owner)
+        return None if rec is None else {"ttl_s": rec.ttl_s}
 
     def log(self, session_id: str, owner: str | None = None) -> list[int] | None:
         """The token log, for an append-mode turn (None if the session does not exist)."""

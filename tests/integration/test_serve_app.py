@@ -113,6 +113,29 @@ def test_completions_append_mode_equals_full_history(client, http) -> None:
     assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-3
 
 
+def test_an_append_session_is_not_rewritten_by_a_diverging_log(http) -> None:
+    """/v1/completions sessions are append-only end to end: the replica extends its own
+    history of the session; a failover log that disagrees (rewritten here behind the ingress's
+    back) neither rewinds it nor re-prefills, and the turn's commit repairs the log."""
+    import ray
+
+    from sessionserve.router.directory import directory_name
+    from tests.conftest import APP
+
+    sid = open_session(http)
+    hdr = {"x-session-id": sid}
+    body = {"max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    t1 = http.post("/v1/completions", json=body | {"prompt": [5, 6, 7, 8]}, headers=hdr)
+    assert t1.status_code == 200, t1.text
+    directory = ray.get_actor(directory_name(APP), namespace="sessionserve")
+    assert ray.get(directory.commit_turn.remote(sid, [1, 2]))
+    t2 = http.post("/v1/completions", json=body | {"prompt": [30, 31]}, headers=hdr).json()
+    assert t2["usage"]["prompt_tokens"] == 4 + 3 + 2  # the replica's history, not [1, 2]
+    assert t2["usage"]["prompt_tokens_details"]["cached_tokens"] == 4 + 3 - 1
+    assert http.get(f"/v1/sessions/{sid}").json()["history_tokens"] == 4 + 3 + 2 + 3
+    http.delete(f"/v1/sessions/{sid}")
+
+
 def test_concurrent_turn_is_refused_with_409(served, http) -> None:
     sid = open_session(http)
     body = {

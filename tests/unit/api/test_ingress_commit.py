@@ -8,9 +8,9 @@ import asyncio
 from types import SimpleNamespace
 
 from sessionserve.api.ingress import Ingress
-from sessionserve.replicas.server import GenerateCall
 from sessionserve.router import pin_cache
 from sessionserve.router.directory import SessionDirectoryState
+from sessionserve.wire import GenerateCall
 
 
 class FakeReplicaHandle:
@@ -85,3 +85,40 @@ def test_a_turn_of_a_session_closed_meanwhile_is_freed_on_its_replica() -> None:
     asyncio.run(scenario())
     assert ingress.replica.closed == [sid]  # its KV on the replica is freed
     assert sid not in cache and state.sessions == {}  # nothing brings it back
+
+
+class DirectoryCalls:
+    """The directory's methods as `.remote` coroutines over a real state."""
+
+    def __init__(self, state: SessionDirectoryState) -> None:
+        self.state = state
+
+    def __getattr__(self, name: str) -> SimpleNamespace:
+        async def remote(*args):
+            return getattr(self.state, name)(*args)
+
+        return SimpleNamespace(remote=remote)
+
+
+def test_a_turn_carries_its_sessions_ttl_to_the_replica() -> None:
+    """A TTL given at `POST /v1/sessions` goes with every turn (GenerateCall.ttl_s), so a
+    replica that opens the session applies it, not its own default; an implicitly opened
+    session gets this deployment's default."""
+    from sessionserve.config import AppConfig
+
+    state = SessionDirectoryState(default_ttl_s=600.0)
+    state.open("long-lived", 3600.0)
+    sessions = {"default_ttl_s": 30.0, "implicit_open": True}
+    cfg = AppConfig.model_validate({"engine": {"sessions": sessions}})
+    fake = SimpleNamespace(cfg=cfg, directory=DirectoryCalls(state), model="m")
+    fake._check_model = lambda model: None
+    fake._open = lambda *a: Ingress._open(fake, *a)
+    request = SimpleNamespace(headers={}, state=SimpleNamespace())
+
+    async def session(sid: str):
+        return await Ingress._session(fake, request, sid, None)
+
+    assert asyncio.run(session("long-lived")) == ("long-lived", 3600.0)
+    assert asyncio.run(session("implicit")) == ("implicit", 30.0)
+    assert state.info("implicit")["ttl_s"] == 30.0
+    assert asyncio.run(session(None)) == (None, None)

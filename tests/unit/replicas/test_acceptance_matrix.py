@@ -54,7 +54,7 @@ def engine(request):
     }
     for what in EXERCISES.get(request.param, []):
         assert counters[what] > 0, counters
-    for sid in list(eng.sessions.meta):
+    for sid in list(eng.cache.session_slots):
         eng.close_session(sid)
     eng.cache.flush()
     terms = eng.checker.check_idle()

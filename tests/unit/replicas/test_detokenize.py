@@ -70,7 +70,8 @@ def test_a_replica_streams_byte_level_output_whole(tmp_path) -> None:
     no delta carries a replacement character the final text does not have there."""
     import asyncio
 
-    from sessionserve.replicas.server import GenerateCall, ReplicaServer
+    from sessionserve.replicas.server import ReplicaServer
+    from sessionserve.wire import GenerateCall
     from tests.models import tiny_model
 
     tiny_model(vocab_size=256, init_std=0.02).save_pretrained(tmp_path)

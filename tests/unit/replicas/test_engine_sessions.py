@@ -113,7 +113,7 @@ def test_close_is_deferred_while_a_turn_runs() -> None:
     assert engine.close_session(sid) is False  # deferred
     engine.run_until_idle()
     assert engine.take_result(rid).completion_tokens == 8  # the turn finished normally
-    assert sid not in engine.sessions.meta and sid not in engine.cache.session_slots
+    assert sid not in engine.cache.session_slots
     engine.cache.flush()
     terms = engine.checker.check_idle()
     assert terms.free == terms.total
@@ -130,7 +130,7 @@ def test_idle_sessions_expire_after_their_ttl(monkeypatch) -> None:
     monkeypatch.setattr("time.monotonic", lambda: now + 6.0)
     engine.submit([3, 4], SamplingParams(max_tokens=1))  # any step reaps
     engine.run_until_idle()
-    assert sid not in engine.sessions.meta and keep in engine.sessions.meta
+    assert sid not in engine.cache.session_slots and keep in engine.cache.session_slots
     engine.checker.check_idle()
 
 

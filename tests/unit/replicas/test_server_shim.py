@@ -7,7 +7,8 @@ import asyncio
 import pytest
 
 from sessionserve.replicas.request import SamplingParams
-from sessionserve.replicas.server import GenerateCall, ReplicaServer
+from sessionserve.replicas.server import ReplicaServer
+from sessionserve.wire import GenerateCall
 from tests.models import save_tiny_model
 
 
@@ -150,3 +151,42 @@ def test_a_dead_engine_thread_fails_calls_instead_of_hanging(tmp_path) -> None:
         srv.loop.call(srv.engine.has_work)
     with pytest.raises(RuntimeError, match="engine loop died"):
         srv.check_health()
+
+
+def _final(server, call: GenerateCall) -> dict:
+    return asyncio.run(_collect(server.generate(call)))[-1]["final"]
+
+
+def test_append_turns_extend_the_replicas_history_never_the_directorys_log(server, caplog):
+    """Append mode end to end through the shim: only the new prompt goes in, the replica's
+    history of the session is extended (its KV reused), the session opens with the TTL the
+    call names, and a failover log that disagrees is reported and not used to rewrite it."""
+    greedy = {"max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    sid = "append-shim"
+    t1 = _final(server, GenerateCall(greedy, sid, "append", prompt=[5, 6, 7], ttl_s=42.0))
+    assert t1["full_ids"] == [5, 6, 7] + t1["output_ids"]
+    assert server.engine.session_info(sid).ttl_s == 42.0  # not the configured default
+    call = GenerateCall(greedy, sid, "append", prompt=[8, 9], history_ids=t1["full_ids"])
+    t2 = _final(server, call)
+    assert t2["full_ids"] == t1["full_ids"] + [8, 9] + t2["output_ids"]
+    assert t2["cached_source"] == "session" and t2["cached_tokens"] >= len(t1["full_ids"]) - 1
+    caplog.set_level("WARNING", logger="sessionserve.replicas.sessions")
+    stale = GenerateCall(greedy, sid, "append", prompt=[10], history_ids=[1, 2, 3])
+    t3 = _final(server, stale)
+    assert t3["full_ids"][: len(t2["full_ids"])] == t2["full_ids"]  # no rewind to [1, 2, 3]
+    assert "differs from this replica's history" in caplog.text
+    server.engine.close_session(sid)
+
+
+def test_an_append_turn_on_a_replica_without_the_session_starts_from_its_log(server) -> None:
+    """Failover: the replica opens the session from the directory's token log; the turn
+    answers as a sessionless request over log + prompt does."""
+    greedy = {"max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    log = [5, 9, 14, 3, 22, 7]
+    call = GenerateCall(greedy, "moved-here", "append", prompt=[11, 12], history_ids=log)
+    got = _final(server, call)
+    ref = _final(server, GenerateCall(greedy, prompt=log + [11, 12]))
+    assert got["full_ids"] == log + [11, 12] + got["output_ids"]
+    assert got["output_ids"] == ref["output_ids"]
+    assert server.engine.session_info("moved-here").history_tokens == len(got["full_ids"])
+    server.engine.close_session("moved-here")
