@@ -1,5 +1,6 @@
 """The typed boundary between the ingress and a replica: what a request asks for
-(`GenerateCall`, `SamplingParams`) and how it can end (`FinishReason`). No torch import: the
+(`GenerateCall`, `SamplingParams`), what streams back (`TurnDelta`s, then one `TurnResult`) and
+how it can end (`FinishReason`; errors are the typed ones of `errors.py`). No torch import: the
 ingress imports this module (and errors.py), never the replica's, so an ingress process does
 not load torch or transformers.
 """
@@ -7,7 +8,7 @@ not load torch or transformers.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -99,3 +100,37 @@ class GenerateCall:
     history_ids: list[int] | None = None  # append mode: the session's token log (directory)
     rid: str | None = None
     ttl_s: float | None = None  # the session's idle TTL, for a replica that opens it
+
+
+LogprobEntry = tuple[str, float, list[tuple[str, float]]]  # token text, logprob, top-n
+
+
+@dataclass
+class TurnDelta:
+    """New tokens of a running request and their text (a tail that may still become a stop
+    string is held back, so the deltas always add up to a prefix of the answer)."""
+
+    token_ids: list[int]
+    text: str
+    logprobs: list[LogprobEntry] = field(default_factory=list)  # when asked for
+
+
+@dataclass
+class TurnResult:
+    """A request's last message: how it ended, its usage, and the session's token log after
+    it (`full_ids`: what the ingress commits to the directory)."""
+
+    finish_reason: str  # a FinishReason value
+    finish_message: str | None
+    text: str | None  # the whole answer
+    output_ids: list[int]
+    prompt_tokens: int  # the whole input, a session's history included
+    completion_tokens: int
+    cached_tokens: int
+    cached_source: str  # "session", "radix", "host" or "none"
+    full_ids: list[int]
+    spec_drafted: int = 0
+    spec_accepted: int = 0
+    ttft_s: float | None = None
+    replica: str | None = None  # who answered (the ingress adds its own id)
+    ingress: str | None = None

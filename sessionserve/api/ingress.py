@@ -12,6 +12,7 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
 from typing import Any, Literal
 
 from fastapi import FastAPI, Query, Request
@@ -66,7 +67,7 @@ from sessionserve.errors import (
 )
 from sessionserve.router.directory import get_directory
 from sessionserve.router.pin_cache import forget_pin, rebalance_plan
-from sessionserve.wire import GenerateCall, SamplingParams
+from sessionserve.wire import GenerateCall, SamplingParams, TurnDelta, TurnResult
 
 log = logging.getLogger(__name__)
 app = FastAPI(title="sessionserve", description="OpenAI-compatible API with streaming sessions")
@@ -302,7 +303,7 @@ class Ingress:
 
     async def _start_response(
         self, draft: ResponseDraft, sampling: dict[str, Any], items: list[dict], keep: int
-    ) -> tuple[Any, dict[str, Any], list[dict]]:
+    ) -> tuple[Any, TurnDelta | TurnResult, list[dict]]:
         """Open the turn; with `truncation: auto`, drop the oldest turns (never the new input)
         until the conversation fits the context, counting what went in the draft."""
         while True:
@@ -318,16 +319,16 @@ class Ingress:
                 items, draft.truncated_items = items[drop:], draft.truncated_items + drop
 
     async def _finish_response(
-        self, draft: ResponseDraft, items: list[dict], final: dict[str, Any]
+        self, draft: ResponseDraft, items: list[dict], final: TurnResult
     ) -> dict[str, Any]:
         """The finished response object, stored with its conversation unless `store: false`
         (then nothing is kept, not even in the session's failover log)."""
-        if final["finish_reason"] == "abort":
-            raise EngineUnavailableError(f"the turn was aborted ({final['finish_message']}); retry")
-        response = draft.object(final | {"ingress": self.ingress_id}, final["text"])
+        if final.finish_reason == "abort":
+            raise EngineUnavailableError(f"the turn was aborted ({final.finish_message}); retry")
+        response = draft.object(replace(final, ingress=self.ingress_id), final.text or "")
         if draft.body.store and draft.session_id is not None:
             stored = self.directory.store_response.remote(
-                draft.session_id, response, items, final["full_ids"], draft.owner
+                draft.session_id, response, items, final.full_ids, draft.owner
             )
             await asyncio.shield(self._kept_or_freed(draft.session_id, stored))
         return response
@@ -338,19 +339,19 @@ class Ingress:
             await self._close(draft.session_id, draft.owner)
 
     def _response_sse(
-        self, stream: Any, first: dict[str, Any], draft: ResponseDraft, items: list[dict]
+        self, stream: Any, first: TurnDelta | TurnResult, draft: ResponseDraft, items: list[dict]
     ) -> AsyncIterator[str]:
         events = ResponseEvents(draft)
 
-        async def finish(final: dict[str, Any]) -> list[str]:
+        async def finish(final: TurnResult) -> list[str]:
             return events.closing(await self._finish_response(draft, items, final))
 
         async def fail(body: dict[str, Any]) -> list[str]:
             await self._response_failed(draft)
             return [events.error(body)]
 
-        def delta(piece: dict[str, Any]) -> str | None:
-            return events.delta(piece["text"])
+        def delta(piece: TurnDelta) -> str | None:
+            return events.delta(piece.text)
 
         return self._relay(stream, first, events.opening(), delta, finish, fail)
 
@@ -386,7 +387,7 @@ class Ingress:
         SamplingParams.build(**kwargs)  # validate here: a 400 before any replica work
         return kwargs
 
-    async def _open_stream(self, call: GenerateCall) -> tuple[Any, dict[str, Any]]:
+    async def _open_stream(self, call: GenerateCall) -> tuple[Any, TurnDelta | TurnResult]:
         """Start the turn on its replica and wait for the first piece, so that errors before
         any token (bad input, busy session, overload) raise here and become a proper 4xx."""
         if call.session_id is not None and self.cfg.replica.rebalance_queue_len is not None:
@@ -423,14 +424,14 @@ class Ingress:
             forget_pin(session_id)
 
     @staticmethod
-    async def _collect(stream: Any, piece: dict[str, Any]) -> tuple[str, list, dict[str, Any]]:
+    async def _collect(stream: Any, piece: TurnDelta | TurnResult) -> tuple[str, list, TurnResult]:
         """The rest of a non-streamed turn: its text, logprob entries and final record."""
         text, logprobs = [], []
-        while "final" not in piece:
-            text.append(piece["text"])
-            logprobs += piece.get("logprobs") or []
+        while not isinstance(piece, TurnResult):
+            text.append(piece.text)
+            logprobs += piece.logprobs
             piece = await stream.__anext__()
-        return "".join(text), logprobs, piece["final"]
+        return "".join(text), logprobs, piece
 
     async def _serve(self, call: GenerateCall, body: Any, kind: Kind, want_lp: bool):
         try:
@@ -445,17 +446,18 @@ class Ingress:
             )
         text, logprobs, final = await self._collect(stream, first)
         await self._commit(call, final)
-        return JSONResponse(reply.response(text, logprobs, final | {"ingress": self.ingress_id}))
+        final = replace(final, ingress=self.ingress_id)
+        return JSONResponse(reply.response(text, logprobs, final))
 
     def _sse(
         self,
         stream: Any,
-        first: dict[str, Any],
+        first: TurnDelta | TurnResult,
         reply: Reply,
         call: GenerateCall,
         include_usage: bool,
     ) -> AsyncIterator[str]:
-        async def finish(final: dict[str, Any]) -> list[str]:
+        async def finish(final: TurnResult) -> list[str]:
             await self._commit(call, final)
             return reply.closing(final, include_usage)
 
@@ -468,10 +470,10 @@ class Ingress:
     @staticmethod
     async def _relay(
         stream: Any,
-        first: dict[str, Any],
+        first: TurnDelta | TurnResult,
         opening: list[str],
-        delta: Callable[[dict[str, Any]], str | None],
-        finish: Callable[[dict[str, Any]], Awaitable[list[str]]],
+        delta: Callable[[TurnDelta], str | None],
+        finish: Callable[[TurnResult], Awaitable[list[str]]],
         fail: Callable[[dict[str, Any]], Awaitable[list[str]]],
     ) -> AsyncIterator[str]:
         """Relay a turn to an SSE client: the opening chunks, a chunk per delta, then what
@@ -483,13 +485,13 @@ class Ingress:
             for chunk in opening:
                 yield chunk
             piece = first
-            while "final" not in piece:
+            while not isinstance(piece, TurnResult):
                 chunk = delta(piece)
                 if chunk:
                     yield chunk
                 piece = await stream.__anext__()
             finished = True
-            for chunk in await finish(piece["final"]):
+            for chunk in await finish(piece):
                 yield chunk
         except Exception as e:
             finished = True
@@ -499,11 +501,11 @@ class Ingress:
             if not finished:  # the client disconnected
                 stream.cancel()
 
-    async def _commit(self, call: GenerateCall, final: dict[str, Any]) -> None:
+    async def _commit(self, call: GenerateCall, final: TurnResult) -> None:
         """Record a finished session turn in the failover log. Shielded: a client that
         disconnects meanwhile must not leave the replica holding a turn the log lacks."""
-        if call.session_id is not None and final["finish_reason"] != "abort":
-            recorded = self.directory.commit_turn.remote(call.session_id, final["full_ids"])
+        if call.session_id is not None and final.finish_reason != "abort":
+            recorded = self.directory.commit_turn.remote(call.session_id, final.full_ids)
             await asyncio.shield(self._kept_or_freed(call.session_id, recorded))
 
     async def _kept_or_freed(self, session_id: str, recorded: Awaitable[bool]) -> None:

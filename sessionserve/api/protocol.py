@@ -181,23 +181,6 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
-class PromptTokensDetails(BaseModel):
-    cached_tokens: int
-
-
-class CompletionTokensDetails(BaseModel):
-    accepted_prediction_tokens: int  # speculative drafts the model kept
-    rejected_prediction_tokens: int  # and threw away (computed, not part of the answer)
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails
-    completion_tokens_details: CompletionTokensDetails | None = None  # with speculation only
-
-
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 

@@ -1,7 +1,7 @@
 """OpenAI response and stream-chunk bodies, built from what a replica streams back.
 
-A replica yields deltas {"text", "token_ids", "logprobs"} and one {"final": {...}}; `Reply`
-turns them into `chat.completion` / `text_completion` objects or SSE chunks.
+A replica yields `TurnDelta`s and one `TurnResult` (sessionserve/wire.py); `Reply` turns them
+into `chat.completion` / `text_completion` objects or SSE chunks.
 """
 
 from __future__ import annotations
@@ -10,23 +10,23 @@ import json
 from typing import Any, Literal
 
 from sessionserve.api.protocol import new_id, now
+from sessionserve.wire import LogprobEntry, TurnDelta, TurnResult
 
 Kind = Literal["chat", "completion"]
-LogprobEntry = tuple[str, float, list[tuple[str, float]]]  # token text, logprob, top-n
 
 
-def usage(final: dict[str, Any]) -> dict[str, Any]:
+def usage(final: TurnResult) -> dict[str, Any]:
     """OpenAI's usage object. With speculative decoding, the drafts the model kept and threw
     away are reported in OpenAI's predicted-output fields (the closest existing meaning)."""
     body = {
-        "prompt_tokens": final["prompt_tokens"],
-        "completion_tokens": final["completion_tokens"],
-        "total_tokens": final["prompt_tokens"] + final["completion_tokens"],
-        "prompt_tokens_details": {"cached_tokens": final["cached_tokens"]},
+        "prompt_tokens": final.prompt_tokens,
+        "completion_tokens": final.completion_tokens,
+        "total_tokens": final.prompt_tokens + final.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": final.cached_tokens},
     }
-    drafted = final.get("spec_drafted", 0)
+    drafted = final.spec_drafted
     if drafted:
-        accepted = final["spec_accepted"]
+        accepted = final.spec_accepted
         body["completion_tokens_details"] = {
             "accepted_prediction_tokens": accepted,
             "rejected_prediction_tokens": drafted - accepted,
@@ -76,11 +76,11 @@ class Reply:
 
     # ---- whole response ----
     def response(
-        self, text: str, logprobs: list[LogprobEntry], final: dict[str, Any]
+        self, text: str, logprobs: list[LogprobEntry], final: TurnResult
     ) -> dict[str, Any]:
         choice: dict[str, Any] = {
             "index": 0,
-            "finish_reason": final["finish_reason"],
+            "finish_reason": final.finish_reason,
             "logprobs": self._logprobs(logprobs, 0),
         }
         if self.kind == "chat":
@@ -95,9 +95,9 @@ class Reply:
             "choices": [choice],
             "usage": usage(final),
             "session": {
-                "cached_source": final["cached_source"],
-                "replica": final.get("replica"),
-                "ingress": final.get("ingress"),
+                "cached_source": final.cached_source,
+                "replica": final.replica,
+                "ingress": final.ingress,
             },
         }
 
@@ -135,16 +135,15 @@ class Reply:
     def opening(self) -> str | None:
         return self._chunk("", None, None, role=True) if self.kind == "chat" else None
 
-    def delta(self, piece: dict[str, Any]) -> str | None:
-        entries = piece.get("logprobs") or []
-        if not piece["text"] and not entries:
+    def delta(self, piece: TurnDelta) -> str | None:
+        if not piece.text and not piece.logprobs:
             return None
-        out = self._chunk(piece["text"], None, self._logprobs(entries, self.text_len))
-        self.text_len += len(piece["text"])
+        out = self._chunk(piece.text, None, self._logprobs(piece.logprobs, self.text_len))
+        self.text_len += len(piece.text)
         return out
 
-    def closing(self, final: dict[str, Any], include_usage: bool) -> list[str]:
-        out = [self._chunk(None if self.kind == "chat" else "", final["finish_reason"], None)]
+    def closing(self, final: TurnResult, include_usage: bool) -> list[str]:
+        out = [self._chunk(None if self.kind == "chat" else "", final.finish_reason, None)]
         if include_usage:
             out.append(self._stream_object([], usage=usage(final)))
         out.append("data: [DONE]\n\n")

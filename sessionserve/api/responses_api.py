@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from sessionserve.api.protocol import new_id
 from sessionserve.errors import InvalidRequestError
+from sessionserve.wire import TurnResult
 
 INPUT_ROLES = ("user", "assistant", "system", "developer")
 ITEM_KEYS = {"type", "role", "content", "id", "status"}
@@ -202,13 +203,13 @@ def drop_oldest_turn(items: list[dict[str, Any]], keep: int) -> int:
 
 
 # ---- the response object ----
-def usage(final: dict[str, Any]) -> dict[str, Any]:
+def usage(final: TurnResult) -> dict[str, Any]:
     return {
-        "input_tokens": final["prompt_tokens"],
-        "input_tokens_details": {"cached_tokens": final["cached_tokens"]},
-        "output_tokens": final["completion_tokens"],
+        "input_tokens": final.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": final.cached_tokens},
+        "output_tokens": final.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
-        "total_tokens": final["prompt_tokens"] + final["completion_tokens"],
+        "total_tokens": final.prompt_tokens + final.completion_tokens,
     }
 
 
@@ -236,11 +237,11 @@ class ResponseDraft:
             "content": content,
         }
 
-    def object(self, final: dict[str, Any] | None = None, text: str = "") -> dict[str, Any]:
+    def object(self, final: TurnResult | None = None, text: str = "") -> dict[str, Any]:
         """The response object: in progress without `final`, else completed or incomplete."""
         status, incomplete, output = "in_progress", None, []
         if final is not None:
-            status = "incomplete" if final["finish_reason"] == "length" else "completed"
+            status = "incomplete" if final.finish_reason == "length" else "completed"
             if status == "incomplete":
                 incomplete = {"reason": "max_output_tokens"}
             output = [self.message(text, status)]
@@ -274,9 +275,9 @@ class ResponseDraft:
         # not OpenAI's: where the KV came from, and what `truncation: auto` dropped
         obj["session"] = {
             "id": self.session_id,
-            "cached_source": final["cached_source"] if final else None,
-            "replica": final.get("replica") if final else None,
-            "ingress": final.get("ingress") if final else None,
+            "cached_source": final.cached_source if final else None,
+            "replica": final.replica if final else None,
+            "ingress": final.ingress if final else None,
             "truncated_items": self.truncated_items,
         }
         return obj

@@ -4,6 +4,7 @@ the engine so the engine reads as the step loop and its API."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from sessionserve.cache import KVPool, KVShape, SessionLimits, build_session_cache
@@ -11,7 +12,6 @@ from sessionserve.cache.allocator import floor_align
 from sessionserve.cache.host_tier import HostTier
 from sessionserve.cache.session_cache import SessionCache
 from sessionserve.config import EngineConfig
-from sessionserve.metrics import EngineMetrics
 from sessionserve.replicas.attention import AttentionBackend, attention_scale, select_backend
 from sessionserve.replicas.attention.torch_backend import TorchPagedBackend
 from sessionserve.replicas.cuda_graphs import DecodeGraphs, ExtendGraphs, buckets_up_to
@@ -43,11 +43,12 @@ def build_runner(
     cfg: EngineConfig,
     model: Any,
     cache: SessionCache,
-    metrics: EngineMetrics,
+    on_verify: Callable[[int], None],
     drafter: EagleDrafter | None = None,
 ) -> tuple[ModelRunner, SpeculativeDecoder | None]:
-    """The runner and, when a drafter is given or configured, the speculative decoder; both
-    KV pools are attached to the cache (the drafter's KV parks and moves with the target's)."""
+    """The runner and, when a drafter is given or configured, the speculative decoder (which
+    reports each verify's acceptance length to `on_verify`); both KV pools are attached to the
+    cache (the drafter's KV parks and moves with the target's)."""
     runner = ModelRunner(model, *pool_and_backend(cfg, model, cache), cache)
     if cfg.cuda_graphs and runner.device.type == "cuda":
         most = min(cfg.scheduler.max_running_requests, cfg.cuda_graph_max_batch)
@@ -63,7 +64,7 @@ def build_runner(
             cfg.spec.num_drafts,
             model.config.vocab_size,
         )
-        speculative = SpeculativeDecoder(proposer, cache, metrics, context_limit(cfg, cache))
+        speculative = SpeculativeDecoder(proposer, cache, on_verify, context_limit(cfg, cache))
     elif runner.graphs is not None and cfg.cuda_graph_max_extend > 1:
         # short extends replay graphs too, unless a drafter needs every hidden state; over the
         # torch backend's static plan whatever the decode backend (the pool layout is shared)

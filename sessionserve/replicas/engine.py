@@ -89,7 +89,9 @@ class Engine:
         self.vocab_size = model.config.vocab_size
         self.metrics = metrics or EngineMetrics()
         self.cache = build_cache(cfg)
-        self.runner, self.speculative = build_runner(cfg, model, self.cache, self.metrics, drafter)
+        # metrics are looked up at each verify: the served replica swaps in its exporter later
+        on_verify = lambda n: self.metrics.on_spec_step(n)  # noqa: E731
+        self.runner, self.speculative = build_runner(cfg, model, self.cache, on_verify, drafter)
         self.context_limit = context_limit(cfg, self.cache)
         self.stopper = StopChecker(self.tokenizer, cfg.cache.max_context_len)
         self.scheduler = Scheduler(self.cache, cfg.scheduler, self.stopper, self.speculative)

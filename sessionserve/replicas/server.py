@@ -38,9 +38,16 @@ from sessionserve.replicas import client_error_logs
 from sessionserve.replicas.detokenize import IncrementalText
 from sessionserve.replicas.engine import Engine, StepEvent
 from sessionserve.replicas.migration import SessionMover
-from sessionserve.replicas.request import TokenLogprob
+from sessionserve.replicas.request import RequestResult, TokenLogprob
 from sessionserve.replicas.sessions import SessionExport, SessionSeed
-from sessionserve.wire import FinishReason, GenerateCall, SamplingParams
+from sessionserve.wire import (
+    FinishReason,
+    GenerateCall,
+    LogprobEntry,
+    SamplingParams,
+    TurnDelta,
+    TurnResult,
+)
 
 log = logging.getLogger(__name__)
 IDLE_TICK_S = 0.5  # while idle: check the idle invariant and refresh the gauges this often
@@ -170,8 +177,8 @@ class ReplicaServer:
         self._stopped = self._stopping = False
 
     # ---- generation ----
-    async def generate(self, call: GenerateCall) -> AsyncIterator[dict[str, Any]]:
-        """Stream {"token_ids", "text"} deltas, then one {"final": ...} with the usage."""
+    async def generate(self, call: GenerateCall) -> AsyncIterator[TurnDelta | TurnResult]:
+        """Stream `TurnDelta`s, then one `TurnResult` with the usage."""
         ids = self._input_ids(call)
         sampling = SamplingParams.build(**call.sampling)
         events: asyncio.Queue[StepEvent | Exception] = asyncio.Queue()
@@ -206,14 +213,14 @@ class ReplicaServer:
                 answer.extend(event.new_token_ids)
                 text = (event.result.text or "") if done else self._visible_text(answer, sampling)
                 if event.new_token_ids or len(text) > len(text_sent):
-                    yield {
-                        "token_ids": event.new_token_ids,
-                        "text": text[len(text_sent) :],
-                        "logprobs": self._logprob_entries(event.new_logprobs),
-                    }
+                    yield TurnDelta(
+                        event.new_token_ids,
+                        text[len(text_sent) :],
+                        self._logprob_entries(event.new_logprobs),
+                    )
                     text_sent = text
                 if done:
-                    yield {"final": _final(event) | {"replica": self.replica_id}}
+                    yield _result(event.result, self.replica_id)
         finally:
             self.streams.pop(rid, None)
             if not done and self.loop.error is None:
@@ -233,7 +240,7 @@ class ReplicaServer:
         hold = max((len(s) - 1 for s in sampling.stop), default=0)
         return text[: max(0, len(text) - hold)]
 
-    def _logprob_entries(self, lps: list[TokenLogprob]) -> list[tuple[str, float, list]]:
+    def _logprob_entries(self, lps: list[TokenLogprob]) -> list[LogprobEntry]:
         tok = self.engine.tokenizer
         return [
             (tok.decode([lp.token_id]), lp.logprob, [(tok.decode([t]), v) for t, v in lp.top])
@@ -413,19 +420,19 @@ def _node_id() -> str | None:
         return None
 
 
-def _final(event: StepEvent) -> dict[str, Any]:
-    r = event.result
-    return {
-        "finish_reason": r.finish_reason.value,
-        "finish_message": r.finish_message,
-        "text": r.text,
-        "output_ids": r.output_ids,
-        "prompt_tokens": r.prompt_tokens,
-        "completion_tokens": r.completion_tokens,
-        "cached_tokens": r.cached_tokens,
-        "cached_source": r.cached_source,
-        "spec_drafted": r.spec_drafted,
-        "spec_accepted": r.spec_accepted,
-        "ttft_s": r.ttft_s,
-        "full_ids": r.input_ids + r.output_ids,  # the session's token log after this turn
-    }
+def _result(r: RequestResult, replica: str) -> TurnResult:
+    return TurnResult(
+        finish_reason=r.finish_reason.value,
+        finish_message=r.finish_message,
+        text=r.text,
+        output_ids=r.output_ids,
+        prompt_tokens=r.prompt_tokens,
+        completion_tokens=r.completion_tokens,
+        cached_tokens=r.cached_tokens,
+        cached_source=r.cached_source,
+        full_ids=r.input_ids + r.output_ids,  # the session's token log after this turn
+        spec_drafted=r.spec_drafted,
+        spec_accepted=r.spec_accepted,
+        ttft_s=r.ttft_s,
+        replica=replica,
+    )

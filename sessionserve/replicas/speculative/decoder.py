@@ -12,12 +12,11 @@ accepted KV and freeing the rejected drafts' slots, and the statistics.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 import torch
 
 from sessionserve.cache.session_cache import SessionCache
-from sessionserve.metrics import EngineMetrics
 from sessionserve.replicas.model_runner import StepOutput
 from sessionserve.replicas.request import Request
 from sessionserve.replicas.sampling import filter_logits, token_logprobs
@@ -29,11 +28,15 @@ from sessionserve.replicas.speculative.stats import SpecStats
 
 class SpeculativeDecoder:
     def __init__(
-        self, proposer: EagleProposer, cache: SessionCache, metrics: EngineMetrics, limit: int
+        self,
+        proposer: EagleProposer,
+        cache: SessionCache,
+        on_verify: Callable[[int], None],
+        limit: int,
     ) -> None:
         self.proposer = proposer
         self.cache = cache
-        self.metrics = metrics
+        self.on_verify = on_verify  # told each verify's acceptance length (metrics)
         self.limit = limit  # the context limit: no drafts past it
         self.stats = SpecStats()
 
@@ -76,7 +79,7 @@ class SpeculativeDecoder:
         self.cache.free_overallocation(req.kv)
         req.spec.record(k, verdict.accepted)
         self.stats.record(k, verdict.accepted)
-        self.metrics.on_spec_step(verdict.accepted + 1)
+        self.on_verify(verdict.accepted + 1)
         lps = (
             token_logprobs(target[: len(verdict.tokens)], verdict.tokens, p.top_logprobs)
             if p.logprobs

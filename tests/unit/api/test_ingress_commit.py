@@ -10,7 +10,7 @@ from types import SimpleNamespace
 from sessionserve.api.ingress import Ingress
 from sessionserve.router import pin_cache
 from sessionserve.router.directory import SessionDirectoryState
-from sessionserve.wire import GenerateCall
+from sessionserve.wire import GenerateCall, TurnResult
 
 
 class FakeReplicaHandle:
@@ -46,8 +46,8 @@ def ingress_with(state: SessionDirectoryState) -> SimpleNamespace:
     return fake
 
 
-def final(ids: list[int]) -> dict:
-    return {"finish_reason": "length", "full_ids": ids}
+def final(ids: list[int]) -> TurnResult:
+    return TurnResult("length", None, "", ids[-1:], len(ids) - 1, 1, 0, "none", ids)
 
 
 def test_a_client_disconnect_during_the_commit_does_not_lose_the_turn() -> None:

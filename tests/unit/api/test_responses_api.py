@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -16,7 +17,8 @@ from sessionserve.api.responses_api import (
     message_item,
     parse_input,
 )
-from sessionserve.replicas.request import InvalidRequestError
+from sessionserve.errors import InvalidRequestError
+from sessionserve.wire import TurnResult
 
 
 def test_input_forms_become_message_items_and_chat_messages() -> None:
@@ -114,14 +116,17 @@ def test_item_pages_follow_order_limit_and_cursor() -> None:
 def test_events_are_numbered_and_carry_the_finished_response() -> None:
     draft = ResponseDraft(ResponseCreate(input="x"), "m", "s1")
     events = ResponseEvents(draft)
-    final = {
-        "finish_reason": "stop",
-        "text": "ab",
-        "prompt_tokens": 3,
-        "completion_tokens": 2,
-        "cached_tokens": 1,
-        "cached_source": "session",
-    }
+    final = TurnResult(
+        finish_reason="stop",
+        finish_message=None,
+        text="ab",
+        output_ids=[7, 8],
+        prompt_tokens=3,
+        completion_tokens=2,
+        cached_tokens=1,
+        cached_source="session",
+        full_ids=[4, 5, 6, 7, 8],
+    )
     stream = events.opening() + [events.delta("a"), events.delta("b")]
     stream += events.closing(draft.object(final, "ab"))
     assert events.delta("") is None
@@ -134,7 +139,7 @@ def test_events_are_numbered_and_carry_the_finished_response() -> None:
     assert done["type"] == "response.completed" and done["response"]["status"] == "completed"
     assert done["response"]["output"][0]["content"][0]["text"] == "ab"
     assert done["response"]["usage"]["input_tokens_details"]["cached_tokens"] == 1
-    cut = draft.object(final | {"finish_reason": "length"}, "ab")
+    cut = draft.object(replace(final, finish_reason="length"), "ab")
     assert cut["status"] == "incomplete" and cut["incomplete_details"] == {
         "reason": "max_output_tokens"
     }

@@ -91,8 +91,8 @@ def test_a_replica_streams_byte_level_output_whole(tmp_path) -> None:
         pieces = asyncio.run(collect())
     finally:
         srv.shutdown()
-    final = pieces[-1]["final"]
-    deltas = [p["text"] for p in pieces[:-1]]
-    assert final["completion_tokens"] == 300
-    assert "".join(deltas) == final["text"]
-    assert any(ord(c) > 127 and c != "\ufffd" for c in final["text"])  # real multi-byte chars
+    final = pieces[-1]
+    deltas = [p.text for p in pieces[:-1]]
+    assert final.completion_tokens == 300
+    assert "".join(deltas) == final.text
+    assert any(ord(c) > 127 and c != "\ufffd" for c in final.text)  # real multi-byte chars

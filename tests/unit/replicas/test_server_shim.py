@@ -8,7 +8,7 @@ import pytest
 
 from sessionserve.replicas.request import SamplingParams
 from sessionserve.replicas.server import ReplicaServer
-from sessionserve.wire import GenerateCall
+from sessionserve.wire import GenerateCall, TurnResult
 from tests.models import save_tiny_model
 
 
@@ -36,11 +36,11 @@ def test_stream_deltas_add_up_to_the_answer(server) -> None:
         {"max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": True}, prompt="w5 w6 w7"
     )
     pieces = asyncio.run(_collect(server.generate(call)))
-    final = pieces[-1]["final"]
-    assert "".join(p["text"] for p in pieces[:-1]) == final["text"]
-    assert sum(len(p["token_ids"]) for p in pieces[:-1]) == final["completion_tokens"] == 6
-    assert sum(len(p["logprobs"]) for p in pieces[:-1]) == 6
-    assert final["full_ids"] == [5, 6, 7] + final["output_ids"]
+    final = pieces[-1]
+    assert "".join(p.text for p in pieces[:-1]) == final.text
+    assert sum(len(p.token_ids) for p in pieces[:-1]) == final.completion_tokens == 6
+    assert sum(len(p.logprobs) for p in pieces[:-1]) == 6
+    assert final.full_ids == [5, 6, 7] + final.output_ids
 
 
 def test_a_request_that_fails_alone_raises_a_typed_500_for_its_caller(server, monkeypatch):
@@ -56,8 +56,8 @@ def test_a_request_that_fails_alone_raises_a_typed_500_for_its_caller(server, mo
         asyncio.run(_collect(server.generate(call)))
     assert err.value.status_code == 500 and "Traceback" not in str(err.value)
     monkeypatch.undo()
-    ok = asyncio.run(_collect(server.generate(call)))[-1]["final"]  # the replica serves on
-    assert ok["completion_tokens"] > 0
+    ok = asyncio.run(_collect(server.generate(call)))[-1]  # the replica serves on
+    assert ok.completion_tokens > 0
     assert server.loop.error is None
 
 
@@ -65,8 +65,8 @@ def test_append_mode_builds_on_the_history_it_is_given(server) -> None:
     call = GenerateCall(
         {"max_tokens": 2, "temperature": 0}, session_id="s", prompt=[9], history_ids=[5, 6, 7, 8]
     )
-    final = asyncio.run(_collect(server.generate(call)))[-1]["final"]
-    assert final["prompt_tokens"] == 5 and final["full_ids"][:5] == [5, 6, 7, 8, 9]
+    final = asyncio.run(_collect(server.generate(call)))[-1]
+    assert final.prompt_tokens == 5 and final.full_ids[:5] == [5, 6, 7, 8, 9]
 
 
 def test_a_cancelled_stream_aborts_its_request(server) -> None:
@@ -127,7 +127,7 @@ def test_the_event_loop_never_waits_for_a_forward(tmp_path) -> None:
     try:
         stats, a, b = asyncio.run(scenario())
         assert stats["queue_len"] == 1 and stats["free_kv_tokens"] > 0
-        assert a[-1]["final"]["completion_tokens"] == b[-1]["final"]["completion_tokens"] == 3
+        assert a[-1].completion_tokens == b[-1].completion_tokens == 3
     finally:
         release.set()
         srv.shutdown()
@@ -153,8 +153,8 @@ def test_a_dead_engine_thread_fails_calls_instead_of_hanging(tmp_path) -> None:
         srv.check_health()
 
 
-def _final(server, call: GenerateCall) -> dict:
-    return asyncio.run(_collect(server.generate(call)))[-1]["final"]
+def _final(server, call: GenerateCall) -> TurnResult:
+    return asyncio.run(_collect(server.generate(call)))[-1]
 
 
 def test_append_turns_extend_the_replicas_history_never_the_directorys_log(server, caplog):
@@ -164,16 +164,16 @@ def test_append_turns_extend_the_replicas_history_never_the_directorys_log(serve
     greedy = {"max_tokens": 3, "temperature": 0, "ignore_eos": True}
     sid = "append-shim"
     t1 = _final(server, GenerateCall(greedy, sid, "append", prompt=[5, 6, 7], ttl_s=42.0))
-    assert t1["full_ids"] == [5, 6, 7] + t1["output_ids"]
+    assert t1.full_ids == [5, 6, 7] + t1.output_ids
     assert server.engine.session_info(sid).ttl_s == 42.0  # not the configured default
-    call = GenerateCall(greedy, sid, "append", prompt=[8, 9], history_ids=t1["full_ids"])
+    call = GenerateCall(greedy, sid, "append", prompt=[8, 9], history_ids=t1.full_ids)
     t2 = _final(server, call)
-    assert t2["full_ids"] == t1["full_ids"] + [8, 9] + t2["output_ids"]
-    assert t2["cached_source"] == "session" and t2["cached_tokens"] >= len(t1["full_ids"]) - 1
+    assert t2.full_ids == t1.full_ids + [8, 9] + t2.output_ids
+    assert t2.cached_source == "session" and t2.cached_tokens >= len(t1.full_ids) - 1
     caplog.set_level("WARNING", logger="sessionserve.replicas.sessions")
     stale = GenerateCall(greedy, sid, "append", prompt=[10], history_ids=[1, 2, 3])
     t3 = _final(server, stale)
-    assert t3["full_ids"][: len(t2["full_ids"])] == t2["full_ids"]  # no rewind to [1, 2, 3]
+    assert t3.full_ids[: len(t2.full_ids)] == t2.full_ids  # no rewind to [1, 2, 3]
     assert "differs from this replica's history" in caplog.text
     server.engine.close_session(sid)
 
@@ -186,7 +186,7 @@ def test_an_append_turn_on_a_replica_without_the_session_starts_from_its_log(ser
     call = GenerateCall(greedy, "moved-here", "append", prompt=[11, 12], history_ids=log)
     got = _final(server, call)
     ref = _final(server, GenerateCall(greedy, prompt=log + [11, 12]))
-    assert got["full_ids"] == log + [11, 12] + got["output_ids"]
-    assert got["output_ids"] == ref["output_ids"]
-    assert server.engine.session_info("moved-here").history_tokens == len(got["full_ids"])
+    assert got.full_ids == log + [11, 12] + got.output_ids
+    assert got.output_ids == ref.output_ids
+    assert server.engine.session_info("moved-here").history_tokens == len(got.full_ids)
     server.engine.close_session("moved-here")

@@ -180,3 +180,22 @@ def test_session_turns_with_speculation_equal_plain_requests(page_size: int) -> 
     engine.cache.flush()
     terms = engine.checker.check_idle()
     assert terms.free == terms.total and terms.rows_free == terms.rows_total
+
+
+def test_each_verify_reaches_the_metrics_the_engine_has_now() -> None:
+    """The served replica swaps its exporter in after building the engine: every verify's
+    acceptance length must still reach it (the histogram on the dashboards)."""
+    from sessionserve.metrics import EngineMetrics
+
+    class Recorder(EngineMetrics):
+        def __init__(self) -> None:
+            self.lengths: list[int] = []
+
+        def on_spec_step(self, accept_len: int) -> None:
+            self.lengths.append(accept_len)
+
+    engine = tiny_engine(tiny_model(num_hidden_layers=1, seed=3), drafter=mimic_drafter)
+    engine.metrics = recorder = Recorder()
+    (r,) = engine.generate(_prompts(0, (9,)), GREEDY)
+    assert len(recorder.lengths) == r.spec_steps > 0
+    assert sum(recorder.lengths) == r.spec_accepted + r.spec_steps
