@@ -126,9 +126,18 @@ def served(tmp_path_factory):
 
 def replica_memory(app: str = APP, replicas: int = 2) -> dict[str, dict]:
     """Each model replica's memory-invariant terms (it raises if the invariant is broken).
-    Unpinned calls spread at random, so enough of them reach every replica."""
+    Unpinned calls spread at random, so enough of them reach every replica. Waits first for
+    `replicas` running replicas: an earlier test may have killed one, which Serve restarts."""
+    import time
+
     from ray import serve
 
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        states = serve.status().applications[app].deployments["SessionReplica"].replica_states
+        if states == {"RUNNING": replicas}:
+            break
+        time.sleep(0.5)
     handle = serve.get_deployment_handle("SessionReplica", app_name=app)
     seen: dict[str, dict] = {}
     for _ in range(40):

@@ -66,6 +66,8 @@ class StepEvent:
     new_token_ids: list[int]
     result: RequestResult | None = None  # set on the request's last event
     new_logprobs: list[TokenLogprob] = field(default_factory=list)  # when requested
+    text: str | None = None  # the answer's text so far, where the engine decodes it anyway
+    # (stop strings): the replica shim then streams it instead of decoding a second time
 
 
 class Engine:
@@ -293,7 +295,8 @@ class Engine:
         if u.error is not None:
             return self._fail(u.req, u.error)
         if not u.finished:
-            return StepEvent(u.req.rid, u.new_tokens, None, u.new_logprobs)
+            text = u.req.stop_text.text if u.req.stop_text is not None else None
+            return StepEvent(u.req.rid, u.new_tokens, None, u.new_logprobs, text)
         try:
             result = self._close(u.req, success=True).result
         except Exception as e:

@@ -1,13 +1,12 @@
-"""The Serve replica deployment: a thin shim around `Engine`.
+"""The Serve replica deployment: a thin adapter between the wire (`sessionserve/wire.py`) and
+an `Engine`, like Ray Serve LLM's `LLMServer`.
 
-The engine runs in a background thread (`EngineLoop`) that alone touches it: requests come in
-on the replica's asyncio loop and reach the engine as commands (submit, abort, session calls)
-that the thread runs between two steps, answered through futures the asyncio loop awaits; so
-that loop never waits for a forward. Tokens stream back through an asyncio queue fed by the
-engine's listener. Routing statistics are a snapshot the thread publishes. A cancelled stream
-(client disconnect) aborts its request, which keeps what the session has committed.
+The engine runs on its own thread (`engine_loop.EngineLoop`); calls reach it as queued
+commands. Tokens stream back through an asyncio queue fed by the engine's listener. A cancelled
+stream (client disconnect) aborts its request, which keeps what the session has committed.
 Tokenization happens here, next to the model's tokenizer. Sessions move between replicas
-through `migration.SessionMover` (an admin call, or this replica being stopped).
+through `migration.SessionMover` (an admin call, or this replica being stopped). The class
+builds its own Serve deployment options from the app config (`deployment_options`).
 """
 
 from __future__ import annotations
@@ -16,15 +15,14 @@ import asyncio
 import contextlib
 import functools
 import logging
-import queue
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from concurrent.futures import Future
 from typing import Any
 
-from sessionserve.config import EngineConfig
+from ray.serve.config import AutoscalingConfig, RequestRouterConfig
+
+from sessionserve.config import AppConfig, EngineConfig
 from sessionserve.errors import (
     EngineUnavailableError,
     InvalidRequestError,
@@ -37,9 +35,11 @@ from sessionserve.metrics import RayEngineMetrics
 from sessionserve.replicas import client_error_logs
 from sessionserve.replicas.detokenize import IncrementalText
 from sessionserve.replicas.engine import Engine, StepEvent
+from sessionserve.replicas.engine_loop import EngineLoop
 from sessionserve.replicas.migration import SessionMover
 from sessionserve.replicas.request import RequestResult, TokenLogprob
 from sessionserve.replicas.sessions import SessionExport, SessionSeed
+from sessionserve.router.session_router import SessionAffinityRouter
 from sessionserve.wire import (
     FinishReason,
     GenerateCall,
@@ -50,111 +50,13 @@ from sessionserve.wire import (
 )
 
 log = logging.getLogger(__name__)
-IDLE_TICK_S = 0.5  # while idle: check the idle invariant and refresh the gauges this often
-
-
-class EngineLoop(threading.Thread):
-    """Owns the engine: runs queued commands, then a step while there is work; while idle,
-    checks the idle invariant every IDLE_TICK_S. Publishes `stats` for the router."""
-
-    STATS_PERIOD_S = 0.05
-
-    def __init__(
-        self, engine: Engine, on_death: Callable[[BaseException], None] | None = None
-    ) -> None:
-        super().__init__(name="sessionserve-engine", daemon=True)
-        self.engine = engine
-        self.on_death = on_death  # told once if the thread dies (streams must not hang)
-        self.commands: queue.SimpleQueue[tuple[Callable[..., Any], tuple, Future]] = (
-            queue.SimpleQueue()
-        )
-        self.wake = threading.Event()
-        self.stopping = False
-        self.error: BaseException | None = None
-        self.stats: dict[str, Any] = self._stats()
-        self._stats_at = 0.0
-        self._closed = False  # set (under _closing) once the thread stops taking commands
-        self._closing = threading.Lock()
-
-    def call(self, fn: Callable[..., Any], *args: Any) -> Future:
-        """Run `fn(*args)` on the engine thread between two steps; its result or exception
-        arrives in the returned future."""
-        fut: Future = Future()
-        with self._closing:
-            if self._closed or self.stopping or not self.is_alive():
-                raise EngineUnavailableError(
-                    "this replica's engine is not running; retry (another replica will answer)"
-                )
-            self.commands.put((fn, args, fut))
-        self.wake.set()
-        return fut
-
-    def run(self) -> None:
-        try:
-            while not self.stopping:
-                if self._drain():
-                    self._publish(force=True)  # submits and aborts change what is queued
-                if self.engine.has_work():
-                    self.engine.step()
-                    self._publish()
-                    continue
-                if not self.wake.wait(IDLE_TICK_S):
-                    self.engine.report_gauges()  # checks the invariant (idle form if idle)
-                    self._publish(force=True)
-                self.wake.clear()
-            self._drain()
-        except BaseException as e:  # the replica reports it through check_health
-            self.error = e
-            log.exception("engine loop died")
-            if self.on_death is not None:
-                self.on_death(e)
-        with self._closing:  # no command can be queued after this: none is left unanswered
-            self._closed = True
-        self._fail_pending()
-
-    def _drain(self) -> int:
-        """Run every queued command; returns how many ran."""
-        ran = 0
-        while True:
-            try:
-                fn, args, fut = self.commands.get_nowait()
-            except queue.Empty:
-                return ran
-            ran += 1
-            if fut.set_running_or_notify_cancel():
-                try:
-                    fut.set_result(fn(*args))
-                except Exception as e:  # a bad request fails its own command only
-                    fut.set_exception(e)
-
-    def _fail_pending(self) -> None:
-        while True:
-            try:
-                _, _, fut = self.commands.get_nowait()
-            except queue.Empty:
-                return
-            if fut.set_running_or_notify_cancel():
-                fut.set_exception(EngineUnavailableError("this replica's engine stopped"))
-
-    def _publish(self, force: bool = False) -> None:
-        now = time.monotonic()
-        if force or now - self._stats_at >= self.STATS_PERIOD_S:
-            self._stats_at, self.stats = now, self._stats()
-
-    def _stats(self) -> dict[str, Any]:
-        e = self.engine
-        return {
-            "free_kv_tokens": e.cache.reclaimable_size(),
-            "held_tokens": sum(e.cache.slot_held_tokens(s) for s in e.cache.idle_slots()),
-            "open_sessions": len(e.cache.session_slots),
-            "queue_len": len(e.scheduler.waiting) + len(e.scheduler.running),
-        }
+POWER_OF_TWO_ROUTER = "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter"
 
 
 class ReplicaServer:
-    def __init__(self, engine_config: dict[str, Any]) -> None:
-        cfg = EngineConfig.model_validate(engine_config)
-        self.engine = Engine(cfg)
+    def __init__(self, engine_config: dict[str, Any], engine: Engine | None = None) -> None:
+        """`engine`: one built by the caller (tests, scripts); else one from `engine_config`."""
+        self.engine = engine or Engine(EngineConfig.model_validate(engine_config))
         # every call brings its whole input (see GenerateCall), so a full replica may give an
         # idle session's slot to a new one: that session's next turn re-prefills
         self.engine.sessions.reclaim_at_limit = True
@@ -175,6 +77,40 @@ class ReplicaServer:
         self.mover = SessionMover(self.engine, self._run, self.replica_id)
         self._peer_handles: tuple[Any, Any] | None = None
         self._stopped = self._stopping = False
+
+    @staticmethod
+    def deployment_options(cfg: AppConfig) -> dict[str, Any]:
+        """This deployment's Serve options, from the app config's `replica` section."""
+        r = cfg.replica
+        opts: dict[str, Any] = {
+            "name": "SessionReplica",
+            "ray_actor_options": {"num_cpus": r.num_cpus, "num_gpus": r.num_gpus},
+            "max_ongoing_requests": r.max_ongoing_requests,
+            "max_queued_requests": r.max_queued_requests,
+            "health_check_period_s": r.health_check_period_s,
+            "graceful_shutdown_timeout_s": r.graceful_shutdown_timeout_s,
+            "request_router_config": RequestRouterConfig(
+                request_router_class=SessionAffinityRouter
+                if r.request_router == "session_affinity"
+                else POWER_OF_TWO_ROUTER,
+                request_routing_stats_period_s=r.routing_stats_period_s,
+                request_routing_stats_timeout_s=max(5.0, 2 * r.routing_stats_period_s),
+            ),
+        }
+        if r.env_vars:
+            opts["ray_actor_options"]["runtime_env"] = {"env_vars": dict(r.env_vars)}
+        if r.max_replicas_per_node is not None:
+            opts["max_replicas_per_node"] = r.max_replicas_per_node
+        if r.autoscaling is not None:
+            a = r.autoscaling
+            opts["autoscaling_config"] = AutoscalingConfig(
+                min_replicas=a.min_replicas,
+                max_replicas=a.max_replicas,
+                target_ongoing_requests=a.target_ongoing_requests,
+            )
+        else:
+            opts["num_replicas"] = r.num_replicas
+        return opts
 
     # ---- generation ----
     async def generate(self, call: GenerateCall) -> AsyncIterator[TurnDelta | TurnResult]:
@@ -210,8 +146,10 @@ class ReplicaServer:
                 done = event.result is not None
                 if done and event.result.finish_reason is FinishReason.ERROR:
                     raise RequestFailedError(event.result.finish_message or "request failed")
-                answer.extend(event.new_token_ids)
-                text = (event.result.text or "") if done else self._visible_text(answer, sampling)
+                if event.text is None:  # else the engine decoded it already (stop strings)
+                    answer.extend(event.new_token_ids)
+                so_far = answer.text if event.text is None else event.text
+                text = (event.result.text or "") if done else self._visible_text(so_far, sampling)
                 if event.new_token_ids or len(text) > len(text_sent):
                     yield TurnDelta(
                         event.new_token_ids,
@@ -233,10 +171,9 @@ class ReplicaServer:
         return await asyncio.wrap_future(self.loop.call(functools.partial(fn, *args, **kwargs)))
 
     @staticmethod
-    def _visible_text(answer: IncrementalText, sampling: SamplingParams) -> str:
+    def _visible_text(text: str, sampling: SamplingParams) -> str:
         """The answer so far, minus a tail that might still become a stop string (so what is
         sent is always a prefix of the final answer)."""
-        text = answer.text
         hold = max((len(s) - 1 for s in sampling.stop), default=0)
         return text[: max(0, len(text) - hold)]
 

@@ -64,7 +64,7 @@ def test_malformed_json_and_session_api_errors(http) -> None:
     assert http.delete("/v1/sessions/dup").status_code == 200
 
 
-def test_replicas_stay_healthy_after_bad_input() -> None:
+def test_replicas_stay_healthy_after_bad_input(served) -> None:
     seen = replica_memory()
     assert len(seen) == 2
     for terms in seen.values():

@@ -142,7 +142,7 @@ def test_a_session_deleted_during_its_turn_stays_deleted_and_its_kv_is_freed(ser
     assert held() == before
 
 
-def test_replicas_are_healthy_after_the_abuse() -> None:
+def test_replicas_are_healthy_after_the_abuse(served) -> None:
     for terms in replica_memory().values():
         assert terms["in_flight"] == 0 and terms["live_requests"] == 0
     status = serve.status().applications["sessionserve"].deployments["SessionReplica"]
