@@ -66,7 +66,7 @@ from sessionserve.errors import (
     UnknownSessionError,
 )
 from sessionserve.router.directory import get_directory
-from sessionserve.router.pin_cache import forget_pin, rebalance_plan
+from sessionserve.router.pin_cache import check_pin, forget_pin, rebalance_plan
 from sessionserve.wire import GenerateCall, SamplingParams, TurnDelta, TurnResult
 
 log = logging.getLogger(__name__)
@@ -378,7 +378,8 @@ class Ingress:
                 raise UnknownSessionError(sid)
             if await self._open(sid, None, owner(request)) is None:
                 raise UnknownSessionError(sid)  # taken by another key: as if it did not exist
-            record = {"ttl_s": self.cfg.engine.sessions.default_ttl_s}
+            record = {"ttl_s": self.cfg.engine.sessions.default_ttl_s, "replica": None}
+        check_pin(sid, record["replica"])  # this process's routers follow the directory
         return sid, record["ttl_s"]
 
     @staticmethod

@@ -126,9 +126,10 @@ class SessionDirectoryState:
 
     def touch(self, session_id: str, owner: str | None = None) -> dict | None:
         """The per-request check (marking the session active; ships no token log): None if
-        the session does not exist, else what its replica needs to open it (its TTL)."""
+        the session does not exist, else its pin (for the ingress to check its routers'
+        cached one) and what a replica needs to open it (its TTL)."""
         rec = self._live(session_id, owner)
-        return None if rec is None else {"ttl_s": rec.ttl_s}
+        return None if rec is None else {"ttl_s": rec.ttl_s, "replica": rec.replica}
 
     def log(self, session_id: str, owner: str | None = None) -> list[int] | None:
         """The token log, for an append-mode turn (None if the session does not exist)."""

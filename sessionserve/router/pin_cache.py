@@ -53,6 +53,15 @@ def forget_pin(session_id: str) -> None:
         cache.pop(session_id, None)
 
 
+def check_pin(session_id: str, replica: str | None) -> None:
+    """The directory pins the session to `replica` (None: not placed): drop a cached pin that
+    says otherwise. A session closed through another ingress process and opened again under
+    the same id would else follow a dead pin, past the directory, to its old replica."""
+    for cache in list(_caches):
+        if cache.get(session_id, replica) != replica:
+            del cache[session_id]
+
+
 def forget_replica(replica: str) -> None:
     """A replica died: no router here pins to it, or rebalances to it, any more."""
     _rebalanced.pop(replica, None)

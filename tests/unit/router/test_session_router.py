@@ -94,6 +94,29 @@ def test_forget_pin_makes_the_next_request_ask_the_directory() -> None:
     assert not state.move_pin("unknown", "a", "b")
 
 
+def test_a_session_reopened_elsewhere_does_not_follow_its_old_cached_pin() -> None:
+    """Closed through another ingress process (this one's routers keep the pin) and opened
+    again under the same id: the ingress checks its routers' pin against the directory's
+    (touch returns it) before routing, so the turn is placed by the directory, which then
+    knows where the session's KV is (a view names it, DELETE frees it)."""
+    from sessionserve.router.pin_cache import check_pin
+
+    state = opened("s")
+    router = make_router(FakeDirectoryActor(state))
+    a = FakeReplica("a", {"free_kv_tokens": 10, "ts": 1.0})
+    b = FakeReplica("b", {"free_kv_tokens": 9000, "ts": 1.0})
+    assert route(router, [a, b], "s") == [[b]]
+    state.close("s")  # through another process: nothing here hears of it
+    state.open("s", None)
+    a.routing_stats, b.routing_stats = {"free_kv_tokens": 9000, "ts": 2.0}, {"free_kv_tokens": 10}
+    check_pin("s", state.touch("s")["replica"])
+    assert route(router, [a, b], "s") == [[a]]  # placed anew, not sent after the old pin
+    assert state.touch("s")["replica"] == "a"
+    check_pin("s", "a")  # agrees: kept, no directory call
+    calls = router._directory.calls
+    assert route(router, [a, b], "s") == [[a]] and router._directory.calls == calls
+
+
 def test_sessions_stick_and_new_ones_go_where_kv_is_free() -> None:
     state = SessionDirectoryState()
     d = FakeDirectoryActor(state)
