@@ -218,7 +218,7 @@ class Engine:
     # ---- the loop ----
     def step(self) -> list[StepEvent]:
         with self.lock:
-            self._maybe_reap()
+            self.reap_expired_sessions()
             batch = self.scheduler.schedule()
             events = []
             if batch:
@@ -233,6 +233,17 @@ class Engine:
                 self.report_gauges()
         self._dispatch(events)
         return events
+
+    def reap_expired_sessions(self) -> None:
+        """Close sessions idle past their TTL (at most once a second; every step calls it,
+        and so does the served replica's engine thread while it has no work)."""
+        with self.lock:
+            now = time.monotonic()
+            if now - self._last_reap < 1.0:
+                return
+            self._last_reap = now
+            for sid in self.sessions.reap_expired():
+                log.info("session %s idle past its TTL: closed", sid)
 
     def check_memory(self) -> MemoryTerms:
         """The memory invariant now: the busy form over the live batch, or the idle form
@@ -335,10 +346,3 @@ class Engine:
                 if e.result is not None:
                     self.listeners.pop(e.rid, None)
                 listener(e)
-
-    def _maybe_reap(self) -> None:
-        now = time.monotonic()
-        if now - self._last_reap >= 1.0:
-            self._last_reap = now
-            for sid in self.sessions.reap_expired():
-                log.info("session %s idle past its TTL: closed", sid)

@@ -26,7 +26,8 @@ IDLE_TICK_S = 0.5  # while idle: check the idle invariant and refresh the gauges
 
 class EngineLoop(threading.Thread):
     """Owns the engine: runs queued commands, then a step while there is work; while idle,
-    checks the idle invariant every IDLE_TICK_S. Publishes `stats` for the router."""
+    every IDLE_TICK_S, closes sessions past their TTL and checks the idle invariant.
+    Publishes `stats` for the router."""
 
     STATS_PERIOD_S = 0.05
 
@@ -70,6 +71,7 @@ class EngineLoop(threading.Thread):
                     self._publish()
                     continue
                 if not self.wake.wait(IDLE_TICK_S):
+                    self.engine.reap_expired_sessions()  # TTLs run out on a quiet replica too
                     self.engine.report_gauges()  # checks the invariant (idle form if idle)
                     self._publish(force=True)
                 self.wake.clear()

@@ -190,3 +190,18 @@ def test_an_append_turn_on_a_replica_without_the_session_starts_from_its_log(ser
     assert got.output_ids == ref.output_ids
     assert server.engine.session_info("moved-here").history_tokens == len(got.full_ids)
     server.engine.close_session("moved-here")
+
+
+def test_a_quiet_replica_still_closes_sessions_past_their_ttl(server) -> None:
+    """The engine thread reaps on its idle ticks too (it reaped only inside steps, so on a
+    replica with no traffic an idle session held its KV past its TTL until the next request)."""
+    import time
+
+    greedy = {"max_tokens": 2, "temperature": 0}
+    _final(server, GenerateCall(greedy, "short-lived", "append", prompt=[5, 6], ttl_s=0.2))
+    assert server.engine.session_info("short-lived").held_tokens > 0
+    deadline = time.monotonic() + 15
+    while "short-lived" in server.engine.cache.session_slots and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert "short-lived" not in server.engine.cache.session_slots
+    assert not server.engine.has_work()
