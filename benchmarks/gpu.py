@@ -38,7 +38,7 @@ from sessionserve.replicas.attention import flashinfer_unsupported
 from sessionserve.replicas.cuda_graphs import bucket_for
 from sessionserve.replicas.engine import Engine
 from sessionserve.replicas.loader import LoadedModel
-from sessionserve.replicas.request import SamplingParams
+from sessionserve.wire import SamplingParams
 
 SHAPES = {
     "1.2b": {

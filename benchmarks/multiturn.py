@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 
 from benchmarks.common import emit, engine, load, machine, median, setup_threads
-from sessionserve.replicas.request import SamplingParams
+from sessionserve.wire import SamplingParams
 
 TOPICS = [
     "the history of bridges",

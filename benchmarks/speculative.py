@@ -24,8 +24,8 @@ from pathlib import Path
 from benchmarks.common import emit, load, machine, setup_threads
 from sessionserve.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from sessionserve.replicas.engine import Engine
-from sessionserve.replicas.request import SamplingParams
 from sessionserve.training.drafter import shipped_prompts
+from sessionserve.wire import SamplingParams
 
 # written for this benchmark; none of them is in the training prompt set
 EVAL_PROMPTS = [

@@ -20,7 +20,7 @@ import time
 import torch
 
 from benchmarks.common import emit, engine, load, machine, setup_threads
-from sessionserve.replicas.request import SamplingParams
+from sessionserve.wire import SamplingParams
 
 
 def workload(n: int, vocab: int, seed: int) -> list[tuple[list[int], int]]:

@@ -27,7 +27,7 @@ import time
 import torch
 
 from benchmarks.common import emit, engine, load, machine, median, setup_threads
-from sessionserve.replicas.request import SamplingParams
+from sessionserve.wire import SamplingParams
 
 ONE_TOKEN = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
 ANSWER = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)

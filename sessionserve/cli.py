@@ -19,7 +19,7 @@ def _demo(args: argparse.Namespace) -> int:
     """A multi-turn conversation on one streaming session, in-process (no Ray yet)."""
     from sessionserve.config import CacheConfig, EngineConfig, ModelConfig
     from sessionserve.replicas.engine import Engine
-    from sessionserve.replicas.request import SamplingParams
+    from sessionserve.wire import SamplingParams
 
     print("sessionserve demo: the replica engine in-process (no Ray): one session, several")
     print("turns, KV kept between turns. `make serve` runs the full Ray Serve application.\n")

@@ -31,15 +31,13 @@ from sessionserve.cache import CheckSchedule, MemoryChecker, MemoryTerms
 from sessionserve.cache.request_kv import RequestKV
 from sessionserve.cache.session_cache import TurnMode
 from sessionserve.config import EngineConfig
+from sessionserve.errors import InvalidRequestError
 from sessionserve.metrics import EngineMetrics
 from sessionserve.replicas.assembly import build_cache, build_runner, context_limit
 from sessionserve.replicas.loader import LoadedModel, eos_token_ids, load_model
 from sessionserve.replicas.request import (
-    FinishReason,
-    InvalidRequestError,
     Request,
     RequestResult,
-    SamplingParams,
     TokenLogprob,
     check_context,
     check_prompt_ids,
@@ -54,6 +52,7 @@ from sessionserve.replicas.sessions import (
 from sessionserve.replicas.speculative.drafter import EagleDrafter
 from sessionserve.replicas.speculative.stats import SpecStats
 from sessionserve.replicas.stopping import StopChecker, answer_text
+from sessionserve.wire import FinishReason, SamplingParams
 
 log = logging.getLogger(__name__)
 Listener = Callable[["StepEvent"], None]

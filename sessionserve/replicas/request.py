@@ -16,15 +16,6 @@ from sessionserve.replicas.speculative.draft_state import DraftState
 from sessionserve.replicas.speculative.stats import SpecStats
 from sessionserve.wire import FinishReason, SamplingParams
 
-__all__ = [  # the wire's types are re-exported: the engine's API names them
-    "ContextTooLongError",
-    "FinishReason",
-    "InvalidRequestError",
-    "Request",
-    "RequestResult",
-    "SamplingParams",
-]
-
 
 @dataclass
 class Timings:

@@ -17,7 +17,8 @@ from typing import NamedTuple
 
 import torch
 
-from sessionserve.replicas.request import SamplingParams, TokenLogprob
+from sessionserve.replicas.request import TokenLogprob
+from sessionserve.wire import SamplingParams
 
 
 class SampleOutput(NamedTuple):

@@ -10,7 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 from sessionserve.replicas.detokenize import IncrementalText
-from sessionserve.replicas.request import FinishReason, Request
+from sessionserve.replicas.request import Request
+from sessionserve.wire import FinishReason
 
 
 class StopChecker:

@@ -138,7 +138,7 @@ def _prompts(cfg: TrainConfig) -> list[str]:
 def _generate(cfg: TrainConfig, loaded: Any, prompts: list[str]) -> list[list[int]]:
     from sessionserve.config import CacheConfig, EngineConfig, SchedulerConfig
     from sessionserve.replicas.engine import Engine
-    from sessionserve.replicas.request import SamplingParams
+    from sessionserve.wire import SamplingParams
 
     tok = loaded.tokenizer
     inputs = [_chat_ids(tok, p) for p in prompts]

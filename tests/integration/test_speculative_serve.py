@@ -13,8 +13,8 @@ import pytest
 
 from sessionserve.config import AppConfig
 from sessionserve.replicas.engine import Engine
-from sessionserve.replicas.request import SamplingParams
 from sessionserve.replicas.speculative.checkpoint import save_drafter
+from sessionserve.wire import SamplingParams
 from tests.conftest import app_args, free_port
 from tests.e2e.prometheus import Prometheus, ensure_prometheus
 from tests.http_wait import wait_healthy

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from sessionserve.errors import SessionBusyError
-from sessionserve.replicas.request import ContextTooLongError, FinishReason, SamplingParams
+from sessionserve.errors import ContextTooLongError, SessionBusyError
+from sessionserve.wire import FinishReason, SamplingParams
 from tests.models import mimic_drafter, tiny_engine, tiny_model
 
 CONFIGS = {

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from sessionserve.errors import SessionBusyError, UnknownSessionError
-from sessionserve.replicas.request import (
+from sessionserve.errors import (
     ContextTooLongError,
     InvalidRequestError,
-    SamplingParams,
+    SessionBusyError,
+    UnknownSessionError,
 )
+from sessionserve.wire import SamplingParams
 from tests.conftest import DEGENERATE_SAMPLING
 from tests.models import tiny_engine, tiny_model
 

@@ -7,8 +7,8 @@ import logging
 
 import pytest
 
+from sessionserve.errors import ContextTooLongError
 from sessionserve.replicas import client_error_logs
-from sessionserve.replicas.request import ContextTooLongError
 
 
 class WrappedLikeRay(Exception):

@@ -6,7 +6,7 @@ import pytest
 
 from sessionserve.config import CacheConfig, EngineConfig
 from sessionserve.replicas.engine import Engine
-from sessionserve.replicas.request import FinishReason, SamplingParams
+from sessionserve.wire import FinishReason, SamplingParams
 from tests.markers import needs_default_model
 
 pytestmark = [pytest.mark.slow, needs_default_model]

@@ -7,7 +7,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from sessionserve.replicas.detokenize import IncrementalText
-from sessionserve.replicas.request import SamplingParams
+from sessionserve.wire import SamplingParams
 from tests.models import tiny_engine
 
 TEXT = "naïve café, Zürich → 東京 😀 ok! " * 60  # 2-, 3- and 4-byte characters

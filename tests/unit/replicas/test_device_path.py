@@ -21,8 +21,8 @@ from sessionserve.replicas.cuda_graphs import (
     bucket_for,
     buckets_up_to,
 )
-from sessionserve.replicas.request import SamplingParams
 from sessionserve.replicas.sampling import draw, filter_logits, sample, uniforms
+from sessionserve.wire import SamplingParams
 from tests.markers import needs_default_model
 from tests.models import hf_greedy, tiny_engine, tiny_model
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from sessionserve.replicas.request import SamplingParams
+from sessionserve.wire import SamplingParams
 from tests.models import tiny_engine, tiny_model
 
 GREEDY_LP = SamplingParams(

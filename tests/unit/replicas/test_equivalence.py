@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sessionserve.replicas.request import FinishReason, SamplingParams
+from sessionserve.wire import FinishReason, SamplingParams
 from tests.models import EOS, hf_greedy, tiny_engine, tiny_model
 
 PROMPT_LENS = (3, 17, 40, 9, 64)

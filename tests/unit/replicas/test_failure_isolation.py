@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from sessionserve.replicas.request import FinishReason, SamplingParams
 from sessionserve.replicas.stopping import StopChecker
+from sessionserve.wire import FinishReason, SamplingParams
 from tests.models import mimic_drafter, tiny_engine, tiny_model
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from sessionserve.errors import IncompatibleSnapshotError, SessionBusyError
-from sessionserve.replicas.request import SamplingParams
+from sessionserve.wire import SamplingParams
 from tests.models import mimic_drafter, tiny_engine, tiny_model
 
 GREEDY_LP = SamplingParams(

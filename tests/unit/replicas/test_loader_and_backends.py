@@ -86,7 +86,7 @@ def assert_tie_aware_equal(
 @pytest.mark.parametrize("graphs", [False, True])
 def test_flashinfer_matches_torch_backend_on_cuda(graphs) -> None:
     pytest.importorskip("flashinfer")
-    from sessionserve.replicas.request import SamplingParams
+    from sessionserve.wire import SamplingParams
     from tests.models import tiny_engine
 
     model = tiny_model(hidden_size=256, num_attention_heads=4).to("cuda", torch.bfloat16)
@@ -108,7 +108,8 @@ def test_flashinfer_matches_torch_backend_on_cuda(graphs) -> None:
 
 
 def test_tie_aware_comparison_rejects_a_clear_mismatch() -> None:
-    from sessionserve.replicas.request import FinishReason, RequestResult, TokenLogprob
+    from sessionserve.replicas.request import RequestResult, TokenLogprob
+    from sessionserve.wire import FinishReason
 
     def result(tokens, margins):
         lps = [

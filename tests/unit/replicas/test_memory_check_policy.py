@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from sessionserve.cache.checker import MemoryInvariantError
-from sessionserve.replicas.request import SamplingParams
+from sessionserve.wire import SamplingParams
 from tests.models import tiny_engine
 
 P = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)

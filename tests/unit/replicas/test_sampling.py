@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sessionserve.replicas.request import FinishReason, SamplingParams
 from sessionserve.replicas.sampling import apply_penalties, filter_logits
+from sessionserve.wire import FinishReason, SamplingParams
 from tests.models import EOS, hf_greedy, tiny_engine, tiny_model
 
 PROMPT = [5, 9, 13, 17, 21, 25]

@@ -6,9 +6,8 @@ import asyncio
 
 import pytest
 
-from sessionserve.replicas.request import SamplingParams
 from sessionserve.replicas.server import ReplicaServer
-from sessionserve.wire import GenerateCall, TurnResult
+from sessionserve.wire import GenerateCall, SamplingParams, TurnResult
 from tests.models import save_tiny_model
 
 

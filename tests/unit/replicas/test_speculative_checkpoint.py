@@ -11,9 +11,9 @@ import torch
 
 from sessionserve.config import EngineConfig, SpecConfig
 from sessionserve.replicas.engine import Engine
-from sessionserve.replicas.request import SamplingParams
 from sessionserve.replicas.speculative.checkpoint import DrafterCheckpointError, load_drafter
 from sessionserve.replicas.speculative.drafter import EagleDrafter, drafter_config
+from sessionserve.wire import SamplingParams
 from tests.models import tiny_engine, tiny_model
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)

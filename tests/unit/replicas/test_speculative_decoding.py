@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sessionserve.replicas.request import FinishReason, SamplingParams
+from sessionserve.wire import FinishReason, SamplingParams
 from tests.models import hf_greedy, mimic_drafter, random_drafter, tiny_engine, tiny_model
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)

@@ -11,8 +11,8 @@ import itertools
 
 import torch
 
-from sessionserve.replicas.request import SamplingParams
 from sessionserve.replicas.speculative.acceptance import accept_sampled
+from sessionserve.wire import SamplingParams
 from tests.models import mimic_drafter, tiny_engine, tiny_model
 
 ALPHA = 0.01

@@ -15,10 +15,10 @@ from sessionserve.config import CacheConfig, EngineConfig, ModelConfig, SpecConf
 from sessionserve.errors import InvalidConfigError
 from sessionserve.replicas.engine import Engine
 from sessionserve.replicas.loader import load_model
-from sessionserve.replicas.request import SamplingParams
 from sessionserve.replicas.speculative.checkpoint import load_drafter
 from sessionserve.training import drafter as training
 from sessionserve.training.drafter import TrainConfig, train_drafter
+from sessionserve.wire import SamplingParams
 from tests.models import save_tiny_model, tiny_engine
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
