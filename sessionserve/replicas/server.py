@@ -34,9 +34,10 @@ from sessionserve.faults import fault_point
 from sessionserve.metrics import RayEngineMetrics
 from sessionserve.replicas import client_error_logs
 from sessionserve.replicas.detokenize import IncrementalText
-from sessionserve.replicas.engine import Engine, StepEvent
+from sessionserve.replicas.engine import Engine
 from sessionserve.replicas.engine_loop import EngineLoop
 from sessionserve.replicas.migration import SessionMover
+from sessionserve.replicas.outputs import StepEvent
 from sessionserve.replicas.request import RequestResult, TokenLogprob
 from sessionserve.replicas.sessions import SessionExport, SessionSeed
 from sessionserve.router.session_router import SessionAffinityRouter
@@ -341,7 +342,7 @@ class ReplicaServer:
                 aio.call_soon_threadsafe(events.put_nowait, err)
 
     def _abort_all(self, message: str) -> None:
-        for rid in list(self.engine.requests):
+        for rid in self.engine.in_flight():
             try:
                 self.engine.abort(rid, message)
             except RuntimeError:  # the replica's event loop is already closed

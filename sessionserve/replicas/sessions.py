@@ -21,6 +21,7 @@ from sessionserve.config import SessionConfig
 from sessionserve.errors import InvalidConfigError, SessionBusyError, UnknownSessionError
 
 log = logging.getLogger(__name__)
+REAP_PERIOD_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,7 @@ class SessionController:
         # 429 instead.
         self.reclaim_at_limit = False
         self.reclaimed_total = 0
+        self._last_reap = time.monotonic()
 
     def open(self, session_id: str | None = None, ttl_s: float | None = None) -> str:
         if not self.config.enabled:
@@ -121,11 +123,21 @@ class SessionController:
         slot.last_active = time.monotonic()
         return kv, (slot.history + new_ids if mode == "append" else list(new_ids))
 
+    def cancel_turn(self, session_id: str, kv: RequestKV) -> None:
+        """End a turn refused before it ran (its input failed a check): the slot is untouched."""
+        self.cache.abort(kv)
+        self.turn_ended(session_id, success=False)
+
     def turn_ended(self, session_id: str, success: bool) -> None:
         slot = self.cache.session_slots.get(session_id)  # None: a deferred close completed
         if slot is not None:
             slot.last_active = time.monotonic()
             slot.turns += int(success)
+
+    def idle(self) -> list[str]:
+        """Open sessions with no turn in flight, most recently used first."""
+        slots = [s for s in self.cache.session_slots.values() if s.turn_rid is None]
+        return [s.session_id for s in sorted(slots, key=lambda s: -s.last_used)]
 
     def info(self, session_id: str) -> SessionInfo:
         slot = self.cache.session(session_id)
@@ -178,12 +190,17 @@ class SessionController:
             self.reclaimed_total += 1
 
     def reap_expired(self) -> list[str]:
-        """Close sessions idle past their TTL (never one with a turn in flight)."""
+        """Close sessions idle past their TTL (never one with a turn in flight), at most once
+        every REAP_PERIOD_S: every engine step calls it, and so does an idle replica's tick."""
         now, closed = time.monotonic(), []
+        if now - self._last_reap < REAP_PERIOD_S:
+            return closed
+        self._last_reap = now
         for sid, slot in list(self.cache.session_slots.items()):
             if slot.ttl_s is None or slot.turn_rid is not None:
                 continue
             if now - slot.last_active > slot.ttl_s:
                 self.close(sid)
                 closed.append(sid)
+                log.info("session %s idle past its TTL: closed", sid)
         return closed

@@ -78,7 +78,8 @@ def test_a_cancelled_stream_aborts_its_request(server) -> None:
         await gen.aclose()  # what Serve does when the client goes away
 
     asyncio.run(read_two_then_cancel())
-    assert not server.engine.requests and not server.engine.results  # nothing kept behind
+    outputs = server.engine.outputs
+    assert not outputs.requests and not outputs.results  # nothing kept behind
     terms = asyncio.run(server.memory_check())
     assert terms["live_requests"] == 0
     server.check_health()

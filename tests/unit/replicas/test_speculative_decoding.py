@@ -155,7 +155,7 @@ def test_session_turns_with_speculation_equal_plain_requests(page_size: int) -> 
             rid = engine.submit(new, GREEDY, session_id=sid)
             for _ in range(4):
                 engine.step()
-            assert engine.requests[rid].spec.steps > 0
+            assert engine.outputs.requests[rid].spec.steps > 0
             engine.abort(rid)
             engine.take_result(rid)
             continue
