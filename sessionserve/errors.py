@@ -195,6 +195,22 @@ class SessionMovedError(SessionServeError):
         self.session_id = session_id
 
 
+class SessionLogNeededError(SessionServeError):
+    """An append-mode turn reached a replica that does not hold its session (failover, a
+    reclaimed slot) without the session's token log, which the ingress sends only on demand:
+    it fetches the log from the directory and resends the turn. Raised before any work."""
+
+    status_code = 503
+    error_type = "overloaded_error"
+
+    def __init__(self, session_id: str) -> None:
+        super().__init__(
+            f"session {session_id!r} is not held by this replica and its token log was not "
+            "sent; retry"
+        )
+        self.session_id = session_id
+
+
 class SessionNotPlacedError(SessionServeError):
     """A migration asked for a session that has not run a turn: no replica holds it yet."""
 

@@ -97,7 +97,10 @@ class GenerateCall:
     mode: Literal["append", "chat"] = "append"
     messages: list[dict[str, str]] | None = None  # chat: the whole conversation
     prompt: str | list[int] | None = None  # completions: text or ids (appended in a session)
-    history_ids: list[int] | None = None  # append mode: the session's token log (directory)
+    # append mode: the session's failover log in the directory, its length on every turn,
+    # the log itself only for a replica that asks for it (SessionLogNeededError)
+    log_tokens: int = 0
+    history_ids: list[int] | None = None
     rid: str | None = None
     ttl_s: float | None = None  # the session's idle TTL, for a replica that opens it
 

@@ -59,6 +59,7 @@ from sessionserve.errors import (
     InvalidRequestError,
     MigrationFailedError,
     SessionExistsError,
+    SessionLogNeededError,
     SessionMovedError,
     SessionNotPlacedError,
     UnknownModelError,
@@ -214,26 +215,18 @@ class Ingress:
     # ---- generation ----
     @app.post("/v1/chat/completions", responses=GENERATE)
     async def chat(self, body: ChatCompletionRequest, request: Request):
-        sid, ttl_s = await self._session(request, body.session_id, body.model)
+        session = await self._session(request, body.session_id, body.model)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        call = GenerateCall(self._sampling(body), sid, "chat", messages=messages, ttl_s=ttl_s)
+        call = GenerateCall(self._sampling(body), mode="chat", messages=messages, **session)
         return await self._serve(call, body, "chat", bool(body.logprobs))
 
     @app.post("/v1/completions", responses=GENERATE)
     async def completions(self, body: CompletionRequest, request: Request):
-        sid, ttl_s = await self._session(request, body.session_id, body.model)
-        history = None
-        if sid is not None:  # append mode: the new prompt extends the session's token log
-            history = await self.directory.log.remote(sid, owner(request))
-        call = GenerateCall(
-            self._sampling(body),
-            sid,
-            "append",
-            prompt=body.prompt,
-            history_ids=history,
-            ttl_s=ttl_s,
-        )
-        return await self._serve(call, body, "completion", body.logprobs is not None)
+        session = await self._session(request, body.session_id, body.model)
+        # append mode: the new prompt extends the replica's history of the session
+        call = GenerateCall(self._sampling(body), mode="append", prompt=body.prompt, **session)
+        want_lp = body.logprobs is not None
+        return await self._serve(call, body, "completion", want_lp, owner(request))
 
     # ---- Responses API: a chain of responses is a session ----
     @app.post("/v1/responses", responses=GENERATE)
@@ -362,16 +355,17 @@ class Ingress:
 
     async def _session(
         self, request: Request, body_sid: str | None, model: str | None
-    ) -> tuple[str | None, float | None]:
-        """The turn's session id (header or body; None: no session) and its idle TTL, which
-        the replica applies if it opens the session (its first turn there)."""
+    ) -> dict[str, Any]:
+        """The turn's `GenerateCall` session fields (none without a session): its id (header
+        or body), its idle TTL, which the replica applies if it opens the session (its first
+        turn there), and the length of its failover log (the log goes on demand)."""
         self._check_model(model)
         header = request.headers.get(self.cfg.session_header)
         if header is not None:
             check_session_id(header, self.cfg.session_header)
         sid = header or body_sid
         if sid is None:
-            return None, None
+            return {}
         record = await self.directory.touch.remote(sid, owner(request))
         if record is None:
             if not self.cfg.engine.sessions.implicit_open:
@@ -379,8 +373,9 @@ class Ingress:
             if await self._open(sid, None, owner(request)) is None:
                 raise UnknownSessionError(sid)  # taken by another key: as if it did not exist
             record = {"ttl_s": self.cfg.engine.sessions.default_ttl_s, "replica": None}
+            record["log_tokens"] = 0
         check_pin(sid, record["replica"])  # this process's routers follow the directory
-        return sid, record["ttl_s"]
+        return {"session_id": sid, "ttl_s": record["ttl_s"], "log_tokens": record["log_tokens"]}
 
     @staticmethod
     def _sampling(body: Any) -> dict[str, Any]:
@@ -388,9 +383,13 @@ class Ingress:
         SamplingParams.build(**kwargs)  # validate here: a 400 before any replica work
         return kwargs
 
-    async def _open_stream(self, call: GenerateCall) -> tuple[Any, TurnDelta | TurnResult]:
+    async def _open_stream(
+        self, call: GenerateCall, owner_id: str | None = None
+    ) -> tuple[Any, TurnDelta | TurnResult]:
         """Start the turn on its replica and wait for the first piece, so that errors before
-        any token (bad input, busy session, overload) raise here and become a proper 4xx."""
+        any token (bad input, busy session, overload) raise here and become a proper 4xx.
+        Re-sent once with the session's token log to a replica that lacks the session, and
+        to the new replica of a session that moved."""
         if call.session_id is not None and self.cfg.replica.rebalance_queue_len is not None:
             await self._rebalance(call.session_id, self.cfg.replica.rebalance_queue_len)
         attempt = 0
@@ -401,6 +400,12 @@ class Ingress:
                 return stream, await stream.__anext__()
             except Exception as e:
                 err = unwrap(e)
+                if isinstance(err, SessionLogNeededError) and call.history_ids is None:
+                    history = await self.directory.log.remote(call.session_id, owner_id)
+                    if history is None:  # deleted or expired meanwhile
+                        raise UnknownSessionError(call.session_id) from None
+                    call = replace(call, history_ids=history)
+                    continue
                 if not isinstance(err, SessionMovedError) or attempt == MOVED_RETRIES:
                     raise err from None
             forget_pin(call.session_id)  # migrated: the directory names the new replica
@@ -434,9 +439,11 @@ class Ingress:
             piece = await stream.__anext__()
         return "".join(text), logprobs, piece
 
-    async def _serve(self, call: GenerateCall, body: Any, kind: Kind, want_lp: bool):
+    async def _serve(
+        self, call: GenerateCall, body: Any, kind: Kind, want_lp: bool, owner_id: str | None = None
+    ):
         try:
-            stream, first = await self._open_stream(call)
+            stream, first = await self._open_stream(call, owner_id)
         except Exception as e:
             return response_for(e)
         reply = Reply(kind, self.model, want_lp)

@@ -123,8 +123,8 @@ class ReplicaServer:
         rid = call.rid or uuid.uuid4().hex
         # Chat mode brings the whole conversation (the cache reuses the longest prefix it
         # holds); append mode brings the new prompt, extending this replica's history of the
-        # session, with the directory's failover log for a replica that does not hold it.
-        seed = SessionSeed(call.ttl_s, call.history_ids if call.mode == "append" else None)
+        # session (the directory's failover log goes to a replica lacking it, on its demand).
+        seed = SessionSeed(call.ttl_s, call.history_ids, call.log_tokens)
         done, text_sent = False, ""
         answer = IncrementalText(self.engine.tokenizer)  # O(new tokens) per event
         await self.mover.admit_turn(call.session_id)  # moved elsewhere: the ingress re-routes

@@ -18,7 +18,12 @@ from sessionserve.cache.kv_snapshot import KVSnapshot
 from sessionserve.cache.request_kv import RequestKV
 from sessionserve.cache.session_cache import SessionCache, TurnMode
 from sessionserve.config import SessionConfig
-from sessionserve.errors import InvalidConfigError, SessionBusyError, UnknownSessionError
+from sessionserve.errors import (
+    InvalidConfigError,
+    SessionBusyError,
+    SessionLogNeededError,
+    UnknownSessionError,
+)
 
 log = logging.getLogger(__name__)
 REAP_PERIOD_S = 1.0
@@ -29,10 +34,18 @@ class SessionSeed:
     """How to open a session this replica does not hold, on its turn (the served app's ingress
     has checked that it exists): its idle TTL (None: the configured default) and, for append
     mode, the token log it has elsewhere (the directory's failover log), which the first turn
-    here re-prefills and extends."""
+    here re-prefills and extends. The log is sent on demand: `log_tokens` (its length) comes
+    with every turn, `history` only once a replica lacking the session has asked for it."""
 
     ttl_s: float | None = None
     history: list[int] | None = None
+    log_tokens: int = 0
+
+    def differs_from(self, history: list[int]) -> bool:
+        """Whether the log disagrees with a replica's `history` (by length when not sent)."""
+        if self.history is not None:
+            return self.history != history
+        return self.log_tokens != len(history)
 
 
 @dataclass(frozen=True)
@@ -100,23 +113,26 @@ class SessionController:
         open_missing: SessionSeed | None = None,
     ) -> tuple[RequestKV, list[int]]:
         """Mark the turn in flight and build its full input. Raises (changing nothing) when the
-        session is unknown (and neither implicit open nor `open_missing`), busy or closing.
+        session is unknown (and neither implicit open nor `open_missing`), busy or closing, and
+        (SessionLogNeededError) when an append turn must open it from a log it was not sent.
         Append mode extends this replica's history of the session: the slot is the source of
         truth; a log from elsewhere that disagrees is reported, never used to rewrite it."""
         seed = open_missing or SessionSeed()
         if session_id not in self.cache.session_slots:
             if not (self.config.implicit_open or open_missing):
                 raise UnknownSessionError(session_id)
+            if mode == "append" and seed.history is None and seed.log_tokens:
+                raise SessionLogNeededError(session_id)
             self.open(session_id, seed.ttl_s)
             if mode == "append" and seed.history:
                 self.cache.adopt(session_id, seed.history, None)  # KV: re-prefilled
         slot = self.cache.session(session_id)
-        if mode == "append" and seed.history is not None and seed.history != slot.history:
+        if mode == "append" and open_missing is not None and seed.differs_from(slot.history):
             log.warning(
                 "session %s: the failover log (%d tokens) differs from this replica's history "
                 "(%d tokens); the replica's is kept (the log is rewritten when the turn commits)",
                 session_id,
-                len(seed.history),
+                len(seed.history) if seed.history is not None else seed.log_tokens,
                 len(slot.history),
             )
         kv = self.cache.start_turn(session_id, rid)

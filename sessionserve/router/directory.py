@@ -127,12 +127,16 @@ class SessionDirectoryState:
     def touch(self, session_id: str, owner: str | None = None) -> dict | None:
         """The per-request check (marking the session active; ships no token log): None if
         the session does not exist, else its pin (for the ingress to check its routers'
-        cached one) and what a replica needs to open it (its TTL)."""
+        cached one) and what a replica needs to open it (its TTL; its log's length: a replica
+        lacking the session asks for the log itself)."""
         rec = self._live(session_id, owner)
-        return None if rec is None else {"ttl_s": rec.ttl_s, "replica": rec.replica}
+        if rec is None:
+            return None
+        return {"ttl_s": rec.ttl_s, "replica": rec.replica, "log_tokens": len(rec.log)}
 
     def log(self, session_id: str, owner: str | None = None) -> list[int] | None:
-        """The token log, for an append-mode turn (None if the session does not exist)."""
+        """The token log, for an append-mode turn on a replica that lacks the session (None if
+        the session does not exist)."""
         rec = self._live(session_id, owner)
         return rec.log.tolist() if rec is not None else None
 

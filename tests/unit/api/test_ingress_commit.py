@@ -7,7 +7,10 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
+import pytest
+
 from sessionserve.api.ingress import Ingress
+from sessionserve.errors import SessionLogNeededError, UnknownSessionError
 from sessionserve.router import pin_cache
 from sessionserve.router.directory import SessionDirectoryState
 from sessionserve.wire import GenerateCall, TurnResult
@@ -118,7 +121,68 @@ def test_a_turn_carries_its_sessions_ttl_to_the_replica() -> None:
     async def session(sid: str):
         return await Ingress._session(fake, request, sid, None)
 
-    assert asyncio.run(session("long-lived")) == ("long-lived", 3600.0)
-    assert asyncio.run(session("implicit")) == ("implicit", 30.0)
+    assert asyncio.run(session("long-lived")) == {
+        "session_id": "long-lived",
+        "ttl_s": 3600.0,
+        "log_tokens": 0,
+    }
+    assert asyncio.run(session("implicit"))["ttl_s"] == 30.0
     assert state.info("implicit")["ttl_s"] == 30.0
-    assert asyncio.run(session(None)) == (None, None)
+    assert asyncio.run(session(None)) == {}  # no session fields at all
+
+
+class FakeStream:
+    def __init__(self, error: Exception | None, piece: object) -> None:
+        self.error, self.piece = error, piece
+
+    async def __anext__(self) -> object:
+        if self.error is not None:
+            raise self.error
+        return self.piece
+
+
+class LogDemandingReplica:
+    """Answers like a replica that does not hold the session: an append turn without the
+    token log is refused (SessionLogNeededError) until it comes with it."""
+
+    def __init__(self) -> None:
+        self.calls: list[GenerateCall] = []
+
+    def options(self, **_: object) -> SimpleNamespace:
+        def remote(call: GenerateCall) -> FakeStream:
+            self.calls.append(call)
+            if call.log_tokens and call.history_ids is None:
+                return FakeStream(SessionLogNeededError(call.session_id), None)
+            return FakeStream(None, "first piece")
+
+        return SimpleNamespace(generate=SimpleNamespace(remote=remote))
+
+
+def test_an_append_turn_ships_the_token_log_only_to_a_replica_that_asks() -> None:
+    """Every append turn carries the log's length, not the log (one directory call fewer and
+    no O(history) transfer per turn); a replica lacking the session asks for the log, and the
+    ingress resends the turn with it, read under the caller's key."""
+    from sessionserve.config import AppConfig
+
+    state = SessionDirectoryState()
+    sid = state.open("s", None, "key-a")
+    assert state.commit_turn(sid, [5, 6, 7, 8])
+    assert state.touch(sid, "key-a")["log_tokens"] == 4
+    replica = LogDemandingReplica()
+    fake = SimpleNamespace(cfg=AppConfig(), directory=DirectoryCalls(state), replica=replica)
+    call = GenerateCall({}, sid, "append", prompt=[9], log_tokens=4)
+
+    _, first = asyncio.run(Ingress._open_stream(fake, call, "key-a"))
+    assert first == "first piece"
+    assert [c.history_ids for c in replica.calls] == [None, [5, 6, 7, 8]]
+
+    replica.calls.clear()  # a replica that holds the session is never sent the log
+    held = GenerateCall({}, sid, "append", prompt=[9], log_tokens=0)
+    asyncio.run(Ingress._open_stream(fake, held, "key-a"))
+    assert [c.history_ids for c in replica.calls] == [None]
+
+    state.close(sid, "key-a")  # deleted before the log was read: a 404, not a retry loop
+    replica.calls.clear()
+    with pytest.raises(UnknownSessionError):
+        asyncio.run(Ingress._open_stream(fake, call, "key-a"))
+    assert len(replica.calls) == 1

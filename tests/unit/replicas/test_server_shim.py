@@ -158,23 +158,28 @@ def _final(server, call: GenerateCall) -> TurnResult:
 
 
 def test_append_turns_extend_the_replicas_history_never_the_directorys_log(server, caplog):
-    """Append mode end to end through the shim: only the new prompt goes in, the replica's
-    history of the session is extended (its KV reused), the session opens with the TTL the
-    call names, and a failover log that disagrees is reported and not used to rewrite it."""
+    """Append mode end to end through the shim: only the new prompt goes in (with the length
+    of the directory's log, not the log), the replica's history of the session is extended
+    (its KV reused), the session opens with the TTL the call names, and a failover log that
+    disagrees is reported and not used to rewrite it."""
     greedy = {"max_tokens": 3, "temperature": 0, "ignore_eos": True}
     sid = "append-shim"
     t1 = _final(server, GenerateCall(greedy, sid, "append", prompt=[5, 6, 7], ttl_s=42.0))
     assert t1.full_ids == [5, 6, 7] + t1.output_ids
     assert server.engine.session_info(sid).ttl_s == 42.0  # not the configured default
-    call = GenerateCall(greedy, sid, "append", prompt=[8, 9], history_ids=t1.full_ids)
+    caplog.set_level("WARNING", logger="sessionserve.replicas.sessions")
+    call = GenerateCall(greedy, sid, "append", prompt=[8, 9], log_tokens=len(t1.full_ids))
     t2 = _final(server, call)
     assert t2.full_ids == t1.full_ids + [8, 9] + t2.output_ids
     assert t2.cached_source == "session" and t2.cached_tokens >= len(t1.full_ids) - 1
-    caplog.set_level("WARNING", logger="sessionserve.replicas.sessions")
-    stale = GenerateCall(greedy, sid, "append", prompt=[10], history_ids=[1, 2, 3])
-    t3 = _final(server, stale)
-    assert t3.full_ids[: len(t2.full_ids)] == t2.full_ids  # no rewind to [1, 2, 3]
-    assert "differs from this replica's history" in caplog.text
+    assert "differs" not in caplog.text  # the log agrees: nothing to report
+    short = GenerateCall(greedy, sid, "append", prompt=[10], log_tokens=3)  # a lost commit
+    t3 = _final(server, short)
+    assert t3.full_ids[: len(t2.full_ids)] == t2.full_ids
+    assert "(3 tokens) differs from this replica's history" in caplog.text
+    stale = GenerateCall(greedy, sid, "append", prompt=[11], history_ids=[1, 2, 3])
+    t4 = _final(server, stale)
+    assert t4.full_ids[: len(t3.full_ids)] == t3.full_ids  # no rewind to [1, 2, 3]
     server.engine.close_session(sid)
 
 
@@ -190,6 +195,22 @@ def test_an_append_turn_on_a_replica_without_the_session_starts_from_its_log(ser
     assert got.output_ids == ref.output_ids
     assert server.engine.session_info("moved-here").history_tokens == len(got.full_ids)
     server.engine.close_session("moved-here")
+
+
+def test_a_replica_without_the_session_asks_for_its_log_and_changes_nothing(server) -> None:
+    """An append turn carries only the log's length: a replica that lacks the session (failover,
+    a reclaimed slot) refuses it before any work, so the ingress resends it with the log."""
+    from sessionserve.errors import SessionLogNeededError
+
+    greedy = {"max_tokens": 2, "temperature": 0, "ignore_eos": True}
+    call = GenerateCall(greedy, "elsewhere", "append", prompt=[11, 12], log_tokens=6)
+    with pytest.raises(SessionLogNeededError, match="elsewhere"):
+        _final(server, call)
+    assert "elsewhere" not in server.engine.cache.session_slots  # not opened
+    assert asyncio.run(server.memory_check())["live_requests"] == 0  # no KV taken
+    new = GenerateCall(greedy, "brand-new", "append", prompt=[11, 12], log_tokens=0)
+    assert _final(server, new).prompt_tokens == 2  # an empty log: opened here, no round trip
+    server.engine.close_session("brand-new")
 
 
 def test_a_quiet_replica_still_closes_sessions_past_their_ttl(server) -> None:
