@@ -83,7 +83,10 @@ class SessionSlot:
     ttl_s: float | None = None
     created_at: float = field(default_factory=time.time)
     last_active: float = field(default_factory=time.monotonic)  # a turn started or ended
-    turns: int = 0  # successful turns
+    # successful turns this replica ran (the in-process API's count). The served view reports
+    # the directory's count of committed turns instead, which a retried turn whose answer was
+    # lost does not inflate: only the directory can tell a retry from a new turn.
+    turns: int = 0
 
     @property
     def holds_kv(self) -> bool:

@@ -47,7 +47,7 @@ class SessionRecord:
     ttl_s: float | None
     replica: str | None = None
     log: array = field(default_factory=lambda: array("I"))
-    turns: int = 0
+    turns: int = 0  # committed turns: a log committed again (a retry) counts once
     last_active: float = field(default_factory=lambda: time.monotonic())
     responses: dict[str, StoredResponse] = field(default_factory=dict)
     owner: str | None = None  # the API key fingerprint that opened it (None: no auth)
