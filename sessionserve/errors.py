@@ -16,6 +16,7 @@ class SessionServeError(Exception):
 
     status_code = 500
     error_type = "internal_error"
+    retried_by_ingress = False  # a signal the ingress answers by re-sending the turn
 
     def __reduce__(self):
         return (_restore, (type(self), self.args, dict(self.__dict__)))
@@ -189,6 +190,7 @@ class SessionMovedError(SessionServeError):
 
     status_code = 503
     error_type = "overloaded_error"
+    retried_by_ingress = True
 
     def __init__(self, session_id: str) -> None:
         super().__init__(f"session {session_id!r} moved to another replica; retry")
@@ -202,6 +204,7 @@ class SessionLogNeededError(SessionServeError):
 
     status_code = 503
     error_type = "overloaded_error"
+    retried_by_ingress = True
 
     def __init__(self, session_id: str) -> None:
         super().__init__(

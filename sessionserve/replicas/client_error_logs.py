@@ -2,8 +2,10 @@
 
 Ray Serve logs every exception a replica method raises with `logger.exception("Request
 failed.")`. For our typed 4xx errors (context too long, a session busy or unknown, bad
-input) that is noise that buries real failures: the caller already gets a clear 4xx. The
-filter rewrites those records in place; 5xx and foreign exceptions keep their traceback.
+input) that is noise that buries real failures: the caller already gets a clear 4xx. So are
+the signals the ingress answers by re-sending the turn (a session that moved, a token log a
+replica asks for). The filter rewrites those records in place; other 5xx and foreign
+exceptions keep their traceback.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ class ClientErrorsAsInfo(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
         err = unwrap(exc) if exc is not None else None
-        if isinstance(err, SessionServeError) and err.status_code < 500:
+        if isinstance(err, SessionServeError) and (err.status_code < 500 or err.retried_by_ingress):
             record.levelno, record.levelname = logging.INFO, "INFO"
             record.msg = "request refused (%d %s): %s"
             record.args = (err.status_code, type(err).__name__, err)

@@ -7,7 +7,12 @@ import logging
 
 import pytest
 
-from sessionserve.errors import ContextTooLongError
+from sessionserve.errors import (
+    ContextTooLongError,
+    EngineUnavailableError,
+    SessionLogNeededError,
+    SessionMovedError,
+)
 from sessionserve.replicas import client_error_logs
 
 
@@ -46,3 +51,16 @@ def test_a_client_error_is_one_info_line(caplog, wrap) -> None:
     )
     assert "Traceback" not in caplog.handler.format(refused)
     assert failed.levelno == logging.ERROR and failed.exc_info is not None
+
+
+def test_a_signal_the_ingress_retries_is_one_info_line_too(caplog) -> None:
+    """Every failover or migration raises one of these on a replica: expected, not a bug."""
+    client_error_logs.install()
+    with caplog.at_level(logging.INFO, logger=client_error_logs.RAY_SERVE_LOGGER):
+        log_failure(WrappedLikeRay(SessionLogNeededError("s1")))
+        log_failure(SessionMovedError("s2"))
+        log_failure(EngineUnavailableError("the engine died"))  # a 503 that is not a signal
+    log_needed, moved, died = caplog.records
+    assert log_needed.levelno == moved.levelno == logging.INFO
+    assert log_needed.getMessage().startswith("request refused (503 SessionLogNeededError)")
+    assert died.levelno == logging.ERROR and died.exc_info is not None
