@@ -372,8 +372,8 @@ class Ingress:
                 raise UnknownSessionError(sid)
             if await self._open(sid, None, owner(request)) is None:
                 raise UnknownSessionError(sid)  # taken by another key: as if it did not exist
-            record = {"ttl_s": self.cfg.engine.sessions.default_ttl_s, "replica": None}
-            record["log_tokens"] = 0
+            ttl_s = self.cfg.engine.sessions.default_ttl_s
+            record = {"ttl_s": ttl_s, "replica": None, "log_tokens": 0}
         check_pin(sid, record["replica"])  # this process's routers follow the directory
         return {"session_id": sid, "ttl_s": record["ttl_s"], "log_tokens": record["log_tokens"]}
 
