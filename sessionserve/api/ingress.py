@@ -225,6 +225,9 @@ class Ingress:
         session = await self._session(request, body.session_id, body.model)
         # append mode: the new prompt extends the replica's history of the session
         call = GenerateCall(self._sampling(body), mode="append", prompt=body.prompt, **session)
+        if call.log_tokens and self.cfg.replica.request_router != "session_affinity":
+            # no stickiness: most turns land where the session is not held, so no asking
+            call.history_ids = await self._session_log(call.session_id, owner(request))
         want_lp = body.logprobs is not None
         return await self._serve(call, body, "completion", want_lp, owner(request))
 
@@ -401,15 +404,20 @@ class Ingress:
             except Exception as e:
                 err = unwrap(e)
                 if isinstance(err, SessionLogNeededError) and call.history_ids is None:
-                    history = await self.directory.log.remote(call.session_id, owner_id)
-                    if history is None:  # deleted or expired meanwhile
-                        raise UnknownSessionError(call.session_id) from None
+                    history = await self._session_log(call.session_id, owner_id)
                     call = replace(call, history_ids=history)
                     continue
                 if not isinstance(err, SessionMovedError) or attempt == MOVED_RETRIES:
                     raise err from None
             forget_pin(call.session_id)  # migrated: the directory names the new replica
             attempt += 1
+
+    async def _session_log(self, session_id: str, owner_id: str | None) -> list[int]:
+        """The session's failover token log, for a replica that does not hold the session."""
+        history = await self.directory.log.remote(session_id, owner_id)
+        if history is None:  # deleted or expired since this turn's touch
+            raise UnknownSessionError(session_id)
+        return history
 
     async def _rebalance(self, session_id: str, queue_len: int) -> None:
         """Before a turn: move its session off a saturated replica to a calm one (its KV

@@ -170,6 +170,7 @@ def test_an_append_turn_ships_the_token_log_only_to_a_replica_that_asks() -> Non
     assert state.touch(sid, "key-a")["log_tokens"] == 4
     replica = LogDemandingReplica()
     fake = SimpleNamespace(cfg=AppConfig(), directory=DirectoryCalls(state), replica=replica)
+    fake._session_log = lambda *a: Ingress._session_log(fake, *a)
     call = GenerateCall({}, sid, "append", prompt=[9], log_tokens=4)
 
     _, first = asyncio.run(Ingress._open_stream(fake, call, "key-a"))
@@ -186,3 +187,33 @@ def test_an_append_turn_ships_the_token_log_only_to_a_replica_that_asks() -> Non
     with pytest.raises(UnknownSessionError):
         asyncio.run(Ingress._open_stream(fake, call, "key-a"))
     assert len(replica.calls) == 1
+
+
+@pytest.mark.parametrize("router", ["session_affinity", "power_of_two"])
+def test_without_a_sticky_router_the_log_goes_with_every_append_turn(router) -> None:
+    """With Ray's default router (the baseline) most turns land on a replica that does not
+    hold the session: asking for the log there would add a round trip to nearly every turn."""
+    from sessionserve.api.protocol import CompletionRequest
+    from sessionserve.config import AppConfig
+
+    state = SessionDirectoryState()
+    sid = state.open("s", None)
+    assert state.commit_turn(sid, [5, 6, 7])
+    cfg = AppConfig.model_validate({"replica": {"request_router": router}})
+    fake = SimpleNamespace(cfg=cfg, directory=DirectoryCalls(state), model="m")
+    fake._check_model = lambda model: None
+    fake._sampling = lambda body: Ingress._sampling(body)
+    fake._session = lambda *a: Ingress._session(fake, *a)
+    fake._session_log = lambda *a: Ingress._session_log(fake, *a)
+    sent: list[GenerateCall] = []
+
+    async def serve(call, *rest):
+        sent.append(call)
+
+    fake._serve = serve
+    request = SimpleNamespace(headers={"x-session-id": sid}, state=SimpleNamespace())
+    body = CompletionRequest(prompt=[9], max_tokens=2)
+    asyncio.run(Ingress.completions(fake, body, request))
+    (call,) = sent
+    assert call.log_tokens == 3
+    assert call.history_ids == (None if router == "session_affinity" else [5, 6, 7])
