@@ -30,7 +30,7 @@ from sessionserve.config import EngineConfig
 from sessionserve.errors import InvalidRequestError
 from sessionserve.metrics import EngineMetrics
 from sessionserve.replicas.assembly import build_cache, build_runner, context_limit
-from sessionserve.replicas.gauges import report_gauges
+from sessionserve.replicas.gauges import export_gauges
 from sessionserve.replicas.loader import LoadedModel, eos_token_ids, load_model
 from sessionserve.replicas.outputs import Listener, OutputProcessor, StepEvent
 from sessionserve.replicas.request import Request, RequestResult, check_context, check_prompt_ids
@@ -226,7 +226,7 @@ class Engine:
         any `memory_check` mode: a broken one raises here)."""
         with self.lock:
             terms = self.check_memory()
-            report_gauges(self.metrics, terms, self.scheduler, self.checker, self.spec_stats)
+            export_gauges(self.metrics, terms, self.scheduler, self.checker, self.spec_stats)
 
     def has_work(self) -> bool:
         with self.lock:

@@ -12,7 +12,7 @@ from sessionserve.replicas.scheduler import Scheduler
 from sessionserve.replicas.speculative.stats import SpecStats
 
 
-def report_gauges(
+def export_gauges(
     metrics: EngineMetrics,
     terms: MemoryTerms,
     scheduler: Scheduler,

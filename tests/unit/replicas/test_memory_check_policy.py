@@ -58,3 +58,38 @@ def test_off_never_checks_from_the_step() -> None:
     assert engine.checker.checks == 0
     with pytest.raises(MemoryInvariantError):
         engine.check_memory()  # an explicit check still sees it
+
+
+class RecordingMetrics:
+    """An exporter that keeps what it was given (the base EngineMetrics records nothing)."""
+
+    def __init__(self) -> None:
+        self.gauges: dict[str, int] = {}
+        self.totals: dict[str, int] = {}
+        self.live = -1
+
+    def gauges_due(self) -> bool:
+        return True
+
+    def on_step(self, terms, gauges, counter_totals) -> None:
+        self.live, self.gauges, self.totals = terms.live_requests, gauges, counter_totals
+
+    def __getattr__(self, name: str):  # on_finish, on_abort, ...: not recorded here
+        return lambda *a, **k: None
+
+
+def test_gauges_report_what_the_engine_holds_and_check_the_invariant() -> None:
+    """Gauges are read off the engine's parts each step (a served replica exports them), and
+    reporting checks the invariant even with `memory_check: off`."""
+    engine = engine_with("off")
+    metrics = engine.metrics = RecordingMetrics()  # as the served replica swaps its exporter in
+    sid = engine.open_session()
+    engine.submit([5, 6, 7], P, session_id=sid)
+    engine.submit([8, 9], P)
+    engine.step()
+    assert metrics.gauges["open_sessions"] == 1
+    assert metrics.gauges["running_requests"] == metrics.live == 2
+    assert metrics.totals["memory_checks"] == engine.checker.checks >= 1
+    engine.run_until_idle()
+    engine.report_gauges()
+    assert metrics.gauges["running_requests"] == 0 and metrics.gauges["queued_requests"] == 0
