@@ -4,12 +4,16 @@ removed, its sessions are re-pinned to the head's replica and their next turn su
 the full history (the same tokens as a stateless request carrying it).
 
 The scenario runs in a subprocess: a driver process can join one Ray cluster only, and the
-rest of the suite shares another (tests/conftest.py `served`)."""
+rest of the suite shares another (tests/conftest.py `served`). Its `RAY_TMPDIR` is a fresh
+directory of this test's: `Cluster` writes the cluster's address under Ray's default temp root
+whatever temp dir its head is given, and on a machine where no Ray ever ran (`/tmp/ray` absent)
+that write failed."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -25,18 +29,26 @@ SESSIONS = 8
 
 def test_sessions_pin_across_nodes_and_survive_losing_one(tmp_path) -> None:
     out = tmp_path / "result.json"
-    env = os.environ | {"PYTHONPATH": str(ROOT), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    ray_tmp = tempfile.mkdtemp(prefix="ss-mn-", dir="/tmp")  # Ray's socket paths must be short
+    env = os.environ | {
+        "PYTHONPATH": str(ROOT),
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+        "RAY_TMPDIR": ray_tmp,
+    }
     code = (
-        "from tests.integration.test_multinode import scenario; import sys; scenario(sys.argv[1])"
+        "import sys; from tests.integration.test_multinode import scenario; scenario(*sys.argv[1:])"
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", code, str(out)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", code, str(out), str(tmp_path / "model")],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=400,
+        )
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
     assert proc.returncode == 0 and out.exists(), proc.stdout[-3000:] + proc.stderr[-6000:]
     result = json.loads(out.read_text())
     moved = [s for s in result["sessions"] if s["was_on_removed_node"]]
@@ -56,9 +68,9 @@ def test_sessions_pin_across_nodes_and_survive_losing_one(tmp_path) -> None:
         assert s["after"]["text"] == s["reference_text"]
 
 
-def scenario(out_path: str) -> None:
-    """Run in a fresh process: build the two-node cluster, serve, converse, remove the worker,
-    converse again, and write what happened to `out_path`."""
+def scenario(out_path: str, model_dir: str) -> None:
+    """Run in a fresh process (with `RAY_TMPDIR` set): build the two-node cluster, serve,
+    converse, remove the worker, converse again, and write what happened to `out_path`."""
     import httpx
     import ray
     from ray import serve
@@ -69,9 +81,10 @@ def scenario(out_path: str) -> None:
     from tests.http_wait import wait_healthy
     from tests.models import save_tiny_model
 
-    model_dir = tempfile.mkdtemp(prefix="ss-mn-model-")
     save_tiny_model(model_dir, num_hidden_layers=2)
-    temp = tempfile.mkdtemp(prefix="ss-mn-", dir="/tmp")
+    # the head's temp dir is Ray's default root under RAY_TMPDIR, where Cluster writes its address
+    temp = os.path.join(os.environ["RAY_TMPDIR"], "ray")
+    os.makedirs(temp, exist_ok=True)
     cluster = Cluster(
         initialize_head=True,
         head_node_args={"num_cpus": 1, "include_dashboard": False, "temp_dir": temp},
