@@ -23,7 +23,12 @@ class FinishReason(enum.StrEnum):
     ERROR = "error"  # this request's own sampling, stop check or finish failed (it alone)
 
 
+# Bounds that keep the arithmetic finite: a top_p, temperature or repetition penalty near zero
+# underflows in float32 and turns every probability into NaN. The HTTP schema publishes them.
 MIN_TEMPERATURE = 1e-4  # logits / T must stay finite in float32
+MIN_TOP_P = 1e-8
+MIN_REPETITION_PENALTY = 0.01
+SEED_RANGE = (-(2**63), 2**64 - 1)  # a 64-bit seed, signed or not
 
 
 class SamplingParams(BaseModel):
@@ -32,17 +37,17 @@ class SamplingParams(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     max_tokens: int = Field(256, ge=1, description="Tokens to generate at most.")
-    # Bounds keep the arithmetic finite: a top_p, temperature or repetition penalty near zero
-    # underflows in float32 and turns every probability into NaN.
     temperature: float = Field(1.0, ge=0.0, le=10.0, description="0 = greedy.")
-    top_p: float = Field(1.0, ge=1e-8, le=1.0, description="Nucleus sampling mass.")
+    top_p: float = Field(1.0, ge=MIN_TOP_P, le=1.0, description="Nucleus sampling mass.")
     top_k: int = Field(0, ge=0, description="Keep the k most likely tokens; 0 = off.")
     min_p: float = Field(0.0, ge=0.0, le=1.0, description="Drop tokens below min_p * p_max.")
-    repetition_penalty: float = Field(1.0, ge=0.01, le=10.0, description="HF-style, 1 = off.")
+    repetition_penalty: float = Field(
+        1.0, ge=MIN_REPETITION_PENALTY, le=10.0, description="HF-style, 1 = off."
+    )
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="OpenAI-style.")
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="OpenAI-style.")
     seed: int | None = Field(
-        None, ge=-(2**63), le=2**64 - 1, description="Same seed, same output (64-bit)."
+        None, ge=SEED_RANGE[0], le=SEED_RANGE[1], description="Same seed, same output (64-bit)."
     )
     stop: tuple[str, ...] = Field((), description="Stop strings (not included in the text).")
     stop_token_ids: tuple[int, ...] = Field((), description="Token ids that end the answer.")

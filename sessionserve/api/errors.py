@@ -14,8 +14,9 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
-from sessionserve.api.protocol import ErrorResponse
+from sessionserve.api.protocol import SESSION_ID_PATTERN, SESSION_ID_RULE, ErrorResponse
 from sessionserve.errors import SessionServeError, unwrap
 
 log = logging.getLogger(__name__)
@@ -79,38 +80,39 @@ def response_for(exc: BaseException) -> JSONResponse:
     return error_response(500, f"internal error: {name}", "internal_error")
 
 
+REQUEST_PARTS = ("body", "path", "query", "header")
+PATTERN_RULES = {SESSION_ID_PATTERN: f"a session id is {SESSION_ID_RULE}"}  # what a pattern means
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     err = exc.errors()[0]
-    loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-    param = ".".join(loc) or None
+    loc = list(err.get("loc", ()))
+    if loc and loc[0] in REQUEST_PARTS:  # the field's name, wherever it came from
+        loc = loc[1:]
+    param = ".".join(str(x) for x in loc) or None
     if err.get("type") == "json_invalid":
         return "the request body is not valid JSON", None
     if err.get("type") == "extra_forbidden":
         return f"unrecognized request argument supplied: {param}", param
+    if err.get("type") == "string_pattern_mismatch":
+        rule = PATTERN_RULES.get(err.get("ctx", {}).get("pattern"))
+        if rule:
+            return f"{param}: {rule}", param
     return (f"{param}: {err.get('msg')}" if param else str(err.get("msg"))), param
 
 
-def _openapi_without_422(app: FastAPI) -> None:
-    """Validation errors are 400s here (OpenAI's convention): drop FastAPI's generated 422."""
-    default = app.openapi
-
-    def schema() -> dict[str, Any]:
-        if app.openapi_schema is None:
-            spec = default()
-            for path in spec.get("paths", {}).values():
-                for op in path.values():
-                    op.get("responses", {}).pop("422", None)
-            for name in ("HTTPValidationError", "ValidationError"):
-                spec.get("components", {}).get("schemas", {}).pop(name, None)
-            app.openapi_schema = spec
-        return app.openapi_schema
-
-    app.openapi = schema
+def allowed_methods(request: Request) -> list[str]:
+    """The methods the app serves on this request's path (each method of a path may be a
+    route of its own, e.g. GET and DELETE /v1/sessions/{id})."""
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        match, _ = route.matches(request.scope)
+        if match != Match.NONE:
+            methods |= getattr(route, "methods", None) or set()
+    return sorted(methods)
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    _openapi_without_422(app)
-
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(exc)
@@ -121,6 +123,12 @@ def install_error_handlers(app: FastAPI) -> None:
         return response_for(exc)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """Starlette's own 404/405 (no such route, undeclared method): 405 keeps its `Allow`
+        header (RFC 9110 requires it)."""
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return error_response(exc.status_code, str(exc.detail), kind)
+        answer = error_response(exc.status_code, str(exc.detail), kind)
+        answer.headers.update(exc.headers or {})
+        if exc.status_code == 405:  # every method of the path, not just the first route's
+            answer.headers["Allow"] = ", ".join(allowed_methods(request))
+        return answer

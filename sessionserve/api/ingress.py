@@ -13,10 +13,11 @@ import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from fastapi import FastAPI, Query, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi import FastAPI, Path, Query, Request
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from ray import serve
 
 from sessionserve.api.errors import (
@@ -26,7 +27,10 @@ from sessionserve.api.errors import (
     response_for,
     unwrap,
 )
+from sessionserve.api.openapi import published_schema
 from sessionserve.api.protocol import (
+    SESSION_ID_PATTERN,
+    SESSION_ID_RULE,
     ChatCompletionRequest,
     CompletionRequest,
     SessionCreate,
@@ -71,7 +75,15 @@ from sessionserve.router.pin_cache import check_pin, forget_pin, rebalance_plan
 from sessionserve.wire import GenerateCall, SamplingParams, TurnDelta, TurnResult
 
 log = logging.getLogger(__name__)
-app = FastAPI(title="sessionserve", description="OpenAI-compatible API with streaming sessions")
+# the schema and its docs page are routes of the Ingress: the schema states this deployment's
+# limits, which it learns from a replica (sessionserve/api/openapi.py)
+app = FastAPI(
+    title="sessionserve",
+    description="OpenAI-compatible API with streaming sessions",
+    openapi_url=None,
+    docs_url=None,
+    redoc_url=None,
+)
 install_error_handlers(app)
 app.add_middleware(BodySizeMiddleware)  # added last runs first: the key is checked first
 app.add_middleware(ApiKeyMiddleware)
@@ -89,6 +101,7 @@ GENERATE = ERRORS(400, 401, 404, 409, 413, 429, 500, 503) | {
 }
 LOOKUP = ERRORS(400, 401, 404, 500, 503)  # 503: the session directory did not answer
 MOVED_RETRIES = 2  # a turn routed to a replica its session just left is re-routed this often
+SessionPath = Annotated[str, Path(pattern=SESSION_ID_PATTERN, description=SESSION_ID_RULE)]
 
 
 def owner(request: Request) -> str | None:
@@ -109,6 +122,24 @@ class Ingress:
         keys = load_api_keys(self.cfg.ingress.api_keys_file)
         configure(app, keys, self.cfg.ingress.max_body_bytes)
         log.info("API keys: %s", f"{len(keys)} configured" if keys else "none (open API)")
+        self._schema: dict[str, Any] | None = None
+
+    # ---- the published contract ----
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi(self) -> JSONResponse:
+        """The OpenAPI schema with this deployment's limits (context, vocabulary, session
+        header), read once from a replica."""
+        if self._schema is None:
+            try:
+                limits = await self.replica.model_limits.remote()
+            except Exception as e:  # no replica is up yet
+                return response_for(e)
+            self._schema = published_schema(app.openapi(), self.cfg.session_header, **limits)
+        return JSONResponse(self._schema)
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs(self) -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url="openapi.json", title=f"{app.title} - docs")
 
     # ---- plain endpoints ----
     @app.get("/health")
@@ -137,50 +168,50 @@ class Ingress:
 
     @app.get("/v1/sessions/{session_id}", responses=LOOKUP)
     async def get_session(
-        self, session_id: str, request: Request, include_history: bool = False
+        self, session_id: SessionPath, request: Request, include_history: bool = False
     ) -> SessionView:
-        sid = check_session_id(session_id, "session_id")
-        return await self._view(sid, owner(request), include_history)
+        return await self._view(session_id, owner(request), include_history)
 
     @app.delete("/v1/sessions/{session_id}", responses=LOOKUP)
-    async def close_session(self, session_id: str, request: Request) -> dict[str, Any]:
-        if not await self._close(check_session_id(session_id, "session_id"), owner(request)):
+    async def close_session(self, session_id: SessionPath, request: Request) -> dict[str, Any]:
+        if not await self._close(session_id, owner(request)):
             raise UnknownSessionError(session_id)
         return {"id": session_id, "object": "session.deleted", "deleted": True}
 
     @app.post("/v1/sessions/{session_id}/migrate", responses=ERRORS(400, 401, 404, 409, 500, 503))
     async def migrate_session(
-        self, session_id: str, request: Request, body: SessionMigrate | None = None
+        self, session_id: SessionPath, request: Request, body: SessionMigrate | None = None
     ) -> SessionMigration:
         """Move an idle session (its token log and KV) to another replica; its turns follow.
         409 while a turn runs; on any failure it stays, intact, where it was."""
-        sid = check_session_id(session_id, "session_id")
-        info = await self._info(sid, owner(request))
+        info = await self._info(session_id, owner(request))
         source, target = info["replica"], (body.target_replica if body else None)
         if source is None:
-            raise SessionNotPlacedError(sid)
+            raise SessionNotPlacedError(session_id)
         if target == source:
             raise InvalidRequestError(
-                f"session {sid!r} is on replica {target!r} already", param="target_replica"
+                f"session {session_id!r} is on replica {target!r} already", param="target_replica"
             )
-        result = await self.replica.migrate_session.remote(sid, target, replica=source)
-        forget_pin(sid)
+        result = await self.replica.migrate_session.remote(session_id, target, replica=source)
+        forget_pin(session_id)
         if result["target"] is None:
             raise MigrationFailedError(
-                f"session {sid!r} was not moved ({result['error']}); it is unchanged on its replica"
+                f"session {session_id!r} was not moved ({result['error']}); it is unchanged on "
+                "its replica"
             )
-        return SessionMigration(id=sid, **{k: v for k, v in result.items() if k != "error"})
+        return SessionMigration(id=session_id, **{k: v for k, v in result.items() if k != "error"})
 
     @app.post("/v1/sessions/{session_id}/park", responses=LOOKUP | ERRORS(409))
-    async def park_session(self, session_id: str, request: Request) -> dict[str, Any]:
+    async def park_session(self, session_id: SessionPath, request: Request) -> dict[str, Any]:
         """Move an idle session's KV out of device memory now (to the host tier when the
         replica has one; else it is dropped and the next turn re-prefills)."""
-        sid = check_session_id(session_id, "session_id")
-        info = await self._info(sid, owner(request))
+        info = await self._info(session_id, owner(request))
         parked = False
         if info["replica"] is not None:
-            parked = await self.replica.options(session_id=sid).park_session.remote(sid)
-        return {"id": sid, "object": "session.parked", "host_tier": parked}
+            parked = await self.replica.options(session_id=session_id).park_session.remote(
+                session_id
+            )
+        return {"id": session_id, "object": "session.parked", "host_tier": parked}
 
     async def _open(self, sid: str | None, ttl_s: float | None, owner_id: str | None):
         """Register a session in the directory (None: the id is taken); 429 past the key's
@@ -475,7 +506,7 @@ class Ingress:
     ) -> AsyncIterator[str]:
         async def finish(final: TurnResult) -> list[str]:
             await self._commit(call, final)
-            return reply.closing(final, include_usage)
+            return reply.closing(replace(final, ingress=self.ingress_id), include_usage)
 
         async def fail(body: dict[str, Any]) -> list[str]:
             return [Reply._sse(body), "data: [DONE]\n\n"]

@@ -2,6 +2,12 @@
 
 Unknown fields are rejected (400 naming the field), as OpenAI does. Field names follow OpenAI;
 `session_id` may also come in a header (`x-session-id` by default).
+
+The published schema states every rule the server enforces on a field. Where a rule is
+enforced by a check rather than by the field's type (the engine's sampling bounds, a non-empty
+prompt), the field carries the rule as `WithJsonSchema`; what depends on the deployment (the
+context length, the vocabulary, the session header's name) is added when the schema is served
+(sessionserve/api/openapi.py).
 """
 
 from __future__ import annotations
@@ -11,9 +17,10 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 
 from sessionserve.errors import InvalidRequestError
+from sessionserve.wire import MIN_REPETITION_PENALTY, MIN_TEMPERATURE, MIN_TOP_P, SEED_RANGE
 
 # One rule for session ids wherever they appear (body, header, path): safe in a URL path, a
 # log line and a metric-free label, and bounded.
@@ -21,6 +28,37 @@ SESSION_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
 SESSION_ID_RULE = "1 to 128 characters of A-Z a-z 0-9 . _ : - starting with a letter or digit"
 SessionId = Annotated[str, Field(pattern=SESSION_ID_PATTERN, description=SESSION_ID_RULE)]
 MAX_STOP = 4  # as OpenAI
+MAX_TEMPERATURE = 2.0  # as OpenAI
+
+
+def nullable(schema: dict[str, Any]) -> WithJsonSchema:
+    """Publish `schema` (or null) for an optional field whose rule a check enforces."""
+    return WithJsonSchema({"anyOf": [schema, {"type": "null"}]})
+
+
+# 0 (greedy) or at least MIN_TEMPERATURE: the engine's check (SamplingParams), stated here
+TEMPERATURE_SCHEMA = {
+    "anyOf": [
+        {"type": "number", "minimum": 0, "maximum": 0},
+        {"type": "number", "minimum": MIN_TEMPERATURE, "maximum": MAX_TEMPERATURE},
+    ],
+    "description": f"0 for greedy decoding, else {MIN_TEMPERATURE} to {MAX_TEMPERATURE}.",
+}
+STOP_STRING = {"type": "string", "minLength": 1}
+STOP_SCHEMA = {
+    "anyOf": [STOP_STRING, {"type": "array", "items": STOP_STRING, "maxItems": MAX_STOP}],
+    "description": f"Up to {MAX_STOP} non-empty stop strings (not included in the text).",
+}
+# a non-empty prompt: the replica's check (check_prompt_ids); the ids' upper bound, the
+# model's vocabulary, is added when the schema is served
+TOKEN_ID = {"type": "integer", "minimum": 0}
+PROMPT_SCHEMA = {
+    "anyOf": [
+        {"type": "string", "minLength": 1},
+        {"type": "array", "items": TOKEN_ID, "minItems": 1},
+    ],
+    "description": "Text, or token ids of the served model's vocabulary; never empty.",
+}
 
 
 def check_session_id(value: str, param: str) -> str:
@@ -30,20 +68,40 @@ def check_session_id(value: str, param: str) -> str:
     return value
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class RequestBody(BaseModel):
+    """A request body, typed as JSON Schema types it (the published schema's dialect):
+    unknown fields and values of another JSON type (`"1"` or `true` for an integer, `0` for a
+    boolean) are 400s; `1.0` is the integer 1, as JSON does not tell the two apart."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _json_integers(cls, data: Any) -> Any:
+        return integral_floats_as_ints(data)
 
 
-class StreamOptions(_Body):
+def integral_floats_as_ints(value: Any) -> Any:
+    """`value` (parsed JSON) with every float that has no fraction as an int."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, list):
+        return [integral_floats_as_ints(v) for v in value]
+    if isinstance(value, dict):
+        return {k: integral_floats_as_ints(v) for k, v in value.items()}
+    return value
+
+
+class StreamOptions(RequestBody):
     include_usage: bool = False
 
 
-class TextPart(_Body):
+class TextPart(RequestBody):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(_Body):
+class ChatMessage(RequestBody):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart]
     name: str | None = None
@@ -54,18 +112,20 @@ class ChatMessage(_Body):
         return "".join(p.text for p in self.content)
 
 
-class _SamplingFields(_Body):
+class _SamplingFields(RequestBody):
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    temperature: Annotated[float | None, nullable(TEMPERATURE_SCHEMA)] = Field(
+        None, ge=0.0, le=MAX_TEMPERATURE
+    )
+    top_p: float | None = Field(None, ge=MIN_TOP_P, le=1.0)
     top_k: int | None = Field(None, ge=0)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    repetition_penalty: float | None = Field(None, ge=MIN_REPETITION_PENALTY, le=10.0)
+    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
+    stop: Annotated[str | list[str] | None, nullable(STOP_SCHEMA)] = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
     n: int = Field(1, ge=1, le=1, description="Only n=1 is supported.")
@@ -114,9 +174,18 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[int] = Field(description="Text, or token ids.")
+    prompt: Annotated[str | list[int], WithJsonSchema(PROMPT_SCHEMA)]
     logprobs: int | None = Field(None, ge=0, le=20)
-    echo: Literal[False] = Field(False, description="Not supported: only false is accepted.")
+    echo: Annotated[bool, WithJsonSchema({"const": False})] = Field(
+        False, description="Not supported: only false is accepted."
+    )
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, value: bool) -> bool:
+        if value:  # Literal[False] would let 0 through: 0 == False
+            raise ValueError("not supported: only false is accepted")
+        return value
 
     def sampling_kwargs(self) -> dict[str, Any]:
         kw = super().sampling_kwargs()
@@ -125,14 +194,14 @@ class CompletionRequest(_SamplingFields):
         return kw
 
 
-class SessionCreate(_Body):
+class SessionCreate(RequestBody):
     session_id: SessionId | None = Field(None, description="Omit it for a server-made id.")
     ttl_s: float | None = Field(
         None, ge=1.0, le=30 * 86400, description="Idle seconds before the session expires."
     )
 
 
-class SessionMigrate(_Body):
+class SessionMigrate(RequestBody):
     target_replica: str | None = Field(
         None,
         max_length=128,

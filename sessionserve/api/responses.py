@@ -34,6 +34,16 @@ def usage(final: TurnResult) -> dict[str, Any]:
     return body
 
 
+def session_info(final: TurnResult) -> dict[str, Any]:
+    """Our non-standard `session` object: where the cached tokens came from and who answered
+    (on a whole answer, and on the last chunk of a stream)."""
+    return {
+        "cached_source": final.cached_source,
+        "replica": final.replica,
+        "ingress": final.ingress,
+    }
+
+
 def _chat_logprobs(entries: list[LogprobEntry]) -> dict[str, Any]:
     def one(tok: str, lp: float) -> dict[str, Any]:
         return {"token": tok, "logprob": lp, "bytes": list(tok.encode())}
@@ -94,11 +104,7 @@ class Reply:
             "model": self.model,
             "choices": [choice],
             "usage": usage(final),
-            "session": {
-                "cached_source": final.cached_source,
-                "replica": final.replica,
-                "ingress": final.ingress,
-            },
+            "session": session_info(final),
         }
 
     # ---- stream ----
@@ -107,6 +113,7 @@ class Reply:
         delta_text: str | None,
         finish: str | None,
         logprobs: dict[str, Any] | None,
+        session: dict[str, Any] | None = None,
         role: bool = False,
     ) -> str:
         choice: dict[str, Any] = {"index": 0, "logprobs": logprobs, "finish_reason": finish}
@@ -117,7 +124,7 @@ class Reply:
             choice["delta"] = delta
         else:
             choice["text"] = delta_text or ""
-        return self._stream_object([choice])
+        return self._stream_object([choice], **({"session": session} if session else {}))
 
     def _stream_object(self, choices: list[dict[str, Any]], **extra: Any) -> str:
         kind = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
@@ -143,11 +150,17 @@ class Reply:
         return out
 
     def closing(self, final: TurnResult, include_usage: bool) -> list[str]:
-        out = [self._chunk(None if self.kind == "chat" else "", final.finish_reason, None)]
+        """The finish chunk, the usage chunk when asked for, then [DONE]. The last chunk
+        before [DONE] carries the `session` object, as a non-streamed answer does."""
+        session, text = session_info(final), None if self.kind == "chat" else ""
         if include_usage:
-            out.append(self._stream_object([], usage=usage(final)))
-        out.append("data: [DONE]\n\n")
-        return out
+            out = [
+                self._chunk(text, final.finish_reason, None),
+                self._stream_object([], usage=usage(final), session=session),
+            ]
+        else:
+            out = [self._chunk(text, final.finish_reason, None, session)]
+        return [*out, "data: [DONE]\n\n"]
 
     @staticmethod
     def _sse(obj: dict[str, Any]) -> str:

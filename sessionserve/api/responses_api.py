@@ -10,7 +10,8 @@ shared point (its KV reused) and neither branch sees the other's tokens.
 
 Field names, objects and events follow OpenAI's API reference. What we do not serve (tools,
 files, images, reasoning options, background runs, ...) is refused with a 400 naming the
-field, never accepted and ignored.
+field, never accepted and ignored; the published schema lists, for each such field, only the
+values that mean "not used" (what SDKs send by default), so a schema-valid request is served.
 """
 
 from __future__ import annotations
@@ -18,60 +19,126 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field, WithJsonSchema
 
-from sessionserve.api.protocol import new_id
+from sessionserve.api.protocol import TEMPERATURE_SCHEMA, RequestBody, new_id, nullable
 from sessionserve.errors import InvalidRequestError
-from sessionserve.wire import TurnResult
+from sessionserve.wire import MIN_TOP_P, TurnResult
 
 INPUT_ROLES = ("user", "assistant", "system", "developer")
 ITEM_KEYS = {"type", "role", "content", "id", "status"}
+TEXT_PART_TYPES = ("input_text", "output_text")
+# What `parse_input` accepts, published as the schema of `input` (a unit test holds the two
+# together): a string, or text messages; other item and part types are refused.
+INPUT_SCHEMA = {
+    "anyOf": [
+        {"type": "string"},
+        {
+            "type": "array",
+            "minItems": 1,
+            "items": {
+                "type": "object",
+                "properties": {
+                    "type": {"const": "message"},
+                    "role": {"enum": list(INPUT_ROLES)},
+                    "content": {
+                        "anyOf": [
+                            {"type": "string"},
+                            {
+                                "type": "array",
+                                "minItems": 1,
+                                "items": {
+                                    "type": "object",
+                                    "properties": {
+                                        "type": {"enum": list(TEXT_PART_TYPES)},
+                                        "text": {"type": "string"},
+                                    },
+                                    "required": ["type", "text"],
+                                },
+                            },
+                        ]
+                    },
+                    "id": {},
+                    "status": {},
+                },
+                "required": ["role", "content"],
+                "additionalProperties": False,
+            },
+        },
+    ],
+    "description": "A string (one user message) or text messages; earlier turns come through "
+    "previous_response_id.",
+}
+NOT_SERVED = "Not supported by this server: only the value that means 'not used' is accepted."
 
 
-class ResponseCreate(BaseModel):
+def not_served(*accepted: dict[str, Any]) -> WithJsonSchema:
+    """The published schema of a field we do not serve: null, or `accepted` (its neutral
+    values, which `refuse_unsupported` lets through)."""
+    return WithJsonSchema({"anyOf": [*accepted, {"type": "null"}], "description": NOT_SERVED})
+
+
+EMPTY_LIST = {"type": "array", "maxItems": 0}
+TEXT_FORMAT_TEXT = {  # `text` with plain-text output (its only other key, verbosity, refused)
+    "type": "object",
+    "properties": {
+        "format": {
+            "anyOf": [
+                {"type": "object", "properties": {"type": {"const": "text"}}},
+                {"type": "null"},
+            ]
+        }
+    },
+    "additionalProperties": False,
+}
+MetadataKey = Annotated[str, Field(max_length=64)]
+MetadataValue = Annotated[str, Field(max_length=512)]
+
+
+class ResponseCreate(RequestBody):
     """`POST /v1/responses`. Fields we do not support are declared so that they get a clear
     400 (see `refuse_unsupported`) rather than "unrecognized argument"."""
 
-    model_config = ConfigDict(extra="forbid")
-
     model: str | None = None
-    input: str | list[dict[str, Any]]
+    input: Annotated[str | list[dict[str, Any]], WithJsonSchema(INPUT_SCHEMA)]
     instructions: str | None = None
     previous_response_id: str | None = Field(None, min_length=1, max_length=128)
     store: bool = True
     max_output_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    temperature: Annotated[float | None, nullable(TEMPERATURE_SCHEMA)] = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, ge=MIN_TOP_P, le=1.0)
     stream: bool = False
-    metadata: dict[str, str] | None = Field(None, max_length=16)
+    metadata: dict[MetadataKey, MetadataValue] | None = Field(None, max_length=16)
     truncation: Literal["disabled", "auto"] = "disabled"
     user: str | None = None
     safety_identifier: str | None = None
     # accepted only with the value that means "not used"
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: Annotated[list[Any] | None, not_served(EMPTY_LIST)] = None
+    tool_choice: Annotated[Any, not_served({"enum": ["none", "auto"]})] = None
     parallel_tool_calls: bool | None = None
-    text: dict[str, Any] | None = None
-    reasoning: Any = None
-    background: bool | None = None
-    include: list[Any] | None = None
-    top_logprobs: int | None = None
-    max_tool_calls: int | None = None
-    prompt: Any = None
-    conversation: Any = None
-    prompt_cache_key: Any = None
-    service_tier: Any = None
-    stream_options: Any = None
+    text: Annotated[dict[str, Any] | None, not_served(TEXT_FORMAT_TEXT)] = None
+    reasoning: Annotated[Any, not_served()] = None
+    background: Annotated[bool | None, not_served({"const": False})] = None
+    include: Annotated[list[Any] | None, not_served(EMPTY_LIST)] = None
+    top_logprobs: Annotated[int | None, not_served({"const": 0})] = None
+    max_tool_calls: Annotated[int | None, not_served()] = None
+    prompt: Annotated[Any, not_served()] = None
+    conversation: Annotated[Any, not_served()] = None
+    prompt_cache_key: Annotated[Any, not_served()] = None
+    service_tier: Annotated[Any, not_served({"enum": ["auto", "default"]})] = None
+    stream_options: Annotated[Any, not_served()] = None
 
     def refuse_unsupported(self) -> None:
         """400 naming the first field that asks for something this server does not do."""
-        text_format = ((self.text or {}).get("format") or {"type": "text"}).get("type")
+        text_format = (self.text or {}).get("format") or {}
         refused = {
             "tools": bool(self.tools),
             "tool_choice": self.tool_choice not in (None, "none", "auto"),
-            "text": text_format != "text" or bool(set(self.text or {}) - {"format"}),
+            "text": bool(set(self.text or {}) - {"format"})
+            or not isinstance(text_format, dict)
+            or text_format.get("type", "text") != "text",
             "reasoning": self.reasoning is not None,
             "background": bool(self.background),
             "include": bool(self.include),
@@ -89,12 +156,6 @@ class ResponseCreate(BaseModel):
                     f"{name}: not supported by this server (text in, text out; conversation "
                     "state through previous_response_id); remove the field",
                     param=name,
-                )
-        for key, value in (self.metadata or {}).items():
-            if len(key) > 64 or len(value) > 512:
-                raise InvalidRequestError(
-                    "metadata: keys are at most 64 characters, values at most 512",
-                    param="metadata",
                 )
 
     def sampling_kwargs(self) -> dict[str, Any]:
@@ -170,7 +231,7 @@ def _parse_item(i: int, item: dict[str, Any]) -> dict[str, Any]:
     texts = []
     for j, part in enumerate(content):
         part_type = part.get("type") if isinstance(part, dict) else None
-        if part_type not in ("input_text", "output_text") or not isinstance(part.get("text"), str):
+        if part_type not in TEXT_PART_TYPES or not isinstance(part.get("text"), str):
             raise InvalidRequestError(
                 f"{where}.content[{j}].type: {part_type!r} is not supported (text parts only: "
                 "input_text, or output_text in assistant messages)",

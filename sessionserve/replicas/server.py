@@ -270,6 +270,11 @@ class ReplicaServer:
             self._peer_handles = (handle, get_directory(self.app_name))
         return self._peer_handles
 
+    async def model_limits(self) -> dict[str, int]:
+        """What the published API schema states of the served model: the longest context a
+        request may fill (input + max_tokens) and the vocabulary's size (token ids below it)."""
+        return {"context_limit": self.engine.context_limit, "vocab_size": self.engine.vocab_size}
+
     async def memory_check(self) -> dict[str, Any]:
         """Run the memory invariant now (idle or busy form) and return its terms."""
         terms = await self._run(self.engine.check_memory)

@@ -74,6 +74,30 @@ def test_streaming_chat_with_usage(client, http) -> None:
         temperature=0,
     )
     assert text == plain.choices[0].message.content  # streamed == non-streamed, greedy
+    # the last chunk carries the `session` object a non-streamed answer has
+    replica = http.get(f"/v1/sessions/{sid}").json()["replica"]
+    session = chunks[-1].model_extra["session"]
+    assert session["replica"] == replica and session["ingress"] and session["cached_source"]
+    assert all("session" not in (c.model_extra or {}) for c in chunks[:-1])
+    # without include_usage the finish chunk is the last: it carries it, the KV reused
+    messages = [
+        {"role": "user", "content": words(11, 12, 13)},
+        {"role": "assistant", "content": text},
+        {"role": "user", "content": words(14)},
+    ]
+    chunks = list(
+        client.chat.completions.create(
+            model=None,
+            messages=messages,
+            max_tokens=3,
+            temperature=0,
+            stream=True,
+            extra_headers={"x-session-id": sid},
+        )
+    )
+    assert chunks[-1].choices[0].finish_reason is not None
+    session = chunks[-1].model_extra["session"]
+    assert session == {**session, "replica": replica, "cached_source": "session"}
 
 
 def test_completions_append_mode_equals_full_history(client, http) -> None:
