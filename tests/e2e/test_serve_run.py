@@ -1,5 +1,6 @@
 """`serve run deploy/serve-cpu.yaml` from this repository, as a user starts it: the default
-model on two replicas answers a two-turn chat over HTTP, reusing the session's KV."""
+model on two replicas answers a two-turn chat over HTTP, reusing the session's KV, and the
+server stops within seconds of Ctrl-C, leaving no process behind."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import openai
@@ -20,6 +22,7 @@ from tests.http_wait import wait_healthy
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 PORT = 8000  # fixed by deploy/serve-cpu.yaml
+CTRL_C_EXIT_S = 20  # measured ~9 s on 2 cores: replicas stop, then Ray shuts down
 
 
 def _port_free(port: int) -> bool:
@@ -45,13 +48,16 @@ def serve_run(tmp_path):
         env=env,
         stdout=log,
         stderr=subprocess.STDOUT,
-        start_new_session=True,
+        start_new_session=True,  # its own process group, as a terminal's foreground job
+        # Ctrl-C reaches it as in a terminal even if this test runs with SIGINT ignored (a
+        # shell's background job): a process that inherits SIG_IGN never sees Ctrl-C
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     base = f"http://127.0.0.1:{PORT}"
     healthy = wait_healthy(base, 240, alive=lambda: proc.poll() is None)
     try:
         assert healthy, (tmp_path / "serve.log").read_text()[-3000:]
-        yield base
+        yield base, proc
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)  # serve run shuts down cleanly on SIGTERM
@@ -63,8 +69,24 @@ def serve_run(tmp_path):
         shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
-def test_serve_run_answers_a_two_turn_chat(serve_run) -> None:
-    client = openai.OpenAI(base_url=f"{serve_run}/v1", api_key="unused", max_retries=2, timeout=120)
+def ctrl_c(proc: subprocess.Popen) -> float:
+    """Send SIGINT to the server's process group, as Ctrl-C in its terminal does; the
+    seconds until `serve run` exited and every process of its group was gone."""
+    started = time.monotonic()
+    os.killpg(proc.pid, signal.SIGINT)
+    proc.wait(CTRL_C_EXIT_S)
+    while time.monotonic() - started < CTRL_C_EXIT_S:
+        try:
+            os.killpg(proc.pid, 0)  # any process of the group left (Ray's own included)?
+        except ProcessLookupError:
+            return time.monotonic() - started
+        time.sleep(0.2)
+    raise AssertionError(f"processes of the server's group outlived Ctrl-C by {CTRL_C_EXIT_S} s")
+
+
+def test_serve_run_answers_a_two_turn_chat_and_stops_on_ctrl_c(serve_run, tmp_path) -> None:
+    base, proc = serve_run
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=2, timeout=120)
     hdr = {"x-session-id": "e2e-chat"}
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     first = client.chat.completions.create(
@@ -88,3 +110,7 @@ def test_serve_run_answers_a_two_turn_chat(serve_run) -> None:
     )
     assert "Berlin" in second.choices[0].message.content
     assert second.usage.prompt_tokens_details.cached_tokens > 0
+    seconds = ctrl_c(proc)
+    print(f"serve run stopped {seconds:.1f} s after Ctrl-C")
+    assert proc.returncode == 0, (tmp_path / "serve.log").read_text()[-3000:]
+    assert "Got KeyboardInterrupt, shutting down" in (tmp_path / "serve.log").read_text()

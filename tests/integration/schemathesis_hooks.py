@@ -1,0 +1,26 @@
+"""Schemathesis hooks for tests/integration/test_schema_fuzz.py (loaded by the CLI through
+SCHEMATHESIS_HOOKS): bound the work a generated request asks of the tiny model, never what
+is validated. A schema-valid body keeps a schema-valid `max_tokens` (at most 16, so that a
+turn stays short and fits the context whatever its input); other bodies are sent as made."""
+
+from __future__ import annotations
+
+import schemathesis
+
+MAX_NEW_TOKENS = 16
+TOKEN_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+
+
+@schemathesis.hook
+def before_call(context, case, kwargs) -> None:
+    body = case.body
+    if not isinstance(body, dict) or case.meta is None:
+        return
+    if not case.meta.generation.mode.is_positive:
+        return
+    present = [f for f in TOKEN_FIELDS if isinstance(body.get(f), int)]
+    for field in present:
+        body[field] = min(body[field], MAX_NEW_TOKENS)
+    if not present:  # the default would be the rest of the context
+        field = "max_output_tokens" if case.operation.path == "/v1/responses" else "max_tokens"
+        body[field] = MAX_NEW_TOKENS
