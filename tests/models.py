@@ -8,6 +8,8 @@ import os
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -43,6 +45,18 @@ ARCHS = {
     "llama": (LlamaConfig, LlamaForCausalLM),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
     "mistral": (MistralConfig, MistralForCausalLM),
+    "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
+}
+# Gemma 3's layout in small: sliding layers (window 8) around a full-attention one, one KV
+# head, its query pre-scaling; transformers' Gemma 3 code unchanged (RoPE bases per layer kind,
+# scaled embeddings, tied head)
+GEMMA3_SHAPE = {
+    "num_hidden_layers": 3,
+    "num_key_value_heads": 1,
+    "head_dim": 16,
+    "sliding_window": 8,
+    "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+    "query_pre_attn_scalar": 16,
 }
 
 
@@ -77,8 +91,14 @@ def tiny_model(arch: str = "llama", seed: int = 0, init_std: float = 0.08, **sha
     """A 2-layer model whose logits are peaked enough that greedy ties do not happen."""
     config_cls, model_cls = ARCHS[arch]
     torch.manual_seed(seed)
-    cfg = config_cls(**(_SHAPE | shape), initializer_range=init_std, eos_token_id=EOS)
+    base = _SHAPE | (GEMMA3_SHAPE if arch == "gemma3" else {})
+    cfg = config_cls(**(base | shape), initializer_range=init_std, eos_token_id=EOS)
     model = model_cls(cfg).eval()
+    if arch == "gemma3":  # its norms start at zero (scale 1 + w): make them differ per layer
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.normal_(0.0, 0.1)
     model.generation_config.eos_token_id = EOS
     return model
 

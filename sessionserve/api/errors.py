@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
-from sessionserve.api.protocol import SESSION_ID_PATTERN, SESSION_ID_RULE, ErrorResponse
+from sessionserve.api.protocol import SESSION_ID_ERROR, SESSION_ID_PATTERN, ErrorResponse
 from sessionserve.errors import SessionServeError, unwrap
 
 log = logging.getLogger(__name__)
@@ -81,7 +81,7 @@ def response_for(exc: BaseException) -> JSONResponse:
 
 
 REQUEST_PARTS = ("body", "path", "query", "header")
-PATTERN_RULES = {SESSION_ID_PATTERN: f"a session id is {SESSION_ID_RULE}"}  # what a pattern means
+PATTERN_RULES = {SESSION_ID_PATTERN: SESSION_ID_ERROR}  # what a pattern means, in words
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:

@@ -26,6 +26,7 @@ from sessionserve.wire import MIN_REPETITION_PENALTY, MIN_TEMPERATURE, MIN_TOP_P
 # log line and a metric-free label, and bounded.
 SESSION_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
 SESSION_ID_RULE = "1 to 128 characters of A-Z a-z 0-9 . _ : - starting with a letter or digit"
+SESSION_ID_ERROR = f"a session id is {SESSION_ID_RULE}"
 SessionId = Annotated[str, Field(pattern=SESSION_ID_PATTERN, description=SESSION_ID_RULE)]
 MAX_STOP = 4  # as OpenAI
 MAX_TEMPERATURE = 2.0  # as OpenAI
@@ -64,7 +65,7 @@ PROMPT_SCHEMA = {
 def check_session_id(value: str, param: str) -> str:
     """`value` if it is a valid session id, else a 400 naming `param`."""
     if not re.fullmatch(SESSION_ID_PATTERN, value):
-        raise InvalidRequestError(f"{param}: a session id is {SESSION_ID_RULE}", param=param)
+        raise InvalidRequestError(f"{param}: {SESSION_ID_ERROR}", param=param)
     return value
 
 

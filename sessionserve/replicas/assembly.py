@@ -12,7 +12,13 @@ from sessionserve.cache.allocator import floor_align
 from sessionserve.cache.host_tier import HostTier
 from sessionserve.cache.session_cache import SessionCache
 from sessionserve.config import EngineConfig
-from sessionserve.replicas.attention import AttentionBackend, attention_scale, select_backend
+from sessionserve.replicas.attention import (
+    AttentionBackend,
+    attention_scale,
+    check_supported,
+    select_backend,
+    sliding_windows,
+)
 from sessionserve.replicas.attention.torch_backend import TorchPagedBackend
 from sessionserve.replicas.cuda_graphs import DecodeGraphs, ExtendGraphs, buckets_up_to
 from sessionserve.replicas.model_runner import ModelRunner
@@ -70,7 +76,7 @@ def build_runner(
         # torch backend's static plan whatever the decode backend (the pool layout is shared)
         backend = runner.backend
         if not isinstance(backend, TorchPagedBackend):
-            backend = TorchPagedBackend(cfg.cache.max_context_len)
+            backend = TorchPagedBackend(cfg.cache.max_context_len, sliding_windows(model.config))
         runner.extend_graphs = ExtendGraphs(runner, backend, cfg.cuda_graph_max_extend)
     pools = [runner.kv_pool] + ([speculative.proposer.pool] if speculative else [])
     s = cfg.sessions
@@ -83,6 +89,7 @@ def pool_and_backend(
 ) -> tuple[KVPool, AttentionBackend]:
     """A KV pool shaped for `model` (the target or the drafter) over the shared slots, and an
     attention backend for its head layout."""
+    check_supported(model.config)
     param, shape, c = next(model.parameters()), KVShape.from_hf_config(model.config), cfg.cache
     pool = KVPool(shape, cache.allocator.pool_slots, dtype=param.dtype, device=param.device)
     backend = select_backend(
@@ -96,5 +103,6 @@ def pool_and_backend(
         dtype=param.dtype,
         num_pages=cache.allocator.pool_slots // c.page_size,
         max_context_len=c.max_context_len,
+        windows=sliding_windows(model.config),
     )
     return pool, backend

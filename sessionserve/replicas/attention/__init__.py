@@ -45,7 +45,8 @@ def paged_attention(
         layer, paged_meta.out_slots, key[0].transpose(0, 1), value[0].transpose(0, 1)
     )
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = paged_meta.backend.forward(layer, query, key, value, paged_meta, scale)
+    window = kwargs.get("sliding_window")  # transformers passes it for sliding layers
+    out = paged_meta.backend.forward(layer, query, key, value, paged_meta, scale, window)
     return out, None
 
 
@@ -66,12 +67,40 @@ def attention_scale(model: Any, head_dim: int) -> float:
     return head_dim**-0.5
 
 
+def sliding_windows(config: Any) -> tuple[int, ...]:
+    """The sliding windows the model's layers use (empty: full attention everywhere). Read
+    from the config the way transformers' layers read it: `sliding_window`, on the layers
+    `layer_types` marks `sliding_attention` (all layers where a model has no `layer_types`,
+    as Mistral)."""
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if not window or (types is not None and "sliding_attention" not in types):
+        return ()
+    return (int(window),)
+
+
+def check_supported(config: Any) -> None:
+    """Refuse, at load, a model whose attention our backends would compute wrongly."""
+    softcap = getattr(config, "attn_logit_softcapping", None)
+    if softcap is not None:
+        raise InvalidConfigError(
+            f"the model soft-caps its attention logits (attn_logit_softcapping={softcap}, "
+            "Gemma 2): sessionserve's attention backends do not, so its answers would be "
+            "wrong; serve a model without it (Gemma 3 has none)"
+        )
+
+
 def flashinfer_unsupported(
-    device: torch.device, dtype: torch.dtype | None, head_dim: int | None
+    device: torch.device,
+    dtype: torch.dtype | None,
+    head_dim: int | None,
+    windows: tuple[int, ...] = (),
 ) -> str | None:
     """Why FlashInfer cannot serve this model here, or None if it can."""
     from sessionserve.replicas.attention import flashinfer_backend as fib
 
+    if windows:
+        return f"our FlashInfer plans have no sliding window yet (the model's: {windows})"
     if device.type != "cuda":
         return "it needs a CUDA device"
     if importlib.util.find_spec("flashinfer") is None:
@@ -91,10 +120,11 @@ def select_backend(name: str, device: torch.device, **dims: Any) -> AttentionBac
         raise InvalidConfigError(
             f"attention backend {name!r}: choose 'auto', 'torch' or 'flashinfer'"
         )
-    torch_backend = TorchPagedBackend(dims.get("max_context_len"))
+    windows = dims.get("windows", ())
+    torch_backend = TorchPagedBackend(dims.get("max_context_len"), windows)
     if name == "torch":
         return torch_backend
-    why = flashinfer_unsupported(device, dims.get("dtype"), dims.get("head_dim"))
+    why = flashinfer_unsupported(device, dims.get("dtype"), dims.get("head_dim"), windows)
     if why is not None:
         if name == "auto":
             (log.info if device.type == "cuda" else log.debug)(
@@ -107,7 +137,7 @@ def select_backend(name: str, device: torch.device, **dims: Any) -> AttentionBac
         )
     from sessionserve.replicas.attention.flashinfer_backend import FlashInferBackend
 
-    fi_dims = {k: v for k, v in dims.items() if k != "max_context_len"}
+    fi_dims = {k: v for k, v in dims.items() if k not in ("max_context_len", "windows")}
     return FlashInferBackend(device=device, **fi_dims)
 
 
@@ -117,7 +147,9 @@ __all__ = [
     "ForwardMeta",
     "SeqSpec",
     "attention_scale",
+    "check_supported",
     "flashinfer_unsupported",
     "install",
     "select_backend",
+    "sliding_windows",
 ]

@@ -69,8 +69,11 @@ class AttentionBackend(ABC):
         v: torch.Tensor,
         meta: ForwardMeta,
         scaling: float,
+        window: int | None = None,
     ) -> torch.Tensor:
-        """Attend over the pool; returns [1, T, H, D] as transformers expects."""
+        """Attend over the pool; returns [1, T, H, D] as transformers expects. `window`: a
+        sliding-window layer's W (a token sees itself and the W - 1 positions before it, as
+        transformers' `sliding_window_overlay`); None for full attention."""
 
     # ---- static decode metadata (CUDA graphs) ----
     def graph_key(self, seqs: list[SeqSpec]) -> Hashable | None:

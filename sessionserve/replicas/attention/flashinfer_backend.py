@@ -141,7 +141,10 @@ class FlashInferBackend(AttentionBackend):
         v: torch.Tensor,
         meta: ForwardMeta,
         scaling: float,
+        window: int | None = None,
     ) -> torch.Tensor:
+        if window is not None:  # select_backend never picks FlashInfer for such a model
+            raise RuntimeError(f"layer {layer} has a sliding window ({window}): not planned")
         if abs(scaling - self.scaling) > 1e-6 * self.scaling:
             raise RuntimeError(
                 f"layer {layer} asks for attention scale {scaling}, but FlashInfer was planned "

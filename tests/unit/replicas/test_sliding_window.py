@@ -1,0 +1,152 @@
+"""Sliding-window attention (Gemma 3, Mistral): each layer attends as transformers' own layer
+does, its window from the model's config. Greedy tokens equal `transformers.generate` and each
+sampled token's logprob equals the one transformers' forward gives it (within 1e-4, fp32),
+for prompts several windows long, paged at 1 and 16, prefilled whole or in chunks shorter than
+the window, plain, as session turns, and on the padded static plans CUDA graphs replay."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Gemma2Config, Gemma2ForCausalLM
+
+from sessionserve.errors import InvalidConfigError
+from sessionserve.replicas.attention import flashinfer_unsupported, sliding_windows
+from sessionserve.replicas.attention.base import SeqSpec
+from sessionserve.replicas.attention.torch_backend import TorchPagedBackend, context_mask
+from sessionserve.replicas.cuda_graphs import DecodeGraphs, ExtendGraphs
+from sessionserve.wire import SamplingParams
+from tests.models import GEMMA3_SHAPE, hf_greedy, tiny_engine, tiny_model
+
+WINDOW = GEMMA3_SHAPE["sliding_window"]
+PROMPT_LENS = (3, 5 * WINDOW, 9, 3 * WINDOW + 5, WINDOW)  # below, at and past the window
+GREEDY = SamplingParams(max_tokens=2 * WINDOW, temperature=0, ignore_eos=True, logprobs=True)
+
+
+def prompts(seed: int = 0) -> list[list[int]]:
+    return [
+        [2 + (seed * 31 + i * 7 + j * 13) % 250 for j in range(n)]
+        for i, n in enumerate(PROMPT_LENS)
+    ]
+
+
+def hf_logprobs(model, ids: list[int], n_new: int) -> list[float]:
+    """What transformers' forward gives each of the last `n_new` tokens of `ids`."""
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].float()
+    lp = torch.log_softmax(logits, -1)
+    start = len(ids) - n_new
+    return [lp[p - 1, ids[p]].item() for p in range(start, len(ids))]
+
+
+def assert_like_transformers(model, prompt: list[int], result) -> None:
+    want = hf_greedy(model, prompt, len(result.output_ids))
+    assert result.output_ids == want
+    ref = hf_logprobs(model, prompt + result.output_ids, len(result.output_ids))
+    got = [lp.logprob for lp in result.logprobs]
+    assert max(abs(a - b) for a, b in zip(got, ref, strict=True)) < 1e-4, (got, ref)
+
+
+@pytest.fixture(scope="module")
+def gemma3():
+    return tiny_model("gemma3", seed=1)
+
+
+def test_the_windows_come_from_the_config(gemma3) -> None:
+    assert sliding_windows(gemma3.config) == (WINDOW,)
+    assert sliding_windows(tiny_model("llama").config) == ()
+    assert sliding_windows(tiny_model("qwen2").config) == ()  # use_sliding_window is off
+    assert sliding_windows(tiny_model("mistral", sliding_window=6).config) == (6,)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("prefill", [512, WINDOW - 3])  # whole, or chunks below the window
+def test_gemma3_matches_transformers_past_the_window(gemma3, page_size, prefill) -> None:
+    engine = tiny_engine(gemma3, page_size=page_size, prefill=prefill)
+    batch = prompts()
+    for prompt, result in zip(batch, engine.generate(batch, GREEDY), strict=True):
+        assert_like_transformers(gemma3, prompt, result)
+    engine.checker.check_idle()
+
+
+def test_mistral_sliding_window_matches_transformers() -> None:
+    model = tiny_model("mistral", seed=3, sliding_window=6)
+    engine = tiny_engine(model, page_size=4, prefill=16)
+    batch = prompts(seed=2)[:4]
+    for prompt, result in zip(batch, engine.generate(batch, GREEDY), strict=True):
+        assert_like_transformers(model, prompt, result)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_a_session_longer_than_the_window_equals_full_history(gemma3, page_size) -> None:
+    """Four append turns: each equals a stateless request over the whole history (and
+    transformers on it), reusing the session's KV."""
+    engine = tiny_engine(gemma3, page_size=page_size, prefill=WINDOW + 3)
+    sid = engine.open_session()
+    history: list[int] = []
+    for turn in range(4):
+        new = [3 + (turn * 17 + j * 5) % 240 for j in range(WINDOW + 7 * turn)]
+        (r,) = engine.generate([new], GREEDY, session_id=sid)
+        history += new
+        assert r.prompt_tokens == len(history)
+        assert r.cached_tokens == (0 if turn == 0 else len(history) - len(new) - 1)
+        assert_like_transformers(gemma3, history, r)
+        history += r.output_ids
+    assert len(history) > 6 * WINDOW
+    engine.close_session(sid)
+    engine.checker.check_idle()
+
+
+def test_the_static_plans_give_the_eager_tokens(gemma3) -> None:
+    """The padded plans CUDA graphs replay (decode and short extends), run eagerly here."""
+    results = {}
+    for static in (False, True):
+        engine = tiny_engine(gemma3, page_size=4, prefill=16)
+        if static:
+            runner = engine.runner
+            runner.graphs = DecodeGraphs(runner, (1, 2, 4, 8), capture=False)
+            runner.extend_graphs = ExtendGraphs(runner, runner.backend, 64, capture=False)
+        batch = prompts(seed=4)
+        results[static] = engine.generate(batch, GREEDY)  # decode batches
+        results[static] += [engine.generate([x], GREEDY)[0] for x in batch]  # one at a time
+        if static:
+            assert engine.runner.graphs.replays > 10 and engine.runner.extend_graphs.replays > 0
+    for eager, static in zip(results[False], results[True], strict=True):
+        assert static.output_ids == eager.output_ids
+        for a, b in zip(eager.logprobs, static.logprobs, strict=True):
+            assert abs(a.logprob - b.logprob) < 1e-4
+    assert_like_transformers(gemma3, prompts(seed=4)[1], results[True][1])
+
+
+def test_the_window_mask_keeps_the_last_w_positions() -> None:
+    # two new tokens at positions 8 and 9 of a 10-token context, window 3
+    mask = context_mask(torch.tensor([10]), 2, 12, window=3)[0]
+    assert [c for c in range(12) if mask[0, c]] == [6, 7, 8]
+    assert [c for c in range(12) if mask[1, c]] == [7, 8, 9]
+    backend = TorchPagedBackend(windows=(3,))
+    (g,) = backend.static_decode(2, 8, torch.device("cpu"))
+    backend.fill_decode([g], [SeqSpec(1, torch.arange(16, 21))])
+    assert g.mask[:, 0, 0].sum(-1).tolist() == [5, 1]
+    assert [c for c in range(8) if g.window_masks[3][0, 0, 0, c]] == [2, 3, 4]
+    assert g.window_masks[3][1, 0, 0].tolist() == g.mask[1, 0, 0].tolist()  # padding: slot 0
+
+
+def test_flashinfer_is_not_chosen_for_a_sliding_window_model() -> None:
+    why = flashinfer_unsupported(torch.device("cuda"), torch.bfloat16, 64, (512,))
+    assert why is not None and "sliding window" in why
+
+
+def test_a_model_with_attention_soft_capping_is_refused_at_load() -> None:
+    cfg = Gemma2Config(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=16,
+        sliding_window=8,
+    )
+    assert cfg.attn_logit_softcapping is not None  # Gemma 2 soft-caps attention logits
+    with pytest.raises(InvalidConfigError, match="soft-caps"):
+        tiny_engine(Gemma2ForCausalLM(cfg).eval())
