@@ -4,10 +4,12 @@ them. Ray's metrics agent exports on a known port every second (for the Promethe
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
 import tempfile
+from collections.abc import Iterator
 
 import pytest
 
@@ -122,6 +124,24 @@ def served(tmp_path_factory):
     serve.shutdown()
     ray.shutdown()
     shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def extra_app(served: dict, name: str, args: dict, wait_s: float = 90) -> Iterator[str]:
+    """Another application beside `served`, at route prefix `/{name}`; yields its base URL.
+    Deleted however the block ends, its start included: an app left behind holds CPUs that
+    every later app's `serve.run` waits for (forever)."""
+    from ray import serve
+
+    from sessionserve.app import build_app
+
+    try:
+        serve.run(build_app(args), name=name, route_prefix=f"/{name}")
+        base = f"{served['base']}/{name}"
+        assert wait_healthy(base, wait_s), f"the {name} app never answered /health"
+        yield base
+    finally:
+        serve.delete(name)
 
 
 def replica_memory(app: str = APP, replicas: int = 2) -> dict[str, dict]:

@@ -9,8 +9,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import app_args
-from tests.http_wait import wait_healthy
+from tests.conftest import app_args, extra_app
 
 pytestmark = pytest.mark.ray
 KEYED_APP = "keyed"
@@ -19,9 +18,6 @@ ALICE, BOB = "sk-alice-0123456789", "sk-bob-9876543210"
 
 @pytest.fixture(scope="module")
 def keyed(served, tmp_path_factory):
-    from ray import serve
-
-    from sessionserve.app import build_app
 
     keys = tmp_path_factory.mktemp("keys") / "api-keys"
     keys.write_text(f"# test keys\n{ALICE}\n{BOB}\n")
@@ -29,11 +25,8 @@ def keyed(served, tmp_path_factory):
     # the main app holds 1.5 of the cluster's 2 CPUs: this one must fit in the rest
     args["replica"].update(num_replicas=1, num_cpus=0.2)
     args["ingress"].update(num_replicas=1, num_cpus=0.1, api_keys_file=str(keys))
-    serve.run(build_app(args), name=KEYED_APP, route_prefix="/keyed")
-    base = f"{served['base']}/keyed"
-    assert wait_healthy(base, 60), "the keyed app never answered /health"  # /health is open
-    yield base
-    serve.delete(KEYED_APP)
+    with extra_app(served, KEYED_APP, args, wait_s=60) as base:  # /health is open
+        yield base
 
 
 def as_user(base: str, key: str) -> openai.OpenAI:

@@ -17,8 +17,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import app_args
-from tests.http_wait import wait_healthy
+from tests.conftest import app_args, extra_app
 from tests.models import word_tokenizer
 
 pytestmark = pytest.mark.ray
@@ -30,20 +29,14 @@ RETRYABLE = {500, 502, 503, 504}
 
 @pytest.fixture(scope="module")
 def chaos(served):
-    from ray import serve
-
-    from sessionserve.app import build_app
 
     args = app_args(served["model_dir"])
     # the main app holds 1.5 of the cluster's 2 CPUs: this one must fit in the rest
     args["replica"].update(num_replicas=2, num_cpus=0.15)
     args["ingress"].update(num_replicas=2, num_cpus=0.05)
     args["engine"]["sessions"]["implicit_open"] = True
-    serve.run(build_app(args), name=CHAOS_APP, route_prefix="/chaos")
-    base = f"{served['base']}/chaos"
-    assert wait_healthy(base, 90), "the chaos app never answered /health"
-    yield base
-    serve.delete(CHAOS_APP)
+    with extra_app(served, CHAOS_APP, args) as base:
+        yield base
 
 
 def serve_actors(deployment: str) -> list:

@@ -12,8 +12,7 @@ import time
 import httpx
 import pytest
 
-from tests.conftest import app_args, replica_memory
-from tests.http_wait import wait_healthy
+from tests.conftest import app_args, extra_app, replica_memory
 from tests.integration.conftest import words
 
 pytestmark = pytest.mark.ray
@@ -33,25 +32,13 @@ def _args(model_dir: str, faults: str | None = None) -> dict:
     return args
 
 
-def _deploy(served, name: str, args: dict) -> str:
-    from ray import serve
-
-    from sessionserve.app import build_app
-
-    serve.run(build_app(args), name=name, route_prefix=f"/{name}")
-    base = f"{served['base']}/{name}"
-    assert wait_healthy(base, 90), f"the {name} app never answered /health"
-    return base
-
-
 @pytest.fixture(scope="module")
 def mig(served):
-    from ray import serve
-
-    base = _deploy(served, MIG_APP, _args(served["model_dir"]))
-    with httpx.Client(base_url=base, timeout=120) as c:
+    with (
+        extra_app(served, MIG_APP, _args(served["model_dir"])) as base,
+        httpx.Client(base_url=base, timeout=120) as c,
+    ):
         yield c
-    serve.delete(MIG_APP)
 
 
 def _turn(c: httpx.Client, messages: list[dict], sid: str | None, **kw) -> dict:
@@ -167,10 +154,8 @@ def test_a_migration_raced_by_turns_never_runs_a_turn_twice_or_loses_one(mig) ->
 
 
 def test_a_target_dying_mid_migration_leaves_the_session_intact(served) -> None:
-    from ray import serve
-
-    base = _deploy(served, FAULT_APP, _args(served["model_dir"], faults="import_session"))
-    try:
+    args = _args(served["model_dir"], faults="import_session")
+    with extra_app(served, FAULT_APP, args) as base:
         with httpx.Client(base_url=base, timeout=120) as c:
             sid = "mig-fault"
             messages = _converse(c, sid, 2, seed=4)
@@ -193,8 +178,6 @@ def test_a_target_dying_mid_migration_leaves_the_session_intact(served) -> None:
                 assert time.monotonic() < deadline, "the killed replica was never replaced"
                 time.sleep(1)
             assert terms[source]["held_sessions"] >= 1
-    finally:
-        serve.delete(FAULT_APP)
 
 
 def test_redeploy_to_one_replica_moves_every_session(served) -> None:
@@ -205,8 +188,7 @@ def test_redeploy_to_one_replica_moves_every_session(served) -> None:
     from sessionserve.app import build_app
 
     args = _args(served["model_dir"])
-    base = _deploy(served, REDEPLOY_APP, args)
-    try:
+    with extra_app(served, REDEPLOY_APP, args) as base:
         with httpx.Client(base_url=base, timeout=120) as c:
             convos = {f"rd-{i}": _converse(c, f"rd-{i}", 3, seed=10 + i) for i in range(20)}
             placed = {sid: c.get(f"/v1/sessions/{sid}").json()["replica"] for sid in convos}
@@ -224,8 +206,6 @@ def test_redeploy_to_one_replica_moves_every_session(served) -> None:
             assert not failed, failed
             (terms,) = replica_memory(REDEPLOY_APP, replicas=1).values()
             assert terms["held_sessions"] + terms["host_sessions"] >= 20
-    finally:
-        serve.delete(REDEPLOY_APP)
 
 
 def _wait_for_one_replica(app: str) -> str:

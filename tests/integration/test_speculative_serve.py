@@ -15,9 +15,8 @@ from sessionserve.config import AppConfig
 from sessionserve.replicas.engine import Engine
 from sessionserve.replicas.speculative.checkpoint import save_drafter
 from sessionserve.wire import SamplingParams
-from tests.conftest import app_args, free_port
+from tests.conftest import app_args, extra_app, free_port
 from tests.e2e.prometheus import Prometheus, ensure_prometheus
-from tests.http_wait import wait_healthy
 from tests.models import mimic_drafter, save_tiny_model
 
 pytestmark = pytest.mark.ray
@@ -26,9 +25,6 @@ SPEC_APP = "spec"
 
 @pytest.fixture(scope="module")
 def spec_served(served, tmp_path_factory):
-    from ray import serve
-
-    from sessionserve.app import build_app
 
     model_dir = tmp_path_factory.mktemp("spec-model")
     save_tiny_model(model_dir, seed=3, num_hidden_layers=1)
@@ -41,11 +37,8 @@ def spec_served(served, tmp_path_factory):
     # the main app holds 1.5 of the cluster's 2 CPUs: this one must fit in the rest
     args["replica"].update(num_replicas=1, num_cpus=0.25)
     args["ingress"].update(num_replicas=1, num_cpus=0.125)
-    serve.run(build_app(args), name=SPEC_APP, route_prefix="/spec")
-    base = f"{served['base']}/spec"
-    assert wait_healthy(base, 60), "the speculative app never answered /health"
-    yield {"base": base, "plain": plain, "model": model_dir.name}
-    serve.delete(SPEC_APP)
+    with extra_app(served, SPEC_APP, args, wait_s=60) as base:
+        yield {"base": base, "plain": plain, "model": model_dir.name}
 
 
 def test_session_chat_with_speculation_equals_plain_decoding(spec_served) -> None:
