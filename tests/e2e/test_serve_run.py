@@ -1,6 +1,9 @@
-"""`serve run deploy/serve-cpu.yaml` from this repository, as a user starts it: the default
-model on two replicas answers a two-turn chat over HTTP, reusing the session's KV, and the
-server stops within seconds of Ctrl-C, leaving no process behind."""
+"""`serve run` from this repository, as a user starts it: the default model on two replicas
+(deploy/serve-cpu.yaml) answers a two-turn chat over HTTP, reusing the session's KV, and the
+server stops within seconds of Ctrl-C, leaving no process behind; Gemma 3 270M, a
+sliding-window base model (deploy/serve-gemma3-cpu.yaml), continues a completions session past
+its window on the KV it holds and refuses chat with a 400 that says why (its exactness against
+transformers is tests/unit/replicas/test_gemma3_model.py's)."""
 
 from __future__ import annotations
 
@@ -14,10 +17,12 @@ import tempfile
 import time
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
 from tests.http_wait import wait_healthy
+from tests.markers import needs_gemma3
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,6 +37,16 @@ def _port_free(port: int) -> bool:
 
 @pytest.fixture
 def serve_run(tmp_path):
+    yield from _serve_run("deploy/serve-cpu.yaml", tmp_path)
+
+
+@pytest.fixture
+def serve_run_gemma3(tmp_path):
+    yield from _serve_run("deploy/serve-gemma3-cpu.yaml", tmp_path)
+
+
+def _serve_run(config: str, tmp_path):
+    """`serve run config` as a user starts it; yields (base URL, process) once healthy."""
     if not _port_free(PORT):
         pytest.fail(f"port {PORT} is busy: stop whatever listens there (a `make serve`?)")
     ray_tmp = tempfile.mkdtemp(prefix="ss-", dir="/tmp")  # Ray's socket paths must be short
@@ -43,7 +58,7 @@ def serve_run(tmp_path):
     log = (tmp_path / "serve.log").open("w")
     serve_bin = Path(sys.executable).with_name("serve")
     proc = subprocess.Popen(
-        [str(serve_bin), "run", "deploy/serve-cpu.yaml"],
+        [str(serve_bin), "run", config],
         cwd=ROOT,
         env=env,
         stdout=log,
@@ -114,3 +129,29 @@ def test_serve_run_answers_a_two_turn_chat_and_stops_on_ctrl_c(serve_run, tmp_pa
     print(f"serve run stopped {seconds:.1f} s after Ctrl-C")
     assert proc.returncode == 0, (tmp_path / "serve.log").read_text()[-3000:]
     assert "Got KeyboardInterrupt, shutting down" in (tmp_path / "serve.log").read_text()
+
+
+@needs_gemma3
+def test_gemma3_serves_a_completions_session_past_its_window(serve_run_gemma3) -> None:
+    base, _ = serve_run_gemma3
+    httpx.get(f"{base}/openapi.json", timeout=400).raise_for_status()  # a replica is up
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=300)
+    hdr = {"x-session-id": "e2e-gemma"}
+    text = "The history of the river town, told by its oldest boatman. " * 60  # > 512 tokens
+    first = client.completions.create(
+        model="gemma-3-270m", prompt=text, max_tokens=8, temperature=0, extra_headers=hdr
+    )
+    assert first.usage.prompt_tokens > 512 and first.choices[0].text
+    second = client.completions.create(
+        model="gemma-3-270m", prompt=" And then", max_tokens=8, temperature=0, extra_headers=hdr
+    )
+    held = first.usage.prompt_tokens + first.usage.completion_tokens
+    assert (
+        second.usage.prompt_tokens > held
+        and second.usage.prompt_tokens_details.cached_tokens >= held - 1
+    )
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(
+            model="gemma-3-270m", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+        )
+    assert err.value.body["param"] == "messages" and "chat template" in err.value.body["message"]

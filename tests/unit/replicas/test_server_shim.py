@@ -226,3 +226,19 @@ def test_a_quiet_replica_still_closes_sessions_past_their_ttl(server) -> None:
         time.sleep(0.1)
     assert "short-lived" not in server.engine.cache.session_slots
     assert not server.engine.has_work()
+
+
+def test_chat_on_a_base_model_is_a_400_that_says_why(server, monkeypatch) -> None:
+    """A base model (Gemma 3 270M's GGUF has no chat template) serves completions only."""
+    from sessionserve.errors import InvalidRequestError
+
+    monkeypatch.setattr(server.engine.tokenizer, "chat_template", None)
+    call = GenerateCall(
+        {"max_tokens": 2}, mode="chat", messages=[{"role": "user", "content": "w5"}]
+    )
+    with pytest.raises(InvalidRequestError, match="no chat template") as err:
+        asyncio.run(_collect(server.generate(call)))
+    assert err.value.param == "messages" and "/v1/completions" in str(err.value)
+    assert server.engine.check_memory().in_flight == 0  # refused before any KV was taken
+    prompt = GenerateCall({"max_tokens": 2, "temperature": 0}, prompt="w5 w6")
+    assert asyncio.run(_collect(server.generate(prompt)))[-1].completion_tokens == 2
