@@ -28,48 +28,37 @@ from sessionserve.errors import InvalidRequestError
 from sessionserve.wire import MIN_TOP_P, TurnResult
 
 INPUT_ROLES = ("user", "assistant", "system", "developer")
-ITEM_KEYS = {"type", "role", "content", "id", "status"}
 TEXT_PART_TYPES = ("input_text", "output_text")
+
+
+def _text_or_list(item: dict[str, Any]) -> dict[str, Any]:
+    """A string, or a non-empty list of `item`s (both `input` and a message's `content`)."""
+    return {"anyOf": [{"type": "string"}, {"type": "array", "minItems": 1, "items": item}]}
+
+
+TEXT_PART_SCHEMA = {
+    "type": "object",
+    "properties": {"type": {"enum": list(TEXT_PART_TYPES)}, "text": {"type": "string"}},
+    "required": ["type", "text"],
+}
+MESSAGE_ITEM_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "type": {"const": "message"},
+        "role": {"enum": list(INPUT_ROLES)},
+        "content": _text_or_list(TEXT_PART_SCHEMA),
+        "id": {},
+        "status": {},
+    },
+    "required": ["role", "content"],
+    "additionalProperties": False,
+}
+ITEM_KEYS = set(MESSAGE_ITEM_SCHEMA["properties"])  # a message item's fields, no other
 # What `parse_input` accepts, published as the schema of `input` (a unit test holds the two
 # together): a string, or text messages; other item and part types are refused.
-INPUT_SCHEMA = {
-    "anyOf": [
-        {"type": "string"},
-        {
-            "type": "array",
-            "minItems": 1,
-            "items": {
-                "type": "object",
-                "properties": {
-                    "type": {"const": "message"},
-                    "role": {"enum": list(INPUT_ROLES)},
-                    "content": {
-                        "anyOf": [
-                            {"type": "string"},
-                            {
-                                "type": "array",
-                                "minItems": 1,
-                                "items": {
-                                    "type": "object",
-                                    "properties": {
-                                        "type": {"enum": list(TEXT_PART_TYPES)},
-                                        "text": {"type": "string"},
-                                    },
-                                    "required": ["type", "text"],
-                                },
-                            },
-                        ]
-                    },
-                    "id": {},
-                    "status": {},
-                },
-                "required": ["role", "content"],
-                "additionalProperties": False,
-            },
-        },
-    ],
+INPUT_SCHEMA = _text_or_list(MESSAGE_ITEM_SCHEMA) | {
     "description": "A string (one user message) or text messages; earlier turns come through "
-    "previous_response_id.",
+    "previous_response_id."
 }
 NOT_SERVED = "Not supported by this server: only the value that means 'not used' is accepted."
 
