@@ -54,6 +54,11 @@ class SamplingParams(BaseModel):
     ignore_eos: bool = Field(False, description="Keep generating past EOS.")
     logprobs: bool = Field(False, description="Return the sampled tokens' logprobs.")
     top_logprobs: int = Field(0, ge=0, le=20, description="Alternatives per position.")
+    json_schema: str | None = Field(
+        None,
+        description="Constrain the answer to JSON valid for this schema (its text); "
+        "the answer ends when the JSON is complete.",
+    )
 
     @field_validator("temperature")
     @classmethod

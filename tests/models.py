@@ -6,7 +6,7 @@ import copy
 import os
 
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     Gemma3ForCausalLM,
     Gemma3TextConfig,
@@ -81,6 +81,25 @@ def word_tokenizer() -> PreTrainedTokenizerFast:
     return fast
 
 
+BYTE_EOS = 256
+
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """Byte-level (GPT-2 style) with no merges: token i < 256 is one byte, 256 is EOS. Any
+    text, JSON included, is expressible: what grammar-constrained tests need."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {ch: i for i, ch in enumerate(alphabet)} | {"<|eos|>": BYTE_EOS}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|eos|>")
+    fast.chat_template = (
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    return fast
+
+
 def save_tiny_model(directory, seed: int = 0, **shape) -> None:
     """A tiny model and its tokenizer as a local HF directory (what a replica loads)."""
     tiny_model(seed=seed, **shape).save_pretrained(directory)
@@ -91,15 +110,15 @@ def tiny_model(arch: str = "llama", seed: int = 0, init_std: float = 0.08, **sha
     """A 2-layer model whose logits are peaked enough that greedy ties do not happen."""
     config_cls, model_cls = ARCHS[arch]
     torch.manual_seed(seed)
-    base = _SHAPE | (GEMMA3_SHAPE if arch == "gemma3" else {})
-    cfg = config_cls(**(base | shape), initializer_range=init_std, eos_token_id=EOS)
+    base = _SHAPE | (GEMMA3_SHAPE if arch == "gemma3" else {}) | {"eos_token_id": EOS}
+    cfg = config_cls(**(base | shape), initializer_range=init_std)
     model = model_cls(cfg).eval()
     if arch == "gemma3":  # its norms start at zero (scale 1 + w): make them differ per layer
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if "norm" in name:
                     p.normal_(0.0, 0.1)
-    model.generation_config.eos_token_id = EOS
+    model.generation_config.eos_token_id = cfg.eos_token_id
     return model
 
 
@@ -120,6 +139,7 @@ def tiny_engine(
     cuda_graphs: bool = True,
     memory_check: str = "every_step",
     memory_check_period_s: float = 10.0,
+    tokenizer=None,
     **session_kw,
 ) -> Engine:
     """An engine (checking memory every step unless told otherwise) around a (copy of a) tiny
@@ -147,7 +167,8 @@ def tiny_engine(
         memory_check=memory_check,
         memory_check_period_s=memory_check_period_s,
     )
-    return Engine(cfg, LoadedModel(model, word_tokenizer(), "tiny", "tests"), drafter=head)
+    tokenizer = tokenizer or word_tokenizer()
+    return Engine(cfg, LoadedModel(model, tokenizer, "tiny", "tests"), drafter=head)
 
 
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:

@@ -344,6 +344,10 @@ class Ingress:
                 if drop == 0:
                     raise
                 items, draft.truncated_items = items[drop:], draft.truncated_items + drop
+            except InvalidRequestError as e:
+                if e.param != "response_format":
+                    raise
+                raise InvalidRequestError(str(e), param="text.format") from None  # its name here
 
     async def _finish_response(
         self, draft: ResponseDraft, items: list[dict], final: TurnResult

@@ -12,6 +12,7 @@ context length, the vocabulary, the session header's name) is added when the sch
 
 from __future__ import annotations
 
+import json
 import re
 import time
 import uuid
@@ -93,6 +94,52 @@ def integral_floats_as_ints(value: Any) -> Any:
     return value
 
 
+# the one rule on a structured answer's schema that a schema cannot state: it is compiled
+SCHEMA_RULE = (
+    "A JSON schema ({} = any JSON). One the grammar engine cannot compile, or any JSON format "
+    "on a model whose tokenizer cannot be constrained, is a 400 naming response_format."
+)
+
+
+class JsonSchemaSpec(RequestBody):
+    """OpenAI's `json_schema` object. The answer is constrained to the schema whether or not
+    `strict` is set (constrained decoding: every answer that ends parses and validates)."""
+
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema", description=SCHEMA_RULE)
+    strict: bool | None = None
+
+
+class TextFormat(RequestBody):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(RequestBody):
+    type: Literal["json_object"]
+
+
+class JsonSchemaFormat(RequestBody):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+
+
+ResponseFormat = Annotated[
+    TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")
+]
+ANY_OBJECT = {"type": "object"}  # what json_object asks for
+
+
+def constraint(fmt: Any) -> str | None:
+    """The JSON schema text an answer in `fmt` must satisfy (None: free text)."""
+    if isinstance(fmt, JsonObjectFormat):
+        return json.dumps(ANY_OBJECT)
+    schema = getattr(fmt, "schema_", None)
+    if schema is None and isinstance(fmt, JsonSchemaFormat):
+        schema = fmt.json_schema.schema_
+    return None if schema is None else json.dumps(schema)
+
+
 class StreamOptions(RequestBody):
     include_usage: bool = False
 
@@ -134,6 +181,11 @@ class _SamplingFields(RequestBody):
     stream_options: StreamOptions | None = None
     user: str | None = None
     session_id: SessionId | None = Field(None, description="Streaming session (or the header).")
+    response_format: ResponseFormat | None = Field(
+        None,
+        description="json_object or json_schema: the answer is constrained to it (it ends "
+        "when the JSON is complete). " + SCHEMA_RULE,
+    )
 
     @field_validator("stop")
     @classmethod
@@ -157,6 +209,7 @@ class _SamplingFields(RequestBody):
             "stop": tuple(stop) if stop else None,
             "stop_token_ids": tuple(self.stop_token_ids) if self.stop_token_ids else None,
             "ignore_eos": self.ignore_eos,
+            "json_schema": constraint(self.response_format),
         }
 
 

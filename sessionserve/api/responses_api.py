@@ -23,7 +23,16 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, WithJsonSchema
 
-from sessionserve.api.protocol import TEMPERATURE_SCHEMA, RequestBody, new_id, nullable
+from sessionserve.api.protocol import (
+    SCHEMA_RULE,
+    TEMPERATURE_SCHEMA,
+    JsonObjectFormat,
+    RequestBody,
+    TextFormat,
+    constraint,
+    new_id,
+    nullable,
+)
 from sessionserve.errors import InvalidRequestError
 from sessionserve.wire import MIN_TOP_P, TurnResult
 
@@ -70,18 +79,28 @@ def not_served(*accepted: dict[str, Any]) -> WithJsonSchema:
 
 
 EMPTY_LIST = {"type": "array", "maxItems": 0}
-TEXT_FORMAT_TEXT = {  # `text` with plain-text output (its only other key, verbosity, refused)
-    "type": "object",
-    "properties": {
-        "format": {
-            "anyOf": [
-                {"type": "object", "properties": {"type": {"const": "text"}}},
-                {"type": "null"},
-            ]
-        }
-    },
-    "additionalProperties": False,
-}
+
+
+class ResponsesJsonSchema(RequestBody):
+    """`text.format` of type json_schema (the Responses API flattens chat's `json_schema`)."""
+
+    type: Literal["json_schema"]
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema", description=SCHEMA_RULE)
+    strict: bool | None = None
+
+
+class ResponseText(RequestBody):
+    """`text`: the answer's format; a json_schema or json_object answer is constrained to it
+    (constrained decoding). `verbosity` is not supported (an unrecognized argument)."""
+
+    format: (
+        Annotated[TextFormat | JsonObjectFormat | ResponsesJsonSchema, Field(discriminator="type")]
+        | None
+    ) = None
+
+
 MetadataKey = Annotated[str, Field(max_length=64)]
 MetadataValue = Annotated[str, Field(max_length=512)]
 
@@ -107,7 +126,7 @@ class ResponseCreate(RequestBody):
     tools: Annotated[list[Any] | None, not_served(EMPTY_LIST)] = None
     tool_choice: Annotated[Any, not_served({"enum": ["none", "auto"]})] = None
     parallel_tool_calls: bool | None = None
-    text: Annotated[dict[str, Any] | None, not_served(TEXT_FORMAT_TEXT)] = None
+    text: ResponseText | None = None
     reasoning: Annotated[Any, not_served()] = None
     background: Annotated[bool | None, not_served({"const": False})] = None
     include: Annotated[list[Any] | None, not_served(EMPTY_LIST)] = None
@@ -121,13 +140,9 @@ class ResponseCreate(RequestBody):
 
     def refuse_unsupported(self) -> None:
         """400 naming the first field that asks for something this server does not do."""
-        text_format = (self.text or {}).get("format") or {}
         refused = {
             "tools": bool(self.tools),
             "tool_choice": self.tool_choice not in (None, "none", "auto"),
-            "text": bool(set(self.text or {}) - {"format"})
-            or not isinstance(text_format, dict)
-            or text_format.get("type", "text") != "text",
             "reasoning": self.reasoning is not None,
             "background": bool(self.background),
             "include": bool(self.include),
@@ -152,8 +167,14 @@ class ResponseCreate(RequestBody):
             "max_tokens": self.max_output_tokens,
             "temperature": self.temperature,
             "top_p": self.top_p,
+            "json_schema": constraint(self.text.format if self.text else None),
         }
         return {k: v for k, v in kwargs.items() if v is not None}
+
+    def text_format(self) -> dict[str, Any]:
+        """The `text.format` a response object reports (as asked; plain text by default)."""
+        fmt = self.text.format if self.text else None
+        return fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}
 
 
 # ---- input items ----
@@ -314,7 +335,7 @@ class ResponseDraft:
             "reasoning": None,
             "store": b.store,
             "temperature": b.temperature if b.temperature is not None else 1.0,
-            "text": {"format": {"type": "text"}},
+            "text": {"format": b.text_format()},
             "tool_choice": "none",
             "tools": [],
             "top_p": b.top_p if b.top_p is not None else 1.0,

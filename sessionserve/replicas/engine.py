@@ -31,6 +31,7 @@ from sessionserve.errors import InvalidRequestError
 from sessionserve.metrics import EngineMetrics
 from sessionserve.replicas.assembly import build_cache, build_runner, context_limit
 from sessionserve.replicas.gauges import export_gauges
+from sessionserve.replicas.grammar import Grammars
 from sessionserve.replicas.loader import LoadedModel, eos_token_ids, load_model
 from sessionserve.replicas.outputs import Listener, OutputProcessor, StepEvent
 from sessionserve.replicas.request import Request, RequestResult, check_context, check_prompt_ids
@@ -85,6 +86,14 @@ class Engine:
         self.eos_ids = eos_token_ids(model, self.tokenizer)
         self.generator = torch.Generator().manual_seed(0)
         self.lock = threading.RLock()
+        self._grammars: Grammars | None = None
+
+    def grammars(self) -> Grammars:
+        """The JSON-schema compiler, built by the first constrained request (reading the
+        tokenizer's vocabulary takes ~0.5 s, which unconstrained replicas never pay)."""
+        if self._grammars is None:
+            self._grammars = Grammars(self.tokenizer, self.vocab_size)
+        return self._grammars
 
     @property
     def spec_stats(self) -> SpecStats:
@@ -160,6 +169,8 @@ class Engine:
                 if sampling.seed is not None:
                     gen = torch.Generator().manual_seed(sampling.seed)
                 req = Request(rid, full, sampling, kv, mode, self.eos_ids, generator=gen)
+                if sampling.json_schema is not None:  # a 400 for a schema that cannot compile
+                    req.grammar = self.grammars().matcher(sampling.json_schema)
             except Exception:
                 if session_id is not None:
                     self.sessions.cancel_turn(session_id, kv)

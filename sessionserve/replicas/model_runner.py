@@ -19,6 +19,7 @@ from sessionserve.cache.kv_pool import KVPool
 from sessionserve.cache.session_cache import SessionCache
 from sessionserve.replicas.attention import AttentionBackend, ForwardMeta, SeqSpec, install
 from sessionserve.replicas.attention.base import to_device
+from sessionserve.replicas.grammar import apply_masks, consume
 from sessionserve.replicas.request import TokenLogprob
 from sessionserve.replicas.sampling import SampleOutput, sample
 
@@ -145,8 +146,15 @@ class ModelRunner:
                     out.errors[s.req.rid] = e
         for group, sampled in groups:
             for i, s in enumerate(group):
+                token = sampled.token_ids[i]
+                if s.req.grammar is not None:  # after sampling: a retried batch consumes once
+                    try:
+                        consume(s.req.grammar, token)
+                    except Exception as e:
+                        out.errors[s.req.rid] = e
+                        continue
                 lp = sampled.logprobs[i] if sampled.logprobs and s.req.sampling.logprobs else None
-                out.emitted[s.req.rid] = ([sampled.token_ids[i]], [lp] if lp else [])
+                out.emitted[s.req.rid] = ([token], [lp] if lp else [])
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -184,6 +192,9 @@ class ModelRunner:
 
 
 def _sample_rows(seqs: list[ScheduledSeq], logits: torch.Tensor) -> SampleOutput:
+    """Sample `seqs` from their rows of `logits` (a copy: constrained rows are masked in
+    place first; their matchers consume the tokens in `ModelRunner._sample`)."""
+    apply_masks(logits, [s.req.grammar for s in seqs])
     return sample(
         logits,
         [s.req.sampling for s in seqs],

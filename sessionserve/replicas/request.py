@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -71,6 +71,7 @@ class Request:
     timings: Timings = field(default_factory=Timings)
     draft: DraftState | None = None  # the drafter's next guess (speculative decoding)
     spec: SpecStats = field(default_factory=SpecStats)
+    grammar: Any = None  # the JSON schema's matcher (replicas/grammar.py): masks each sample
 
     @property
     def session_id(self) -> str | None:

@@ -1,4 +1,5 @@
-"""When a request's answer is complete: EOS, stop tokens, stop strings, max_tokens, context.
+"""When a request's answer is complete: EOS, stop tokens, stop strings, max_tokens, context,
+or a constrained answer's grammar (its JSON complete).
 
 Sets `finish_reason` and `finished_len` (output tokens that belong to the answer). A stop
 string's text is cut from the answer, but the token that completed it stays in the token
@@ -31,6 +32,8 @@ class StopChecker:
                 return self._finish(req, FinishReason.LENGTH, i + 1)
             if len(req.input_ids) + i + 1 >= self.max_context_len:
                 return self._finish(req, FinishReason.LENGTH, i + 1)
+        if req.grammar is not None and req.grammar.is_stopped():  # the JSON is complete
+            return self._finish(req, FinishReason.STOP, len(out))
         if p.stop and self.tokenizer is not None:
             text = req.stop_text = req.stop_text or IncrementalText(self.tokenizer)
             seen = len(text.text)

@@ -1,6 +1,7 @@
 """`serve run` from this repository, as a user starts it: the default model on two replicas
 (deploy/serve-cpu.yaml) answers a two-turn chat over HTTP, reusing the session's KV, and the
-server stops within seconds of Ctrl-C, leaving no process behind; Gemma 3 270M, a
+server stops within seconds of Ctrl-C, leaving no process behind; its JSON answers (the
+official client's structured-output helpers, the Responses API's text.format) parse; Gemma 3 270M, a
 sliding-window base model (deploy/serve-gemma3-cpu.yaml), continues a completions session past
 its window on the KV it holds and refuses chat with a 400 that says why (its exactness against
 transformers is tests/unit/replicas/test_gemma3_model.py's)."""
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import httpx
 import openai
+import pydantic
 import pytest
 
 from tests.http_wait import wait_healthy
@@ -84,6 +86,11 @@ def _serve_run(config: str, tmp_path):
         shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
+class City(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=24)
+    country: str = pydantic.Field(max_length=24)
+
+
 def ctrl_c(proc: subprocess.Popen) -> float:
     """Send SIGINT to the server's process group, as Ctrl-C in its terminal does; the
     seconds until `serve run` exited and every process of its group was gone."""
@@ -125,6 +132,26 @@ def test_serve_run_answers_a_two_turn_chat_and_stops_on_ctrl_c(serve_run, tmp_pa
     )
     assert "Berlin" in second.choices[0].message.content
     assert second.usage.prompt_tokens_details.cached_tokens > 0
+    # structured output, as the official client's helpers ask for it: every answer parses
+    city = client.chat.completions.parse(
+        model="SmolLM2-135M-Instruct",
+        messages=[{"role": "user", "content": "Name the capital of Italy and its country."}],
+        response_format=City,
+        max_tokens=48,
+        temperature=0,
+    )
+    assert city.choices[0].finish_reason == "stop"
+    assert isinstance(city.choices[0].message.parsed, City)
+    fmt = {"type": "json_schema", "name": "city", "schema": City.model_json_schema()}
+    answer = client.responses.create(
+        model="SmolLM2-135M-Instruct",
+        input="Name the capital of Spain and its country.",
+        text={"format": fmt},
+        max_output_tokens=48,
+        temperature=0,
+    )
+    City.model_validate_json(answer.output_text)
+    assert answer.text.format.type == "json_schema"
     seconds = ctrl_c(proc)
     print(f"serve run stopped {seconds:.1f} s after Ctrl-C")
     assert proc.returncode == 0, (tmp_path / "serve.log").read_text()[-3000:]

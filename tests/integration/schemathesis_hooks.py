@@ -1,7 +1,10 @@
 """Schemathesis hooks for tests/integration/test_schema_fuzz.py (loaded by the CLI through
 SCHEMATHESIS_HOOKS): bound the work a generated request asks of the tiny model, never what
 is validated. A schema-valid body keeps a schema-valid `max_tokens` (at most 16, so that a
-turn stays short and fits the context whatever its input); other bodies are sent as made."""
+turn stays short and fits the context whatever its input), and asks for plain text: a JSON
+answer format depends on what no schema can state (a compilable schema, a tokenizer that can
+write JSON; the test model's word tokenizer cannot), as the field's description says; its
+400 is tested on its own. Other bodies are sent as made."""
 
 from __future__ import annotations
 
@@ -24,3 +27,7 @@ def before_call(context, case, kwargs) -> None:
     if not present:  # the default would be the rest of the context
         field = "max_output_tokens" if case.operation.path == "/v1/responses" else "max_tokens"
         body[field] = MAX_NEW_TOKENS
+    if isinstance(body.get("response_format"), dict):
+        body["response_format"] = {"type": "text"}
+    if isinstance(body.get("text"), dict) and isinstance(body["text"].get("format"), dict):
+        body["text"]["format"] = {"type": "text"}

@@ -42,6 +42,20 @@ MSG = [{"role": "user", "content": "w5 w6"}]
         ),
         ("/v1/completions", {"prompt": [5, 99999]}, 400, "prompt", "outside the vocabulary"),
         ("/v1/completions", {"prompt": ""}, 400, "prompt", "empty"),
+        (  # the test model's word tokenizer cannot write `{`: refused, never wedged
+            CHAT,
+            {"messages": MSG, "response_format": {"type": "json_object"}},
+            400,
+            "response_format",
+            "tokenizer cannot be constrained",
+        ),
+        (
+            "/v1/responses",
+            {"input": "w5", "text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}},
+            400,
+            "text.format",
+            "tokenizer cannot be constrained",
+        ),
     ],
 )
 def test_bad_requests(http, path, body, status, param, fragment) -> None:

@@ -167,7 +167,7 @@ def test_a_store_false_turn_keeps_nothing(client, http) -> None:
         ({"reasoning": {"effort": "low"}}, "reasoning"),
         ({"background": True}, "background"),
         ({"include": ["message.output_text.logprobs"]}, "include"),
-        ({"text": {"format": {"type": "json_object"}}}, "text"),
+        ({"text": {"verbosity": "low"}}, "text.verbosity"),
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"no_such_field": 1}, "no_such_field"),
         (

@@ -41,7 +41,10 @@ class SpeculativeDecoder:
         self.stats = SpecStats()
 
     def draft_len(self, req: Request) -> int:
-        """Drafts the scheduler allocates slots for in `req`'s next decode step."""
+        """Drafts the scheduler allocates slots for in `req`'s next decode step (none for a
+        constrained request: its drafts would have to pass its grammar's mask too)."""
+        if req.grammar is not None:
+            return 0
         return self.proposer.draft_len(req, self.limit)
 
     def propose(self, batch: ScheduledBatch) -> dict[str, ChainDrafts]:

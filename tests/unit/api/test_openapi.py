@@ -87,6 +87,20 @@ CASES = [
     ("CompletionRequest", {"prompt": [1.0, 2]}, True),
     ("ChatCompletionRequest", {"session_id": "a b"}, False),
     ("ChatCompletionRequest", {"session_id": "chat-1:2"}, True),
+    # structured output: OpenAI's response_format shapes
+    ("ChatCompletionRequest", {"response_format": {"type": "json_object"}}, True),
+    ("ChatCompletionRequest", {"response_format": {"type": "text"}}, True),
+    ("ChatCompletionRequest", {"response_format": {"type": "xml"}}, False),
+    (
+        "ChatCompletionRequest",
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "r", "strict": True}}},
+        True,
+    ),
+    (
+        "CompletionRequest",
+        {"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
+        False,  # a json_schema has a name
+    ),
     # completions: a non-empty prompt of the vocabulary's ids
     ("CompletionRequest", {"prompt": ""}, False),
     ("CompletionRequest", {"prompt": []}, False),
@@ -98,9 +112,12 @@ CASES = [
     ("ResponseCreate", {"tools": [], "tool_choice": "auto", "include": []}, True),
     ("ResponseCreate", {"service_tier": "default", "background": False}, True),
     ("ResponseCreate", {"text": {"format": {"type": "text"}}, "top_logprobs": 0}, True),
+    ("ResponseCreate", {"text": {"format": {"type": "json_object"}}}, True),
+    ("ResponseCreate", {"text": {"format": {"type": "json_schema", "name": "a"}}}, True),
+    ("ResponseCreate", {"text": {"format": {"type": "json_schema", "name": "a b"}}}, False),
+    ("ResponseCreate", {"text": {"format": {"type": "json_schema"}}}, False),  # no name
     ("ResponseCreate", {"tools": [{"type": "function", "name": "f"}]}, False),
     ("ResponseCreate", {"tool_choice": "required"}, False),
-    ("ResponseCreate", {"text": {"format": {"type": "json_object"}}}, False),
     ("ResponseCreate", {"text": {"verbosity": "low"}}, False),
     ("ResponseCreate", {"text": {"format": "text"}}, False),
     ("ResponseCreate", {"background": True}, False),

@@ -82,7 +82,6 @@ def test_unsupported_fields_are_refused_and_neutral_values_accepted() -> None:
     neutral.refuse_unsupported()  # what SDKs send by default passes
     for field, value in [
         ("tool_choice", "required"),
-        ("text", {"verbosity": "low"}),
         ("service_tier", "flex"),
         ("stream_options", {}),
     ]:

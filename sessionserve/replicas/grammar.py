@@ -1,0 +1,103 @@
+"""Structured output: a request's JSON schema becomes a token mask on its logits.
+
+llguidance (chosen over xgrammar by `benchmarks/grammar.py`: no heavy dependencies, faster
+compiles, a mask well under 1% of a CPU decode step) compiles the schema against the model's
+tokenizer into a matcher. Before each of the request's samples the matcher fills a bitmask of
+the tokens the grammar allows next and the sampler sees only those (`apply_masks`); each
+sampled token is then consumed, so an answer that ends (the grammar complete and EOS taken)
+always parses and validates. Compiled matchers are cached by schema text and copied per
+request. A schema that cannot be compiled is a 400 naming `response_format`, raised before the
+request takes any KV. Speculation skips constrained requests (their drafts would have to pass
+the mask too): they decode one token a step.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from sessionserve.errors import InvalidRequestError
+
+CACHED_SCHEMAS = 64  # compiled grammars kept (least recently used dropped first)
+# JSON's layout is fixed (no free whitespace): with free whitespace a model can pad an answer
+# with blank lines until max_tokens and never finish it
+JSON_LAYOUT = {"whitespace_flexible": False}
+
+
+class Grammars:
+    """Compiles schemas for one tokenizer; `matcher(schema)` is a request's own matcher."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+        """`vocab_size`: the logits' width (it may exceed the tokenizer's)."""
+        import llguidance.hf
+
+        self._compiled: OrderedDict[str, Any] = OrderedDict()
+        self.info, self.unusable = None, None
+        try:
+            self.info = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
+        except Exception as e:  # a tokenizer llguidance cannot map to bytes
+            self.unusable = f"this model's tokenizer cannot be constrained ({e})"
+
+    def matcher(self, json_schema: str) -> Any:
+        """A fresh matcher at the start of `json_schema` (its text); a 400 if it cannot be
+        compiled."""
+        if self.info is None:
+            raise _unusable(self.unusable)
+        template = self._compiled.get(json_schema)
+        if template is None:
+            template = self._compile(json_schema)
+            self._compiled[json_schema] = template
+            if len(self._compiled) > CACHED_SCHEMAS:
+                self._compiled.popitem(last=False)
+        self._compiled.move_to_end(json_schema)
+        return template.deep_copy()
+
+    def _compile(self, json_schema: str) -> Any:
+        from llguidance import LLMatcher
+
+        try:
+            grammar = LLMatcher.grammar_from_json_schema(json_schema, defaults=JSON_LAYOUT)
+        except Exception as e:  # not JSON, or a schema llguidance refuses
+            raise _unusable(str(e)) from None
+        matcher = LLMatcher(self.info, grammar)
+        if matcher.is_error():
+            raise _unusable(matcher.get_error())
+        if not any(matcher.compute_bitmask()):  # a vocabulary without `{`, say
+            raise _unusable("no token of this model's vocabulary can start such an answer")
+        return matcher
+
+
+def apply_masks(logits: torch.Tensor, matchers: list[Any | None]) -> None:
+    """Mask, in place, each row of `logits` [N, V] that has a matcher to the tokens its
+    grammar allows next (-inf elsewhere)."""
+    import llguidance.torch as lt
+
+    rows = [i for i, m in enumerate(matchers) if m is not None]
+    if not rows:
+        return
+    vocab = logits.shape[-1]
+    bitmask = lt.allocate_token_bitmask(len(rows), vocab)  # [R, ceil(V / 32)] int32
+    for j, i in enumerate(rows):
+        lt.fill_next_token_bitmask(matchers[i], bitmask, j)
+    # unpacked here, not with llguidance's apply_token_bitmask_inplace: that one is a
+    # torch.compile kernel, tens of seconds to build on a CPU replica's first request
+    bits = (bitmask[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1
+    allowed = bits.reshape(len(rows), -1)[:, :vocab].bool().to(logits.device)
+    index = torch.tensor(rows, device=logits.device)
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+
+
+def consume(matcher: Any, token: int) -> None:
+    """Advance `matcher` past a sampled token (the mask allowed it, so this cannot fail
+    unless the grammar engine disagrees with itself)."""
+    if not matcher.consume_token(token):
+        raise RuntimeError(f"the grammar refused token {token}: {matcher.get_error()}")
+
+
+def _unusable(reason: str) -> InvalidRequestError:
+    return InvalidRequestError(
+        f"response_format: constrained decoding cannot serve this request: {reason}",
+        param="response_format",
+    )
