@@ -4,10 +4,11 @@ decode-step time, alternating rounds), then the grammar engines themselves on it
 llguidance (what replicas/grammar.py uses) and xgrammar when it is installed (compile time of
 a schema, mask time per token, both with a warm tokenizer table).
 
-    .venv/bin/python -m benchmarks.grammar [--batch 8] [--tokens 32] [--rounds 3]
+    .venv/bin/python -m benchmarks.grammar [--batch 8] [--tokens 32] [--rounds 5]
 
-Last line: JSON with `grammar_overhead_frac_8` (constrained / free step time - 1) and the
-engines' figures.
+Last line: JSON with `grammar_overhead_frac_8` (the masking's own time per step, measured
+alone, over the free step's), `step_ab_ratio` (constrained / free step, within the machine's
+noise) and the engines' figures.
 """
 
 from __future__ import annotations
@@ -17,11 +18,18 @@ import importlib.util
 import json
 import time
 
+import torch
+
 from benchmarks.common import emit, engine, load, machine, median, setup_threads
 from sessionserve.wire import SamplingParams
 
-# long enough to run for --tokens (an array of integers never has to end)
-SCHEMA = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9999}}
+# an array that cannot close within --tokens: every constrained row decodes to the end, as
+# the free rows do, so the two batches stay the same size
+SCHEMA = {
+    "type": "array",
+    "items": {"type": "integer", "minimum": 0, "maximum": 9999},
+    "minItems": 64,
+}
 OBJECT = {  # for the engines' compile and mask figures: an object with a few fields
     "type": "object",
     "properties": {
@@ -37,15 +45,37 @@ ANSWER = json.dumps({"name": "Ann", "age": 3, "tags": ["a", "b"]}, separators=("
 
 def step_times(eng, prompts: list[list[int]], sampling: SamplingParams) -> list[float]:
     """Seconds of every step that decodes the whole batch (prefill steps left out)."""
+    return run(eng, prompts, sampling)[0]
+
+
+def run(eng, prompts: list[list[int]], sampling: SamplingParams) -> tuple[list[float], list]:
+    """The batch to its end: decode-step seconds (prefill steps left out) and the answers."""
     rids = [eng.submit(p, sampling) for p in prompts]
     times = []
     while eng.in_flight():
         start = time.perf_counter()
         eng.step()
         times.append(time.perf_counter() - start)
-    for r in rids:
-        eng.take_result(r)
-    return times[1 : len(times) - 1]
+    answers = [eng.take_result(r).output_ids for r in rids]
+    return times[1 : len(times) - 1], answers
+
+
+def mask_time(eng, answers: list[list[int]], schema: str) -> float:
+    """Seconds per step that masking costs a batch: each step, every row's mask filled and
+    applied to [batch, vocab] logits, then the sampled token consumed, replaying `answers`
+    (what the constrained rows sampled). Timed alone: the step-time A/B above is within this
+    machine's noise."""
+    from sessionserve.replicas.grammar import apply_masks, consume
+
+    matchers = [eng.grammars().matcher(schema) for _ in answers]
+    logits = torch.randn(len(answers), eng.vocab_size)
+    steps = min(len(a) for a in answers)
+    start = time.perf_counter()
+    for i in range(steps):
+        apply_masks(logits.clone(), matchers)
+        for m, answer in zip(matchers, answers, strict=True):
+            consume(m, answer[i])
+    return (time.perf_counter() - start) / steps
 
 
 def engines_on(tokenizer, vocab: int) -> dict[str, float]:
@@ -71,9 +101,12 @@ def engines_on(tokenizer, vocab: int) -> dict[str, float]:
     if importlib.util.find_spec("xgrammar") is not None:
         import xgrammar as xgr
 
-        compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tokenizer, vocab))
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab)
+        compiler = xgr.GrammarCompiler(info)
         start = time.perf_counter()
-        compiled = compiler.compile_json_schema(json.dumps(OBJECT), any_whitespace=False)
+        compiled = compiler.compile_json_schema(
+            json.dumps(OBJECT), any_whitespace=False, separators=(",", ":")
+        )
         out["xgrammar_compile_ms"] = (time.perf_counter() - start) * 1e3
         matcher, mask = xgr.GrammarMatcher(compiled), xgr.allocate_token_bitmask(1, vocab)
         start = time.perf_counter()
@@ -88,7 +121,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=32)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     setup_threads(args.threads)
@@ -101,7 +134,7 @@ def main() -> None:
     ]
     free = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
     constrained = free.model_copy(update={"json_schema": json.dumps(SCHEMA)})
-    step_times(eng, prompts, constrained)  # warm: the tokenizer table, the schema compiled
+    _, answers = run(eng, prompts, constrained)  # warm: tokenizer table, schema compiled
     rounds = {"free": [], "constrained": []}
     for _ in range(args.rounds):  # alternating, so that drift hits both alike
         rounds["free"] += step_times(eng, prompts, free)
@@ -110,6 +143,8 @@ def main() -> None:
     print(
         f"decode step, batch {args.batch}: free {free_ms:.1f} ms, JSON-constrained {json_ms:.1f} ms"
     )
+    mask_ms = mask_time(eng, answers, constrained.json_schema) * 1e3
+    print(f"masking a batch of {args.batch}: {mask_ms:.2f} ms per step")
     figures = engines_on(tok, eng.vocab_size)
     for name, value in figures.items():
         print(f"{name}: {value:.1f}")
@@ -119,7 +154,9 @@ def main() -> None:
             "batch": args.batch,
             "free_step_ms": round(free_ms, 2),
             "constrained_step_ms": round(json_ms, 2),
-            f"grammar_overhead_frac_{args.batch}": round(json_ms / free_ms - 1, 4),
+            "mask_ms_per_step": round(mask_ms, 3),
+            f"grammar_overhead_frac_{args.batch}": round(mask_ms / free_ms, 4),
+            "step_ab_ratio": round(json_ms / free_ms, 4),
             **{k: round(v, 2) for k, v in figures.items()},
             "machine": machine(),
         }
