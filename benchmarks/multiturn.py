@@ -10,6 +10,7 @@ Each mode runs the whole conversation --repeats times (fresh engine each time); 
 are medians. Last line: JSON with the final turn's ratios.
 
     .venv/bin/python -m benchmarks.multiturn [--turns 12] [--repeats 3] [--threads 2]
+        [--model default | gemma3-270m | a local path]
 """
 
 from __future__ import annotations
@@ -66,9 +67,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--answer-tokens", type=int, default=16)
+    ap.add_argument("--model", default="default", help="model.path (default: SmolLM2)")
     args = ap.parse_args()
     setup_threads(args.threads)
-    loaded = load()
+    loaded = load(args.model)
     answer = SamplingParams(max_tokens=args.answer_tokens, temperature=0, ignore_eos=True)
     run_mode(loaded, "session", 2, answer)  # warm-up
     modes = ("session", "stateless", "radix")
@@ -96,6 +98,7 @@ def main() -> None:
     emit(
         {
             "benchmark": "multiturn",
+            "model": loaded.name,
             "turns": args.turns,
             "history_tokens": history_tokens,
             "ttft_ms_session": round(1000 * s, 1),
