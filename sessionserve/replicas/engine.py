@@ -154,6 +154,9 @@ class Engine:
         sampling = sampling or SamplingParams()
         rid = rid or f"req-{next(_rid_counter)}"
         check_prompt_ids(input_ids, self.vocab_size)
+        grammar = None  # compiled before the lock (a new schema takes ms), a 400 if it cannot
+        if sampling.json_schema is not None:
+            grammar = self.grammars().matcher(sampling.json_schema)
         with self.lock:
             if rid in self.outputs.requests:
                 raise InvalidRequestError(f"request id {rid!r} is already in use", param="rid")
@@ -169,8 +172,7 @@ class Engine:
                 if sampling.seed is not None:
                     gen = torch.Generator().manual_seed(sampling.seed)
                 req = Request(rid, full, sampling, kv, mode, self.eos_ids, generator=gen)
-                if sampling.json_schema is not None:  # a 400 for a schema that cannot compile
-                    req.grammar = self.grammars().matcher(sampling.json_schema)
+                req.grammar = grammar
             except Exception:
                 if session_id is not None:
                     self.sessions.cancel_turn(session_id, kv)
