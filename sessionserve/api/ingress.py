@@ -321,7 +321,9 @@ class Ingress:
         request: Request,
         limit: int = Query(20, ge=1, le=100),
         order: Literal["asc", "desc"] = "desc",
-        after: str | None = None,
+        after: str | None = Query(
+            None, description="An item id of this response: the page starts after it (else 400)."
+        ),
     ) -> dict[str, Any]:
         stored = await self.directory.get_response.remote(response_id, owner(request))
         if stored is None:

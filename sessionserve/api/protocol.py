@@ -259,8 +259,8 @@ class SessionMigrate(RequestBody):
     target_replica: str | None = Field(
         None,
         max_length=128,
-        description="The replica id to move to (as `session.replica` reports it); omitted: "
-        "the other replica with the most free KV.",
+        description="The replica id to move to (as `session.replica` reports it), not the "
+        "one the session is on (400); omitted: the other replica with the most free KV.",
     )
 
 
