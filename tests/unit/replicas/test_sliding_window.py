@@ -150,3 +150,37 @@ def test_a_model_with_attention_soft_capping_is_refused_at_load() -> None:
     assert cfg.attn_logit_softcapping is not None  # Gemma 2 soft-caps attention logits
     with pytest.raises(InvalidConfigError, match="soft-caps"):
         tiny_engine(Gemma2ForCausalLM(cfg).eval())
+
+
+# ---- the reference system's SWA session scenarios, on the tiny Gemma 3 ----
+def test_retraction_with_a_large_page_mid_chunked_prefill_stays_exact(gemma3) -> None:
+    """A 64-token page (8 windows), prefill chunks below the window and a retraction every
+    third step: each retracted request re-prefills past the window and still equals
+    transformers."""
+    engine = tiny_engine(gemma3, page_size=64, num_slots=64 * 64, prefill=5, retract_every=3)
+    batch = prompts(seed=5)
+    for prompt, result in zip(batch, engine.generate(batch, GREEDY), strict=True):
+        assert_like_transformers(gemma3, prompt, result)
+    assert engine.scheduler.retractions_total > 0
+    terms = engine.checker.check_idle()
+    assert terms.in_flight == 0
+
+
+def test_an_aborted_turn_leaks_nothing_and_the_session_continues_exactly(gemma3) -> None:
+    engine = tiny_engine(gemma3, page_size=16, prefill=WINDOW - 3)
+    sid = engine.open_session()
+    first = [3 + (j * 7) % 240 for j in range(3 * WINDOW)]
+    (r1,) = engine.generate([first], GREEDY, session_id=sid)
+    rid = engine.submit([9, 10, 11], GREEDY, session_id=sid)  # aborted mid-decode
+    for _ in range(4):
+        engine.step()
+    assert engine.abort(rid)
+    engine.run_until_idle()
+    engine.checker.check_idle()  # nothing of the aborted turn is held past its session
+    history = first + r1.output_ids
+    new = [12, 13, 14, 15]
+    (r3,) = engine.generate([new], GREEDY, session_id=sid)  # from the last good turn
+    assert r3.prompt_tokens == len(history) + len(new)
+    assert_like_transformers(gemma3, history + new, r3)
+    engine.close_session(sid)
+    engine.checker.check_idle()
