@@ -134,10 +134,9 @@ def constraint(fmt: Any) -> str | None:
     """The JSON schema text an answer in `fmt` must satisfy (None: free text)."""
     if isinstance(fmt, JsonObjectFormat):
         return json.dumps(ANY_OBJECT)
-    schema = getattr(fmt, "schema_", None)
-    if schema is None and isinstance(fmt, JsonSchemaFormat):
-        schema = fmt.json_schema.schema_
-    return None if schema is None else json.dumps(schema)
+    if isinstance(fmt, JsonSchemaFormat):
+        fmt = fmt.json_schema
+    return json.dumps(fmt.schema_) if isinstance(fmt, JsonSchemaSpec) else None
 
 
 class StreamOptions(RequestBody):

@@ -24,9 +24,9 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, WithJsonSchema
 
 from sessionserve.api.protocol import (
-    SCHEMA_RULE,
     TEMPERATURE_SCHEMA,
     JsonObjectFormat,
+    JsonSchemaSpec,
     RequestBody,
     TextFormat,
     constraint,
@@ -81,14 +81,10 @@ def not_served(*accepted: dict[str, Any]) -> WithJsonSchema:
 EMPTY_LIST = {"type": "array", "maxItems": 0}
 
 
-class ResponsesJsonSchema(RequestBody):
-    """`text.format` of type json_schema (the Responses API flattens chat's `json_schema`)."""
+class ResponsesJsonSchema(JsonSchemaSpec):
+    """`text.format` of type json_schema: chat's `json_schema` object, flattened."""
 
     type: Literal["json_schema"]
-    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
-    description: str | None = None
-    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema", description=SCHEMA_RULE)
-    strict: bool | None = None
 
 
 class ResponseText(RequestBody):

