@@ -59,6 +59,11 @@ class SamplingParams(BaseModel):
         description="Constrain the answer to JSON valid for this schema (its text); "
         "the answer ends when the JSON is complete.",
     )
+    lark_grammar: str | None = Field(
+        None,
+        description="Constrain the answer to this grammar (llguidance's Lark dialect; a "
+        "replica builds it for tool calls, the JSON answer's schema inside it).",
+    )
 
     @field_validator("temperature")
     @classmethod
@@ -73,6 +78,8 @@ class SamplingParams(BaseModel):
             object.__setattr__(self, "logprobs", True)
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if self.json_schema is not None and self.lark_grammar is not None:
+            raise ValueError("json_schema and lark_grammar exclude each other")
         return self
 
     @classmethod
@@ -98,6 +105,47 @@ class SamplingParams(BaseModel):
         )
 
 
+@dataclass(frozen=True)
+class ToolSpec:
+    """A function the model may call (OpenAI's function tool, either API's shape)."""
+
+    name: str
+    parameters: dict[str, Any]  # a JSON schema of the arguments object
+    description: str | None = None
+
+
+@dataclass(frozen=True)
+class ToolUse:
+    """A request's tools and how they may be used: `choice` "none" (the model knows the tools
+    but answers in text), "auto" (text or calls), "required" (calls only; `function` names
+    the one it must call)."""
+
+    tools: tuple[ToolSpec, ...]
+    choice: Literal["none", "auto", "required"] = "auto"
+    function: str | None = None
+    parallel: bool = True  # more than one call in an answer
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A call the model made: `arguments` is the JSON text it wrote (an object)."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
+class ToolCallDelta:
+    """A piece of a call while it streams: the first of call `index` carries its id and name,
+    the rest add to its arguments text (OpenAI's `delta.tool_calls` element)."""
+
+    index: int
+    arguments: str
+    id: str | None = None
+    name: str | None = None
+
+
 @dataclass
 class GenerateCall:
     """What the ingress sends a replica for one request."""
@@ -105,7 +153,9 @@ class GenerateCall:
     sampling: dict[str, Any]  # SamplingParams' fields (validated again on the replica)
     session_id: str | None = None
     mode: Literal["append", "chat"] = "append"
-    messages: list[dict[str, str]] | None = None  # chat: the whole conversation
+    # chat: the whole conversation; OpenAI's message fields, a tool call as a ToolCall
+    messages: list[dict[str, Any]] | None = None
+    tool_use: ToolUse | None = None
     prompt: str | list[int] | None = None  # completions: text or ids (appended in a session)
     # append mode: the session's failover log in the directory, its length on every turn,
     # the log itself only for a replica that asks for it (SessionLogNeededError)
@@ -124,8 +174,9 @@ class TurnDelta:
     string is held back, so the deltas always add up to a prefix of the answer)."""
 
     token_ids: list[int]
-    text: str
+    text: str  # the answer's text (with tools: its content, the calls apart)
     logprobs: list[LogprobEntry] = field(default_factory=list)  # when asked for
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
 
 
 @dataclass
@@ -133,9 +184,9 @@ class TurnResult:
     """A request's last message: how it ended, its usage, and the session's token log after
     it (`full_ids`: what the ingress commits to the directory)."""
 
-    finish_reason: str  # a FinishReason value
+    finish_reason: str  # a FinishReason value, or "tool_calls" (the answer made calls)
     finish_message: str | None
-    text: str | None  # the whole answer
+    text: str | None  # the whole answer (with tools: its content, the calls apart)
     output_ids: list[int]
     prompt_tokens: int  # the whole input, a session's history included
     completion_tokens: int
@@ -147,3 +198,4 @@ class TurnResult:
     ttft_s: float | None = None
     replica: str | None = None  # who answered (the ingress adds its own id)
     ingress: str | None = None
+    tool_calls: list[ToolCall] = field(default_factory=list)

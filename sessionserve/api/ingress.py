@@ -72,7 +72,7 @@ from sessionserve.errors import (
 )
 from sessionserve.router.directory import get_directory
 from sessionserve.router.pin_cache import check_pin, forget_pin, rebalance_plan
-from sessionserve.wire import GenerateCall, SamplingParams, TurnDelta, TurnResult
+from sessionserve.wire import GenerateCall, SamplingParams, ToolUse, TurnDelta, TurnResult
 
 log = logging.getLogger(__name__)
 # the schema and its docs page are routes of the Ingress: the schema states this deployment's
@@ -246,9 +246,12 @@ class Ingress:
     # ---- generation ----
     @app.post("/v1/chat/completions", responses=GENERATE)
     async def chat(self, body: ChatCompletionRequest, request: Request):
+        tools = body.tool_use()  # checked before a session is touched
         session = await self._session(request, body.session_id, body.model)
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        call = GenerateCall(self._sampling(body), mode="chat", messages=messages, **session)
+        messages = [m.wire() for m in body.messages]
+        call = GenerateCall(
+            self._sampling(body), mode="chat", messages=messages, tool_use=tools, **session
+        )
         return await self._serve(call, body, "chat", bool(body.logprobs))
 
     @app.post("/v1/completions", responses=GENERATE)
@@ -267,6 +270,7 @@ class Ingress:
     async def create_response(self, body: ResponseCreate, request: Request):
         self._check_model(body.model)
         body.refuse_unsupported()
+        tools = body.tool_use()
         sampling = self._sampling(body)
         new_items = parse_input(body.input)
         earlier: list[dict[str, Any]] = []
@@ -284,7 +288,7 @@ class Ingress:
         draft.owner = owner(request)
         try:
             stream, first, items = await self._start_response(
-                draft, sampling, earlier + new_items, len(new_items)
+                draft, sampling, tools, earlier + new_items, len(new_items)
             )
         except Exception as e:
             await self._response_failed(draft)
@@ -331,13 +335,20 @@ class Ingress:
         return item_page(stored["items"], limit, order, after)
 
     async def _start_response(
-        self, draft: ResponseDraft, sampling: dict[str, Any], items: list[dict], keep: int
+        self,
+        draft: ResponseDraft,
+        sampling: dict[str, Any],
+        tools: ToolUse | None,
+        items: list[dict],
+        keep: int,
     ) -> tuple[Any, TurnDelta | TurnResult, list[dict]]:
         """Open the turn; with `truncation: auto`, drop the oldest turns (never the new input)
         until the conversation fits the context, counting what went in the draft."""
         while True:
             messages = chat_messages(draft.body.instructions, items)
-            call = GenerateCall(sampling, draft.session_id, "chat", messages=messages)
+            call = GenerateCall(
+                sampling, draft.session_id, "chat", messages=messages, tool_use=tools
+            )
             try:
                 stream, first = await self._open_stream(call)
                 return stream, first, items
@@ -383,10 +394,7 @@ class Ingress:
             await self._response_failed(draft)
             return [events.error(body)]
 
-        def delta(piece: TurnDelta) -> str | None:
-            return events.delta(piece.text)
-
-        return self._relay(stream, first, events.opening(), delta, finish, fail)
+        return self._relay(stream, first, events.opening(), events.delta, finish, fail)
 
     # ---- internals ----
     def _check_model(self, model: str | None) -> None:

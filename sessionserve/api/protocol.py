@@ -21,7 +21,15 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 
 from sessionserve.errors import InvalidRequestError
-from sessionserve.wire import MIN_REPETITION_PENALTY, MIN_TEMPERATURE, MIN_TOP_P, SEED_RANGE
+from sessionserve.wire import (
+    MIN_REPETITION_PENALTY,
+    MIN_TEMPERATURE,
+    MIN_TOP_P,
+    SEED_RANGE,
+    ToolCall,
+    ToolSpec,
+    ToolUse,
+)
 
 # One rule for session ids wherever they appear (body, header, path): safe in a URL path, a
 # log line and a metric-free label, and bounded.
@@ -148,15 +156,121 @@ class TextPart(RequestBody):
     text: str
 
 
-class ChatMessage(RequestBody):
-    role: Literal["system", "user", "assistant", "developer", "tool"]
+# ---- tools ----
+FUNCTION_NAME = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$", description="As OpenAI: a-z A-Z 0-9 _ -")
+MAX_TOOLS = 128  # as OpenAI
+TOOLS_RULE = (
+    "Function tools the model may call. The answer is constrained so that every call names "
+    "one of them and its arguments validate against its parameters; parameters the grammar "
+    "engine cannot compile are a 400 naming tools."
+)
+
+
+class FunctionSpec(RequestBody):
+    name: str = FUNCTION_NAME
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(
+        None, description="A JSON schema of the arguments object (omitted: any object)."
+    )
+    strict: bool | None = Field(None, description="Calls always follow the schema.")
+
+    def spec(self) -> ToolSpec:
+        return ToolSpec(self.name, self.parameters or {}, self.description)
+
+
+class ChatTool(RequestBody):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class FunctionName(RequestBody):
+    name: str = FUNCTION_NAME
+
+
+class NamedToolChoice(RequestBody):
+    type: Literal["function"]
+    function: FunctionName
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+def tool_use(
+    tools: list[ToolSpec] | None, choice: str | None, forced: str | None, parallel: bool | None
+) -> ToolUse | None:
+    """A request's tools and tool choice, checked (either API's fields, made alike)."""
+    if not tools:
+        if forced is not None or choice == "required":
+            raise InvalidRequestError("tool_choice: needs tools to choose from", "tool_choice")
+        return None
+    names = [t.name for t in tools]
+    duplicate = next((n for n in names if names.count(n) > 1), None)
+    if duplicate is not None:
+        raise InvalidRequestError(f"tools: two tools are named {duplicate!r}", "tools")
+    if forced is not None and forced not in names:
+        raise InvalidRequestError(
+            f"tool_choice: no tool is named {forced!r} (tools: {', '.join(names)})", "tool_choice"
+        )
+    mode = "required" if forced is not None else (choice or "auto")
+    return ToolUse(tuple(tools), mode, forced, True if parallel is None else parallel)
+
+
+class CallFunction(RequestBody):
+    name: str
+    arguments: str = Field(description="The JSON text of the arguments, as the model wrote it.")
+
+
+class MessageToolCall(RequestBody):
+    id: str = Field(min_length=1)
+    type: Literal["function"]
+    function: CallFunction
+
+
+class _Message(RequestBody):
     content: str | list[TextPart]
     name: str | None = None
 
     def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
         return "".join(p.text for p in self.content)
+
+    def wire(self) -> dict[str, Any]:
+        """The message as a replica takes it (calls as `ToolCall`s)."""
+        return {"role": self.role, "content": self.text()}
+
+
+class SystemMessage(_Message):
+    role: Literal["system", "developer"]
+
+
+class UserMessage(_Message):
+    role: Literal["user"]
+
+
+class AssistantMessage(_Message):
+    role: Literal["assistant"]
+    content: str | list[TextPart] | None = Field(None, description="null beside tool_calls.")
+    tool_calls: list[MessageToolCall] | None = Field(None, description="The calls it made.")
+
+    def wire(self) -> dict[str, Any]:
+        calls = [
+            ToolCall(c.id, c.function.name, c.function.arguments) for c in self.tool_calls or []
+        ]
+        return super().wire() | ({"tool_calls": calls} if calls else {})
+
+
+class ToolMessage(_Message):
+    role: Literal["tool"]
+    tool_call_id: str = Field(description="The id of the call this is the result of.")
+
+    def wire(self) -> dict[str, Any]:
+        return super().wire() | {"tool_call_id": self.tool_call_id}
+
+
+ChatMessage = Annotated[
+    SystemMessage | UserMessage | AssistantMessage | ToolMessage, Field(discriminator="role")
+]
 
 
 class _SamplingFields(RequestBody):
@@ -217,6 +331,21 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[ChatTool] | None = Field(None, max_length=MAX_TOOLS, description=TOOLS_RULE)
+    tool_choice: ToolChoice | None = Field(
+        None,
+        description="none (text only), auto (text or calls; the default with tools), "
+        "required (calls only), or a function that must be called. Naming a function "
+        "that is not in tools, or choosing without tools, is a 400.",
+    )
+    parallel_tool_calls: bool | None = Field(None, description="More than one call (default).")
+
+    def tool_use(self) -> ToolUse | None:
+        choice = self.tool_choice
+        forced = choice.function.name if isinstance(choice, NamedToolChoice) else None
+        mode = choice if isinstance(choice, str) else None
+        tools = [t.function.spec() for t in self.tools or []]
+        return tool_use(tools, mode, forced, self.parallel_tool_calls)
 
     def sampling_kwargs(self) -> dict[str, Any]:
         kw = super().sampling_kwargs()

@@ -10,7 +10,7 @@ import json
 from typing import Any, Literal
 
 from sessionserve.api.protocol import new_id, now
-from sessionserve.wire import LogprobEntry, TurnDelta, TurnResult
+from sessionserve.wire import LogprobEntry, ToolCallDelta, TurnDelta, TurnResult
 
 Kind = Literal["chat", "completion"]
 
@@ -68,6 +68,15 @@ def _completion_logprobs(entries: list[LogprobEntry], offset: int) -> dict[str, 
     }
 
 
+def _call_delta(c: ToolCallDelta) -> dict[str, Any]:
+    """A `delta.tool_calls` element: the first of a call has its id, type and name."""
+    out: dict[str, Any] = {"index": c.index}
+    if c.id is not None:
+        out |= {"id": c.id, "type": "function"}
+    out["function"] = {"arguments": c.arguments} | ({"name": c.name} if c.name else {})
+    return out
+
+
 class Reply:
     def __init__(self, kind: Kind, model: str, want_logprobs: bool) -> None:
         self.kind, self.model, self.want_logprobs = kind, model, want_logprobs
@@ -94,7 +103,18 @@ class Reply:
             "logprobs": self._logprobs(logprobs, 0),
         }
         if self.kind == "chat":
-            choice["message"] = {"role": "assistant", "content": text}
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if final.tool_calls:  # as OpenAI: no content (null) beside calls unless it has some
+                message["content"] = text or None
+                message["tool_calls"] = [
+                    {
+                        "id": c.id,
+                        "type": "function",
+                        "function": {"name": c.name, "arguments": c.arguments},
+                    }
+                    for c in final.tool_calls
+                ]
+            choice["message"] = message
         else:
             choice["text"] = text
         return {
@@ -115,12 +135,15 @@ class Reply:
         logprobs: dict[str, Any] | None,
         session: dict[str, Any] | None = None,
         role: bool = False,
+        calls: list[ToolCallDelta] | None = None,
     ) -> str:
         choice: dict[str, Any] = {"index": 0, "logprobs": logprobs, "finish_reason": finish}
         if self.kind == "chat":
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
-            if delta_text is not None:
+            if delta_text is not None and (delta_text or not calls):
                 delta["content"] = delta_text
+            if calls:
+                delta["tool_calls"] = [_call_delta(c) for c in calls]
             choice["delta"] = delta
         else:
             choice["text"] = delta_text or ""
@@ -143,9 +166,10 @@ class Reply:
         return self._chunk("", None, None, role=True) if self.kind == "chat" else None
 
     def delta(self, piece: TurnDelta) -> str | None:
-        if not piece.text and not piece.logprobs:
+        if not piece.text and not piece.logprobs and not piece.tool_calls:
             return None
-        out = self._chunk(piece.text, None, self._logprobs(piece.logprobs, self.text_len))
+        logprobs = self._logprobs(piece.logprobs, self.text_len)
+        out = self._chunk(piece.text, None, logprobs, calls=piece.tool_calls)
         self.text_len += len(piece.text)
         return out
 

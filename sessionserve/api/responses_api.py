@@ -8,10 +8,14 @@ and prefills only what is new. Two responses naming the same previous response f
 conversation: each is a turn over its own full conversation, so the session rewinds to the
 shared point (its KV reused) and neither branch sees the other's tokens.
 
-Field names, objects and events follow OpenAI's API reference. What we do not serve (tools,
-files, images, reasoning options, background runs, ...) is refused with a 400 naming the
-field, never accepted and ignored; the published schema lists, for each such field, only the
-values that mean "not used" (what SDKs send by default), so a schema-valid request is served.
+Function tools work as in chat completions (the replica constrains and parses the calls): a
+call is a `function_call` output item, its result comes back as a `function_call_output` input
+item (through `previous_response_id`, or with the whole conversation in `input`, as agent SDKs
+send it). Field names, objects and events follow OpenAI's API reference. What we do not serve
+(built-in tools, files, images, reasoning options, background runs, ...) is refused with a 400
+naming the field, never accepted and ignored; the published schema lists, for each such field,
+only the values that mean "not used" (what SDKs send by default), so a schema-valid request is
+served.
 """
 
 from __future__ import annotations
@@ -21,10 +25,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, WithJsonSchema
+from pydantic import Field, ValidationError, WithJsonSchema
 
 from sessionserve.api.protocol import (
+    FUNCTION_NAME,
+    MAX_TOOLS,
     TEMPERATURE_SCHEMA,
+    TOOLS_RULE,
     JsonObjectFormat,
     JsonSchemaSpec,
     RequestBody,
@@ -32,9 +39,10 @@ from sessionserve.api.protocol import (
     constraint,
     new_id,
     nullable,
+    tool_use,
 )
 from sessionserve.errors import InvalidRequestError
-from sessionserve.wire import MIN_TOP_P, TurnResult
+from sessionserve.wire import MIN_TOP_P, ToolCall, ToolSpec, ToolUse, TurnDelta, TurnResult
 
 INPUT_ROLES = ("user", "assistant", "system", "developer")
 TEXT_PART_TYPES = ("input_text", "output_text")
@@ -63,11 +71,45 @@ MESSAGE_ITEM_SCHEMA = {
     "additionalProperties": False,
 }
 ITEM_KEYS = set(MESSAGE_ITEM_SCHEMA["properties"])  # a message item's fields, no other
+FUNCTION_CALL_ITEM_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "type": {"const": "function_call"},
+        "call_id": {"type": "string", "minLength": 1},
+        "name": {"type": "string"},
+        "arguments": {"type": "string"},
+        "id": {},
+        "status": {},
+    },
+    "required": ["type", "call_id", "name", "arguments"],
+    "additionalProperties": False,
+}
+INPUT_TEXT_PART = TEXT_PART_SCHEMA | {
+    "properties": {"type": {"const": "input_text"}, "text": {"type": "string"}}
+}
+FUNCTION_OUTPUT_ITEM_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "type": {"const": "function_call_output"},
+        "call_id": {"type": "string", "minLength": 1},
+        "output": _text_or_list(INPUT_TEXT_PART),
+        "id": {},
+        "status": {},
+    },
+    "required": ["type", "call_id", "output"],
+    "additionalProperties": False,
+}
+ITEM_SCHEMAS = {
+    "message": MESSAGE_ITEM_SCHEMA,
+    "function_call": FUNCTION_CALL_ITEM_SCHEMA,
+    "function_call_output": FUNCTION_OUTPUT_ITEM_SCHEMA,
+}
 # What `parse_input` accepts, published as the schema of `input` (a unit test holds the two
-# together): a string, or text messages; other item and part types are refused.
-INPUT_SCHEMA = _text_or_list(MESSAGE_ITEM_SCHEMA) | {
-    "description": "A string (one user message) or text messages; earlier turns come through "
-    "previous_response_id."
+# together): a string, or text messages, function calls and their outputs; other item and
+# part types are refused.
+INPUT_SCHEMA = _text_or_list({"anyOf": list(ITEM_SCHEMAS.values())}) | {
+    "description": "A string (one user message), or text messages, function_call items and "
+    "function_call_output items; earlier turns come through previous_response_id or here."
 }
 NOT_SERVED = "Not supported by this server: only the value that means 'not used' is accepted."
 
@@ -97,6 +139,41 @@ class ResponseText(RequestBody):
     ) = None
 
 
+class FunctionTool(RequestBody):
+    """A function tool of the Responses API (chat's function object, flattened)."""
+
+    type: Literal["function"]
+    name: str = FUNCTION_NAME
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    def spec(self) -> ToolSpec:
+        return ToolSpec(self.name, self.parameters or {}, self.description)
+
+
+FUNCTION_TOOL_SCHEMA = FunctionTool.model_json_schema()
+TOOLS_SCHEMA = {
+    "anyOf": [
+        {"type": "array", "items": FUNCTION_TOOL_SCHEMA, "maxItems": MAX_TOOLS},
+        {"type": "null"},
+    ],
+    "description": TOOLS_RULE + " Built-in tools (web search, file search, ...) are a 400.",
+}
+TOOL_CHOICE_SCHEMA = {
+    "anyOf": [
+        {"enum": ["none", "auto", "required"]},
+        {
+            "type": "object",
+            "properties": {"type": {"const": "function"}, "name": {"type": "string"}},
+            "required": ["type", "name"],
+            "additionalProperties": False,
+        },
+        {"type": "null"},
+    ],
+    "description": "none, auto (the default with tools), required, or the function to call "
+    "(it must be in tools: else a 400).",
+}
 MetadataKey = Annotated[str, Field(max_length=64)]
 MetadataValue = Annotated[str, Field(max_length=512)]
 
@@ -118,11 +195,11 @@ class ResponseCreate(RequestBody):
     truncation: Literal["disabled", "auto"] = "disabled"
     user: str | None = None
     safety_identifier: str | None = None
-    # accepted only with the value that means "not used"
-    tools: Annotated[list[Any] | None, not_served(EMPTY_LIST)] = None
-    tool_choice: Annotated[Any, not_served({"enum": ["none", "auto"]})] = None
+    tools: Annotated[list[Any] | None, WithJsonSchema(TOOLS_SCHEMA)] = None
+    tool_choice: Annotated[Any, WithJsonSchema(TOOL_CHOICE_SCHEMA)] = None
     parallel_tool_calls: bool | None = None
     text: ResponseText | None = None
+    # accepted only with the value that means "not used"
     reasoning: Annotated[Any, not_served()] = None
     background: Annotated[bool | None, not_served({"const": False})] = None
     include: Annotated[list[Any] | None, not_served(EMPTY_LIST)] = None
@@ -137,8 +214,6 @@ class ResponseCreate(RequestBody):
     def refuse_unsupported(self) -> None:
         """400 naming the first field that asks for something this server does not do."""
         refused = {
-            "tools": bool(self.tools),
-            "tool_choice": self.tool_choice not in (None, "none", "auto"),
             "reasoning": self.reasoning is not None,
             "background": bool(self.background),
             "include": bool(self.include),
@@ -158,6 +233,28 @@ class ResponseCreate(RequestBody):
                     param=name,
                 )
 
+    def tool_use(self) -> ToolUse | None:
+        """The function tools and tool choice, checked: a built-in tool is a 400 naming it."""
+        tools = [_function_tool(i, t) for i, t in enumerate(self.tools or [])]
+        choice, forced = self.tool_choice, None
+        if isinstance(choice, dict):
+            if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+                raise InvalidRequestError(
+                    f"tool_choice: {choice.get('type')!r} is not served here: choose none, "
+                    'auto, required or {"type": "function", "name": ...}',
+                    "tool_choice",
+                )
+            choice, forced = None, choice["name"]
+        elif choice not in (None, "none", "auto", "required"):
+            raise InvalidRequestError(
+                "tool_choice: none, auto, required or a function", "tool_choice"
+            )
+        return tool_use(tools, choice, forced, self.parallel_tool_calls)
+
+    def tools_view(self) -> list[dict[str, Any]]:
+        """The tools as a response object reports them."""
+        return [FunctionTool.model_validate(t).model_dump() for t in self.tools or []]
+
     def sampling_kwargs(self) -> dict[str, Any]:
         kwargs = {
             "max_tokens": self.max_output_tokens,
@@ -171,6 +268,23 @@ class ResponseCreate(RequestBody):
         """The `text.format` a response object reports (as asked; plain text by default)."""
         fmt = self.text.format if self.text else None
         return fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}
+
+
+def _function_tool(i: int, tool: Any) -> ToolSpec:
+    where = f"tools[{i}]"
+    kind = tool.get("type") if isinstance(tool, dict) else None
+    if kind != "function":
+        raise InvalidRequestError(
+            f"{where}.type: {kind!r} tools are not served here (no built-in OpenAI tools): "
+            "send function tools, which your code runs",
+            f"{where}.type",
+        )
+    try:
+        return FunctionTool.model_validate(tool).spec()
+    except ValidationError as e:
+        err = e.errors()[0]
+        param = ".".join([where, *(str(x) for x in err["loc"])])
+        raise InvalidRequestError(f"{param}: {err['msg']}", param) from None
 
 
 # ---- input items ----
@@ -211,17 +325,20 @@ def parse_input(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
 def _parse_item(i: int, item: dict[str, Any]) -> dict[str, Any]:
     where = f"input[{i}]"
     kind = item.get("type", "message")
-    if kind != "message":
+    if kind not in ITEM_SCHEMAS:
         raise InvalidRequestError(
-            f"{where}.type: {kind!r} items are not supported; send text messages "
-            "(and previous_response_id for earlier turns)",
+            f"{where}.type: {kind!r} items are not supported; send text messages, "
+            "function_call and function_call_output items",
             param=f"{where}.type",
         )
-    extra = set(item) - ITEM_KEYS
+    schema = ITEM_SCHEMAS[kind]
+    extra = set(item) - set(schema["properties"])
     if extra:
         raise InvalidRequestError(
             f"{where}: unrecognized field {sorted(extra)[0]!r}", param=f"{where}.{sorted(extra)[0]}"
         )
+    if kind != "message":
+        return _parse_function_item(where, item, schema)
     role = item.get("role")
     if role not in INPUT_ROLES:
         raise InvalidRequestError(
@@ -247,15 +364,72 @@ def _parse_item(i: int, item: dict[str, Any]) -> dict[str, Any]:
     return message_item(role, "".join(texts))
 
 
+def _parse_function_item(where: str, item: dict[str, Any], schema: dict) -> dict[str, Any]:
+    for key in schema["required"]:
+        if key not in item:
+            raise InvalidRequestError(f"{where}.{key}: required", param=f"{where}.{key}")
+    if not isinstance(item["call_id"], str) or not item["call_id"]:
+        raise InvalidRequestError(f"{where}.call_id: a non-empty string", f"{where}.call_id")
+    if item["type"] == "function_call":
+        for key in ("name", "arguments"):
+            if not isinstance(item[key], str):
+                raise InvalidRequestError(f"{where}.{key}: a string", param=f"{where}.{key}")
+        return function_call_item(ToolCall(item["call_id"], item["name"], item["arguments"]))
+    output = item["output"]
+    if isinstance(output, list) and output:
+        parts = [p for p in output if isinstance(p, dict) and p.get("type") == "input_text"]
+        if len(parts) == len(output) and all(isinstance(p.get("text"), str) for p in parts):
+            output = "".join(p["text"] for p in parts)
+    if not isinstance(output, str):
+        raise InvalidRequestError(
+            f"{where}.output: a string or a list of input_text parts", f"{where}.output"
+        )
+    return {
+        "id": new_id("fco"),
+        "type": "function_call_output",
+        "call_id": item["call_id"],
+        "output": output,
+        "status": "completed",
+    }
+
+
+def function_call_item(call: ToolCall, status: str = "completed") -> dict[str, Any]:
+    """A call as an output (or input) item; its item id follows from the call id."""
+    return {
+        "id": "fc_" + call.id.removeprefix("call_"),
+        "type": "function_call",
+        "status": status,
+        "arguments": call.arguments,
+        "call_id": call.id,
+        "name": call.name,
+    }
+
+
 def item_text(item: dict[str, Any]) -> str:
     return "".join(part["text"] for part in item["content"])
 
 
-def chat_messages(instructions: str | None, items: list[dict[str, Any]]) -> list[dict[str, str]]:
-    """The conversation as chat messages for the model's template. `instructions` apply to
-    this response only (OpenAI does not carry them over a previous_response_id)."""
-    head = [{"role": "system", "content": instructions}] if instructions else []
-    return head + [{"role": it["role"], "content": item_text(it)} for it in items]
+def chat_messages(instructions: str | None, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The conversation as chat messages for the model's template: a run of function calls
+    joins the assistant message before it (they were one answer), an output is a tool
+    message. `instructions` apply to this response only (OpenAI does not carry them over a
+    previous_response_id)."""
+    out = [{"role": "system", "content": instructions}] if instructions else []
+    for it in items:
+        kind = it["type"]
+        if kind == "function_call":
+            call = ToolCall(it["call_id"], it["name"], it["arguments"])
+            if not (out and out[-1]["role"] == "assistant" and out[-1].get("open")):
+                out.append({"role": "assistant", "content": "", "open": True, "tool_calls": []})
+            out[-1].setdefault("tool_calls", []).append(call)
+        elif kind == "function_call_output":
+            out.append({"role": "tool", "content": it["output"], "tool_call_id": it["call_id"]})
+        else:
+            message = {"role": it["role"], "content": item_text(it)}
+            out.append(message | ({"open": True} if it["role"] == "assistant" else {}))
+    for m in out:
+        m.pop("open", None)
+    return out
 
 
 def drop_oldest_turn(items: list[dict[str, Any]], keep: int) -> int:
@@ -264,7 +438,7 @@ def drop_oldest_turn(items: list[dict[str, Any]], keep: int) -> int:
     can go."""
     droppable = len(items) - keep
     n = 1
-    while n < droppable and items[n]["role"] != "user":
+    while n < droppable and items[n].get("role") != "user":
         n += 1
     return min(n, droppable) if droppable > 0 else 0
 
@@ -304,6 +478,12 @@ class ResponseDraft:
             "content": content,
         }
 
+    def output(self, final: TurnResult, text: str) -> list[dict[str, Any]]:
+        """The output items: the message (unless the answer is only calls), then each call."""
+        status = "incomplete" if final.finish_reason == "length" else "completed"
+        calls = [function_call_item(c, status) for c in final.tool_calls]
+        return ([self.message(text, status)] if text or not calls else []) + calls
+
     def object(self, final: TurnResult | None = None, text: str = "") -> dict[str, Any]:
         """The response object: in progress without `final`, else completed or incomplete."""
         status, incomplete, output = "in_progress", None, []
@@ -311,8 +491,9 @@ class ResponseDraft:
             status = "incomplete" if final.finish_reason == "length" else "completed"
             if status == "incomplete":
                 incomplete = {"reason": "max_output_tokens"}
-            output = [self.message(text, status)]
+            output = self.output(final, text)
         b = self.body
+        choice = b.tool_choice if b.tool_choice is not None else ("auto" if b.tools else "none")
         obj: dict[str, Any] = {
             "id": self.id,
             "object": "response",
@@ -326,14 +507,14 @@ class ResponseDraft:
             "metadata": b.metadata or {},
             "model": self.model,
             "output": output,
-            "parallel_tool_calls": False,
+            "parallel_tool_calls": b.parallel_tool_calls is not False,
             "previous_response_id": b.previous_response_id,
             "reasoning": None,
             "store": b.store,
             "temperature": b.temperature if b.temperature is not None else 1.0,
             "text": {"format": b.text_format()},
-            "tool_choice": "none",
-            "tools": [],
+            "tool_choice": choice,
+            "tools": b.tools_view(),
             "top_p": b.top_p if b.top_p is not None else 1.0,
             "truncation": b.truncation,
             "usage": usage(final) if final is not None else None,
@@ -351,52 +532,125 @@ class ResponseDraft:
 
 
 class ResponseEvents:
-    """The Responses API's server-sent events for one response, numbered in order."""
+    """The Responses API's server-sent events for one response, numbered in order. Output
+    items open as the answer reaches them (the message at its first text, a function call at
+    its name) and close when the next one opens or the response ends, so the events of each
+    item are contiguous, as OpenAI's are."""
 
     def __init__(self, draft: ResponseDraft) -> None:
         self.draft = draft
         self.seq = 0
         self.text = ""
+        self.items: list[dict[str, Any]] = []  # opened, in output order
+        self.open = False  # the last item is still streaming
 
     def _event(self, kind: str, **fields: Any) -> str:
         body = {"type": kind, "sequence_number": self.seq, **fields}
         self.seq += 1
         return f"event: {kind}\ndata: {json.dumps(body)}\n\n"
 
-    def _where(self) -> dict[str, Any]:
-        return {"item_id": self.draft.message_id, "output_index": 0, "content_index": 0}
+    def _where(self, index: int) -> dict[str, Any]:
+        return {"item_id": self.items[index]["id"], "output_index": index}
 
     def opening(self) -> list[str]:
         d = self.draft
         return [
             self._event("response.created", response=d.object()),
             self._event("response.in_progress", response=d.object()),
-            self._event(
-                "response.output_item.added", output_index=0, item=d.message("", "in_progress")
-            ),
-            self._event(
-                "response.content_part.added", **self._where(), part=_text_part("output_text", "")
-            ),
         ]
 
-    def delta(self, text: str) -> str | None:
-        if not text:
-            return None
-        self.text += text
-        return self._event("response.output_text.delta", **self._where(), delta=text, logprobs=[])
+    def _add(self, item: dict[str, Any]) -> list[str]:
+        self.items.append(item)
+        self.open = True
+        out = [
+            self._event("response.output_item.added", output_index=len(self.items) - 1, item=item)
+        ]
+        if item["type"] == "message":
+            part = _text_part("output_text", "")
+            out.append(self._event("response.content_part.added", **self._text_where(), part=part))
+        return out
+
+    def _text_where(self) -> dict[str, Any]:
+        return self._where(len(self.items) - 1) | {"content_index": 0}
+
+    def delta(self, piece: TurnDelta) -> str | None:
+        """The events of a piece of the answer (None: nothing to send)."""
+        out: list[str] = []
+        if piece.text:
+            if not self.items:
+                out += self._add(self.draft.message("", "in_progress"))
+            self.text += piece.text
+            out.append(
+                self._event(
+                    "response.output_text.delta",
+                    **self._text_where(),
+                    delta=piece.text,
+                    logprobs=[],
+                )
+            )
+        for c in piece.tool_calls:
+            if c.id is not None:  # a new call: what was streaming is done
+                out += self._close(self._streamed(len(self.items) - 1)) if self.open else []
+                call = ToolCall(c.id, c.name or "", "")
+                out += self._add(function_call_item(call, "in_progress"))
+            if c.arguments:
+                self.items[-1]["arguments"] += c.arguments
+                out.append(
+                    self._event(
+                        "response.function_call_arguments.delta",
+                        **self._where(len(self.items) - 1),
+                        delta=c.arguments,
+                    )
+                )
+        return "".join(out) or None
+
+    def _streamed(self, index: int) -> dict[str, Any]:
+        """An item as streamed so far, completed (the final object has the same)."""
+        item = self.items[index]
+        if item["type"] == "message":
+            return self.draft.message(self.text, "completed")
+        return item | {"status": "completed"}
+
+    def _close(self, item: dict[str, Any]) -> list[str]:
+        """The events that end the last item, `item` as it ends."""
+        index, self.open = len(self.items) - 1, False
+        if item["type"] == "message":
+            text = item["content"][0]["text"]
+            out = [
+                self._event(
+                    "response.output_text.done", **self._text_where(), text=text, logprobs=[]
+                ),
+                self._event(
+                    "response.content_part.done",
+                    **self._text_where(),
+                    part=_text_part("output_text", text),
+                ),
+            ]
+        else:
+            out = [
+                self._event(
+                    "response.function_call_arguments.done",
+                    **self._where(index),
+                    name=item["name"],
+                    arguments=item["arguments"],
+                )
+            ]
+        return [*out, self._event("response.output_item.done", output_index=index, item=item)]
 
     def closing(self, response: dict[str, Any]) -> list[str]:
-        """The closing events, around the finished (and already stored) response object."""
-        text = response["output"][0]["content"][0]["text"]
+        """The closing events, around the finished (and already stored) response object:
+        the end of each item not yet done, as the response has it (one never opened, an
+        empty answer's message, is opened first)."""
+        out: list[str] = []
+        for index, item in enumerate(response["output"]):
+            if index >= len(self.items):
+                opened = item | {"status": "in_progress"}
+                out += self._add(opened | ({"content": []} if item["type"] == "message" else {}))
+            elif index < len(self.items) - 1 or not self.open:
+                continue  # done already
+            out += self._close(item)
         done = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
-        return [
-            self._event("response.output_text.done", **self._where(), text=text, logprobs=[]),
-            self._event(
-                "response.content_part.done", **self._where(), part=_text_part("output_text", text)
-            ),
-            self._event("response.output_item.done", output_index=0, item=response["output"][0]),
-            self._event(done, response=response),
-        ]
+        return [*out, self._event(done, response=response)]
 
     def error(self, body: dict[str, Any]) -> str:
         err = body["error"]

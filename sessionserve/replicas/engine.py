@@ -154,9 +154,10 @@ class Engine:
         sampling = sampling or SamplingParams()
         rid = rid or f"req-{next(_rid_counter)}"
         check_prompt_ids(input_ids, self.vocab_size)
-        grammar = None  # compiled before the lock (a new schema takes ms), a 400 if it cannot
-        if sampling.json_schema is not None:
-            grammar = self.grammars().matcher(sampling.json_schema)
+        # compiled before the lock (a new schema takes ms), a 400 if it cannot
+        grammar = None
+        if sampling.json_schema is not None or sampling.lark_grammar is not None:
+            grammar = self.grammars().for_sampling(sampling)
         with self.lock:
             if rid in self.outputs.requests:
                 raise InvalidRequestError(f"request id {rid!r} is already in use", param="rid")

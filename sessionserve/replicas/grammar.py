@@ -7,8 +7,10 @@ bitmask of the tokens the grammar allows next and the sampler sees only those (`
 each sampled token is then consumed, and the answer ends when its JSON is complete
 (`stopping.py`), so an answer that ends always parses and validates. Compiled matchers are
 cached by schema text and copied per request. A schema that cannot be compiled is a 400 naming
-`response_format`, raised before the request takes any KV. Speculation skips constrained
-requests (their drafts would have to pass the mask too): they decode one token a step.
+`response_format`, raised before the request takes any KV. Tool calls are constrained the same
+way by a Lark grammar (replicas/tools/formats.py), whose errors name `tools`. Speculation skips
+constrained requests (their drafts would have to pass the mask too): they decode one token a
+step.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 import torch
 
 from sessionserve.errors import InvalidRequestError
+from sessionserve.wire import SamplingParams
 
 CACHED_SCHEMAS = 64  # compiled grammars kept (least recently used dropped first)
 # JSON's layout is fixed (no free whitespace): with free whitespace a model can pad an answer
@@ -33,39 +36,52 @@ class Grammars:
         """`vocab_size`: the logits' width (it may exceed the tokenizer's)."""
         import llguidance.hf
 
-        self._compiled: OrderedDict[str, Any] = OrderedDict()
+        self._compiled: OrderedDict[tuple[bool, str], Any] = OrderedDict()
         self.info, self.unusable = None, None
         try:
             self.info = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
         except Exception as e:  # a tokenizer llguidance cannot map to bytes
             self.unusable = f"this model's tokenizer cannot be constrained ({e})"
 
-    def matcher(self, json_schema: str) -> Any:
-        """A fresh matcher at the start of `json_schema` (its text); a 400 if it cannot be
-        compiled."""
+    def for_sampling(self, sampling: SamplingParams) -> Any | None:
+        """The request's own matcher (None: unconstrained); a 400 if it cannot be built."""
+        if sampling.lark_grammar is not None:
+            return self.matcher(sampling.lark_grammar, lark=True)
+        if sampling.json_schema is not None:
+            return self.matcher(sampling.json_schema)
+        return None
+
+    def matcher(self, text: str, lark: bool = False) -> Any:
+        """A fresh matcher at the start of `text`: a JSON schema, or with `lark` a Lark grammar
+        (tool calls); a 400 if it cannot be compiled."""
+        param = "tools" if lark else "response_format"
         if self.info is None:
-            raise _unusable(self.unusable)
-        template = self._compiled.get(json_schema)
+            raise _unusable(self.unusable, param)
+        key = (lark, text)
+        template = self._compiled.get(key)
         if template is None:
-            template = self._compile(json_schema)
-            self._compiled[json_schema] = template
+            template = self._compile(text, lark, param)
+            self._compiled[key] = template
             if len(self._compiled) > CACHED_SCHEMAS:
                 self._compiled.popitem(last=False)
-        self._compiled.move_to_end(json_schema)
+        self._compiled.move_to_end(key)
         return template.deep_copy()
 
-    def _compile(self, json_schema: str) -> Any:
+    def _compile(self, text: str, lark: bool, param: str) -> Any:
         from llguidance import LLMatcher
 
         try:
-            grammar = LLMatcher.grammar_from_json_schema(json_schema, defaults=JSON_LAYOUT)
+            if lark:
+                grammar = LLMatcher.grammar_from_lark(text)
+            else:
+                grammar = LLMatcher.grammar_from_json_schema(text, defaults=JSON_LAYOUT)
         except Exception as e:  # not JSON, or a schema llguidance refuses
-            raise _unusable(str(e)) from None
+            raise _unusable(str(e), param) from None
         matcher = LLMatcher(self.info, grammar)
         if matcher.is_error():
-            raise _unusable(matcher.get_error())
+            raise _unusable(matcher.get_error(), param)
         if not any(matcher.compute_bitmask()):  # a vocabulary without `{`, say
-            raise _unusable("no token of this model's vocabulary can start such an answer")
+            raise _unusable("no token of this model's vocabulary can start such an answer", param)
         return matcher
 
 
@@ -96,8 +112,7 @@ def consume(matcher: Any, token: int) -> None:
         raise RuntimeError(f"the grammar refused token {token}: {matcher.get_error()}")
 
 
-def _unusable(reason: str) -> InvalidRequestError:
+def _unusable(reason: str, param: str) -> InvalidRequestError:
     return InvalidRequestError(
-        f"response_format: constrained decoding cannot serve this request: {reason}",
-        param="response_format",
+        f"{param}: constrained decoding cannot serve this request: {reason}", param=param
     )

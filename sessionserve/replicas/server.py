@@ -40,6 +40,8 @@ from sessionserve.replicas.migration import SessionMover
 from sessionserve.replicas.outputs import StepEvent
 from sessionserve.replicas.request import RequestResult, TokenLogprob
 from sessionserve.replicas.sessions import SessionExport, SessionSeed
+from sessionserve.replicas.tools.formats import render_messages, tool_grammar
+from sessionserve.replicas.tools.parser import ToolCallParser
 from sessionserve.router.session_router import SessionAffinityRouter
 from sessionserve.wire import (
     FinishReason,
@@ -117,7 +119,8 @@ class ReplicaServer:
     async def generate(self, call: GenerateCall) -> AsyncIterator[TurnDelta | TurnResult]:
         """Stream `TurnDelta`s, then one `TurnResult` with the usage."""
         ids = self._input_ids(call)
-        sampling = SamplingParams.build(**call.sampling)
+        sampling = self._sampling(call)
+        tools = ToolCallParser() if sampling.lark_grammar is not None else None
         events: asyncio.Queue[StepEvent | Exception] = asyncio.Queue()
         aio = asyncio.get_running_loop()
         rid = call.rid or uuid.uuid4().hex
@@ -151,15 +154,18 @@ class ReplicaServer:
                     answer.extend(event.new_token_ids)
                 so_far = answer.text if event.text is None else event.text
                 text = (event.result.text or "") if done else self._visible_text(so_far, sampling)
-                if event.new_token_ids or len(text) > len(text_sent):
-                    yield TurnDelta(
-                        event.new_token_ids,
-                        text[len(text_sent) :],
-                        self._logprob_entries(event.new_logprobs),
-                    )
-                    text_sent = text
+                piece, calls = text[len(text_sent) :], []
+                text_sent = text
+                if tools is not None:  # the calls apart from the content
+                    piece, calls = tools.feed(piece)
+                    if done:
+                        rest, last, _ = tools.finish()
+                        piece, calls = piece + rest, calls + last
+                if event.new_token_ids or piece or calls:
+                    logprobs = self._logprob_entries(event.new_logprobs)
+                    yield TurnDelta(event.new_token_ids, piece, logprobs, calls)
                 if done:
-                    yield _result(event.result, self.replica_id)
+                    yield _result(event.result, self.replica_id, tools)
         finally:
             self.streams.pop(rid, None)
             if not done and self.loop.error is None:
@@ -185,6 +191,15 @@ class ReplicaServer:
             for lp in lps
         ]
 
+    @staticmethod
+    def _sampling(call: GenerateCall) -> SamplingParams:
+        """The call's sampling; with tools, the grammar of the calls (and of a JSON answer)."""
+        sampling = SamplingParams.build(**call.sampling)
+        grammar = tool_grammar(call.tool_use, sampling.json_schema)
+        if grammar is None:
+            return sampling
+        return sampling.model_copy(update={"lark_grammar": grammar, "json_schema": None})
+
     def _input_ids(self, call: GenerateCall) -> list[int]:
         tok = self.engine.tokenizer
         if call.messages is not None:
@@ -194,10 +209,19 @@ class ReplicaServer:
                     "so it cannot take chat messages; send a prompt to /v1/completions",
                     param="messages",
                 )
+            messages, extra = call.messages, {}
+            if call.tool_use is not None or any(
+                m.get("tool_calls") or m["role"] == "tool" for m in messages
+            ):
+                messages, extra = render_messages(tok, messages, call.tool_use)
             try:
                 return list(
                     tok.apply_chat_template(
-                        call.messages, add_generation_prompt=True, tokenize=True, return_dict=False
+                        messages,
+                        add_generation_prompt=True,
+                        tokenize=True,
+                        return_dict=False,
+                        **extra,
                     )
                 )
             except Exception as e:  # a template that rejects the roles or order
@@ -369,8 +393,10 @@ def _node_id() -> str | None:
         return None
 
 
-def _result(r: RequestResult, replica: str) -> TurnResult:
-    return TurnResult(
+def _result(r: RequestResult, replica: str, tools: ToolCallParser | None = None) -> TurnResult:
+    """The turn's final record; with tools, its content and calls apart (an answer that
+    ended with calls finishes as "tool_calls", as OpenAI's do)."""
+    result = TurnResult(
         finish_reason=r.finish_reason.value,
         finish_message=r.finish_message,
         text=r.text,
@@ -385,3 +411,8 @@ def _result(r: RequestResult, replica: str) -> TurnResult:
         ttft_s=r.ttft_s,
         replica=replica,
     )
+    if tools is not None:
+        result.text, result.tool_calls = tools.content, tools.finish()[2]
+        if result.tool_calls and result.finish_reason == FinishReason.STOP:
+            result.finish_reason = "tool_calls"
+    return result

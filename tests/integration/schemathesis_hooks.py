@@ -3,8 +3,10 @@ SCHEMATHESIS_HOOKS): bound the work a generated request asks of the tiny model, 
 is validated. A schema-valid body keeps a schema-valid `max_tokens` (at most 16, so that a
 turn stays short and fits the context whatever its input), and asks for plain text: a JSON
 answer format depends on what no schema can state (a compilable schema, a tokenizer that can
-write JSON; the test model's word tokenizer cannot), as the field's description says; its
-400 is tested on its own. Other bodies are sent as made."""
+write JSON; the test model's word tokenizer cannot), as the field's description says, and so
+without tools (their calls are constrained the same way; a named tool_choice must name one of
+the tools, which no schema can state); those 400s are tested on their own. Other bodies are
+sent as made."""
 
 from __future__ import annotations
 
@@ -27,6 +29,8 @@ def before_call(context, case, kwargs) -> None:
     if not present:  # the default would be the rest of the context
         field = "max_output_tokens" if case.operation.path == "/v1/responses" else "max_tokens"
         body[field] = MAX_NEW_TOKENS
+    for field in ("tools", "tool_choice"):
+        body.pop(field, None)
     if isinstance(body.get("response_format"), dict):
         body["response_format"] = {"type": "text"}
     if isinstance(body.get("text"), dict) and isinstance(body["text"].get("format"), dict):

@@ -44,11 +44,14 @@ def server_accepts(model: str, body: dict[str, Any]) -> bool:
         if model == "ResponseCreate":
             request = ResponseCreate.model_validate(body)
             request.refuse_unsupported()
+            request.tool_use()
             parse_input(request.input)
         else:
             request = {"ChatCompletionRequest": ChatCompletionRequest}.get(
                 model, CompletionRequest
             ).model_validate(body)
+            if model == "ChatCompletionRequest":
+                request.tool_use()
         kwargs = {k: v for k, v in request.sampling_kwargs().items() if v is not None}
         sampling = SamplingParams.build(**kwargs)
         if model == "CompletionRequest":
@@ -116,8 +119,46 @@ CASES = [
     ("ResponseCreate", {"text": {"format": {"type": "json_schema", "name": "a"}}}, True),
     ("ResponseCreate", {"text": {"format": {"type": "json_schema", "name": "a b"}}}, False),
     ("ResponseCreate", {"text": {"format": {"type": "json_schema"}}}, False),  # no name
-    ("ResponseCreate", {"tools": [{"type": "function", "name": "f"}]}, False),
-    ("ResponseCreate", {"tool_choice": "required"}, False),
+    # Responses: function tools; built-in ones and other choices are refused
+    ("ResponseCreate", {"tools": [{"type": "function", "name": "f"}]}, True),
+    ("ResponseCreate", {"tools": [{"type": "function", "name": "f g"}]}, False),
+    ("ResponseCreate", {"tools": [{"type": "function", "name": "f", "x": 1}]}, False),
+    ("ResponseCreate", {"tools": [{"type": "web_search"}]}, False),
+    ("ResponseCreate", {"tool_choice": {"type": "web_search"}}, False),
+    ("ResponseCreate", {"tool_choice": "sometimes"}, False),
+    ("ResponseCreate", {"parallel_tool_calls": 1}, False),
+    # chat: function tools, and the calls and results of earlier turns
+    ("ChatCompletionRequest", {"tools": [{"type": "function", "function": {"name": "f"}}]}, True),
+    ("ChatCompletionRequest", {"tools": [{"type": "custom", "custom": {"name": "f"}}]}, False),
+    ("ChatCompletionRequest", {"tool_choice": "sometimes"}, False),
+    (
+        "ChatCompletionRequest",
+        {
+            "messages": [
+                {"role": "user", "content": "hi"},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": "c",
+                            "type": "function",
+                            "function": {"name": "f", "arguments": "{}"},
+                        }
+                    ],
+                },
+                {"role": "tool", "content": "3", "tool_call_id": "c"},
+            ]
+        },
+        True,
+    ),
+    ("ChatCompletionRequest", {"messages": [{"role": "tool", "content": "3"}]}, False),
+    ("ChatCompletionRequest", {"messages": [{"role": "user", "content": None}]}, False),
+    (
+        "ChatCompletionRequest",
+        {"messages": [{"role": "user", "content": "a", "tool_calls": []}]},
+        False,
+    ),
     ("ResponseCreate", {"text": {"verbosity": "low"}}, False),
     ("ResponseCreate", {"text": {"format": "text"}}, False),
     ("ResponseCreate", {"background": True}, False),
@@ -131,7 +172,7 @@ CASES = [
     ("ResponseCreate", {"temperature": 1e-5}, False),
     ("ResponseCreate", {"max_output_tokens": CONTEXT}, False),
 ]
-# Responses input: text messages only
+# Responses input: text messages, function calls and their outputs
 INPUTS = [
     ("", True),
     ([], False),
@@ -146,7 +187,27 @@ INPUTS = [
     ([{"role": "robot", "content": "a"}], False),
     ([{"role": "user"}], False),
     ([{"content": "a"}], False),
-    ([{"type": "function_call_output", "call_id": "c", "output": "o"}], False),
+    ([{"type": "function_call_output", "call_id": "c", "output": "o"}], True),
+    (
+        [
+            {
+                "type": "function_call_output",
+                "call_id": "c",
+                "output": [{"type": "input_text", "text": "o"}],
+            }
+        ],
+        True,
+    ),
+    ([{"type": "function_call_output", "call_id": "", "output": "o"}], False),
+    ([{"type": "function_call_output", "call_id": "c"}], False),
+    ([{"type": "function_call_output", "call_id": "c", "output": 3}], False),
+    ([{"type": "function_call_output", "call_id": "c", "output": "o", "x": 1}], False),
+    (
+        [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}", "id": "fc_1"}],
+        True,
+    ),
+    ([{"type": "function_call", "call_id": "c", "name": "f"}], False),
+    ([{"type": "function_call", "call_id": "c", "name": "f", "arguments": {}}], False),
     ([{"type": "item_reference", "id": "msg_1"}], False),
     ([{"role": "user", "content": "a", "extra": 1}], False),
 ]
