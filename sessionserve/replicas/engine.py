@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -77,7 +78,7 @@ class Engine:
         self.context_limit = context_limit(cfg, self.cache)
         self.stopper = StopChecker(self.tokenizer, cfg.cache.max_context_len)
         self.scheduler = Scheduler(self.cache, cfg.scheduler, self.stopper, self.speculative)
-        self.sessions = SessionController(self.cache, cfg.sessions)
+        self.sessions = SessionController(self.cache, cfg.sessions, self._decode_verbatim())
         self.outputs = OutputProcessor(
             self.tokenizer, self.sessions, self.scheduler.release, lambda: self.metrics
         )
@@ -108,6 +109,15 @@ class Engine:
     def close_session(self, session_id: str) -> bool:
         with self.lock:
             return self.sessions.close(session_id)
+
+    def _decode_verbatim(self) -> Callable[[list[int]], str] | None:
+        """The tokenizer's decode with special tokens and spaces as they are (None: none)."""
+        tok = self.tokenizer
+        if tok is None:
+            return None
+        return lambda ids: tok.decode(
+            ids, skip_special_tokens=False, clean_up_tokenization_spaces=False
+        )
 
     def session_info(self, session_id: str) -> SessionInfo:
         with self.lock:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from sessionserve.cache.kv_snapshot import KVSnapshot
@@ -24,6 +25,7 @@ from sessionserve.errors import (
     SessionLogNeededError,
     UnknownSessionError,
 )
+from sessionserve.replicas.retokenize import continue_history
 
 log = logging.getLogger(__name__)
 REAP_PERIOD_S = 1.0
@@ -76,9 +78,17 @@ class SessionExport:
 
 
 class SessionController:
-    def __init__(self, cache: SessionCache, config: SessionConfig) -> None:
+    def __init__(
+        self,
+        cache: SessionCache,
+        config: SessionConfig,
+        decode: Callable[[list[int]], str] | None = None,
+    ) -> None:
+        """`decode`: the tokenizer's, keeping special tokens and spaces (chat turns keep the
+        session's own tokens where the conversation's text is unchanged, retokenize.py)."""
         self.cache = cache
         self.config = config
+        self.decode = decode
         # At max_sessions, give the least recently used idle session's slot to the new one.
         # Only safe where every turn brings its whole input (the served replica: the ingress
         # sends the conversation or the directory's token log), so a reclaimed session's next
@@ -135,6 +145,8 @@ class SessionController:
                 len(seed.history) if seed.history is not None else seed.log_tokens,
                 len(slot.history),
             )
+        if mode == "chat" and self.decode is not None and slot.history:
+            new_ids = continue_history(slot.history, new_ids, self.decode)
         kv = self.cache.start_turn(session_id, rid)
         slot.last_active = time.monotonic()
         return kv, (slot.history + new_ids if mode == "append" else list(new_ids))

@@ -129,22 +129,17 @@ def _generic(messages: list[dict[str, Any]], tool_use: ToolUse | None) -> list[d
 
 
 def generic_instructions(tool_use: ToolUse) -> str:
-    """The system message's part that tells a model without tool support about the tools."""
+    """The system message's part that tells a model without tool support about the tools.
+    It depends on the tools alone, not on `tool_choice` (the grammar enforces that): an agent
+    that changes its tool choice between steps keeps its prompt's prefix, and its KV."""
     listing = "\n".join(json.dumps(_function(t)) for t in tool_use.tools)
-    if tool_use.function is not None:
-        when = f"You must call the function {tool_use.function} now."
-    elif tool_use.choice == "required":
-        when = "You must call one or more of these functions now."
-    elif tool_use.choice == "none":
-        when = "Do not call a function now: answer in text."
-    else:
-        when = "Call a function when it helps; otherwise answer in text."
     return (
         "You can call these functions:\n"
         f"{listing}\n"
         "To call one, write exactly:\n"
         f'{OPEN}{{"name":"<function name>","arguments":<its arguments as a JSON object>}}{CLOSE}\n'
-        f"A result comes back in a {RESPONSE_OPEN.strip()} block. {when}"
+        f"A result comes back in a {RESPONSE_OPEN.strip()} block. Call a function when it "
+        "helps; otherwise answer in text."
     )
 
 

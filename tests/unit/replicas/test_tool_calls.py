@@ -130,6 +130,9 @@ def test_a_template_without_tools_gets_them_in_the_system_message_and_calls_verb
     ]
     out, extra = render_messages(tok, messages, ToolUse((ADD,), "auto"))
     assert extra == {}
+    for choice, function in (("required", None), ("required", "add"), ("none", None)):
+        # the prompt does not depend on the tool choice: a step that changes it keeps its KV
+        assert render_messages(tok, messages, ToolUse((ADD,), choice, function))[0] == out
     assert [m["role"] for m in out] == ["system", "user", "assistant", "user"]
     assert out[0]["content"].startswith("Be brief.\n\n") and '"name": "add"' in out[0]["content"]
     assert out[2]["content"] == OPEN + '{"name":"add","arguments":{"a":1,"b":2}}' + CLOSE
