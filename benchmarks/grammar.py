@@ -60,14 +60,14 @@ def run(eng, prompts: list[list[int]], sampling: SamplingParams) -> tuple[list[f
     return times[1 : len(times) - 1], answers
 
 
-def mask_time(eng, answers: list[list[int]], schema: str) -> float:
+def mask_time(eng, answers: list[list[int]], grammar: str, lark: bool = False) -> float:
     """Seconds per step that masking costs a batch: each step, every row's mask filled and
     applied to [batch, vocab] logits, then the sampled token consumed, replaying `answers`
     (what the constrained rows sampled). Timed alone: the step-time A/B above is within this
-    machine's noise."""
+    machine's noise. `grammar`: a JSON schema's text, or with `lark` a Lark grammar."""
     from sessionserve.replicas.grammar import apply_masks, consume
 
-    matchers = [eng.grammars().matcher(schema) for _ in answers]
+    matchers = [eng.grammars().matcher(grammar, lark=lark) for _ in answers]
     logits = torch.randn(len(answers), eng.vocab_size)
     steps = min(len(a) for a in answers)
     start = time.perf_counter()

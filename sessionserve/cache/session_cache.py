@@ -10,6 +10,8 @@ The rules (DESIGN.md 4.4), each closing a bug the reference system had:
   turn restores the parked KV (stale tail freed page-aligned).
 - Finish trims speculative overshoot (tokens and KV) before the save.
 - Append mode is append-only (AppendOnlyViolationError); chat mode may rewind to the divergence.
+  A rewind of a page or more (an edited history, a fork) moves the branch it leaves into the
+  radix tree, so that going back to it reuses it (until the tree evicts it).
 - Idle sessions are evicted LRU under pressure: KV freed, `history` kept for re-prefill.
   With a host tier attached, the KV is first copied there (`park`), and the next turn copies
   it back (`cached_source == "host"`) instead of re-prefilling it.
@@ -132,7 +134,13 @@ class SessionCache(RequestCache):
                 f"session {slot.session_id!r}: append-mode input diverges from the held KV at "
                 f"token {prefix_len} (holds {slot.committed_len})"
             )
-        if prefix_len < slot.protected_len:  # diverged inside the shared first prompt
+        if mode == "chat" and self._leaves_a_branch(slot, prefix_len):
+            # the branch being left goes to the radix tree (evictable, like any cached
+            # prefix): this turn reuses its start from there, and a return to it reuses it all
+            self._insert_prefix(
+                slot, slot.kv_tokens, floor_align(slot.committed_len, self.page_size)
+            )
+        if prefix_len < slot.protected_len:  # diverged inside the tree-shared part
             self._release_slot_kv(slot)
             return self._match_radix(req, tokens)
         self._free_tail(slot, prefix_len)
@@ -143,6 +151,14 @@ class SessionCache(RequestCache):
         req.protected_len = slot.protected_len
         self._set_cached(req, len(tokens), prefix_len, source)
         return prefix_len
+
+    def _leaves_a_branch(self, slot: SessionSlot, prefix_len: int) -> bool:
+        """Whether a chat turn diverging at `prefix_len` rewinds at least a whole page past
+        it (an edited history, a fork): shorter rewinds just drop their tail."""
+        page = self.page_size
+        return self.radix.enabled and (
+            floor_align(slot.committed_len, page) >= ceil_align(prefix_len, page) + page
+        )
 
     # ---- host tier and migration ----
     def park(self, session_id: str) -> bool:

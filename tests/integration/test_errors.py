@@ -13,6 +13,8 @@ pytestmark = pytest.mark.ray
 
 CHAT = "/v1/chat/completions"
 MSG = [{"role": "user", "content": "w5 w6"}]
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+FORCE_G = {"type": "function", "function": {"name": "g"}}
 
 
 @pytest.mark.parametrize(
@@ -55,6 +57,44 @@ MSG = [{"role": "user", "content": "w5 w6"}]
             400,
             "text.format",
             "tokenizer cannot be constrained",
+        ),
+        # tools: what cannot be served is a 400 naming it, before any session or KV
+        (
+            CHAT,
+            {"messages": MSG, "tools": [TOOL], "tool_choice": FORCE_G},
+            400,
+            "tool_choice",
+            "no tool is named 'g'",
+        ),
+        (CHAT, {"messages": MSG, "tool_choice": "required"}, 400, "tool_choice", "needs tools"),
+        (CHAT, {"messages": MSG, "tools": [TOOL, TOOL]}, 400, "tools", "two tools"),
+        (
+            CHAT,
+            {"messages": [{"role": "tool", "content": "3"}]},
+            400,
+            "messages.0.tool.tool_call_id",
+            "Field required",
+        ),
+        (  # the word tokenizer cannot write a call either
+            CHAT,
+            {"messages": MSG, "tools": [TOOL]},
+            400,
+            "tools",
+            "tokenizer cannot be constrained",
+        ),
+        (
+            "/v1/responses",
+            {"input": "w5", "tools": [{"type": "web_search"}]},
+            400,
+            "tools[0].type",
+            "'web_search' tools are not served",
+        ),
+        (
+            "/v1/responses",
+            {"input": [{"type": "function_call_output", "call_id": "c"}]},
+            400,
+            "input[0].output",
+            "required",
         ),
     ],
 )

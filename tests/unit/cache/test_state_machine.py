@@ -21,6 +21,7 @@ from hypothesis.stateful import (
 
 from sessionserve.cache import KVState, RequestKV, SessionLimits, build_session_cache
 from sessionserve.cache.checker import MemoryChecker
+from sessionserve.cache.allocator import floor_align
 from sessionserve.cache.session_cache import _common_prefix_len
 from sessionserve.errors import (
     KVCacheFullError,
@@ -190,15 +191,20 @@ class SessionCacheMachine(RuleBasedStateMachine):
         expect = None
         tier = self.cache.host_tier
         parked = tier.get(sid) if tier is not None and sid else None
+        branch = False  # a chat rewind of a page or more: the branch left goes to the tree
         if slot is not None and slot.holds_kv:
             lcp = _common_prefix_len(slot.kv_tokens, turn.tokens[:-1])
             expect = lcp if lcp >= slot.protected_len else None
+            branch = turn.mode == "chat" and self.cache._leaves_a_branch(slot, lcp)
         try:
             cached = self.drive.admit(turn)  # verifies the reused KV content
         except KVCacheFullError:  # no free row: stays queued, holding nothing
             assert turn.req.state is KVState.WAITING and turn.req.row is None
             return
-        if expect is not None:
+        if branch:  # reused from the tree: at least the whole pages before the divergence
+            assert cached >= floor_align(lcp, self.cache.page_size)
+            assert turn.req.cached_source == ("radix" if cached else "none")
+        elif expect is not None:
             assert (cached, turn.req.cached_source) == (expect, "session" if expect else "none")
         if parked is not None:  # taken out whether or not it could be restored
             assert sid not in tier

@@ -64,9 +64,32 @@ def test_chat_mode_reuses_longest_prefix_and_rewinds_on_edit() -> None:
     assert r2.output_ids == reference.generate([convo2], GREEDY_LP)[0].output_ids
     edited = convo2[:35] + [7, 7, 7]  # the client edited an earlier message
     (r3,) = engine.generate([edited], GREEDY_LP, session_id=sid, mode="chat")
-    assert r3.cached_tokens == 35 and r3.cached_source == "session"
+    # the branch it left went to the radix tree: its whole pages before the edit are reused
+    assert r3.cached_tokens == 32 and r3.cached_source == "radix"
     ref3 = reference.generate([edited], GREEDY_LP)[0]
     assert r3.output_ids == ref3.output_ids and _close(r3.logprobs, ref3.logprobs)
+    back = convo2 + r2.output_ids + _new_input(2, 5)  # the client goes back to that branch
+    (r4,) = engine.generate([back], GREEDY_LP, session_id=sid, mode="chat")
+    assert r4.cached_tokens == 4 * ((len(convo2) + len(r2.output_ids) - 1) // 4)  # all of it
+    ref4 = reference.generate([back], GREEDY_LP)[0]
+    assert r4.output_ids == ref4.output_ids and _close(r4.logprobs, ref4.logprobs)
+    engine.close_session(sid)
+    engine.checker.check_idle()
+
+
+def test_a_small_rewind_stays_in_the_session() -> None:
+    """A chat turn that rewinds less than a page (a re-rendered last answer) keeps its
+    KV in the session slot: nothing goes to the tree."""
+    engine = tiny_engine(page_size=4)
+    sid = engine.open_session()
+    convo = _new_input(0, 30)
+    (r1,) = engine.generate([convo], GREEDY_LP, session_id=sid, mode="chat")
+    tree = engine.cache.radix.total_size()
+    convo2 = convo + r1.output_ids[:-2] + _new_input(1, 6)  # two tokens rewound
+    (r2,) = engine.generate([convo2], GREEDY_LP, session_id=sid, mode="chat")
+    assert r2.cached_source == "session"
+    assert r2.cached_tokens == len(convo) + len(r1.output_ids) - 2
+    assert engine.cache.radix.total_size() == tree
     engine.close_session(sid)
     engine.checker.check_idle()
 
