@@ -20,8 +20,8 @@ from hypothesis.stateful import (
 )
 
 from sessionserve.cache import KVState, RequestKV, SessionLimits, build_session_cache
-from sessionserve.cache.checker import MemoryChecker
 from sessionserve.cache.allocator import floor_align
+from sessionserve.cache.checker import MemoryChecker
 from sessionserve.cache.session_cache import _common_prefix_len
 from sessionserve.errors import (
     KVCacheFullError,

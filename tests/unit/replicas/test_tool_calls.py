@@ -24,7 +24,7 @@ from sessionserve.replicas.tools.formats import (
     uses_native_tools,
 )
 from sessionserve.replicas.tools.parser import ToolCallParser
-from sessionserve.wire import GenerateCall, ToolCall, ToolSpec, ToolUse, TurnResult
+from sessionserve.wire import GenerateCall, SamplingParams, ToolCall, ToolSpec, ToolUse, TurnResult
 from tests.models import BYTE_EOS, byte_tokenizer, tiny_model
 from tests.unit.replicas.test_structured_output import SCHEMAS
 
@@ -280,3 +280,22 @@ def test_parameters_the_grammar_engine_refuses_are_a_400_naming_tools(server) ->
         turn(server, ToolUse((bad,), "required"), 0)
     assert err.value.param == "tools"
     server.engine.checker.check_idle()
+
+
+def test_with_a_drafter_a_tool_call_is_not_speculated_and_still_validates() -> None:
+    from tests.models import random_drafter, tiny_engine
+
+    target = tiny_model(vocab_size=VOCAB, seed=2, eos_token_id=BYTE_EOS, num_hidden_layers=1)
+    engine = tiny_engine(target, tokenizer=byte_tokenizer(), drafter=random_drafter, num_drafts=3)
+    grammar = tool_grammar(ToolUse((ADD, ECHO), "required", parallel=False), None)
+    prompt = byte_tokenizer()("Call a tool:", add_special_tokens=False).input_ids
+    sampling = SamplingParams(max_tokens=120, temperature=1.5, seed=3, lark_grammar=grammar)
+    for r in engine.generate([prompt, prompt], sampling):
+        assert r.spec_drafted == 0
+        _, _, (call,) = stream(ToolCallParser(), r.text, [])
+        jsonschema.validate(
+            json.loads(call.arguments), {"add": ADD, "echo": ECHO}[call.name].parameters
+        )
+    free = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    assert engine.generate([prompt], free)[0].spec_drafted > 0  # the drafter runs for others
+    engine.checker.check_idle()
