@@ -174,7 +174,8 @@ def test_a_store_false_turn_keeps_nothing(client, http) -> None:
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
             "input[0].content[0].type",
         ),
-        ({"input": [{"type": "function_call_output", "call_id": "c", "output": "o"}]}, None),
+        ({"input": [{"type": "function_call_output", "call_id": "c"}]}, "input[0].output"),
+        ({"input": [{"type": "item_reference", "id": "msg_1"}]}, None),
         ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
         ({"input": []}, "input"),
         ({"temperature": 3}, "temperature"),
@@ -191,10 +192,16 @@ def test_unsupported_or_invalid_fields_get_a_400_naming_them(http, extra, param)
 
 
 def test_the_official_client_sees_unsupported_features_refused(client) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model=None, input=words(5), tools=[{"type": "web_search"}])
+    body = err.value.body
+    assert body["param"] == "tools[0].type" and "not served here" in body["message"]
+    # a function tool is served, but not on a model whose tokenizer cannot write its calls
     tool = {"type": "function", "name": "lookup", "parameters": {"type": "object"}}
     with pytest.raises(openai.BadRequestError) as err:
         client.responses.create(model=None, input=words(5), tools=[tool])
-    assert err.value.body["param"] == "tools" and "not supported" in err.value.body["message"]
+    body = err.value.body
+    assert body["param"] == "tools" and "cannot be constrained" in body["message"]
     with pytest.raises(openai.BadRequestError) as err:
         client.responses.create(
             model=None,
@@ -330,3 +337,39 @@ def test_truncation_disabled_refuses_overflow_and_auto_drops_the_oldest_turns(cl
     ]
     with pytest.raises(openai.BadRequestError):  # the new input alone does not fit: no cut helps
         respond(client, long_text(2100), first, truncation="auto")
+
+
+def test_function_call_items_carry_a_conversation_through_previous_response_id(client) -> None:
+    """An agent SDK's conversation: a call and its output as input items (here with
+    tool_choice none: the test model's word tokenizer cannot write a constrained call); they
+    are stored as sent and the chain goes on in the same session."""
+    tool = {"type": "function", "name": "f", "parameters": {"type": "object"}}
+    items = [
+        {"role": "user", "content": words(5, 6)},
+        {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "call_1", "output": words(7)},
+    ]
+    first = client.responses.create(
+        model=None,
+        input=items,
+        tools=[tool],
+        tool_choice="none",
+        temperature=0,
+        max_output_tokens=4,
+    )
+    assert first.tools[0].name == "f" and first.tool_choice == "none"
+    assert [o.type for o in first.output] == ["message"]
+    stored = client.responses.input_items.list(first.id, order="asc").data
+    assert [it.type for it in stored] == ["message", "function_call", "function_call_output"]
+    assert stored[1].call_id == "call_1" and stored[2].output == words(7)
+    second = client.responses.create(
+        model=None,
+        previous_response_id=first.id,
+        input=words(8),
+        tools=[tool],
+        tool_choice="none",
+        temperature=0,
+        max_output_tokens=4,
+    )
+    assert session_of(second)["id"] == session_of(first)["id"]
+    assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens - 1
