@@ -10,8 +10,8 @@ The rules (DESIGN.md 4.4), each closing a bug the reference system had:
   turn restores the parked KV (stale tail freed page-aligned).
 - Finish trims speculative overshoot (tokens and KV) before the save.
 - Append mode is append-only (AppendOnlyViolationError); chat mode may rewind to the divergence.
-  A rewind of a page or more (an edited history, a fork) moves the branch it leaves into the
-  radix tree, so that going back to it reuses it (until the tree evicts it).
+  A rewind of MIN_BRANCH_TOKENS or more (an edited history, a fork) moves the branch it leaves
+  into the radix tree, so that going back to it reuses it (until the tree evicts it).
 - Idle sessions are evicted LRU under pressure: KV freed, `history` kept for re-prefill.
   With a host tier attached, the KV is first copied there (`park`), and the next turn copies
   it back (`cached_source == "host"`) instead of re-prefilling it.
@@ -44,6 +44,7 @@ from sessionserve.errors import (
 )
 
 TurnMode = Literal["append", "chat"]
+MIN_BRANCH_TOKENS = 32  # a rewound tail at least this long is kept in the radix tree
 
 
 @dataclass(frozen=True)
@@ -153,11 +154,15 @@ class SessionCache(RequestCache):
         return prefix_len
 
     def _leaves_a_branch(self, slot: SessionSlot, prefix_len: int) -> bool:
-        """Whether a chat turn diverging at `prefix_len` rewinds at least a whole page past
-        it (an edited history, a fork): shorter rewinds just drop their tail."""
+        """Whether a chat turn diverging at `prefix_len` leaves a branch worth keeping (an
+        edited history, a fork): MIN_BRANCH_TOKENS or more, a whole page of them past the
+        divergence. Shorter rewinds (a last answer's end rendered otherwise) drop their tail
+        and keep the slot's exact reuse."""
         page = self.page_size
-        return self.radix.enabled and (
-            floor_align(slot.committed_len, page) >= ceil_align(prefix_len, page) + page
+        return (
+            self.radix.enabled
+            and slot.committed_len - prefix_len >= MIN_BRANCH_TOKENS
+            and floor_align(slot.committed_len, page) >= ceil_align(prefix_len, page) + page
         )
 
     # ---- host tier and migration ----

@@ -159,7 +159,7 @@ class ReplicaServer:
                 if tools is not None:  # the calls apart from the content
                     piece, calls = tools.feed(piece)
                     if done:
-                        rest, last, _ = tools.finish()
+                        rest, last = tools.finish()
                         piece, calls = piece + rest, calls + last
                 if event.new_token_ids or piece or calls:
                     logprobs = self._logprob_entries(event.new_logprobs)
@@ -412,7 +412,7 @@ def _result(r: RequestResult, replica: str, tools: ToolCallParser | None = None)
         replica=replica,
     )
     if tools is not None:
-        result.text, result.tool_calls = tools.content, tools.finish()[2]
+        result.text, result.tool_calls = tools.content, tools.made
         if result.tool_calls and result.finish_reason == FinishReason.STOP:
             result.finish_reason = "tool_calls"
     return result

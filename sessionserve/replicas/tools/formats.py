@@ -110,22 +110,25 @@ def _generic(messages: list[dict[str, Any]], tool_use: ToolUse | None) -> list[d
             first, messages = messages[0], messages[1:]
             instructions = f"{first['content'] or ''}\n\n{instructions}"
         out.append({"role": "system", "content": instructions})
+    results = False  # the last message is a user message of tool results
     for m in messages:
         if m["role"] == "tool":
             block = json.dumps(
                 {"name": names.get(m.get("tool_call_id", ""), ""), "content": m["content"]}
             )
             text = RESPONSE_OPEN + block + RESPONSE_CLOSE
-            if out and out[-1].get("tool_results"):  # one user message for a run of results
+            if results:  # one user message for a run of results
                 out[-1]["content"] += SEPARATOR + text
             else:
-                out.append({"role": "user", "content": text, "tool_results": True})
+                out.append({"role": "user", "content": text})
+            results = True
             continue
         calls = m.get("tool_calls") or []
         names.update((c.id, c.name) for c in calls)
         content = (m.get("content") or "") + (calls_text(calls) if calls else "")
         out.append({"role": m["role"], "content": content})
-    return [{"role": m["role"], "content": m["content"]} for m in out]
+        results = False
+    return out
 
 
 def generic_instructions(tool_use: ToolUse) -> str:

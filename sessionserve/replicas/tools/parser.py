@@ -81,9 +81,9 @@ class ToolCallParser:
         self.content += content
         return content, deltas
 
-    def finish(self) -> tuple[str, list[ToolCallDelta], list[ToolCall]]:
-        """At the end of the answer: the content held back, the last call deltas, and the
-        calls (one cut short by max_tokens keeps the arguments it has)."""
+    def finish(self) -> tuple[str, list[ToolCallDelta]]:
+        """At the end of the answer: the content held back and the last call deltas (a call
+        cut short by max_tokens gives the arguments it has)."""
         content, deltas = "", []
         if self.in_call:
             deltas = self._progress(self.calls[-1], "cut")
@@ -91,12 +91,16 @@ class ToolCallParser:
             content = self.pending
             self.content += content
         self.pending, self.in_call = "", False  # a second finish() adds nothing
-        calls = [
+        return content, deltas
+
+    @property
+    def made(self) -> list[ToolCall]:
+        """The calls so far, each with the arguments streamed for it."""
+        return [
             ToolCall(c.id, c.name, c.body[c.args_start : c.args_start + c.sent])
             for c in self.calls
             if c.name is not None
         ]
-        return content, deltas, calls
 
     @staticmethod
     def _progress(call: _Call, state: str) -> list[ToolCallDelta]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from sessionserve.cache.session_cache import MIN_BRANCH_TOKENS
 from sessionserve.wire import SamplingParams
 from tests.models import tiny_engine, tiny_model
 
@@ -58,13 +59,15 @@ def test_chat_mode_reuses_longest_prefix_and_rewinds_on_edit() -> None:
     sid = engine.open_session()
     convo = _new_input(0, 30)
     (r1,) = engine.generate([convo], GREEDY_LP, session_id=sid, mode="chat")
-    convo2 = convo + r1.output_ids + _new_input(1, 12)
+    convo2 = convo + r1.output_ids + _new_input(1, 30)
     (r2,) = engine.generate([convo2], GREEDY_LP, session_id=sid, mode="chat")
     assert r2.cached_tokens == len(convo) + len(r1.output_ids) - 1
     assert r2.output_ids == reference.generate([convo2], GREEDY_LP)[0].output_ids
     edited = convo2[:35] + [7, 7, 7]  # the client edited an earlier message
     (r3,) = engine.generate([edited], GREEDY_LP, session_id=sid, mode="chat")
-    # the branch it left went to the radix tree: its whole pages before the edit are reused
+    # the branch it left (MIN_BRANCH_TOKENS or more) went to the radix tree: its whole pages
+    # before the edit are reused from there
+    assert len(convo2) + len(r2.output_ids) - 35 >= MIN_BRANCH_TOKENS
     assert r3.cached_tokens == 32 and r3.cached_source == "radix"
     ref3 = reference.generate([edited], GREEDY_LP)[0]
     assert r3.output_ids == ref3.output_ids and _close(r3.logprobs, ref3.logprobs)
@@ -78,9 +81,9 @@ def test_chat_mode_reuses_longest_prefix_and_rewinds_on_edit() -> None:
 
 
 def test_a_small_rewind_stays_in_the_session() -> None:
-    """A chat turn that rewinds less than a page (a re-rendered last answer) keeps its
-    KV in the session slot: nothing goes to the tree."""
-    engine = tiny_engine(page_size=4)
+    """A chat turn that rewinds a few tokens (a re-rendered last answer) keeps its KV in
+    the session slot, exactly, whatever the page size: nothing goes to the tree."""
+    engine = tiny_engine(page_size=1)
     sid = engine.open_session()
     convo = _new_input(0, 30)
     (r1,) = engine.generate([convo], GREEDY_LP, session_id=sid, mode="chat")

@@ -64,8 +64,8 @@ def stream(parser: ToolCallParser, text: str, cuts: list[int]):
     for cut in [*sorted(cuts), len(text)]:
         piece, ds = parser.feed(text[last:cut])
         content, deltas, last = content + piece, deltas + ds, cut
-    rest, ds, calls = parser.finish()
-    return content + rest, deltas + ds, calls
+    rest, ds = parser.finish()
+    return content + rest, deltas + ds, parser.made
 
 
 ARGS = st.dictionaries(
