@@ -40,7 +40,7 @@ from sessionserve.replicas.migration import SessionMover
 from sessionserve.replicas.outputs import StepEvent
 from sessionserve.replicas.request import RequestResult, TokenLogprob
 from sessionserve.replicas.sessions import SessionExport, SessionSeed
-from sessionserve.replicas.tools.formats import render_messages, tool_grammar
+from sessionserve.replicas.tools.formats import call_syntax, render_messages, tool_grammar
 from sessionserve.replicas.tools.parser import ToolCallParser
 from sessionserve.router.session_router import SessionAffinityRouter
 from sessionserve.wire import (
@@ -78,6 +78,7 @@ class ReplicaServer:
             self.engine.metrics = RayEngineMetrics(self.replica_id, self.engine.model_name)
             client_error_logs.install()  # Serve's "Request failed." for a 4xx: one INFO line
         self.mover = SessionMover(self.engine, self._run, self.replica_id)
+        self.tool_syntax = call_syntax(self.engine.tokenizer)  # how this model writes calls
         self._peer_handles: tuple[Any, Any] | None = None
         self._stopped = self._stopping = False
 
@@ -120,7 +121,7 @@ class ReplicaServer:
         """Stream `TurnDelta`s, then one `TurnResult` with the usage."""
         ids = self._input_ids(call)
         sampling = self._sampling(call)
-        tools = ToolCallParser() if sampling.lark_grammar is not None else None
+        tools = ToolCallParser(self.tool_syntax) if sampling.lark_grammar is not None else None
         events: asyncio.Queue[StepEvent | Exception] = asyncio.Queue()
         aio = asyncio.get_running_loop()
         rid = call.rid or uuid.uuid4().hex
@@ -191,11 +192,10 @@ class ReplicaServer:
             for lp in lps
         ]
 
-    @staticmethod
-    def _sampling(call: GenerateCall) -> SamplingParams:
+    def _sampling(self, call: GenerateCall) -> SamplingParams:
         """The call's sampling; with tools, the grammar of the calls (and of a JSON answer)."""
         sampling = SamplingParams.build(**call.sampling)
-        grammar = tool_grammar(call.tool_use, sampling.json_schema)
+        grammar = tool_grammar(call.tool_use, sampling.json_schema, self.tool_syntax)
         if grammar is None:
             return sampling
         return sampling.model_copy(update={"lark_grammar": grammar, "json_schema": None})

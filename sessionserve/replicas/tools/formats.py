@@ -1,18 +1,25 @@
 """How a model is told about tools, how it writes a call, and the grammar that holds it to it.
 
-One call syntax, Hermes's (Qwen 2.5 and 3, Hermes 2/3 and many fine-tunes are trained on it):
+Two call syntaxes (`CallSyntax`), each a model family's own:
 
-    <tool_call>
-    {"name":"get_weather","arguments":{"city":"Paris"}}
-    </tool_call>
+- Hermes's (Qwen 2.5 and 3, Hermes 2/3 and many fine-tunes are trained on it), several calls
+  in one answer as blocks separated by a newline:
 
-(several calls in one answer: blocks separated by a newline). Two ways to put tools in the prompt:
+      <tool_call>
+      {"name":"get_weather","arguments":{"city":"Paris"}}
+      </tool_call>
 
-- native: a chat template that renders tools and calls in this syntax itself (its source uses
-  `tools` and `<tool_call>`) gets them through `apply_chat_template(tools=...)`, the calls of
-  earlier answers as `tool_calls` with their arguments parsed, tool results as `tool` messages.
+- Llama 3.1/3.2's JSON tool calling: the answer is one call, `{"name":"get_weather",
+  "parameters":{"city":"Paris"}}` (a text answer never starts with `{`).
+
+Two ways to put tools in the prompt:
+
+- native: a chat template that renders tools and calls itself in one of these syntaxes (its
+  source uses `tools` and `<tool_call>`, or Llama 3's `Environment: ipython` and
+  `"parameters"`) gets them through `apply_chat_template(tools=...)`, the calls of earlier
+  answers as `tool_calls` with their arguments parsed, tool results as `tool` messages.
 - generic: any other template (the default SmolLM2-135M-Instruct's has no tool support) gets
-  the tool list and the syntax in the system message, earlier calls written in the syntax in
+  the tool list and the Hermes syntax in the system message, earlier calls written in the syntax in
   the assistant's text (byte for byte what the model wrote, so a session's KV of that answer
   is reused), and tool results as a user message of `<tool_response>` blocks. llama.cpp's
   generic tool-call handling is the precedent: a model is never sent a prompt silently
@@ -28,27 +35,54 @@ for that tool's schema. A call therefore always parses.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
+from sessionserve.errors import InvalidRequestError
 from sessionserve.wire import ToolCall, ToolSpec, ToolUse
 
-OPEN = "<tool_call>\n"
-CLOSE = "\n</tool_call>"
 SEPARATOR = "\n"  # between two calls of one answer
 RESPONSE_OPEN, RESPONSE_CLOSE = "<tool_response>\n", "\n</tool_response>"
 # the grammar's JSON has a fixed layout (no free whitespace), as for response_format
 FIXED_LAYOUT = {"whitespace_flexible": False}
 
 
-def uses_native_tools(tokenizer: Any) -> bool:
-    """Whether the tokenizer's chat template renders tools in the Hermes syntax itself."""
+@dataclass(frozen=True)
+class CallSyntax:
+    """How a model family writes a call."""
+
+    open: str  # what starts a call ("": the answer itself is the call)
+    close: str  # what ends it
+    args_key: str  # the arguments' key in the call object
+    parallel: bool  # several calls in one answer
+
+
+HERMES = CallSyntax("<tool_call>\n", "\n</tool_call>", "arguments", parallel=True)
+LLAMA3_JSON = CallSyntax("", "", "parameters", parallel=False)
+OPEN, CLOSE = HERMES.open, HERMES.close
+
+
+def native_syntax(tokenizer: Any) -> CallSyntax | None:
+    """The call syntax the tokenizer's chat template renders tools in (None: it has no tool
+    support we know, so the generic format is used)."""
     template = getattr(tokenizer, "chat_template", None)
-    return isinstance(template, str) and "tools" in template and "<tool_call>" in template
+    if not isinstance(template, str) or "tools" not in template:
+        return None
+    if "<tool_call>" in template:
+        return HERMES
+    if "Environment: ipython" in template and '"parameters"' in template:
+        return LLAMA3_JSON
+    return None
 
 
-def call_text(call: ToolCall) -> str:
+def call_syntax(tokenizer: Any) -> CallSyntax:
+    """The syntax this tokenizer's model writes calls in (the generic format's is Hermes's)."""
+    return native_syntax(tokenizer) or HERMES
+
+
+def call_text(call: ToolCall, syntax: CallSyntax = HERMES) -> str:
     """A call as the grammar has the model write it (arguments verbatim)."""
-    return f'{{"name":{json.dumps(call.name)},"arguments":{call.arguments}}}'
+    return f'{{"name":{json.dumps(call.name)},"{syntax.args_key}":{call.arguments}}}'
 
 
 def calls_text(calls: list[ToolCall]) -> str:
@@ -70,7 +104,7 @@ def render_messages(
     """The messages and extra `apply_chat_template` arguments for a conversation with tools
     (in the request, or calls and results in its history)."""
     tools = list(tool_use.tools) if tool_use else []
-    if uses_native_tools(tokenizer):
+    if native_syntax(tokenizer) is not None:
         extra = {"tools": [_function(t) for t in tools]} if tools else {}
         return [_native(m) for m in messages], extra
     return _generic(messages, tool_use), {}
@@ -147,35 +181,53 @@ def generic_instructions(tool_use: ToolUse) -> str:
 
 
 # ---- the grammar ----
-def tool_grammar(tool_use: ToolUse | None, answer_schema: str | None) -> str | None:
+def tool_grammar(
+    tool_use: ToolUse | None, answer_schema: str | None, syntax: CallSyntax = HERMES
+) -> str | None:
     """The Lark grammar an answer with `tool_use` must follow (None: no constraint from the
     tools, only `answer_schema`'s if any). `answer_schema`: the JSON schema text a text
     answer must satisfy (response_format), for "auto"."""
     if tool_use is None or not tool_use.tools or tool_use.choice == "none":
         return None
     tools = [t for t in tool_use.tools if tool_use.function in (None, t.name)]
-    schema = {"anyOf": [_call_schema(t) for t in tools], "x-guidance": FIXED_LAYOUT}
-    calls = f"call ({json.dumps(SEPARATOR + OPEN)} call)*" if tool_use.parallel else "call"
-    if tool_use.choice == "auto" and tool_use.function is None:
+    schema = {"anyOf": [_call_schema(t, syntax) for t in tools], "x-guidance": FIXED_LAYOUT}
+    auto = tool_use.choice == "auto" and tool_use.function is None
+    if not syntax.open:  # the answer is one call, or text that does not start with `{`
+        if auto and answer_schema:
+            raise InvalidRequestError(
+                "response_format: with tool_choice auto this model's calls (a JSON object as "
+                "the whole answer) cannot be told from a JSON answer; choose none or required",
+                "response_format",
+            )
+        start = ["start: TEXT | call" if auto else "start: call", "TEXT: /([^{](.|\\n)*)?/"]
+        call = f"call: %json {json.dumps(schema)}"
+        return "\n".join(["%llguidance {}", *start, call])
+    open_, close = json.dumps(syntax.open), json.dumps(syntax.close)
+    parallel = tool_use.parallel and syntax.parallel
+    calls = f"call ({json.dumps(SEPARATOR + syntax.open)} call)*" if parallel else "call"
+    if auto:
         answer = f"%json {_fixed(answer_schema)}" if answer_schema else "TEXT"
-        start = [f"start: {answer} | head {calls}", f"head[lazy]: TEXT {json.dumps(OPEN)}"]
+        start = [f"start: {answer} | head {calls}", f"head[lazy]: TEXT {open_}"]
     else:
-        start = [f"start: {json.dumps(OPEN)} {calls}"]
+        start = [f"start: {open_} {calls}"]
     return "\n".join(
         [
             "%llguidance {}",
             *start,
-            f"call: %json {json.dumps(schema)} {json.dumps(CLOSE)}",
+            f"call: %json {json.dumps(schema)} {close}",
             "TEXT: /(.|\\n)*/",
         ]
     )
 
 
-def _call_schema(tool: ToolSpec) -> dict[str, Any]:
+def _call_schema(tool: ToolSpec, syntax: CallSyntax) -> dict[str, Any]:
     return {
         "type": "object",
-        "properties": {"name": {"const": tool.name}, "arguments": tool.parameters or ANY_OBJECT},
-        "required": ["name", "arguments"],
+        "properties": {
+            "name": {"const": tool.name},
+            syntax.args_key: tool.parameters or ANY_OBJECT,
+        },
+        "required": ["name", syntax.args_key],
         "additionalProperties": False,
     }
 

@@ -17,11 +17,13 @@ from sessionserve.errors import InvalidRequestError
 from sessionserve.replicas.server import ReplicaServer
 from sessionserve.replicas.tools.formats import (
     CLOSE,
+    HERMES,
+    LLAMA3_JSON,
     OPEN,
     call_text,
+    native_syntax,
     render_messages,
     tool_grammar,
-    uses_native_tools,
 )
 from sessionserve.replicas.tools.parser import ToolCallParser
 from sessionserve.wire import GenerateCall, SamplingParams, ToolCall, ToolSpec, ToolUse, TurnResult
@@ -56,6 +58,17 @@ HERMES_TEMPLATE = (
     "</tool_call>{% endfor %}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
 )
 
+# Llama 3.1/3.2's JSON tool calling, in small: the answer is the call
+LLAMA3_TEMPLATE = (
+    "{%- if tools %}<system>Environment: ipython\nRespond in the format "
+    '{"name": function name, "parameters": dictionary of argument name and its value}.'
+    "{% for t in tools %}{{ t | tojson }}{% endfor %}{% endif %}"
+    "{%- for m in messages %}<{{ m.role }}>{%- if m.tool_calls %}{% for c in m.tool_calls %}"
+    '{{ {"name": c.function.name, "parameters": c.function.arguments} | tojson }}'
+    "{% endfor %}{% else %}{{ m.content }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
 
 # ---- the parser ----
 def stream(parser: ToolCallParser, text: str, cuts: list[int]):
@@ -80,16 +93,22 @@ ARGS = st.dictionaries(
     content=st.text(max_size=20),
     args=st.lists(ARGS, min_size=0, max_size=3),
     data=st.data(),
+    syntax=st.sampled_from([HERMES, LLAMA3_JSON]),
 )
-def test_streamed_pieces_add_up_to_the_content_and_the_calls(content, args, data) -> None:
+def test_streamed_pieces_add_up_to_the_content_and_the_calls(content, args, data, syntax) -> None:
     """Whatever the chunking, the content deltas add up to the text before the calls and the
-    argument deltas of each call to its arguments; a call's first delta has its id and name."""
+    argument deltas of each call to its arguments; a call's first delta has its id and name.
+    (Llama 3's answer is one call or text that does not start with `{`, as its grammar has it.)"""
     calls = [ToolCall(f"c{i}", f"f{i}", a) for i, a in enumerate(args)]
-    text = content + "\n".join(OPEN + call_text(c) + CLOSE for c in calls)
-    if not calls and OPEN in text:
-        return
+    if syntax is LLAMA3_JSON:
+        calls, content = calls[:1], "" if calls else content.lstrip("{")
+        text = content + "".join(call_text(c, syntax) for c in calls)
+    else:
+        text = content + "\n".join(OPEN + call_text(c) + CLOSE for c in calls)
+        if not calls and OPEN in text:
+            return
     cuts = data.draw(st.lists(st.integers(0, len(text)), max_size=8))
-    parser = ToolCallParser()
+    parser = ToolCallParser(syntax)
     got, deltas, made = stream(parser, text, cuts)
     assert got == parser.content == content
     assert [(c.name, c.arguments) for c in made] == [(c.name, c.arguments) for c in calls]
@@ -119,7 +138,7 @@ def test_a_call_cut_short_keeps_its_name_and_the_arguments_it_has() -> None:
 # ---- the prompt ----
 def test_a_template_without_tools_gets_them_in_the_system_message_and_calls_verbatim() -> None:
     tok = byte_tokenizer()
-    assert not uses_native_tools(tok)
+    assert native_syntax(tok) is None
     call = ToolCall("call_1", "add", '{"a":1,"b":2}')
     messages = [
         {"role": "system", "content": "Be brief."},
@@ -142,7 +161,7 @@ def test_a_template_without_tools_gets_them_in_the_system_message_and_calls_verb
 def test_a_template_with_tools_renders_them_itself() -> None:
     tok = byte_tokenizer()
     tok.chat_template = HERMES_TEMPLATE
-    assert uses_native_tools(tok)
+    assert native_syntax(tok) is HERMES
     call = ToolCall("call_1", "add", '{"a":1,"b":2}')
     messages = [
         {"role": "user", "content": "1+2?"},
@@ -154,6 +173,26 @@ def test_a_template_with_tools_renders_them_itself() -> None:
     assert '"name": "add"' in text and "Add two integers." in text  # the tools
     assert '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>' in text
     assert text.endswith("<tool>3<assistant>")
+
+
+def test_a_llama3_template_renders_tools_and_its_json_calls_itself() -> None:
+    tok = byte_tokenizer()
+    tok.chat_template = LLAMA3_TEMPLATE
+    assert native_syntax(tok) is LLAMA3_JSON
+    call = ToolCall("call_1", "add", '{"a":1,"b":2}')
+    messages = [
+        {"role": "user", "content": "1+2?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "3", "tool_call_id": "call_1"},
+    ]
+    out, extra = render_messages(tok, messages, ToolUse((ADD,), "auto"))
+    text = tok.apply_chat_template(out, tokenize=False, add_generation_prompt=True, **extra)
+    assert "Environment: ipython" in text and "Add two integers." in text
+    assert '{"name": "add", "parameters": {"a": 1, "b": 2}}' in text
+    # with auto, a JSON answer could not be told from a call: refused, naming the field
+    with pytest.raises(InvalidRequestError) as err:
+        tool_grammar(ToolUse((ADD,), "auto"), json.dumps({"type": "object"}), LLAMA3_JSON)
+    assert err.value.param == "response_format"
 
 
 def test_a_grammar_only_where_calls_are_possible() -> None:
@@ -299,3 +338,46 @@ def test_with_a_drafter_a_tool_call_is_not_speculated_and_still_validates() -> N
     free = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     assert engine.generate([prompt], free)[0].spec_drafted > 0  # the drafter runs for others
     engine.checker.check_idle()
+
+
+@pytest.fixture(scope="module")
+def llama3_server(tmp_path_factory):
+    """The same random model with a Llama 3 style template: its calls are whole answers."""
+    d = tmp_path_factory.mktemp("llama3")
+    tiny_model(vocab_size=VOCAB, seed=2, eos_token_id=BYTE_EOS).save_pretrained(d)
+    tok = byte_tokenizer()
+    tok.chat_template = LLAMA3_TEMPLATE
+    tok.save_pretrained(d)
+    srv = ReplicaServer(
+        {
+            "model": {"path": str(d)},
+            "memory_check": "every_step",
+            "cache": {"page_size": 4, "num_slots": 8192, "max_rows": 16, "max_context_len": 4096},
+        }
+    )
+    assert srv.tool_syntax is LLAMA3_JSON
+    yield srv
+    srv.shutdown()
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck))
+@given(tools=TOOL_SETS, seed=st.integers(0, 2**31))
+def test_llama3_calls_are_whole_answers_that_validate(llama3_server, tools, seed) -> None:
+    final = turn(llama3_server, ToolUse(tools, "required"), seed)
+    assert final.finish_reason == "tool_calls" and final.text == ""
+    assert len(final.tool_calls) == 1  # its syntax has one call an answer
+    check_calls(final, tools)
+    llama3_server.engine.checker.check_idle()
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck))
+@given(seed=st.integers(0, 2**31))
+def test_llama3_auto_answers_text_or_a_call(llama3_server, seed) -> None:
+    final = turn(llama3_server, ToolUse((ADD, ECHO), "auto"), seed, max_tokens=40)
+    if final.tool_calls:
+        assert final.text == "" and final.finish_reason in ("tool_calls", "length")
+        if final.finish_reason == "tool_calls":
+            check_calls(final, (ADD, ECHO))
+    else:
+        assert not final.text.startswith("{")
+    llama3_server.engine.checker.check_idle()
