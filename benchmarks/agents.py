@@ -5,7 +5,9 @@ tokens. Measured:
 
 - per-round TTFT with sessions (each step prefills its tool result) against stateless requests
   (sessions and radix cache off: each step re-prefills the conversation), the same agents and
-  calls (greedy, so both modes make the same calls); `ttft_ratio_round10`;
+  calls (greedy, so both modes make the same calls); `ttft_ratio_round10`; and the last
+  round's two prefills alone on the engine (no other agent queued, no decode), what the ratio
+  is bounded by on this machine: `prefill_ratio_round10_alone`;
 - what the tool-call grammar costs a decode step at batch 8 (the masking of the "auto"
   grammar, free text or a call, replayed over the calls the agents made, against a free
   batch-8 decode step); `grammar_overhead_frac_8`;
@@ -134,6 +136,28 @@ def grammar_overhead(loaded, runs: list[list], batch: int) -> tuple[float, float
     return mask_ms, free_ms
 
 
+def prefill_bound(loaded, last: TurnResult, repeats: int = 3) -> tuple[float, float]:
+    """(ms to prefill the last step's new tokens onto its cached history, ms to prefill its
+    whole prompt), one request alone on the engine: the ratio a step's TTFT could reach here
+    without queueing behind other agents, medians of `repeats`."""
+    prompt = last.full_ids[: last.prompt_tokens]
+    history, new = prompt[: last.cached_tokens], prompt[last.cached_tokens :]
+    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    session_ms, stateless_ms = [], []
+    for _ in range(repeats):
+        eng = engine(loaded)
+        sid = eng.open_session()
+        eng.generate([history], one, session_id=sid)
+        start = time.perf_counter()
+        eng.generate([new], one, session_id=sid)
+        session_ms.append((time.perf_counter() - start) * 1e3)
+        eng = engine(loaded, sessions=False, radix=False)
+        start = time.perf_counter()
+        eng.generate([prompt], one)
+        stateless_ms.append((time.perf_counter() - start) * 1e3)
+    return median(session_ms), median(stateless_ms)
+
+
 def branch_return(loaded, turns: int = 6) -> tuple[float, float]:
     """(cached share of the return turn's prompt, the fork point's share of it)."""
     eng = engine(loaded)
@@ -196,6 +220,11 @@ def main() -> None:
         ratios.append(b / s)
         print(f"{r + 1:>5} {prompt:>7.0f} {cached:>7.0f} {s:>11.1f} {b:>13.1f} {b / s:>6.2f}")
     print(f"both modes made the same calls: {same_calls}")
+    alone_s, alone_b = prefill_bound(loaded, modes[True][0][-1])
+    print(
+        f"round {args.rounds} alone (no other agent, no decode): prefill of the new tokens "
+        f"{alone_s:.0f} ms vs the whole prompt {alone_b:.0f} ms: {alone_b / alone_s:.2f}x"
+    )
     mask_ms, free_ms = grammar_overhead(loaded, modes[True], args.batch)
     print(
         f"tool grammar masking, batch {args.batch}: {mask_ms:.2f} ms per step; "
@@ -217,6 +246,7 @@ def main() -> None:
                 median([run[-1].ttft_s for run in modes[False]]) * 1e3, 1
             ),
             "same_calls": same_calls,
+            f"prefill_ratio_round{args.rounds}_alone": round(alone_b / alone_s, 2),
             f"grammar_overhead_frac_{args.batch}": round(mask_ms / free_ms, 4),
             "free_step_ms": round(free_ms, 2),
             "mask_ms_per_step": round(mask_ms, 3),

@@ -38,30 +38,22 @@ def test_chat_tool_calls_parse_with_the_official_clients_helpers(served_default_
     c = client(served_default_model)
     tool = openai.pydantic_function_tool(GetWeather)
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
-    parsed = c.chat.completions.parse(
-        model=MODEL,
-        messages=messages,
-        tools=[tool],
-        tool_choice="required",
-        parallel_tool_calls=False,
-        max_tokens=64,
-        temperature=0,
-        extra_headers={"x-session-id": "e2e-tools"},
-    )
+    ask = {
+        "model": MODEL,
+        "messages": messages,
+        "tools": [tool],
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+        "max_tokens": 64,
+        "temperature": 0,
+    }
+    parsed = c.chat.completions.parse(**ask, extra_headers={"x-session-id": "e2e-tools"})
     choice = parsed.choices[0]
     assert choice.finish_reason == "tool_calls"
     (call,) = choice.message.tool_calls
     assert isinstance(call.function.parsed_arguments, GetWeather)  # the client validated it
     # streamed: the official stream helper assembles the deltas into the same kind of call
-    with c.chat.completions.stream(
-        model=MODEL,
-        messages=messages,
-        tools=[tool],
-        tool_choice="required",
-        parallel_tool_calls=False,
-        max_tokens=64,
-        temperature=0,
-    ) as stream:
+    with c.chat.completions.stream(**ask) as stream:
         kinds = {event.type for event in stream}
         streamed = stream.get_final_completion()
     assert "tool_calls.function.arguments.delta" in kinds

@@ -208,19 +208,25 @@ def test_a_grammar_only_where_calls_are_possible() -> None:
 VOCAB = 320
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    d = tmp_path_factory.mktemp("bytes")
-    model = tiny_model(vocab_size=VOCAB, seed=2, eos_token_id=BYTE_EOS)
-    model.save_pretrained(d)
-    byte_tokenizer().save_pretrained(d)
-    srv = ReplicaServer(
+def byte_replica(directory, template: str | None = None) -> ReplicaServer:
+    """The random byte-level model saved in `directory` (with `template` as its chat
+    template, else the byte tokenizer's own), served by a replica shim without Ray."""
+    tiny_model(vocab_size=VOCAB, seed=2, eos_token_id=BYTE_EOS).save_pretrained(directory)
+    tok = byte_tokenizer()
+    tok.chat_template = template or tok.chat_template
+    tok.save_pretrained(directory)
+    return ReplicaServer(
         {
-            "model": {"path": str(d)},
+            "model": {"path": str(directory)},
             "memory_check": "every_step",
             "cache": {"page_size": 4, "num_slots": 8192, "max_rows": 16, "max_context_len": 4096},
         }
     )
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = byte_replica(tmp_path_factory.mktemp("bytes"))
     yield srv
     srv.shutdown()
 
@@ -343,18 +349,7 @@ def test_with_a_drafter_a_tool_call_is_not_speculated_and_still_validates() -> N
 @pytest.fixture(scope="module")
 def llama3_server(tmp_path_factory):
     """The same random model with a Llama 3 style template: its calls are whole answers."""
-    d = tmp_path_factory.mktemp("llama3")
-    tiny_model(vocab_size=VOCAB, seed=2, eos_token_id=BYTE_EOS).save_pretrained(d)
-    tok = byte_tokenizer()
-    tok.chat_template = LLAMA3_TEMPLATE
-    tok.save_pretrained(d)
-    srv = ReplicaServer(
-        {
-            "model": {"path": str(d)},
-            "memory_check": "every_step",
-            "cache": {"page_size": 4, "num_slots": 8192, "max_rows": 16, "max_context_len": 4096},
-        }
-    )
+    srv = byte_replica(tmp_path_factory.mktemp("llama3"), LLAMA3_TEMPLATE)
     assert srv.tool_syntax is LLAMA3_JSON
     yield srv
     srv.shutdown()
