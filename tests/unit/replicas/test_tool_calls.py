@@ -20,6 +20,7 @@ from sessionserve.replicas.tools.formats import (
     HERMES,
     LLAMA3_JSON,
     OPEN,
+    CallSyntax,
     call_text,
     native_syntax,
     render_messages,
@@ -158,10 +159,11 @@ def test_a_template_without_tools_gets_them_in_the_system_message_and_calls_verb
     assert out[3]["content"].count("<tool_response>") == 2 and '"name": "add"' in out[3]["content"]
 
 
-def test_a_template_with_tools_renders_them_itself() -> None:
+def natively_rendered(template: str) -> tuple[CallSyntax | None, str]:
+    """A step of an agent's history (a question, its call, the result) through `template`:
+    the syntax it is recognized as, and the prompt text."""
     tok = byte_tokenizer()
-    tok.chat_template = HERMES_TEMPLATE
-    assert native_syntax(tok) is HERMES
+    tok.chat_template = template
     call = ToolCall("call_1", "add", '{"a":1,"b":2}')
     messages = [
         {"role": "user", "content": "1+2?"},
@@ -170,23 +172,20 @@ def test_a_template_with_tools_renders_them_itself() -> None:
     ]
     out, extra = render_messages(tok, messages, ToolUse((ADD,), "auto"))
     text = tok.apply_chat_template(out, tokenize=False, add_generation_prompt=True, **extra)
+    return native_syntax(tok), text
+
+
+def test_a_template_with_tools_renders_them_itself() -> None:
+    syntax, text = natively_rendered(HERMES_TEMPLATE)
+    assert syntax is HERMES
     assert '"name": "add"' in text and "Add two integers." in text  # the tools
     assert '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>' in text
     assert text.endswith("<tool>3<assistant>")
 
 
 def test_a_llama3_template_renders_tools_and_its_json_calls_itself() -> None:
-    tok = byte_tokenizer()
-    tok.chat_template = LLAMA3_TEMPLATE
-    assert native_syntax(tok) is LLAMA3_JSON
-    call = ToolCall("call_1", "add", '{"a":1,"b":2}')
-    messages = [
-        {"role": "user", "content": "1+2?"},
-        {"role": "assistant", "content": "", "tool_calls": [call]},
-        {"role": "tool", "content": "3", "tool_call_id": "call_1"},
-    ]
-    out, extra = render_messages(tok, messages, ToolUse((ADD,), "auto"))
-    text = tok.apply_chat_template(out, tokenize=False, add_generation_prompt=True, **extra)
+    syntax, text = natively_rendered(LLAMA3_TEMPLATE)
+    assert syntax is LLAMA3_JSON
     assert "Environment: ipython" in text and "Add two integers." in text
     assert '{"name": "add", "parameters": {"a": 1, "b": 2}}' in text
     # with auto, a JSON answer could not be told from a call: refused, naming the field
