@@ -419,16 +419,13 @@ def chat_messages(instructions: str | None, items: list[dict[str, Any]]) -> list
         kind = it["type"]
         if kind == "function_call":
             call = ToolCall(it["call_id"], it["name"], it["arguments"])
-            if not (out and out[-1]["role"] == "assistant" and out[-1].get("open")):
-                out.append({"role": "assistant", "content": "", "open": True, "tool_calls": []})
+            if not (out and out[-1]["role"] == "assistant"):
+                out.append({"role": "assistant", "content": ""})
             out[-1].setdefault("tool_calls", []).append(call)
         elif kind == "function_call_output":
             out.append({"role": "tool", "content": it["output"], "tool_call_id": it["call_id"]})
         else:
-            message = {"role": it["role"], "content": item_text(it)}
-            out.append(message | ({"open": True} if it["role"] == "assistant" else {}))
-    for m in out:
-        m.pop("open", None)
+            out.append({"role": it["role"], "content": item_text(it)})
     return out
 
 
