@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from sessionserve.cache.sliding import SlidingSlots
 from sessionserve.errors import DoubleFreeError, InvalidConfigError, KVCacheFullError
 
 SUPPORTED_PAGE_SIZES_DOC = "any power of two from 1 to 1024 (1, 4, 16, 64, 256 are tested)"
@@ -45,6 +46,8 @@ class PagedAllocator:
         # Pages 1..num_pages are real; LIFO order keeps recently freed (cache-warm) pages in use.
         self._free_pages: list[int] = list(range(self.num_pages, 0, -1))
         self._page_allocated = torch.zeros(self.num_pages + 1, dtype=torch.bool)
+        # a model with sliding-window layers: freeing a page frees its tokens' sliding KV too
+        self.sliding: SlidingSlots | None = None
 
     @property
     def pool_slots(self) -> int:
@@ -107,7 +110,13 @@ class PagedAllocator:
             raise DoubleFreeError(f"double free: pages {bad} are not allocated")
         self._page_allocated[pages] = False
         self._free_pages.extend(pages.tolist())
+        if self.sliding is not None:
+            self.sliding.release_pages(pages, self.page_size)
         return pages.numel() * self.page_size
+
+    def page_allocated(self, slots) -> torch.Tensor:
+        """Per slot (any int array), whether its page is allocated."""
+        return self._page_allocated[torch.as_tensor(slots) // self.page_size]
 
     def is_allocated(self, slot: int) -> bool:
         return bool(self._page_allocated[slot // self.page_size])

@@ -7,10 +7,15 @@ budget, and every snapshot belongs to an open session whose KV is not resident a
 
 `held` is the idle session slots' `ceil_align(allocated) - protected`; `in_flight` the same over
 the live requests the scheduler passes in. A slot whose row a live request borrows counts once,
-as in-flight. Which rows are borrowed is computed from the live batch at every check, never from
-a stored flag; the slots' `borrower` marks are only *checked* against it, so a stuck mark is
-caught instead of trusted. Metrics read the same terms (`terms()`), so they cannot drift.
-"""
+as in-flight. With sliding-window layers kept apart, the sliding slots are checked the same way:
+each held by the owner of its token's slot, so
+
+    sliding_free + sliding_tree + sliding_held + sliding_in_flight == sliding_total
+
+and the space itself is consistent (cache/sliding.py). Which rows are borrowed is computed from
+the live batch at every check, never from a stored flag; the slots' `borrower` marks are only
+*checked* against it, so a stuck mark is caught instead of trusted. Metrics read the same terms
+(`terms()`), so they cannot drift."""
 
 from __future__ import annotations
 
@@ -38,10 +43,20 @@ class MemoryTerms(NamedTuple):
     rows_used: int  # distinct rows of live requests and slots
     host_bytes: int = 0  # the host tier's parked KV
     host_sessions: int = 0
+    # sliding-window layers' slots (all 0 when the cache keeps no sliding KV apart)
+    sliding_total: int = 0
+    sliding_free: int = 0
+    sliding_tree: int = 0  # tokens of the radix tree's (locked or not)
+    sliding_held: int = 0  # idle session slots'
+    sliding_in_flight: int = 0  # live requests'
 
     @property
     def accounted(self) -> int:
         return self.free + self.evictable + self.protected + self.held + self.in_flight
+
+    @property
+    def sliding_accounted(self) -> int:
+        return self.sliding_free + self.sliding_tree + self.sliding_held + self.sliding_in_flight
 
     def __str__(self) -> str:
         return " ".join(f"{k}={v}" for k, v in self._asdict().items()) + f" sum={self.accounted}"
@@ -76,14 +91,15 @@ class MemoryChecker:
         live_rows = {r.row: r for r in live}
         if len(live_rows) != len(live):
             problems.append("two live requests share a row")
-        in_flight = 0
+        in_flight = sliding_in_flight = 0
         for r in live:
             if not r.is_live or r.row is None:
                 problems.append(f"request {r.rid!r} passed as live but is {r.state.value}")
                 continue
             problems += _ordering(f"request {r.rid!r}", r, p)
             in_flight += ceil_align(r.allocated_len, p) - r.protected_len
-        held = held_sessions = 0
+            sliding_in_flight += self._sliding_of(r)
+        held = held_sessions = sliding_held = 0
         slot_rows: set[int] = set()
         for s in c.session_slots.values():
             if s.row is None:
@@ -103,6 +119,7 @@ class MemoryChecker:
                     problems.append(f"session {s.session_id!r}: kv_tokens != committed_len")
                 held += ceil_align(s.allocated_len, p) - s.protected_len
                 held_sessions += 1
+                sliding_held += self._sliding_of(s)
         host_bytes, host_sessions = self._host_tier(problems)
         rows_used = len(slot_rows | set(live_rows))
         t = MemoryTerms(
@@ -119,9 +136,14 @@ class MemoryChecker:
             rows_used=rows_used,
             host_bytes=host_bytes,
             host_sessions=host_sessions,
+            **self._sliding_terms(problems, sliding_held, sliding_in_flight),
         )
         if t.accounted != t.total:
             problems.append(f"slots: accounted {t.accounted} != total {t.total}")
+        if t.sliding_accounted != t.sliding_total:
+            problems.append(
+                f"sliding slots: accounted {t.sliding_accounted} != total {t.sliding_total}"
+            )
         if t.rows_free + t.rows_used != t.rows_total:
             problems.append(f"rows: free {t.rows_free} + used {t.rows_used} != {t.rows_total}")
         if problems:
@@ -130,6 +152,34 @@ class MemoryChecker:
                 "memory invariant broken: " + "; ".join(problems) + f" [{t}]"
             )
         return t
+
+    def _sliding_of(self, owner) -> int:
+        """Sliding slots an owner holds: those of its own positions (its row's slots past
+        the tree's prefix; positions of its last partial page past `allocated` hold none)."""
+        sliding = self.cache.allocator.sliding
+        if sliding is None or owner.allocated_len <= owner.protected_len:
+            return 0
+        return sliding.count(
+            self.cache.rows.read(owner.row, owner.protected_len, owner.allocated_len)
+        )
+
+    def _sliding_terms(self, problems: list[str], held: int, in_flight: int) -> dict[str, int]:
+        sliding = self.cache.allocator.sliding
+        if sliding is None:
+            return {}
+        problems += sliding.check()
+        allocator = self.cache.allocator
+        mapped = sliding.mapped_full_slots()
+        if mapped.size and not bool(allocator.page_allocated(mapped).all()):
+            problems.append("sliding-window KV held by a token whose slot is free")
+        tree = sum(sliding.count(node.slots) for node in self.cache.radix.nodes())
+        return {
+            "sliding_total": sliding.num_slots,
+            "sliding_free": sliding.available_size(),
+            "sliding_tree": tree,
+            "sliding_held": held,
+            "sliding_in_flight": in_flight,
+        }
 
     def _host_tier(self, problems: list[str]) -> tuple[int, int]:
         tier = self.cache.host_tier
@@ -142,7 +192,9 @@ class MemoryChecker:
                 problems.append(f"host tier keeps KV of session {sid!r}, which is not open")
             elif slot.holds_kv:
                 problems.append(f"session {sid!r} is resident and parked in the host tier")
-            if any(t.shape[2] != len(snap.tokens) for t in snap.kv):
+            if any(t.shape[2] != len(snap.tokens) for t in snap.kv) or any(
+                t.shape[2] != len(snap.tokens) - snap.sliding_from for t in snap.sliding_kv
+            ):
                 problems.append(f"host tier: session {sid!r}'s KV length != its tokens")
             total += snap.nbytes
         if total != tier.bytes_in_use:

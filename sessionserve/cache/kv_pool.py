@@ -8,6 +8,7 @@ drafter's KV for free, and freeing a slot frees it in both pools.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +37,11 @@ class KVShape:
 
 
 class KVPool:
-    """Per layer: `k[layer]` and `v[layer]` of shape [pool_slots, num_kv_heads, head_dim]."""
+    """Full-attention layers: `k[i]` and `v[i]` of shape [pool_slots, num_kv_heads, head_dim],
+    indexed by the allocator's slots. Sliding-window layers, when the cache keeps their KV
+    apart (`sliding_layers`), get `sliding_k` / `sliding_v` of [sliding_slots, ...] indexed by
+    the sliding slots (cache/sliding.py); `layer_kv` says which a model layer uses. Without
+    sliding layers, `k[layer]` is the model's layer itself."""
 
     def __init__(
         self,
@@ -44,23 +49,57 @@ class KVPool:
         pool_slots: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        sliding_layers: Sequence[int] = (),
+        sliding_slots: int = 0,
     ) -> None:
         if min(shape.num_layers, shape.num_kv_heads, shape.head_dim, pool_slots) < 1:
             raise InvalidConfigError(f"invalid KV pool shape {shape} with {pool_slots} slots")
+        if sliding_layers and sliding_slots < 1:
+            raise InvalidConfigError("sliding-window layers need sliding_slots >= 1")
         self.shape = shape
         self.dtype = dtype
-        dims = (shape.num_layers, pool_slots, shape.num_kv_heads, shape.head_dim)
-        self.k = torch.zeros(dims, dtype=dtype, device=device)
-        self.v = torch.zeros(dims, dtype=dtype, device=device)
+        sliding = set(sliding_layers)
+        full = [i for i in range(shape.num_layers) if i not in sliding]
+        self._where = {layer: (False, i) for i, layer in enumerate(full)}
+        self._where.update({layer: (True, i) for i, layer in enumerate(sorted(sliding))})
+        heads = (shape.num_kv_heads, shape.head_dim)
+        self.k = torch.zeros((len(full), pool_slots, *heads), dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        self.sliding_k = torch.zeros(
+            (len(sliding), sliding_slots, *heads), dtype=dtype, device=device
+        )
+        self.sliding_v = torch.zeros_like(self.sliding_k)
 
     @property
     def pool_slots(self) -> int:
         return self.k.shape[1]
 
-    def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+    @property
+    def has_sliding(self) -> bool:
+        return self.sliding_k.shape[0] > 0
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store new K/V ([n, num_kv_heads, head_dim]) of one layer at `slots` ([n])."""
-        self.k[layer].index_copy_(0, slots, k.to(self.dtype))
-        self.v[layer].index_copy_(0, slots, v.to(self.dtype))
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes + self.sliding_k.nbytes + self.sliding_v.nbytes
+
+    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """The K and V tensors model layer `layer` reads, and whether they are the sliding
+        ones (indexed by sliding slots)."""
+        sliding, i = self._where[layer]
+        if sliding:
+            return self.sliding_k[i], self.sliding_v[i], True
+        return self.k[i], self.v[i], False
+
+    def write(
+        self,
+        layer: int,
+        slots: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        sliding_slots: torch.Tensor | None = None,
+    ) -> None:
+        """Store new K/V ([n, num_kv_heads, head_dim]) of one layer at `slots` ([n]), or at
+        `sliding_slots` for a sliding layer kept apart."""
+        k_pool, v_pool, sliding = self.layer_kv(layer)
+        where = sliding_slots if sliding else slots
+        k_pool.index_copy_(0, where, k.to(self.dtype))
+        v_pool.index_copy_(0, where, v.to(self.dtype))

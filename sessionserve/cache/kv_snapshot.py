@@ -6,18 +6,23 @@ tensor per pool: `[2 (k, v), num_layers, len, num_kv_heads, head_dim]`. Contiguo
 is copied as a whole (device -> pinned host memory on CUDA) and sent as a whole (Ray's object
 store, zero-copy for tensors); independent of page size and slot numbers, because the replica
 that restores it allocates its own slots.
+
+With sliding-window layers kept apart (cache/sliding.py), `kv` holds the full-attention layers
+and `sliding_kv` the sliding layers' KV of the positions `[sliding_from, len)` only: the window
+the session goes on from, which is all the replica holds of them.
 """
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from sessionserve.cache.kv_pool import KVPool
+from sessionserve.cache.sliding import SlidingSlots
 from sessionserve.errors import IncompatibleSnapshotError
 
 
@@ -25,10 +30,14 @@ from sessionserve.errors import IncompatibleSnapshotError
 class KVSnapshot:
     tokens: list[int]  # position i holds the KV of tokens[i]
     kv: list[torch.Tensor]  # one per pool: [2, num_layers, len(tokens), num_kv_heads, head_dim]
+    # one per pool when sliding layers are kept apart: [2, sliding_layers, len - sliding_from,
+    # num_kv_heads, head_dim]; empty otherwise
+    sliding_kv: list[torch.Tensor] = field(default_factory=list)
+    sliding_from: int = 0
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.kv)
+        return sum(t.nbytes for t in self.kv) + sum(t.nbytes for t in self.sliding_kv)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -39,15 +48,25 @@ class KVSnapshot:
         return {
             "tokens": self.tokens,
             "kv": [(_raw(t), t.dtype, tuple(t.shape)) for t in self.kv],
+            "sliding_kv": [(_raw(t), t.dtype, tuple(t.shape)) for t in self.sliding_kv],
+            "sliding_from": self.sliding_from,
         }
 
     def __setstate__(self, state: dict) -> None:
         self.tokens = state["tokens"]
         self.kv = [_from_raw(raw, dtype, shape) for raw, dtype, shape in state["kv"]]
+        self.sliding_kv = [_from_raw(r, dtype, shape) for r, dtype, shape in state["sliding_kv"]]
+        self.sliding_from = state["sliding_from"]
 
     def prefix(self, n: int) -> KVSnapshot:
         """The first `n` positions, copied (a view would keep the whole buffer alive)."""
-        return KVSnapshot(self.tokens[:n], [t[:, :, :n].clone() for t in self.kv])
+        start = min(self.sliding_from, n)
+        return KVSnapshot(
+            self.tokens[:n],
+            [t[:, :, :n].clone() for t in self.kv],
+            [t[:, :, : n - start].clone() for t in self.sliding_kv],
+            start,
+        )
 
 
 def _raw(t: torch.Tensor) -> np.ndarray:
@@ -61,29 +80,39 @@ def _from_raw(raw: np.ndarray, dtype: torch.dtype, shape: tuple[int, ...]) -> to
 
 
 def gather(
-    pools: Sequence[KVPool], slots: torch.Tensor, tokens: Sequence[int], page_size: int = 1
+    pools: Sequence[KVPool],
+    slots: torch.Tensor,
+    tokens: Sequence[int],
+    page_size: int = 1,
+    sliding: SlidingSlots | None = None,
 ) -> KVSnapshot:
-    """Copy the KV at `slots` (one per token) out of every pool. On CUDA the copy lands in
+    """Copy the KV at `slots` (one per token) out of every pool (and, with `sliding`, the
+    sliding layers' KV of the window the positions end with). On CUDA the copy lands in
     pinned host memory without blocking the host: it is ordered before any later kernel on the
     stream (so the freed slots can be reused at once); `synchronize` before reading it on the
     host (export does)."""
     if slots.numel() != len(tokens):
         raise ValueError(f"{slots.numel()} slots for {len(tokens)} tokens")
-    out = []
-    for pool in pools:
-        idx = slots.to(pool.k.device)
-        layers, _, heads, dim = pool.k.shape
-        both = torch.empty(
-            (2, layers, idx.numel(), heads, dim), dtype=pool.dtype, device=idx.device
-        )
-        _read(pool.k, idx, page_size, both[0])
-        _read(pool.v, idx, page_size, both[1])
-        if both.device.type == "cuda":
-            host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
-            host.copy_(both, non_blocking=True)
-            both = host
-        out.append(both)
-    return KVSnapshot(list(tokens), out)
+    kv = [_copy_out(pool.k, pool.v, slots, page_size) for pool in pools]
+    if sliding is None or not any(pool.has_sliding for pool in pools):
+        return KVSnapshot(list(tokens), kv)
+    start = len(tokens) - min(sliding.resident_suffix(slots), sliding.keep)
+    where = sliding.lookup(slots[start:])
+    window = [_copy_out(pool.sliding_k, pool.sliding_v, where, 1) for pool in pools]
+    return KVSnapshot(list(tokens), kv, window, start)
+
+
+def _copy_out(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, page_size: int):
+    idx = slots.to(k.device)
+    layers, _, heads, dim = k.shape
+    both = torch.empty((2, layers, idx.numel(), heads, dim), dtype=k.dtype, device=idx.device)
+    _read(k, idx, page_size, both[0])
+    _read(v, idx, page_size, both[1])
+    if both.device.type == "cuda":
+        host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
+        host.copy_(both, non_blocking=True)
+        both = host
+    return both
 
 
 def scatter(
@@ -93,17 +122,34 @@ def scatter(
     end: int,
     slots: torch.Tensor,
     page_size: int = 1,
+    window: tuple[int, torch.Tensor] | None = None,
 ) -> None:
     """Write positions `[start, end)` of `snap` into `slots` of every pool (host -> device
-    asynchronously on CUDA, ordered before the forward that reads them)."""
+    asynchronously on CUDA, ordered before the forward that reads them); `window`: the first
+    position of `[.., end)` whose sliding layers' KV goes in too, and the sliding slots it
+    goes to."""
     check_compatible(pools, snap)
     if slots.numel() != end - start:
         raise ValueError(f"{slots.numel()} slots for positions [{start}, {end})")
     for pool, t in zip(pools, snap.kv, strict=True):
-        part = t[:, :, start:end].to(pool.k.device, non_blocking=True)
-        idx = slots.to(pool.k.device)
-        _write(pool.k, idx, part[0], page_size)
-        _write(pool.v, idx, part[1], page_size)
+        _copy_in(pool.k, pool.v, t[:, :, start:end], slots, page_size)
+    if window is None or not snap.sliding_kv:
+        return
+    first, where = window
+    if first < snap.sliding_from or where.numel() != end - first:
+        raise ValueError(f"the snapshot holds sliding KV from {snap.sliding_from}, not {first}")
+    lo, hi = first - snap.sliding_from, end - snap.sliding_from
+    for pool, t in zip(pools, snap.sliding_kv, strict=True):
+        _copy_in(pool.sliding_k, pool.sliding_v, t[:, :, lo:hi], where, 1)
+
+
+def _copy_in(
+    k: torch.Tensor, v: torch.Tensor, part: torch.Tensor, slots: torch.Tensor, page_size: int
+) -> None:
+    part = part.to(k.device, non_blocking=True)
+    idx = slots.to(k.device)
+    _write(k, idx, part[0], page_size)
+    _write(v, idx, part[1], page_size)
 
 
 def _whole_pages(slots: torch.Tensor, page_size: int) -> torch.Tensor | None:
@@ -157,11 +203,19 @@ def check_compatible(pools: Sequence[KVPool], snap: KVSnapshot) -> None:
             f"the snapshot has KV of {len(snap.kv)} model(s), this replica {len(pools)} "
             "(one with an EAGLE drafter and one without?)"
         )
-    for pool, t in zip(pools, snap.kv, strict=True):
-        s = pool.shape
-        want = (2, s.num_layers, len(snap.tokens), s.num_kv_heads, s.head_dim)
-        if tuple(t.shape) != want or t.dtype != pool.dtype:
-            raise IncompatibleSnapshotError(
-                f"snapshot KV {tuple(t.shape)} {t.dtype} does not fit this replica's pool "
-                f"{want} {pool.dtype}: the replicas serve different models or dtypes"
-            )
+    if bool(snap.sliding_kv) != any(pool.has_sliding for pool in pools):
+        raise IncompatibleSnapshotError(
+            "one replica keeps the sliding-window layers' KV apart and the other does not "
+            "(cache.sliding_window_kv differs)"
+        )
+    for i, pool in enumerate(pools):
+        parts = [(snap.kv[i], pool.k, len(snap.tokens))]
+        if snap.sliding_kv:
+            parts.append((snap.sliding_kv[i], pool.sliding_k, len(snap.tokens) - snap.sliding_from))
+        for t, ours, length in parts:
+            want = (2, ours.shape[0], length, *ours.shape[2:])
+            if tuple(t.shape) != want or t.dtype != pool.dtype:
+                raise IncompatibleSnapshotError(
+                    f"snapshot KV {tuple(t.shape)} {t.dtype} does not fit this replica's pool "
+                    f"{want} {pool.dtype}: the replicas serve different models or dtypes"
+                )

@@ -194,6 +194,10 @@ class RadixCache:
         self._evictable -= len(leaf.key)
         return len(leaf.key)
 
+    def nodes(self):
+        """Every node but the root (for the memory checker)."""
+        return self._iter_nodes()
+
     def _iter_nodes(self):
         stack = list(self.root.children.values())
         while stack:

@@ -43,10 +43,16 @@ class RequestCache:
     def _match_radix(self, req: RequestKV, tokens: Sequence[int]) -> int:
         row = self._alloc_row()
         m = self.radix.match_prefix(tokens[:-1])
+        sliding = self.allocator.sliding
+        if sliding is not None:  # go on only from where the sliding layers' window is resident
+            usable = sliding.longest_usable(m.slots, self.page_size)
+            if usable < m.length:
+                m = self.radix.match_prefix(tokens[:usable])
         self.radix.lock(m.node)
         self.rows.write(row, 0, m.slots)
         req.row, req.lock_node, req.state = row, m.node, KVState.LIVE
         req.committed_len = req.allocated_len = req.protected_len = m.length
+        req.sliding_from = m.length
         self._set_cached(req, len(tokens), m.length, "radix")
         return m.length
 
@@ -55,19 +61,26 @@ class RequestCache:
         """Give positions [allocated, new_len) slots. All or nothing.
 
         Evicts radix pages and idle sessions first; raises KVCacheFullError if still short.
+        With sliding-window layers kept apart, each new position also gets a sliding slot.
         """
         self._expect(req, KVState.LIVE, "allocate")
         start = req.allocated_len
         extend, in_page = new_len - start, start % self.page_size
         if extend <= 0:
             return
+        sliding = self.allocator.sliding
         if in_page and extend <= self.page_size - in_page:
-            # the request's partial last page has room: no page is taken, nothing evicted
+            # the request's partial last page has room: no page is taken
+            if sliding is not None:
+                self.make_room(0, extend)
             self.rows.write_run(req.row, start, self.rows.last_slot(req.row, start) + 1, extend)
         else:
-            self.make_room(self.allocator.pages_needed(start, extend) * self.page_size)
+            pages = self.allocator.pages_needed(start, extend)
+            self.make_room(pages * self.page_size, extend if sliding is not None else 0)
             slots = self.allocator.alloc_extend(self.rows.last_slot(req.row, start), start, extend)
             self.rows.write(req.row, start, slots)
+        if sliding is not None:  # room was made above: this cannot fail
+            sliding.alloc(self.rows.read(req.row, start, new_len))
         req.allocated_len = new_len
 
     def commit(self, req: RequestKV, committed_len: int) -> None:
@@ -79,6 +92,7 @@ class RequestCache:
                 f"[{req.committed_len}, {req.allocated_len}]"
             )
         req.committed_len = committed_len
+        self._slide(req)
 
     def free_overallocation(self, req: RequestKV) -> None:
         """Free slots past `committed` (rejected drafts) the same step; the partial page stays."""
@@ -141,16 +155,25 @@ class RequestCache:
                 )
         return self.rows.alloc()
 
-    def make_room(self, num_tokens: int) -> None:
+    def make_room(self, num_tokens: int, sliding_tokens: int = 0) -> None:
         """Evict radix pages, then idle sessions (least recently used first), until
-        `num_tokens` slots are free; raises KVCacheFullError if that is impossible."""
-        while self.allocator.available_size() < num_tokens:
+        `num_tokens` slots (and `sliding_tokens` sliding slots) are free; raises
+        KVCacheFullError if that is impossible."""
+        sliding = self.allocator.sliding
+        while True:
             short = num_tokens - self.allocator.available_size()
-            if self.radix.evict(short) == 0 and not self._evict_idle_session():
-                raise KVCacheFullError(
-                    f"KV cache full: need {num_tokens} slots, {self.allocator.available_size()} "
-                    "free and nothing left to evict"
-                )
+            sliding_short = sliding_tokens - sliding.available_size() if sliding else 0
+            if short <= 0 and sliding_short <= 0:
+                return
+            want = max(short, self.page_size if sliding_short > 0 else 0)
+            if self.radix.evict(want) == 0 and not self._evict_idle_session():
+                what = f"{num_tokens} slots, {self.allocator.available_size()} free"
+                if sliding_short > 0:
+                    what = (
+                        f"{sliding_tokens} sliding-window slots, {sliding.available_size()} "
+                        "free (raise cache.sliding_slots)"
+                    )
+                raise KVCacheFullError(f"KV cache full: need {what}, and nothing left to evict")
 
     def _evict_idle_session(self) -> bool:
         """Overridden by SessionCache; an ordinary cache has no sessions to evict."""
@@ -165,10 +188,36 @@ class RequestCache:
         if new_len < owner.protected_len:
             raise ValueError(f"tail free to {new_len} below protected {owner.protected_len}")
         start = ceil_align(new_len, self.page_size)
+        sliding = self.allocator.sliding
+        if sliding is not None and owner.allocated_len > new_len:  # the kept page's cut tail
+            sliding.release(self.rows.read(owner.row, new_len, min(start, owner.allocated_len)))
         if owner.allocated_len > start:
             self.allocator.free(self.rows.read(owner.row, start, owner.allocated_len))
         owner.allocated_len = min(owner.allocated_len, new_len)
         owner.committed_len = min(owner.committed_len, new_len)
+        owner.sliding_from = min(owner.sliding_from, new_len)
+
+    def _slide(self, owner: RequestKV | SessionSlot) -> None:
+        """Give back the sliding KV of the owner's positions its window has passed (what the
+        radix tree holds below `protected` is the tree's)."""
+        sliding = self.allocator.sliding
+        if sliding is None:
+            return
+        lo = max(owner.sliding_from, owner.protected_len)
+        hi = owner.committed_len - sliding.keep
+        if hi > lo:
+            sliding.release(self.rows.read(owner.row, lo, hi))
+            owner.sliding_from = hi
+
+    def _window_resident(self, row: int, length: int) -> bool:
+        """Whether the sequence in `row` can go on from `length` (always, without sliding
+        layers kept apart): the window its next token sees holds its sliding KV."""
+        sliding = self.allocator.sliding
+        if sliding is None or length == 0:
+            return True
+        return sliding.all_resident(
+            self.rows.read(row, max(0, length - sliding.window + 1), length)
+        )
 
     def _insert_prefix(self, req: RequestKV, tokens: Sequence[int], length: int) -> None:
         """Move the page-aligned `tokens[:length]` of req's row into the radix tree and lock it.
@@ -204,4 +253,4 @@ class RequestCache:
     @staticmethod
     def _reset(req: RequestKV) -> None:
         req.row, req.lock_node = None, None
-        req.committed_len = req.allocated_len = req.protected_len = 0
+        req.committed_len = req.allocated_len = req.protected_len = req.sliding_from = 0

@@ -7,6 +7,8 @@ Lengths count token positions of one row:
                             the token being fed this step
 Always 0 <= protected <= committed <= allocated, protected a multiple of page_size. Pages are
 owned whole, so an owner really holds `ceil_align(allocated) - protected` slots.
+With sliding-window layers kept apart (cache/sliding.py), the owner's positions below
+`sliding_from` have given their sliding KV back (the window has passed them).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class RequestKV:
     committed_len: int = 0
     allocated_len: int = 0
     protected_len: int = 0
+    sliding_from: int = 0
     lock_node: RadixNode | None = None  # a lock this request owns; None while borrowing a slot's
     prompt_len: int = 0  # tokens given to the last match()
     cached_len: int = 0  # tokens reused at the last match() (reported to the client)
@@ -73,6 +76,7 @@ class SessionSlot:
     committed_len: int = 0
     allocated_len: int = 0
     protected_len: int = 0
+    sliding_from: int = 0
     lock_node: RadixNode | None = None
     turn_rid: str | None = None
     borrower: str | None = None

@@ -141,7 +141,9 @@ class SessionCache(RequestCache):
             self._insert_prefix(
                 slot, slot.kv_tokens, floor_align(slot.committed_len, self.page_size)
             )
-        if prefix_len < slot.protected_len:  # diverged inside the tree-shared part
+        if prefix_len < slot.protected_len or not self._window_resident(slot.row, prefix_len):
+            # diverged inside the tree-shared part, or so far back that the sliding layers'
+            # window there is gone: start over from what the radix tree can give
             self._release_slot_kv(slot)
             return self._match_radix(req, tokens)
         self._free_tail(slot, prefix_len)
@@ -149,7 +151,7 @@ class SessionCache(RequestCache):
         slot.borrower = req.rid
         req.row, req.lock_node, req.state = slot.row, None, KVState.LIVE
         req.committed_len, req.allocated_len = slot.committed_len, slot.allocated_len
-        req.protected_len = slot.protected_len
+        req.protected_len, req.sliding_from = slot.protected_len, slot.sliding_from
         self._set_cached(req, len(tokens), prefix_len, source)
         return prefix_len
 
@@ -185,8 +187,7 @@ class SessionCache(RequestCache):
         if slot.turn_rid is not None:
             raise SessionBusyError(session_id, slot.turn_rid)
         if slot.holds_kv and slot.committed_len:
-            slots = self.rows.read(slot.row, 0, slot.committed_len)
-            return list(slot.history), gather(self.kv_pools, slots, slot.kv_tokens, self.page_size)
+            return list(slot.history), self._snapshot(slot)
         parked = self.host_tier.get(session_id) if self.host_tier is not None else None
         return list(slot.history), parked
 
@@ -200,7 +201,7 @@ class SessionCache(RequestCache):
         if snap is not None:
             check_compatible(self.kv_pools, snap)  # before anything changes
         slot.history = list(history)
-        upto = _common_prefix_len(snap.tokens, history) if snap is not None else 0
+        upto = self._usable_len(snap, _common_prefix_len(snap.tokens, history)) if snap else 0
         if upto == 0:
             return "none"
         try:
@@ -266,10 +267,14 @@ class SessionCache(RequestCache):
             )
         self._free_tail(req, req.committed_len)
         if not slot.holds_kv:  # first turn (or after eviction): the slot adopts req's row
-            prompt = floor_align(min(req.committed_len, req.prompt_len), self.page_size)
-            self._insert_prefix(req, tokens, prompt)  # the prompt becomes shareable
+            # the prompt becomes shareable; not with sliding layers kept apart, whose window
+            # at the prompt's end the session gives back as it goes on (and held only once)
+            if self.allocator.sliding is None:
+                prompt = floor_align(min(req.committed_len, req.prompt_len), self.page_size)
+                self._insert_prefix(req, tokens, prompt)
             slot.row, slot.lock_node, slot.protected_len = req.row, req.lock_node, req.protected_len
         slot.committed_len, slot.allocated_len = req.committed_len, req.allocated_len
+        slot.sliding_from = req.sliding_from
         slot.kv_tokens = list(tokens[: req.committed_len])
         slot.borrower = None
         self._reset(req)
@@ -312,7 +317,7 @@ class SessionCache(RequestCache):
             self.radix.unlock(slot.lock_node)
         self.rows.free(slot.row)
         slot.row, slot.lock_node, slot.borrower = None, None, None
-        slot.committed_len = slot.allocated_len = slot.protected_len = 0
+        slot.committed_len = slot.allocated_len = slot.protected_len = slot.sliding_from = 0
         slot.kv_tokens = []
 
     def _evict_idle_session(self) -> bool:
@@ -329,10 +334,19 @@ class SessionCache(RequestCache):
         """Copy an idle slot's committed KV into the host tier (before it is freed)."""
         if self.host_tier is None or slot.committed_len == 0:
             return False
+        return self.host_tier.put(slot.session_id, self._snapshot(slot))
+
+    def _snapshot(self, slot: SessionSlot) -> KVSnapshot:
         slots = self.rows.read(slot.row, 0, slot.committed_len)
-        return self.host_tier.put(
-            slot.session_id, gather(self.kv_pools, slots, slot.kv_tokens, self.page_size)
-        )
+        return gather(self.kv_pools, slots, slot.kv_tokens, self.page_size, self.allocator.sliding)
+
+    def _usable_len(self, snap: KVSnapshot, upto: int) -> int:
+        """How much of `snap[:upto]` a session can go on from: all of it, or nothing when the
+        sliding layers' window at `upto` is not in the snapshot."""
+        sliding = self.allocator.sliding
+        if sliding is None or snap.sliding_from <= max(0, upto - sliding.window + 1):
+            return upto
+        return 0
 
     def _restore_parked(self, slot: SessionSlot, key: Sequence[int], mode: TurnMode) -> bool:
         """Bring a parked session's KV back for the prefix `key` shares with it. False (the
@@ -349,6 +363,7 @@ class SessionCache(RequestCache):
                 f"at token {upto} (holds {len(snap)})"
             )
         self.host_tier.take(slot.session_id)  # out of the tier: what follows may spill others
+        upto = self._usable_len(snap, upto)
         if upto == 0:
             return False
         started = time.perf_counter()
@@ -375,13 +390,17 @@ class SessionCache(RequestCache):
     def _restore(self, slot: SessionSlot, snap: KVSnapshot, upto: int) -> None:
         """Make `snap[:upto]` the slot's resident KV: the prefix the radix tree still holds
         is shared (locked, as a first turn's prompt), the rest gets new slots and is copied
-        in. All or nothing: raises KVCacheFullError having changed nothing."""
+        in; with sliding layers kept apart, nothing is shared and the window gets sliding
+        slots. All or nothing: raises KVCacheFullError having changed nothing."""
+        sliding = self.allocator.sliding
         row = self._alloc_row()
-        m = self.radix.match_prefix(snap.tokens[:upto])
+        m = self.radix.match_prefix(snap.tokens[:upto] if sliding is None else [])
+        window_from = upto if sliding is None else max(snap.sliding_from, upto - sliding.keep)
         self.radix.lock(m.node)
         self.rows.write(row, 0, m.slots)
         try:
-            self.make_room(self.allocator.pages_needed(m.length, upto - m.length) * self.page_size)
+            pages = self.allocator.pages_needed(m.length, upto - m.length)
+            self.make_room(pages * self.page_size, upto - window_from)
             last = self.rows.last_slot(row, m.length)
             slots = self.allocator.alloc_extend(last, m.length, upto - m.length)
         except KVCacheFullError:
@@ -389,9 +408,14 @@ class SessionCache(RequestCache):
             self.rows.free(row)
             raise
         self.rows.write(row, m.length, slots)
-        scatter(self.kv_pools, snap, m.length, upto, slots, self.page_size)
+        window = None
+        if sliding is not None:
+            sliding.alloc(slots[window_from:])
+            window = (window_from, sliding.lookup(slots[window_from:]))
+        scatter(self.kv_pools, snap, m.length, upto, slots, self.page_size, window)
         slot.row, slot.lock_node, slot.protected_len = row, m.node, m.length
         slot.committed_len = slot.allocated_len = upto
+        slot.sliding_from = window_from
         slot.kv_tokens = list(snap.tokens[:upto])
         slot.borrower = None
 

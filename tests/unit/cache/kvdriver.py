@@ -4,7 +4,9 @@
 slot. Reused KV is then verified: the slots a match returns must hold exactly the hashes of the
 new request's own tokens. A stale, freed-and-reused, or mis-pointed slot fails this check.
 The hashes live in a real (one-layer, int64) `KVPool`, attached to the cache, so KV the host
-tier parks and restores, or a migration moves, is verified the same way.
+tier parks and restores, or a migration moves, is verified the same way. A cache that keeps
+sliding-window KV apart gets a second, sliding layer: its hashes are verified over the window
+a reused prefix goes on from.
 """
 
 from __future__ import annotations
@@ -30,7 +32,19 @@ def prefix_hashes(tokens: list[int]) -> list[int]:
 class FakeKV:
     def __init__(self, cache: SessionCache, host_tier_bytes: int | None = None) -> None:
         self.cache = cache
-        self.pool = KVPool(KVShape(1, 1, 1), cache.allocator.pool_slots, dtype=torch.int64)
+        self.sliding = cache.allocator.sliding
+        if self.sliding is None:
+            self.pool = KVPool(KVShape(1, 1, 1), cache.allocator.pool_slots, dtype=torch.int64)
+        else:  # layer 0 full attention, layer 1 sliding
+            self.pool = KVPool(
+                KVShape(2, 1, 1),
+                cache.allocator.pool_slots,
+                dtype=torch.int64,
+                sliding_layers=(1,),
+                sliding_slots=self.sliding.pool_slots,
+            )
+            self.pool.sliding_k.fill_(-1)
+            self.sliding_content = self.pool.sliding_k[0, :, 0, 0]
         self.pool.k.fill_(-1)
         self.content = self.pool.k[0, :, 0, 0]  # a view: writes land in the pool
         tier = HostTier(host_tier_bytes) if host_tier_bytes else None
@@ -40,16 +54,35 @@ class FakeKV:
         """'Run the model' on positions [start, end) of `tokens`: write their KV."""
         slots = self.cache.slots(req, start, end)
         assert not bool((slots < self.cache.page_size).any()), "a real token landed in page 0"
-        self.content[slots] = torch.tensor(prefix_hashes(tokens[:end])[start:end])
+        self.verify_window(req, tokens, start)  # what the new tokens' sliding layers read
+        hashes = torch.tensor(prefix_hashes(tokens[:end])[start:end])
+        self.content[slots] = hashes
+        if self.sliding is not None:
+            where = self.sliding.lookup(slots)
+            assert bool((where > 0).all()), "a computed token has no sliding slot"
+            self.sliding_content[where] = hashes
 
     def verify(self, req: RequestKV, tokens: list[int], length: int) -> None:
         """Positions [0, length) of `req` must hold the KV of `tokens[:length]`."""
         if length == 0:
             return
-        got = self.content[self.cache.slots(req, 0, length)]
+        slots = self.cache.slots(req, 0, length)
         want = torch.tensor(prefix_hashes(tokens[:length]))
-        bad = (got != want).nonzero().flatten().tolist()
+        bad = (self.content[slots] != want).nonzero().flatten().tolist()
         assert not bad, f"{req.rid}: stale or foreign KV at positions {bad[:8]}"
+        self.verify_window(req, tokens, length)
+
+    def verify_window(self, req: RequestKV, tokens: list[int], length: int) -> None:
+        """The sliding KV the token at `length` sees (the window - 1 before it) is resident
+        and holds the KV of `tokens`."""
+        if self.sliding is None or length == 0:
+            return
+        lo = max(0, length - self.sliding.window + 1)
+        where = self.sliding.lookup(self.cache.slots(req, lo, length))
+        assert bool((where > 0).all()), f"{req.rid}: the window at {length} is not resident"
+        want = torch.tensor(prefix_hashes(tokens[:length])[lo:])
+        bad = (self.sliding_content[where] != want).nonzero().flatten().tolist()
+        assert not bad, f"{req.rid}: stale sliding KV at positions {[lo + b for b in bad[:8]]}"
 
 
 @dataclass

@@ -1,9 +1,10 @@
-"""Random interleavings of everything the scheduler can do to the cache, for page sizes 1, 16
-and 256. After every rule the busy invariant holds and every reused KV slot holds exactly the
-KV of the tokens it is reused for (FakeKV); at teardown every slot and row is free. With a host
-tier (a budget smaller than the sessions' KV, so it evicts too), idle sessions are also parked
-explicitly and by pressure and restored by their next turn; restored KV is verified the same
-way, and the invariant covers the tier's bytes."""
+"""Random interleavings of everything the scheduler can do to the cache, for page sizes 1, 16 and
+256, with and without the sliding-window layers' KV kept apart (a window of 24 tokens over a
+sliding space small enough to run out). After every rule the busy invariant holds and every
+reused KV slot holds exactly the KV of the tokens it is reused for (FakeKV); at teardown every
+slot and row is free. With a host tier (a budget smaller than the sessions' KV, so it evicts
+too), idle sessions are also parked explicitly and by pressure and restored by their next turn;
+restored KV is verified the same way, and the invariant covers the tier's bytes."""
 
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ SHARED_PREFIXES = [[5 + (i * 3 + j) % 37 for j in range(n)] for i, n in enumerat
 class SessionCacheMachine(RuleBasedStateMachine):
     page_size = 16
     host_tier_bytes: int | None = None  # FakeKV's pool: 16 bytes a token
+    sliding_window: int | None = None
 
     def __init__(self) -> None:
         super().__init__()
@@ -52,6 +54,8 @@ class SessionCacheMachine(RuleBasedStateMachine):
             max_rows=6,
             max_context_len=4096,
             limits=SessionLimits(max_sessions=4, max_session_tokens=max(p, 96)),
+            sliding_window=self.sliding_window,
+            sliding_slots=150,
         )
         self.checker = MemoryChecker(self.cache)
         self.drive = Driver(self.cache, seed=1, host_tier_bytes=self.host_tier_bytes)
@@ -196,6 +200,11 @@ class SessionCacheMachine(RuleBasedStateMachine):
             lcp = _common_prefix_len(slot.kv_tokens, turn.tokens[:-1])
             expect = lcp if lcp >= slot.protected_len else None
             branch = turn.mode == "chat" and self.cache._leaves_a_branch(slot, lcp)
+            if self.sliding_window and not (
+                self.cache._window_resident(slot.row, lcp) and not branch
+            ):  # the sliding window at lcp is gone: what the tree can give (verified below)
+                expect, branch = None, False
+                event("a session turn went back past its sliding window")
         try:
             cached = self.drive.admit(turn)  # verifies the reused KV content
         except KVCacheFullError:  # no free row: stays queued, holding nothing
@@ -342,12 +351,15 @@ class SessionCacheMachine(RuleBasedStateMachine):
         self.cache.flush()
         t = self.checker.check_idle()
         assert t.free == t.total and t.rows_free == t.rows_total, t
+        assert t.sliding_free == t.sliding_total, t
         assert t.host_bytes == t.host_sessions == 0, t
 
 
-def _machine_for(page: int, host_tier_bytes: int | None = None):
+def _machine_for(page: int, host_tier_bytes: int | None = None, sliding_window: int | None = None):
     name = f"SessionCacheMachinePage{page}" + ("HostTier" if host_tier_bytes else "")
+    name += "Sliding" if sliding_window else ""
     attrs = {"page_size": page, "host_tier_bytes": host_tier_bytes}
+    attrs["sliding_window"] = sliding_window
     machine = type(name, (SessionCacheMachine,), attrs)
     test = machine.TestCase
     test.settings = settings(
@@ -363,3 +375,6 @@ TestSessionCachePage1 = _machine_for(1, host_tier_bytes=16 * 120)
 TestSessionCachePage16 = _machine_for(16)
 TestSessionCachePage16HostTier = _machine_for(16, host_tier_bytes=16 * 120)
 TestSessionCachePage256 = _machine_for(256, host_tier_bytes=16 * 120)
+TestSessionCachePage1Sliding = _machine_for(1, host_tier_bytes=32 * 120, sliding_window=24)
+TestSessionCachePage16Sliding = _machine_for(16, host_tier_bytes=32 * 120, sliding_window=24)
+TestSessionCachePage256Sliding = _machine_for(256, sliding_window=24)
