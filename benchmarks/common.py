@@ -38,6 +38,8 @@ def engine(
     prefill: int = 1024,
     host_tier_bytes: int | None = None,
     max_context_len: int = 8192,
+    sliding_window_kv: bool = True,
+    sliding_slots: int | None = None,
 ) -> Engine:
     cfg = EngineConfig(
         cache=CacheConfig(
@@ -46,6 +48,8 @@ def engine(
             max_rows=max_running + 8,
             max_context_len=min(num_slots, max_context_len),
             radix_cache=radix,
+            sliding_window_kv=sliding_window_kv,
+            sliding_slots=sliding_slots,
         ),
         sessions=SessionConfig(enabled=sessions, host_tier_bytes=host_tier_bytes),
         scheduler=SchedulerConfig(max_running_requests=max_running, max_prefill_tokens=prefill),

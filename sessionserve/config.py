@@ -60,6 +60,23 @@ class CacheConfig(_Strict):
         4096, ge=16, description="Longest sequence (input + output) a request may reach."
     )
     radix_cache: bool = Field(True, description="Share prefixes between requests (radix tree).")
+    sliding_window_kv: bool = Field(
+        True,
+        description=(
+            "For a model with sliding-window layers (Gemma 3, Mistral): keep those layers' KV "
+            "apart, only for each sequence's last window (false: every token's, as for "
+            "full-attention layers; same answers, more memory)."
+        ),
+    )
+    sliding_slots: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "Slots (tokens) of the sliding-window layers' KV per replica; default num_slots. "
+            "Each running request needs its window plus its prefill chunk, each idle session "
+            "its window."
+        ),
+    )
 
 
 class SessionConfig(_Strict):

@@ -231,6 +231,17 @@ def kv_and_sessions() -> Dashboard:
                 "kv_total_tokens.",
             ),
             Panel(
+                "Sliding-window KV slots (Gemma 3, Mistral)",
+                [
+                    (f"sum({m('kv_sliding_free_tokens')})", "free"),
+                    (f"sum({m('session_held_sliding_tokens')})", "held (idle sessions' windows)"),
+                    (f"sum({m('kv_sliding_total_tokens')})", "total"),
+                ],
+                "ray_sessionserve_kv_sliding_{free,total}_tokens and "
+                "session_held_sliding_tokens: the sliding-window layers' own slots, which hold "
+                "each sequence's last window only (0 for a model without sliding layers).",
+            ),
+            Panel(
                 "Sessions",
                 [
                     (f"sum({m('open_sessions')})", "open"),

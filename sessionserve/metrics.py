@@ -38,6 +38,17 @@ REPLICA_METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "sessionserve_kv_evictable_tokens": ("gauge", "KV slots in unlocked radix pages", ()),
     "sessionserve_kv_protected_tokens": ("gauge", "KV slots in locked radix pages", ()),
     "sessionserve_kv_in_flight_tokens": ("gauge", "KV slots of running requests", ()),
+    "sessionserve_session_held_sliding_tokens": (
+        "gauge",
+        "Sliding-window layers' KV slots held by idle sessions (their windows)",
+        (),
+    ),
+    "sessionserve_kv_sliding_total_tokens": (
+        "gauge",
+        "Sliding-window layers' KV slots of the replica (0: none kept apart)",
+        (),
+    ),
+    "sessionserve_kv_sliding_free_tokens": ("gauge", "Sliding-window layers' KV slots free", ()),
     "sessionserve_running_requests": ("gauge", "Requests in the running batch", ()),
     "sessionserve_queued_requests": ("gauge", "Requests waiting for admission", ()),
     "sessionserve_host_tier_bytes": ("gauge", "Host-tier bytes of parked sessions' KV", ()),
@@ -152,6 +163,9 @@ class RayEngineMetrics(EngineMetrics):
             "kv_evictable_tokens": terms.evictable,
             "kv_protected_tokens": terms.protected,
             "kv_in_flight_tokens": terms.in_flight,
+            "session_held_sliding_tokens": terms.sliding_held,
+            "kv_sliding_total_tokens": terms.sliding_total,
+            "kv_sliding_free_tokens": terms.sliding_free,
         }
         for key, value in values.items():
             self.m[f"sessionserve_{key}"].set(value, tags=self.tags)

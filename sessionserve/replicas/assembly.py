@@ -17,6 +17,7 @@ from sessionserve.replicas.attention import (
     attention_scale,
     check_supported,
     select_backend,
+    sliding_layers,
     sliding_windows,
 )
 from sessionserve.replicas.attention.torch_backend import TorchPagedBackend
@@ -28,8 +29,11 @@ from sessionserve.replicas.speculative.drafter import EagleDrafter
 from sessionserve.replicas.speculative.proposer import EagleProposer
 
 
-def build_cache(cfg: EngineConfig) -> SessionCache:
+def build_cache(cfg: EngineConfig, model_config: Any = None) -> SessionCache:
+    """The session cache; for a model with sliding-window layers (and
+    `cache.sliding_window_kv`), with their KV kept apart for each sequence's last window."""
     c, s = cfg.cache, cfg.sessions
+    windows = sliding_windows(model_config) if model_config is not None else ()
     return build_session_cache(
         num_slots=floor_align(c.num_slots, c.page_size),
         page_size=c.page_size,
@@ -37,6 +41,8 @@ def build_cache(cfg: EngineConfig) -> SessionCache:
         max_context_len=c.max_context_len,
         radix_enabled=c.radix_cache,
         limits=SessionLimits(s.max_sessions, s.max_held_tokens, s.max_session_tokens),
+        sliding_window=windows[0] if windows and c.sliding_window_kv else None,
+        sliding_slots=c.sliding_slots,
     )
 
 
@@ -91,7 +97,15 @@ def pool_and_backend(
     attention backend for its head layout."""
     check_supported(model.config)
     param, shape, c = next(model.parameters()), KVShape.from_hf_config(model.config), cfg.cache
-    pool = KVPool(shape, cache.allocator.pool_slots, dtype=param.dtype, device=param.device)
+    sliding = cache.allocator.sliding
+    pool = KVPool(
+        shape,
+        cache.allocator.pool_slots,
+        dtype=param.dtype,
+        device=param.device,
+        sliding_layers=sliding_layers(model.config) if sliding is not None else (),
+        sliding_slots=sliding.pool_slots if sliding is not None else 0,
+    )
     backend = select_backend(
         cfg.attention_backend,
         param.device,

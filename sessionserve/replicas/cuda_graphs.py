@@ -49,6 +49,7 @@ class _Graph:
     ids: torch.Tensor  # [B] static inputs
     positions: torch.Tensor
     out_slots: torch.Tensor
+    sliding_out_slots: torch.Tensor  # (unread without sliding layers' KV kept apart)
     plan: Any  # the backend's static metadata
     hidden: torch.Tensor | None = None  # [B, H] outputs (written by each replay)
     logits: torch.Tensor | None = None  # [B, V]
@@ -83,15 +84,15 @@ class DecodeGraphs:
 
     def _fill(self, g: _Graph, batch: ForwardBatch) -> None:
         stage(
-            (g.ids, g.positions, g.out_slots),
-            (batch.input_ids, batch.positions, batch.out_slots),
+            (g.ids, g.positions, g.out_slots, g.sliding_out_slots),
+            (batch.input_ids, batch.positions, batch.out_slots, _sliding_out(batch)),
             self.runner.device,
         )
         self.runner.backend.fill_decode(g.plan, batch.seqs)
 
     def _forward(self, g: _Graph) -> None:
         r = self.runner
-        meta = ForwardMeta(r.backend, r.kv_pool, g.out_slots, g.plan)
+        meta = ForwardMeta(r.backend, r.kv_pool, g.out_slots, g.plan, g.sliding_out_slots)
         g.hidden = r.decode_hidden(g.ids, g.positions, meta)
         g.logits = r.lm_head(g.hidden)
 
@@ -99,7 +100,9 @@ class DecodeGraphs:
     def _build(self, size: int, key: Hashable) -> _Graph:
         dev = self.runner.device
         zeros = lambda: torch.zeros(size, dtype=torch.int64, device=dev)  # noqa: E731
-        g = _Graph(zeros(), zeros(), zeros(), self.runner.backend.static_decode(size, key, dev))
+        g = _Graph(
+            zeros(), zeros(), zeros(), zeros(), self.runner.backend.static_decode(size, key, dev)
+        )
         self.graphs[(size, key)] = g
         if not self.capture:
             return g
@@ -144,6 +147,7 @@ class _ExtendGraph:
     ids: torch.Tensor  # [Q] static inputs (padding: token 0 at position 0, slot 0)
     positions: torch.Tensor
     out_slots: torch.Tensor
+    sliding_out_slots: torch.Tensor
     logit_row: torch.Tensor  # [1] index of the last real token
     plan: Any
     logits: torch.Tensor | None = None  # [1, V]
@@ -177,8 +181,14 @@ class ExtendGraphs:
             return None
         g = self.graphs.get((size, width)) or self._build(size, width)
         stage(
-            (g.ids, g.positions, g.out_slots, g.logit_row),
-            (batch.input_ids, batch.positions, batch.out_slots, torch.tensor([n - 1])),
+            (g.ids, g.positions, g.out_slots, g.sliding_out_slots, g.logit_row),
+            (
+                batch.input_ids,
+                batch.positions,
+                batch.out_slots,
+                _sliding_out(batch),
+                torch.tensor([n - 1]),
+            ),
             self.runner.device,
         )
         self.backend.fill_extend(g.plan, seq)
@@ -191,7 +201,7 @@ class ExtendGraphs:
 
     def _forward(self, g: _ExtendGraph) -> None:
         r = self.runner
-        meta = ForwardMeta(self.backend, r.kv_pool, g.out_slots, g.plan)
+        meta = ForwardMeta(self.backend, r.kv_pool, g.out_slots, g.plan, g.sliding_out_slots)
         hidden = r.decode_hidden(g.ids, g.positions, meta)
         g.logits = r.lm_head(hidden[g.logit_row])
 
@@ -200,9 +210,16 @@ class ExtendGraphs:
         dev = self.runner.device
         zeros = lambda n: torch.zeros(n, dtype=torch.int64, device=dev)  # noqa: E731
         plan = self.backend.static_extend(size, width, dev)
-        g = _ExtendGraph(zeros(size), zeros(size), zeros(size), zeros(1), plan)
+        g = _ExtendGraph(zeros(size), zeros(size), zeros(size), zeros(size), zeros(1), plan)
         self.graphs[(size, width)] = g
         if self.capture:
             self.backend.fill_extend(g.plan, None)  # all padding: a valid plan to capture
             g.graph = capture(lambda: self._forward(g), self.pool, f"extend {size} x {width}")
         return g
+
+
+def _sliding_out(batch: ForwardBatch) -> torch.Tensor:
+    """The batch's sliding out slots, or zeros (slot 0) when nothing is kept apart."""
+    if batch.sliding_out_slots is not None:
+        return batch.sliding_out_slots
+    return torch.zeros_like(batch.out_slots)

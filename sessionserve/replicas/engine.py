@@ -71,7 +71,7 @@ class Engine:
         self.model_name = cfg.model.served_name or self.loaded.name
         self.vocab_size = model.config.vocab_size
         self.metrics = metrics or EngineMetrics()
-        self.cache = build_cache(cfg)
+        self.cache = build_cache(cfg, model.config)
         # metrics are looked up at each use: the served replica swaps in its exporter later
         on_verify = lambda n: self.metrics.on_spec_step(n)  # noqa: E731
         self.runner, self.speculative = build_runner(cfg, model, self.cache, on_verify, drafter)

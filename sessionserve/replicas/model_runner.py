@@ -37,6 +37,7 @@ class ForwardBatch:
     seqs: list[SeqSpec]
     logit_idx: torch.Tensor  # [N] flat token indices whose logits are needed
     want_hidden: bool = False  # also return every token's last hidden state (for EAGLE)
+    sliding_out_slots: torch.Tensor | None = None  # [T] with sliding layers' KV kept apart
 
     @property
     def is_decode(self) -> bool:
@@ -100,6 +101,7 @@ class ModelRunner:
         """The flat forward (drafts after their sequence's pending token), and where each
         sequence sits in it."""
         ids, pos, out_slots, seqs, logit_idx, layout, n = [], [], [], [], [], {}, 0
+        sliding = self.cache.allocator.sliding if self.kv_pool.has_sliding else None
         for s in batch.seqs:
             kv, chain = s.req.kv, drafts.get(s.req.rid)
             extra = chain.tokens if chain else []
@@ -108,18 +110,22 @@ class ModelRunner:
             ids.extend(extra)
             pos.extend(range(s.start, end))
             out_slots.extend(self.cache.slot_list(kv, s.start, end))
-            seqs.append(SeqSpec(end - s.start, self.cache.slots(kv, 0, end)))
+            ctx = self.cache.slots(kv, 0, end)
+            window = sliding.lookup(ctx) if sliding is not None else None
+            seqs.append(SeqSpec(end - s.start, ctx, sliding_slots=window))
             layout[s.req.rid] = SeqLayout(n, len(logit_idx) if s.samples else -1)
             n += end - s.start
             if s.samples:
                 logit_idx.extend(range(n - 1 - len(extra), n))
+        out = torch.tensor(out_slots)
         fb = ForwardBatch(
             torch.tensor(ids),
             torch.tensor(pos),
-            torch.tensor(out_slots),
+            out,
             seqs,
             torch.tensor(logit_idx, dtype=torch.int64),
             want_hidden=want_hidden,
+            sliding_out_slots=sliding.lookup(out) if sliding is not None else None,
         )
         return fb, layout
 
@@ -170,13 +176,20 @@ class ModelRunner:
             if out is not None:
                 return out
         n = len(batch.input_ids)
+        sliding = batch.sliding_out_slots
+        parts = [batch.input_ids, batch.positions, batch.out_slots, batch.logit_idx]
         packed = to_device(
-            torch.cat([batch.input_ids, batch.positions, batch.out_slots, batch.logit_idx]),
-            self.device,
+            torch.cat(parts + ([sliding] if sliding is not None else [])), self.device
         )
-        ids, pos, slots, logit_idx = packed.split([n, n, n, len(batch.logit_idx)])
+        ids, pos, slots, logit_idx, *window = packed.split(
+            [n, n, n, len(batch.logit_idx)] + [n] * (sliding is not None)
+        )
         meta = ForwardMeta(
-            self.backend, self.kv_pool, slots, self.backend.prepare(batch.seqs, self.device)
+            self.backend,
+            self.kv_pool,
+            slots,
+            self.backend.prepare(batch.seqs, self.device),
+            window[0] if window else None,
         )
         hidden = self.decode_hidden(ids, pos, meta)
         logits = self.lm_head(hidden[logit_idx])

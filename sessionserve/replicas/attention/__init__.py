@@ -42,7 +42,11 @@ def paged_attention(
         )
     layer = module.layer_idx
     paged_meta.kv_pool.write(
-        layer, paged_meta.out_slots, key[0].transpose(0, 1), value[0].transpose(0, 1)
+        layer,
+        paged_meta.out_slots,
+        key[0].transpose(0, 1),
+        value[0].transpose(0, 1),
+        paged_meta.sliding_out_slots,
     )
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     window = kwargs.get("sliding_window")  # transformers passes it for sliding layers
@@ -77,6 +81,17 @@ def sliding_windows(config: Any) -> tuple[int, ...]:
     if not window or (types is not None and "sliding_attention" not in types):
         return ()
     return (int(window),)
+
+
+def sliding_layers(config: Any) -> tuple[int, ...]:
+    """The layers that attend over a sliding window (all of them where a model has a window
+    and no `layer_types`, as Mistral)."""
+    if not sliding_windows(config):
+        return ()
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        return tuple(range(config.num_hidden_layers))
+    return tuple(i for i, t in enumerate(types) if t == "sliding_attention")
 
 
 def check_supported(config: Any) -> None:
@@ -151,5 +166,6 @@ __all__ = [
     "flashinfer_unsupported",
     "install",
     "select_backend",
+    "sliding_layers",
     "sliding_windows",
 ]

@@ -30,6 +30,8 @@ class SeqSpec:
     ctx_slots: torch.Tensor  # [ctx_len] KV slots of positions 0..ctx_len-1 (new ones included)
     tree_mask: torch.Tensor | None = None  # [q_len, q_len] bool: which new tokens see which
     # (speculative tree verification); None = causal among the new tokens
+    sliding_slots: torch.Tensor | None = None  # [ctx_len] the positions' sliding slots (0:
+    # none, outside the window) when the cache keeps sliding layers' KV apart
 
     @property
     def ctx_len(self) -> int:
@@ -44,6 +46,7 @@ class ForwardMeta:
     kv_pool: KVPool
     out_slots: torch.Tensor  # [T] slot each new token's K/V is written to
     plan: Any  # backend-specific, built by `prepare` (or static, from `static_decode`)
+    sliding_out_slots: torch.Tensor | None = None  # [T] the same in the sliding slots
 
 
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -5,8 +5,10 @@ Sequences with the same number of new tokens form one group and run as one padde
 verifies together (q_len k+1), each distinct prefill length on its own. So a decode step costs
 one gather and one SDPA per layer whatever the batch size, not a Python loop per sequence.
 A prefill with no cached prefix attends to its new K/V directly (causal), skipping the gather.
-Sliding-window layers (Gemma 3, Mistral) get a mask of their own per group, built with the
-others once per forward: a token sees itself and the `window - 1` positions before it.
+Sliding-window layers (Gemma 3, Mistral) read only the last `window - 1 + q` context positions
+of each sequence (a token sees itself and the `window - 1` positions before it), through
+their own slots and mask per group, built with the others once per forward: from the sliding
+slots when the cache keeps their KV apart (`SeqSpec.sliding_slots`), else from the context's.
 
 Metadata is built on the host with whole-tensor ops and copied to the device once per group
 (no per-sequence device writes, no device-to-host reads inside the layers).
@@ -33,8 +35,20 @@ class _Group:
     mask: torch.Tensor | None  # [B, 1, q, Lmax] True = may attend; None = no masking needed
     fresh: tuple[int, int] | None = None  # one sequence, no cached prefix, causal: its flat
     # token range [start, end) (host ints), using the new K/V directly
-    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # per sliding window:
-    # its layers' mask, where it differs from `mask` (absent: the window covers every context)
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # fresh groups, per
+    # sliding window: its layers' causal mask, where causal alone is not enough
+    windowed: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # per sliding window: its layers' context slots [B, Wmax] and mask [B, 1, q, Wmax] (absent:
+    # they read `ctx_slots` with `mask`, the window covering every context)
+
+
+def window_columns(seqs: list[SeqSpec], q: int, window: int) -> list[torch.Tensor]:
+    """Per sequence, the slots a sliding layer reads: its last `window - 1 + q` context
+    positions, sliding slots where the cache keeps those apart."""
+    return [
+        (s.sliding_slots if s.sliding_slots is not None else s.ctx_slots)[-(window - 1 + q) :]
+        for s in seqs
+    ]
 
 
 def context_mask(
@@ -74,12 +88,14 @@ class TorchPagedBackend(AttentionBackend):
     def _group(self, seqs: list[SeqSpec], starts: list[int], device: torch.device) -> _Group:
         q, only = seqs[0].q_len, seqs[0]
         lens = torch.tensor([s.ctx_len for s in seqs])
-        windows = [w for w in self.windows if int(lens.max()) > w]  # those that cut something
+        apart = seqs[0].sliding_slots is not None
+        # the windows whose layers read something else than the context: a cut, or apart
+        windows = [w for w in self.windows if apart or int(lens.max()) > w]
         if windows and any(s.tree_mask is not None for s in seqs):
             raise NotImplementedError("tree verification over sliding-window layers; use chain")
         if len(seqs) == 1 and only.ctx_len == q and only.tree_mask is None:
             fresh = _Group(torch.empty(0), None, None, fresh=(starts[0], starts[0] + q))
-            for w in windows:  # causal alone is not enough past the window
+            for w in (w for w in windows if only.ctx_len > w):  # causal is not enough
                 fresh.window_masks[w] = to_device(context_mask(lens, q, q, w)[:, None], device)
             return fresh
         token_idx = torch.tensor(starts)[:, None] + torch.arange(q)
@@ -94,7 +110,11 @@ class TorchPagedBackend(AttentionBackend):
             mask = to_device(mask[:, None], device)
         group = _Group(to_device(token_idx, device), to_device(ctx_slots, device), mask)
         for w in windows:
-            group.window_masks[w] = to_device(context_mask(lens, q, width, w)[:, None], device)
+            cols = window_columns(seqs, q, w)
+            narrow = pad_sequence(cols, batch_first=True)
+            lens_w = torch.tensor([c.numel() for c in cols])
+            mask_w = context_mask(lens_w, q, narrow.shape[1], w)[:, None]
+            group.windowed[w] = (to_device(narrow, device), to_device(mask_w, device))
         return group
 
     # ---- static decode (CUDA graphs) ----
@@ -113,7 +133,9 @@ class TorchPagedBackend(AttentionBackend):
             ctx_slots=torch.zeros(batch_size, key, dtype=torch.int64, device=device),
             mask=torch.zeros(batch_size, 1, 1, key, dtype=torch.bool, device=device),
         )
-        group.window_masks = {w: torch.zeros_like(group.mask) for w in self.windows}
+        group.windowed = {
+            w: _static_window(batch_size, 1, min(key, w), device) for w in self.windows
+        }
         return [group]
 
     def fill_decode(self, static: list[_Group], seqs: list[SeqSpec]) -> None:
@@ -126,12 +148,10 @@ class TorchPagedBackend(AttentionBackend):
             ctx[: len(seqs), : packed.shape[1]] = packed
             lens[: len(seqs)] = torch.tensor([s.ctx_len for s in seqs])
         static.ctx_slots.copy_(to_device(ctx, static.ctx_slots.device), non_blocking=True)
-        for target, window in [
-            (static.mask, None),
-            *[(m, w) for w, m in static.window_masks.items()],
-        ]:
-            mask = context_mask(lens, 1, width, window)  # [B, 1, width]
-            target.copy_(to_device(mask[:, None], target.device), non_blocking=True)
+        mask = context_mask(lens, 1, width)  # [B, 1, width]
+        static.mask.copy_(to_device(mask[:, None], static.mask.device), non_blocking=True)
+        for w, (slots, mask) in static.windowed.items():
+            _fill_window(slots, mask, window_columns(seqs, 1, w), 1, w)
 
     def static_extend(self, q_len: int, width: int, device: torch.device) -> list[_Group]:
         """One group of fixed shape: `q_len` query tokens of one sequence over a context of
@@ -141,7 +161,9 @@ class TorchPagedBackend(AttentionBackend):
             ctx_slots=torch.zeros(1, width, dtype=torch.int64, device=device),
             mask=torch.zeros(1, 1, q_len, width, dtype=torch.bool, device=device),
         )
-        group.window_masks = {w: torch.zeros_like(group.mask) for w in self.windows}
+        group.windowed = {
+            w: _static_window(1, q_len, min(width, w - 1 + q_len), device) for w in self.windows
+        }
         return [group]
 
     def fill_extend(self, static: list[_Group], seq: SeqSpec | None) -> None:
@@ -153,16 +175,14 @@ class TorchPagedBackend(AttentionBackend):
         if seq is not None:
             ctx[0, : seq.ctx_len] = seq.ctx_slots
         static.ctx_slots.copy_(to_device(ctx, static.ctx_slots.device), non_blocking=True)
-        for target, window in [
-            (static.mask, None),
-            *[(m, w) for w, m in static.window_masks.items()],
-        ]:
-            mask = torch.zeros(q_len, width, dtype=torch.bool)
-            mask[:, 0] = True
-            if seq is not None:
-                lens = torch.tensor([seq.ctx_len])
-                mask[: seq.q_len] = context_mask(lens, seq.q_len, width, window)[0]
-            target.copy_(to_device(mask[None, None], target.device), non_blocking=True)
+        mask = torch.zeros(q_len, width, dtype=torch.bool)
+        mask[:, 0] = True
+        if seq is not None:
+            mask[: seq.q_len] = context_mask(torch.tensor([seq.ctx_len]), seq.q_len, width)[0]
+        static.mask.copy_(to_device(mask[None, None], static.mask.device), non_blocking=True)
+        for w, (slots, mask) in static.windowed.items():
+            cols = window_columns([seq], seq.q_len, w) if seq is not None else []
+            _fill_window(slots, mask, cols, seq.q_len if seq is not None else 0, w)
 
     def forward(
         self,
@@ -176,7 +196,7 @@ class TorchPagedBackend(AttentionBackend):
     ) -> torch.Tensor:
         if window is not None and window not in self.windows:
             raise RuntimeError(f"layer {layer}'s sliding window {window} was not planned for")
-        k_pool, v_pool = meta.kv_pool.k[layer], meta.kv_pool.v[layer]  # [slots, KVH, D]
+        k_pool, v_pool, apart = meta.kv_pool.layer_kv(layer)  # [slots, KVH, D]
         n_tokens, n_heads, head_dim = q.shape[2], q.shape[1], q.shape[3]
         out = q.new_empty(n_tokens, n_heads, head_dim)
         q_tokens = q[0].transpose(0, 1)  # [T, H, D]
@@ -195,12 +215,39 @@ class TorchPagedBackend(AttentionBackend):
                 )  # [1, H, q, D]
                 out[s:e] = o[0].transpose(0, 1)
                 continue
+            slots, mask = g.ctx_slots, g.mask
+            if window is not None and window in g.windowed:
+                slots, mask = g.windowed[window]
+            elif apart:
+                raise RuntimeError(f"layer {layer} reads sliding slots this plan did not map")
             qg = q_tokens[g.token_idx].transpose(1, 2)  # [B, H, q, D]
-            kg = k_pool[g.ctx_slots].transpose(1, 2).to(q.dtype)  # [B, KVH, Lmax, D]
-            vg = v_pool[g.ctx_slots].transpose(1, 2).to(q.dtype)
-            mask = g.mask if banded is None else banded
+            kg = k_pool[slots].transpose(1, 2).to(q.dtype)  # [B, KVH, Lmax, D]
+            vg = v_pool[slots].transpose(1, 2).to(q.dtype)
             o = F.scaled_dot_product_attention(
                 qg, kg, vg, attn_mask=mask, scale=scaling, enable_gqa=True
             )  # [B, H, q, D]
             out[g.token_idx.reshape(-1)] = o.transpose(1, 2).reshape(-1, n_heads, head_dim)
         return out.unsqueeze(0)
+
+
+def _static_window(
+    batch_size: int, q_len: int, width: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    slots = torch.zeros(batch_size, width, dtype=torch.int64, device=device)
+    return slots, torch.zeros(batch_size, 1, q_len, width, dtype=torch.bool, device=device)
+
+
+def _fill_window(
+    slots: torch.Tensor, mask: torch.Tensor, cols: list[torch.Tensor], q: int, window: int
+) -> None:
+    """Write a sliding layer's columns into static buffers; rows (and query rows) past the
+    real ones are padding that sees column 0 (slot 0) only."""
+    batch_size, _, q_len, width = mask.shape
+    host_slots = torch.zeros(batch_size, width, dtype=torch.int64)
+    host_mask = torch.zeros(batch_size, q_len, width, dtype=torch.bool)
+    host_mask[:, :, 0] = True
+    for b, c in enumerate(cols):
+        host_slots[b, : c.numel()] = c
+        host_mask[b, :q] = context_mask(torch.tensor([c.numel()]), q, width, window)[0]
+    slots.copy_(to_device(host_slots, slots.device), non_blocking=True)
+    mask.copy_(to_device(host_mask[:, None], mask.device), non_blocking=True)

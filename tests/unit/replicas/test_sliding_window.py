@@ -127,8 +127,9 @@ def test_the_window_mask_keeps_the_last_w_positions() -> None:
     (g,) = backend.static_decode(2, 8, torch.device("cpu"))
     backend.fill_decode([g], [SeqSpec(1, torch.arange(16, 21))])
     assert g.mask[:, 0, 0].sum(-1).tolist() == [5, 1]
-    assert [c for c in range(8) if g.window_masks[3][0, 0, 0, c]] == [2, 3, 4]
-    assert g.window_masks[3][1, 0, 0].tolist() == g.mask[1, 0, 0].tolist()  # padding: slot 0
+    slots, mask = g.windowed[3]  # the sliding layers read the last 3 positions only
+    assert slots.tolist() == [[18, 19, 20], [0, 0, 0]]
+    assert mask[:, 0, 0].tolist() == [[True] * 3, [True, False, False]]  # padding: slot 0
 
 
 def test_flashinfer_is_not_chosen_for_a_sliding_window_model() -> None:
