@@ -41,17 +41,24 @@ def run(loaded, apart: bool, tokens: int, turns: int) -> dict:
         sliding_window_kv=apart,
     )
     sid = eng.open_session()
-    per_turn = tokens // turns - 1  # + one answer token each
-    started = time.perf_counter()
+    per_turn = tokens // turns - 1  # + one answer token each; the last is not fed yet,
+    started = time.perf_counter()  # so the first prompt has one token more
     for t in range(turns):
-        eng.generate([prompt(t, per_turn, eng.vocab_size)], ONE, session_id=sid)
+        new = prompt(t, per_turn + (t == 0), eng.vocab_size)
+        eng.generate([new], ONE, session_id=sid)
         print(f"  {'apart' if apart else 'full '}: turn {t + 1}/{turns} done", flush=True)
     build_s = time.perf_counter() - started
     terms = eng.checker.check_idle()
     pool = eng.runner.kv_pool
     per_layer = pool.k[0, 0].nbytes * 2 if pool.k.shape[0] else pool.sliding_k[0, 0].nbytes * 2
-    held = terms.held * pool.k.shape[0] * per_layer
-    held += terms.sliding_held * pool.sliding_k.shape[0] * per_layer
+    # the session's own KV and the radix pages it locks (with every layer kept whole, its
+    # first prompt is shared into the tree; apart, it is not)
+    full_slots, sliding_slots = (
+        terms.held + terms.protected,
+        terms.sliding_held + terms.sliding_tree,
+    )
+    held = full_slots * pool.k.shape[0] * per_layer
+    held += sliding_slots * pool.sliding_k.shape[0] * per_layer
     session_len = eng.cache.session(sid).committed_len
     started = time.perf_counter()
     (r,) = eng.generate([[101, 102]], ANSWER, session_id=sid)
@@ -61,8 +68,8 @@ def run(loaded, apart: bool, tokens: int, turns: int) -> dict:
     return {
         "session_tokens": session_len,
         "held_bytes": held,
-        "held_full_slots": terms.held,
-        "held_sliding_slots": terms.sliding_held,
+        "held_full_slots": full_slots,
+        "held_sliding_slots": sliding_slots,
         "build_s": build_s,
         "decode_tok_s": (len(r.output_ids) - 1) / decode_s,
         "answer": r.output_ids,

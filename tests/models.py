@@ -140,6 +140,8 @@ def tiny_engine(
     memory_check: str = "every_step",
     memory_check_period_s: float = 10.0,
     tokenizer=None,
+    sliding_window_kv: bool = True,
+    sliding_slots: int | None = None,
     **session_kw,
 ) -> Engine:
     """An engine (checking memory every step unless told otherwise) around a (copy of a) tiny
@@ -158,6 +160,8 @@ def tiny_engine(
             max_rows=max_rows,
             max_context_len=max_context_len,
             radix_cache=radix,
+            sliding_window_kv=sliding_window_kv,
+            sliding_slots=sliding_slots,
         ),
         scheduler=SchedulerConfig(max_prefill_tokens=prefill, force_retract_every=retract_every),
         sessions=SessionConfig(**session_kw),

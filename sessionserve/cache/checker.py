@@ -1,4 +1,5 @@
-"""The memory invariant (DESIGN.md section 5): no KV slot lost, none counted twice.
+"""The memory invariant (docs/architecture.md, "The memory invariant"): no KV slot lost, none
+counted twice.
 
     free + evictable + protected + held + in_flight == total
 

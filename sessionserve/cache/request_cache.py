@@ -199,12 +199,14 @@ class RequestCache:
 
     def _slide(self, owner: RequestKV | SessionSlot) -> None:
         """Give back the sliding KV of the owner's positions its window has passed (what the
-        radix tree holds below `protected` is the tree's)."""
+        radix tree holds below `protected` is the tree's). A plain request keeps a page more:
+        it ends in the tree at its last whole page, which must have its window to be reused."""
         sliding = self.allocator.sliding
         if sliding is None:
             return
+        keep = sliding.keep + (0 if owner.session_id is not None else self.page_size - 1)
         lo = max(owner.sliding_from, owner.protected_len)
-        hi = owner.committed_len - sliding.keep
+        hi = owner.committed_len - keep
         if hi > lo:
             sliding.release(self.rows.read(owner.row, lo, hi))
             owner.sliding_from = hi

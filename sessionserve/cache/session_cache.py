@@ -1,6 +1,7 @@
 """Streaming sessions over the request cache: a session's KV stays resident between turns.
 
-The rules (DESIGN.md 4.4), each closing a bug the reference system had:
+The rules (docs/architecture.md, "What a session promises"), each closing a bug the reference
+system had:
 - One turn in flight: `start_turn` raises SessionBusyError *before* creating anything, so a
   rejected turn never carries the session and can never clear the running turn's mark or touch
   its slot. Only the request that owns the turn ends it.

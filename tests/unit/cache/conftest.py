@@ -33,6 +33,7 @@ class Rig:
         self.cache.flush()
         t = self.check.check_idle()
         assert t.free == t.total and t.rows_free == t.rows_total, t
+        assert t.sliding_free == t.sliding_total, t
 
 
 @pytest.fixture
@@ -42,6 +43,8 @@ def make_rig():
         num_slots: int | None = None,
         rows: int = 16,
         host_tier_bytes: int | None = None,
+        sliding_window: int | None = None,
+        sliding_slots: int | None = None,
         **limits,
     ) -> Rig:
         cache = build_session_cache(
@@ -50,6 +53,8 @@ def make_rig():
             max_rows=rows,
             max_context_len=4096,
             limits=SessionLimits(**limits),
+            sliding_window=sliding_window,
+            sliding_slots=sliding_slots,
         )
         return Rig(cache, MemoryChecker(cache), Driver(cache, host_tier_bytes=host_tier_bytes))
 

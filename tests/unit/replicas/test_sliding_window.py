@@ -15,8 +15,8 @@ from sessionserve.replicas.attention import flashinfer_unsupported, sliding_wind
 from sessionserve.replicas.attention.base import SeqSpec
 from sessionserve.replicas.attention.torch_backend import TorchPagedBackend, context_mask
 from sessionserve.replicas.cuda_graphs import DecodeGraphs, ExtendGraphs
-from sessionserve.wire import SamplingParams
-from tests.models import GEMMA3_SHAPE, hf_greedy, tiny_engine, tiny_model
+from sessionserve.wire import FinishReason, SamplingParams
+from tests.models import GEMMA3_SHAPE, hf_greedy, mimic_drafter, tiny_engine, tiny_model
 
 WINDOW = GEMMA3_SHAPE["sliding_window"]
 PROMPT_LENS = (3, 5 * WINDOW, 9, 3 * WINDOW + 5, WINDOW)  # below, at and past the window
@@ -185,3 +185,120 @@ def test_an_aborted_turn_leaks_nothing_and_the_session_continues_exactly(gemma3)
     assert_like_transformers(gemma3, history + new, r3)
     engine.close_session(sid)
     engine.checker.check_idle()
+
+
+# ---- the sliding layers' KV kept apart: the last window only ----
+def test_an_idle_session_holds_only_its_window_in_the_sliding_layers(gemma3) -> None:
+    """The same turns with the sliding KV kept apart and kept whole: the same tokens; apart,
+    the idle session holds every token in the full layer and its last window in the sliding
+    ones, and a turn reads nothing else of them."""
+    runs = {}
+    for apart in (True, False):
+        engine = tiny_engine(gemma3, page_size=4, prefill=WINDOW + 3, sliding_window_kv=apart)
+        sid = engine.open_session()
+        out, held = [], []
+        for turn in range(3):
+            new = [3 + (turn * 11 + j * 7) % 240 for j in range(2 * WINDOW + turn)]
+            (r,) = engine.generate([new], GREEDY, session_id=sid)
+            out.append(r.output_ids)
+            terms = engine.checker.check_idle()
+            # kept whole, the first prompt is shared into the radix tree (protected)
+            held.append((terms.held + terms.protected, terms.sliding_held, terms.sliding_total))
+        runs[apart] = (out, held)
+        engine.close_session(sid)
+        engine.cache.flush()
+        terms = engine.checker.check_idle()
+        assert terms.free == terms.total and terms.sliding_free == terms.sliding_total
+    assert runs[True][0] == runs[False][0]
+    for apart, whole in zip(runs[True][1], runs[False][1], strict=True):
+        (full_held, sliding_held, _), (whole_held, nothing, total) = apart, whole
+        assert full_held == whole_held > 2 * WINDOW and sliding_held == WINDOW
+        assert nothing == total == 0  # kept whole: no sliding slots at all
+    assert runs[True][1][-1][0] > 9 * WINDOW  # the last idle session: nine windows long
+
+
+def test_a_small_sliding_space_evicts_and_retracts_and_stays_exact(gemma3) -> None:
+    """Sliding slots for little more than two requests' windows and chunks: idle sessions
+    lose their KV and running requests are retracted for sliding room, not for full slots,
+    and every answer still equals transformers."""
+    engine = tiny_engine(gemma3, page_size=4, prefill=WINDOW, sliding_slots=3 * WINDOW + 6)
+    sids = [engine.open_session() for _ in range(3)]
+    for sid, prompt in zip(sids, prompts(seed=7)[1:4], strict=True):
+        (r,) = engine.generate([prompt], GREEDY, session_id=sid)
+        assert_like_transformers(gemma3, prompt, r)
+    assert engine.cache.evicted_sessions_total > 0  # sliding room, the full space is large
+    batch = prompts(seed=8)
+    for prompt, result in zip(batch, engine.generate(batch, GREEDY), strict=True):
+        assert_like_transformers(gemma3, prompt, result)
+    assert engine.scheduler.retractions_total > 0
+    terms = engine.checker.check_idle()
+    assert terms.free + terms.held + terms.evictable == terms.total
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_speculation_past_the_window_stops_exactly_and_trims_both_spaces(page_size) -> None:
+    """A one-layer Mistral (every layer slides over 6 tokens) with an EAGLE head that mimics
+    it: greedy output equals transformers; a max_tokens that ends inside an accepted run
+    stops exactly there, its overshoot trimmed in the full and the sliding slots alike."""
+    model = tiny_model("mistral", seed=3, num_hidden_layers=1, sliding_window=6)
+    spec = tiny_engine(model, drafter=mimic_drafter, page_size=page_size, prefill=5)
+    inside = None
+    for prompt in prompts(seed=1):  # one with a verify past the window that accepts 2+
+        events = []
+        spec.submit(prompt, GREEDY, listener=events.append)
+        spec.run_until_idle()
+        full = [t for e in events for t in e.new_token_ids]
+        assert full == hf_greedy(model, prompt, len(full))
+        done = 0
+        for e in events:  # an output index inside a verify that emitted 3+ tokens at once
+            if len(e.new_token_ids) >= 3 and len(prompt) + done > 6:
+                inside = done + 1
+                break
+            done += len(e.new_token_ids)
+        if inside is not None:
+            break
+    assert inside is not None, "no verify past the window accepted two drafts"
+    params = SamplingParams(max_tokens=inside + 1, temperature=0, ignore_eos=True)
+    sid = spec.open_session()
+    (r,) = spec.generate([prompt], params, session_id=sid)
+    assert r.output_ids == full[: inside + 1] and r.finish_reason is FinishReason.LENGTH
+    slot = spec.cache.session(sid)
+    # the verify computed KV past the answer's end (the rest of its accepted run): trimmed
+    assert slot.committed_len == len(prompt) + len(r.output_ids) == len(slot.history)
+    terms = spec.checker.check_idle()
+    assert terms.sliding_held == spec.cache.allocator.sliding.keep  # trimmed: the window only
+    spec.close_session(sid)
+    spec.cache.flush()
+    terms = spec.checker.check_idle()
+    assert terms.free == terms.total and terms.sliding_free == terms.sliding_total
+
+
+def test_a_parked_and_a_moved_session_carry_their_window(gemma3) -> None:
+    """Parked in the host tier, or exported to another engine, a session past the window
+    takes its full layer's KV and its sliding layers' window along, and its next turn equals
+    transformers on the whole history, reusing it all."""
+    source = tiny_engine(gemma3, page_size=4, prefill=WINDOW + 3, host_tier_bytes=1 << 20)
+    target = tiny_engine(gemma3, page_size=16, prefill=WINDOW + 3)
+    source.open_session("s", ttl_s=60)
+    history: list[int] = []
+    for turn, how in enumerate(("parked", "moved", "resident")):
+        new = [5 + (turn * 13 + j * 3) % 240 for j in range(3 * WINDOW)]
+        engine = target if how == "resident" else source
+        (r,) = engine.generate([new], GREEDY, session_id="s")
+        history += new
+        assert r.cached_tokens == (len(history) - len(new) - 1 if turn else 0)
+        assert_like_transformers(gemma3, history, r)
+        history += r.output_ids
+        if how == "parked":
+            assert source.park_session("s")
+            snap = source.cache.host_tier.get("s")
+            assert len(snap) == len(history) - 1 and snap.sliding_from == len(snap) - WINDOW
+            assert snap.sliding_kv[0].shape[2] == WINDOW  # the window only
+        elif how == "moved":
+            assert target.import_session(source.export_session("s")) == "pool"
+            source.close_session("s")
+    assert r.cached_source == "session"
+    target.close_session("s")
+    for e in (source, target):
+        terms = e.checker.check_idle()
+        assert terms.host_bytes == 0 and terms.held == 0 and terms.sliding_held == 0
