@@ -136,12 +136,15 @@ def grammar_overhead(loaded, runs: list[list], batch: int) -> tuple[float, float
     return mask_ms, free_ms
 
 
-def prefill_bound(loaded, last: TurnResult, repeats: int = 3) -> tuple[float, float]:
-    """(ms to prefill the last step's new tokens onto its cached history, ms to prefill its
+def prefill_bound(
+    loaded, stateless: TurnResult, cached: int, repeats: int = 3
+) -> tuple[float, float]:
+    """(ms to prefill the last step's new tokens onto its `cached` history, ms to prefill its
     whole prompt), one request alone on the engine: the ratio a step's TTFT could reach here
-    without queueing behind other agents, medians of `repeats`."""
-    prompt = last.full_ids[: last.prompt_tokens]
-    history, new = prompt[: last.cached_tokens], prompt[last.cached_tokens :]
+    without queueing behind other agents, medians of `repeats`. `stateless`: the step without
+    a session (its token log is all new: the whole prompt and answer)."""
+    prompt = stateless.log_tail[: stateless.prompt_tokens]
+    history, new = prompt[:cached], prompt[cached:]
     one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     session_ms, stateless_ms = [], []
     for _ in range(repeats):
@@ -220,7 +223,7 @@ def main() -> None:
         ratios.append(b / s)
         print(f"{r + 1:>5} {prompt:>7.0f} {cached:>7.0f} {s:>11.1f} {b:>13.1f} {b / s:>6.2f}")
     print(f"both modes made the same calls: {same_calls}")
-    alone_s, alone_b = prefill_bound(loaded, modes[True][0][-1])
+    alone_s, alone_b = prefill_bound(loaded, modes[False][0][-1], modes[True][0][-1].cached_tokens)
     print(
         f"round {args.rounds} alone (no other agent, no decode): prefill of the new tokens "
         f"{alone_s:.0f} ms vs the whole prompt {alone_b:.0f} ms: {alone_b / alone_s:.2f}x"

@@ -181,8 +181,9 @@ class TurnDelta:
 
 @dataclass
 class TurnResult:
-    """A request's last message: how it ended, its usage, and the session's token log after
-    it (`full_ids`: what the ingress commits to the directory)."""
+    """A request's last message: how it ended, its usage, and what the session's token log
+    becomes: the log before the turn cut at `log_base`, then `log_tail` (the turn's new
+    input and its answer: what the ingress commits to the directory, O(new tokens))."""
 
     finish_reason: str  # a FinishReason value, or "tool_calls" (the answer made calls)
     finish_message: str | None
@@ -192,10 +193,16 @@ class TurnResult:
     completion_tokens: int
     cached_tokens: int
     cached_source: str  # "session", "radix", "host" or "none"
-    full_ids: list[int]
+    log_base: int
+    log_tail: list[int]
     spec_drafted: int = 0
     spec_accepted: int = 0
     ttft_s: float | None = None
     replica: str | None = None  # who answered (the ingress adds its own id)
     ingress: str | None = None
     tool_calls: list[ToolCall] = field(default_factory=list)
+
+    @property
+    def log_len(self) -> int:
+        """The session's token log's length after the turn."""
+        return self.log_base + len(self.log_tail)

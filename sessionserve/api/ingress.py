@@ -372,7 +372,7 @@ class Ingress:
         response = draft.object(replace(final, ingress=self.ingress_id), final.text or "")
         if draft.body.store and draft.session_id is not None:
             stored = self.directory.store_response.remote(
-                draft.session_id, response, items, final.full_ids, draft.owner
+                draft.session_id, response, items, final.log_base, final.log_tail, draft.owner
             )
             await asyncio.shield(self._kept_or_freed(draft.session_id, stored))
         return response
@@ -566,7 +566,9 @@ class Ingress:
         """Record a finished session turn in the failover log. Shielded: a client that
         disconnects meanwhile must not leave the replica holding a turn the log lacks."""
         if call.session_id is not None and final.finish_reason != "abort":
-            recorded = self.directory.commit_turn.remote(call.session_id, final.full_ids)
+            recorded = self.directory.commit_turn.remote(
+                call.session_id, final.log_base, final.log_tail
+            )
             await asyncio.shield(self._kept_or_freed(call.session_id, recorded))
 
     async def _kept_or_freed(self, session_id: str, recorded: Awaitable[bool]) -> None:

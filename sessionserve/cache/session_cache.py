@@ -130,7 +130,7 @@ class SessionCache(RequestCache):
             source = "host"
         if slot is None or not slot.holds_kv:
             return self._match_radix(req, tokens)
-        prefix_len = _common_prefix_len(slot.kv_tokens, key)
+        prefix_len = common_prefix_len(slot.kv_tokens, key)
         if mode == "append" and prefix_len < min(slot.committed_len, len(key)):
             raise AppendOnlyViolationError(
                 f"session {slot.session_id!r}: append-mode input diverges from the held KV at "
@@ -202,7 +202,7 @@ class SessionCache(RequestCache):
         if snap is not None:
             check_compatible(self.kv_pools, snap)  # before anything changes
         slot.history = list(history)
-        upto = self._usable_len(snap, _common_prefix_len(snap.tokens, history)) if snap else 0
+        upto = self._usable_len(snap, common_prefix_len(snap.tokens, history)) if snap else 0
         if upto == 0:
             return "none"
         try:
@@ -286,7 +286,7 @@ class SessionCache(RequestCache):
         if not slot.holds_kv:
             self._rollback_parked(slot)
             return
-        keep = _common_prefix_len(slot.kv_tokens, slot.history)
+        keep = common_prefix_len(slot.kv_tokens, slot.history)
         if keep == 0 or keep < slot.protected_len:
             self._release_slot_kv(slot)
             return
@@ -357,7 +357,7 @@ class SessionCache(RequestCache):
         snap = self.host_tier.get(slot.session_id) if self.host_tier is not None else None
         if snap is None:
             return False
-        upto = _common_prefix_len(snap.tokens, key)
+        upto = common_prefix_len(snap.tokens, key)
         if mode == "append" and upto < min(len(snap), len(key)):
             raise AppendOnlyViolationError(
                 f"session {slot.session_id!r}: append-mode input diverges from the parked KV "
@@ -382,7 +382,7 @@ class SessionCache(RequestCache):
         snap = self.host_tier.get(slot.session_id) if self.host_tier is not None else None
         if snap is None:
             return
-        keep = _common_prefix_len(snap.tokens, slot.history)
+        keep = common_prefix_len(snap.tokens, slot.history)
         if keep < len(snap):
             self.host_tier.take(slot.session_id)
             if keep:
@@ -432,7 +432,7 @@ class SessionCache(RequestCache):
                 self._evict_idle_session()
 
 
-def _common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
     if list(a[:n]) == list(b[:n]):  # the usual case, at C speed
         return n

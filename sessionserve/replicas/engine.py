@@ -172,9 +172,9 @@ class Engine:
             if rid in self.outputs.requests:
                 raise InvalidRequestError(f"request id {rid!r} is already in use", param="rid")
             if session_id is None:
-                kv, full = RequestKV(rid=rid), list(input_ids)
+                kv, full, log_base = RequestKV(rid=rid), list(input_ids), 0
             else:
-                kv, full = self.sessions.start_turn(
+                kv, full, log_base = self.sessions.start_turn(
                     session_id, rid, list(input_ids), mode, open_missing
                 )
             try:  # anything raising from here on (a bad seed too) must end the turn
@@ -183,6 +183,7 @@ class Engine:
                 if sampling.seed is not None:
                     gen = torch.Generator().manual_seed(sampling.seed)
                 req = Request(rid, full, sampling, kv, mode, self.eos_ids, generator=gen)
+                req.log_base = log_base
                 req.grammar = grammar
             except Exception:
                 if session_id is not None:

@@ -56,6 +56,7 @@ class Request:
     kv: RequestKV
     mode: Literal["append", "chat"] = "append"
     eos_token_ids: frozenset[int] = frozenset()
+    log_base: int = 0  # a session turn: the positions of its token log it keeps
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: FinishReason | None = None
@@ -121,6 +122,7 @@ class RequestResult:
     spec_accepted: int = 0  # of which the target accepted
     spec_steps: int = 0  # verify steps (mean acceptance length = (accepted + steps) / steps)
     input_ids: list[int] = field(default_factory=list)  # the whole input, history included
+    log_base: int = 0  # a session turn: its token log's positions it kept (the rest is new)
 
     @classmethod
     def of(cls, req: Request, text: str | None) -> RequestResult:
@@ -145,6 +147,7 @@ class RequestResult:
             spec_accepted=req.spec.accepted,
             spec_steps=req.spec.steps,
             input_ids=list(req.input_ids),
+            log_base=req.log_base,
         )
 
 

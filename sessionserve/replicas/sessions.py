@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from sessionserve.cache.kv_snapshot import KVSnapshot
 from sessionserve.cache.request_kv import RequestKV
-from sessionserve.cache.session_cache import SessionCache, TurnMode
+from sessionserve.cache.session_cache import SessionCache, TurnMode, common_prefix_len
 from sessionserve.config import SessionConfig
 from sessionserve.errors import (
     InvalidConfigError,
@@ -121,8 +121,12 @@ class SessionController:
         new_ids: list[int],
         mode: TurnMode,
         open_missing: SessionSeed | None = None,
-    ) -> tuple[RequestKV, list[int]]:
-        """Mark the turn in flight and build its full input. Raises (changing nothing) when the
+    ) -> tuple[RequestKV, list[int], int]:
+        """Mark the turn in flight and build its full input; also returns how much of the
+        session's token log the turn keeps (the log after it is the log before it cut there,
+        then the rest of its input and its answer: what the directory appends; 0 when this
+        replica's history differs from the directory's log, which then gets the whole log).
+        Raises (changing nothing) when the
         session is unknown (and neither implicit open nor `open_missing`), busy or closing, and
         (SessionLogNeededError) when an append turn must open it from a log it was not sent.
         Append mode extends this replica's history of the session: the slot is the source of
@@ -149,7 +153,9 @@ class SessionController:
             new_ids = continue_history(slot.history, new_ids, self.decode)
         kv = self.cache.start_turn(session_id, rid)
         slot.last_active = time.monotonic()
-        return kv, (slot.history + new_ids if mode == "append" else list(new_ids))
+        full = slot.history + new_ids if mode == "append" else list(new_ids)
+        in_sync = open_missing is None or not seed.differs_from(slot.history)
+        return kv, full, common_prefix_len(slot.history, full) if in_sync else 0
 
     def cancel_turn(self, session_id: str, kv: RequestKV) -> None:
         """End a turn refused before it ran (its input failed a check): the slot is untouched."""

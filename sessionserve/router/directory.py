@@ -6,6 +6,11 @@ successful turn: the source of truth for re-prefill after a failover), the turn 
 idle TTL, and the stored responses of the Responses API (a chain of responses is one session;
 they expire and are deleted with it). Pins change only inside the actor (`resolve_pin`), so
 two routers placing the same session concurrently agree on one replica.
+
+A turn costs the directory what it adds, not the session's length: a commit sends the new
+tokens and where they go (`commit_turn(sid, base, tail)`: the log is cut at `base`, then
+`tail` follows), and the store keeps each log as append-only chunks (one write per turn,
+compacted into one chunk every `MAX_LOG_CHUNKS` turns).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ NAMESPACE = "sessionserve"
 REAP_PERIOD_S = 1.0
 HEAD_NODE_RESOURCE = "node:__internal_head__"  # Ray gives the head node this resource
 CALL_TIMEOUT_S = 30.0  # a directory call waits this long for a restarting actor
+MAX_LOG_CHUNKS = 64  # a log stored in more chunks is rewritten as one (amortized O(new))
 
 
 @dataclass
@@ -51,6 +57,9 @@ class SessionRecord:
     last_active: float = field(default_factory=lambda: time.monotonic())
     responses: dict[str, StoredResponse] = field(default_factory=dict)
     owner: str | None = None  # the API key fingerprint that opened it (None: no auth)
+    # the log in the store: chunks `first_chunk .. first_chunk + chunks - 1` (see _log_key)
+    first_chunk: int = 0
+    chunks: int = 0
 
 
 class SessionDirectoryState:
@@ -65,6 +74,7 @@ class SessionDirectoryState:
         self._next_sweep = 0.0
         self.default_ttl_s = default_ttl_s
         self.repins = 0
+        self.mismatches = 0  # commits refused: they followed a longer log than the one here
         self.store = store
         if store is not None:
             self._restore(store)
@@ -77,6 +87,11 @@ class SessionDirectoryState:
         for key, rec in saved.items():
             if key.startswith("s/"):
                 rec.last_active = now  # idle clocks restart: touches are not written
+                rec.log = array("I")
+                for i in range(rec.first_chunk, rec.first_chunk + rec.chunks):
+                    base, tail = saved[_log_key(rec.session_id, i)]
+                    del rec.log[base:]
+                    rec.log.extend(tail)
                 self._register(rec)
         for key, (session_id, stored) in ((k, v) for k, v in saved.items() if k[:2] == "r/"):
             rec = self.sessions.get(session_id)
@@ -93,8 +108,29 @@ class SessionDirectoryState:
             )
 
     def _save(self, rec: SessionRecord) -> None:
-        if self.store is not None:  # responses have keys of their own
-            self.store.put(f"s/{rec.session_id}", dataclasses.replace(rec, responses={}))
+        """The record, without its log and responses (they have keys of their own)."""
+        if self.store is not None:
+            empty = array("I")
+            self.store.put(f"s/{rec.session_id}", dataclasses.replace(rec, responses={}, log=empty))
+
+    def _save_log(self, rec: SessionRecord, base: int, tail: array) -> None:
+        """Append one chunk (cut at `base`, then `tail`), or, every MAX_LOG_CHUNKS, one chunk
+        holding the whole log; the record is written after the chunk it names, and chunks it
+        no longer names are deleted after it, so a directory dying in between loses nothing."""
+        if self.store is None:
+            return
+        old = range(rec.first_chunk, rec.first_chunk + rec.chunks)
+        if rec.chunks + 1 >= MAX_LOG_CHUNKS:
+            new = rec.first_chunk + rec.chunks
+            self.store.put(_log_key(rec.session_id, new), (0, rec.log))
+            rec.first_chunk, rec.chunks = new, 1
+            self._save(rec)
+            for i in old:
+                self.store.delete(_log_key(rec.session_id, i))
+            return
+        self.store.put(_log_key(rec.session_id, rec.first_chunk + rec.chunks), (base, tail))
+        rec.chunks += 1
+        self._save(rec)
 
     # ---- registry ----
     # Every call from the API names the caller's `owner` (its API key's fingerprint, None
@@ -161,19 +197,34 @@ class SessionDirectoryState:
         rec = self._forget(session_id)
         return None if rec is None else (rec.replica or "")
 
-    def commit_turn(self, session_id: str, full_ids: list[int]) -> bool:
-        """A turn succeeded: its input and answer are now the session's token log. False: the
-        session is gone (closed or expired while the turn ran), nothing is kept.
-        Idempotent: Ray re-sends a call the actor died answering, and the same turn committed
-        twice (the same log) counts once."""
+    def commit_turn(self, session_id: str, base: int, tail: list[int]) -> bool:
+        """A turn succeeded: the session's token log is now the log cut at `base`, then `tail`
+        (its new input and answer; `base` 0 and the whole log when the replica's history and
+        this log differed). False: the session is gone (closed or expired while the turn
+        ran), nothing is kept. Idempotent: Ray re-sends a call the actor died answering, and
+        the same turn committed twice (the same log) counts once. A commit that follows more
+        log than this one has is refused and reported (a logged warning and `mismatches`),
+        never used to rewrite the log. Costs O(len(tail) + what is cut), not O(log)."""
         rec = self.sessions.get(session_id)
         if rec is None:
             return False
-        log = array("I", full_ids)  # 4 bytes a token: logs of many long sessions
-        if rec.log != log:
-            rec.log = log
-            rec.turns, rec.last_active = rec.turns + 1, time.monotonic()
-            self._save(rec)
+        new = array("I", tail)  # 4 bytes a token: logs of many long sessions
+        if base + len(new) == len(rec.log) and rec.log[base:] == new:
+            return True  # committed already
+        if base > len(rec.log):
+            self.mismatches += 1
+            log.warning(
+                "session %s: a turn followed %d tokens of log, the directory holds %d; "
+                "its commit is refused (the failover log stays as it is)",
+                session_id,
+                base,
+                len(rec.log),
+            )
+            return True
+        del rec.log[base:]
+        rec.log.extend(new)
+        rec.turns, rec.last_active = rec.turns + 1, time.monotonic()
+        self._save_log(rec, base, new)
         return True
 
     # ---- stored responses (Responses API) ----
@@ -182,7 +233,8 @@ class SessionDirectoryState:
         session_id: str,
         response: dict,
         items: list[dict],
-        full_ids: list[int],
+        base: int,
+        tail: list[int],
         owner: str | None = None,
     ) -> bool:
         """Keep a finished response, a committed turn of its session (one call, so the two
@@ -191,7 +243,7 @@ class SessionDirectoryState:
             return False
         if response["id"] in self.response_sessions:  # a re-sent call: stored already
             return True
-        self.commit_turn(session_id, full_ids)
+        self.commit_turn(session_id, base, tail)
         stored = self.sessions[session_id].responses[response["id"]] = StoredResponse(
             response, items
         )
@@ -233,6 +285,8 @@ class SessionDirectoryState:
                 self.store.delete(f"r/{response_id}")
         if self.store is not None:
             self.store.delete(f"s/{session_id}")
+            for i in range(rec.first_chunk, rec.first_chunk + rec.chunks):
+                self.store.delete(_log_key(session_id, i))
         left = self.owner_sessions.get(rec.owner, 0) - 1
         if left > 0:
             self.owner_sessions[rec.owner] = left
@@ -293,7 +347,11 @@ class SessionDirectoryState:
         return n
 
     def counts(self) -> dict[str, int]:
-        return {"sessions": len(self.sessions), "repins": self.repins}
+        return {
+            "sessions": len(self.sessions),
+            "repins": self.repins,
+            "log_mismatches": self.mismatches,
+        }
 
     def _reap(self) -> None:
         """Forget expired sessions: a full sweep at most once a second (it is O(sessions));
@@ -305,6 +363,10 @@ class SessionDirectoryState:
         for sid, rec in list(self.sessions.items()):
             if _expired(rec, now):
                 self._forget(sid)
+
+
+def _log_key(session_id: str, chunk: int) -> str:
+    return f"l/{session_id}/{chunk}"
 
 
 def _expired(rec: SessionRecord, now: float) -> bool:

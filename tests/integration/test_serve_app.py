@@ -152,7 +152,7 @@ def test_an_append_session_is_not_rewritten_by_a_diverging_log(http) -> None:
     t1 = http.post("/v1/completions", json=body | {"prompt": [5, 6, 7, 8]}, headers=hdr)
     assert t1.status_code == 200, t1.text
     directory = ray.get_actor(directory_name(APP), namespace="sessionserve")
-    assert ray.get(directory.commit_turn.remote(sid, [1, 2]))
+    assert ray.get(directory.commit_turn.remote(sid, 0, [1, 2]))
     t2 = http.post("/v1/completions", json=body | {"prompt": [30, 31]}, headers=hdr).json()
     assert t2["usage"]["prompt_tokens"] == 4 + 3 + 2  # the replica's history, not [1, 2]
     assert t2["usage"]["prompt_tokens_details"]["cached_tokens"] == 4 + 3 - 1

@@ -36,9 +36,9 @@ class SlowDirectory:
 
     @property
     def commit_turn(self) -> SimpleNamespace:
-        async def remote(sid: str, ids: list[int]) -> bool:
+        async def remote(sid: str, base: int, tail: list[int]) -> bool:
             await self.release.wait()
-            return self.state.commit_turn(sid, ids)
+            return self.state.commit_turn(sid, base, tail)
 
         return SimpleNamespace(remote=remote)
 
@@ -49,8 +49,8 @@ def ingress_with(state: SessionDirectoryState) -> SimpleNamespace:
     return fake
 
 
-def final(ids: list[int]) -> TurnResult:
-    return TurnResult("length", None, "", ids[-1:], len(ids) - 1, 1, 0, "none", ids)
+def final(ids: list[int]) -> TurnResult:  # a session's first turn: the whole log is new
+    return TurnResult("length", None, "", ids[-1:], len(ids) - 1, 1, 0, "none", 0, ids)
 
 
 def test_a_client_disconnect_during_the_commit_does_not_lose_the_turn() -> None:
@@ -166,7 +166,7 @@ def test_an_append_turn_ships_the_token_log_only_to_a_replica_that_asks() -> Non
 
     state = SessionDirectoryState()
     sid = state.open("s", None, "key-a")
-    assert state.commit_turn(sid, [5, 6, 7, 8])
+    assert state.commit_turn(sid, 0, [5, 6, 7, 8])
     assert state.touch(sid, "key-a")["log_tokens"] == 4
     replica = LogDemandingReplica()
     fake = SimpleNamespace(cfg=AppConfig(), directory=DirectoryCalls(state), replica=replica)
@@ -198,7 +198,7 @@ def test_without_a_sticky_router_the_log_goes_with_every_append_turn(router) -> 
 
     state = SessionDirectoryState()
     sid = state.open("s", None)
-    assert state.commit_turn(sid, [5, 6, 7])
+    assert state.commit_turn(sid, 0, [5, 6, 7])
     cfg = AppConfig.model_validate({"replica": {"request_router": router}})
     fake = SimpleNamespace(cfg=cfg, directory=DirectoryCalls(state), model="m")
     fake._check_model = lambda model: None

@@ -124,7 +124,8 @@ def test_events_are_numbered_and_carry_the_finished_response() -> None:
         completion_tokens=2,
         cached_tokens=1,
         cached_source="session",
-        full_ids=[4, 5, 6, 7, 8],
+        log_base=0,
+        log_tail=[4, 5, 6, 7, 8],
     )
     stream = events.opening() + [events.delta(piece("a")), events.delta(piece("b"))]
     stream += events.closing(draft.object(final, "ab"))
@@ -172,7 +173,7 @@ def test_function_calls_stream_as_items_whose_events_add_up_to_the_final_output(
     draft = ResponseDraft(body, "m", "s1")
     events = ResponseEvents(draft)
     calls = [ToolCall("call_1", "f", '{"a":1}'), ToolCall("call_2", "f", "{}")]
-    final = TurnResult("tool_calls", None, "hm", [], 3, 9, 0, "none", [], tool_calls=calls)
+    final = TurnResult("tool_calls", None, "hm", [], 3, 9, 0, "none", 0, [], tool_calls=calls)
     stream = events.opening() + [
         events.delta(piece("h")),
         events.delta(piece("m", [ToolCallDelta(0, "", id="call_1", name="f")])),
@@ -222,7 +223,7 @@ def test_function_calls_stream_as_items_whose_events_add_up_to_the_final_output(
 def test_an_answer_of_calls_only_has_no_message_item_and_comes_back_as_tool_messages() -> None:
     draft = ResponseDraft(ResponseCreate(input="x"), "m", "s1")
     call = ToolCall("call_1", "f", '{"a":1}')
-    final = TurnResult("tool_calls", None, "", [], 3, 9, 0, "none", [], tool_calls=[call])
+    final = TurnResult("tool_calls", None, "", [], 3, 9, 0, "none", 0, [], tool_calls=[call])
     output = draft.object(final, "")["output"]
     assert [o["type"] for o in output] == ["function_call"]
     items = parse_input(

@@ -23,7 +23,7 @@ from hypothesis.stateful import (
 from sessionserve.cache import KVState, RequestKV, SessionLimits, build_session_cache
 from sessionserve.cache.allocator import floor_align
 from sessionserve.cache.checker import MemoryChecker
-from sessionserve.cache.session_cache import _common_prefix_len
+from sessionserve.cache.session_cache import common_prefix_len
 from sessionserve.errors import (
     KVCacheFullError,
     SessionBusyError,
@@ -197,7 +197,7 @@ class SessionCacheMachine(RuleBasedStateMachine):
         parked = tier.get(sid) if tier is not None and sid else None
         branch = False  # a chat rewind of a page or more: the branch left goes to the tree
         if slot is not None and slot.holds_kv:
-            lcp = _common_prefix_len(slot.kv_tokens, turn.tokens[:-1])
+            lcp = common_prefix_len(slot.kv_tokens, turn.tokens[:-1])
             expect = lcp if lcp >= slot.protected_len else None
             branch = turn.mode == "chat" and self.cache._leaves_a_branch(slot, lcp)
             if self.sliding_window and not (
@@ -218,7 +218,7 @@ class SessionCacheMachine(RuleBasedStateMachine):
         if parked is not None:  # taken out whether or not it could be restored
             assert sid not in tier
             if turn.req.cached_source == "host":
-                assert cached == _common_prefix_len(parked.tokens, turn.tokens[:-1]) > 0
+                assert cached == common_prefix_len(parked.tokens, turn.tokens[:-1]) > 0
         else:
             assert turn.req.cached_source != "host"
         event(f"admitted with cached source {turn.req.cached_source}")

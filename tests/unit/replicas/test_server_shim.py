@@ -39,7 +39,7 @@ def test_stream_deltas_add_up_to_the_answer(server) -> None:
     assert "".join(p.text for p in pieces[:-1]) == final.text
     assert sum(len(p.token_ids) for p in pieces[:-1]) == final.completion_tokens == 6
     assert sum(len(p.logprobs) for p in pieces[:-1]) == 6
-    assert final.full_ids == [5, 6, 7] + final.output_ids
+    assert final.log_base == 0 and final.log_tail == [5, 6, 7] + final.output_ids
 
 
 def test_a_request_that_fails_alone_raises_a_typed_500_for_its_caller(server, monkeypatch):
@@ -65,7 +65,8 @@ def test_append_mode_builds_on_the_history_it_is_given(server) -> None:
         {"max_tokens": 2, "temperature": 0}, session_id="s", prompt=[9], history_ids=[5, 6, 7, 8]
     )
     final = asyncio.run(_collect(server.generate(call)))[-1]
-    assert final.prompt_tokens == 5 and final.full_ids[:5] == [5, 6, 7, 8, 9]
+    assert final.prompt_tokens == 5  # the log it was given is kept: the directory appends
+    assert final.log_base == 4 and final.log_tail == [9] + final.output_ids
 
 
 def test_a_cancelled_stream_aborts_its_request(server) -> None:
@@ -161,25 +162,27 @@ def test_append_turns_extend_the_replicas_history_never_the_directorys_log(serve
     """Append mode end to end through the shim: only the new prompt goes in (with the length
     of the directory's log, not the log), the replica's history of the session is extended
     (its KV reused), the session opens with the TTL the call names, and a failover log that
-    disagrees is reported and not used to rewrite it."""
+    disagrees is reported and not used to rewrite it. What the directory is sent is what the
+    turn adds to its log, or the whole log when the directory's disagreed."""
     greedy = {"max_tokens": 3, "temperature": 0, "ignore_eos": True}
     sid = "append-shim"
     t1 = _final(server, GenerateCall(greedy, sid, "append", prompt=[5, 6, 7], ttl_s=42.0))
-    assert t1.full_ids == [5, 6, 7] + t1.output_ids
+    assert t1.log_base == 0 and t1.log_tail == [5, 6, 7] + t1.output_ids
     assert server.engine.session_info(sid).ttl_s == 42.0  # not the configured default
     caplog.set_level("WARNING", logger="sessionserve.replicas.sessions")
-    call = GenerateCall(greedy, sid, "append", prompt=[8, 9], log_tokens=len(t1.full_ids))
+    call = GenerateCall(greedy, sid, "append", prompt=[8, 9], log_tokens=t1.log_len)
     t2 = _final(server, call)
-    assert t2.full_ids == t1.full_ids + [8, 9] + t2.output_ids
-    assert t2.cached_source == "session" and t2.cached_tokens >= len(t1.full_ids) - 1
+    assert t2.log_base == t1.log_len and t2.log_tail == [8, 9] + t2.output_ids
+    assert t2.cached_source == "session" and t2.cached_tokens >= t1.log_len - 1
+    log2 = t1.log_tail + t2.log_tail
     assert "differs" not in caplog.text  # the log agrees: nothing to report
     short = GenerateCall(greedy, sid, "append", prompt=[10], log_tokens=3)  # a lost commit
     t3 = _final(server, short)
-    assert t3.full_ids[: len(t2.full_ids)] == t2.full_ids
+    assert t3.log_base == 0 and t3.log_tail[: len(log2)] == log2  # the whole log: it differed
     assert "(3 tokens) differs from this replica's history" in caplog.text
     stale = GenerateCall(greedy, sid, "append", prompt=[11], history_ids=[1, 2, 3])
     t4 = _final(server, stale)
-    assert t4.full_ids[: len(t3.full_ids)] == t3.full_ids  # no rewind to [1, 2, 3]
+    assert t4.log_base == 0 and t4.log_tail[: t3.log_len] == t3.log_tail  # not [1, 2, 3]
     server.engine.close_session(sid)
 
 
@@ -191,9 +194,9 @@ def test_an_append_turn_on_a_replica_without_the_session_starts_from_its_log(ser
     call = GenerateCall(greedy, "moved-here", "append", prompt=[11, 12], history_ids=log)
     got = _final(server, call)
     ref = _final(server, GenerateCall(greedy, prompt=log + [11, 12]))
-    assert got.full_ids == log + [11, 12] + got.output_ids
+    assert got.log_base == len(log) and got.log_tail == [11, 12] + got.output_ids
     assert got.output_ids == ref.output_ids
-    assert server.engine.session_info("moved-here").history_tokens == len(got.full_ids)
+    assert server.engine.session_info("moved-here").history_tokens == got.log_len
     server.engine.close_session("moved-here")
 
 

@@ -310,7 +310,7 @@ def test_an_agent_loop_in_a_session_prefills_only_the_tool_result(server) -> Non
         ]
         nxt = turn(server, tools, step, messages, session="agent-1")
         assert nxt.cached_source == "session"
-        assert nxt.cached_tokens >= len(first.full_ids) - 1  # the whole last step
+        assert nxt.cached_tokens >= first.log_len - 1  # the whole last step
         assert nxt.prompt_tokens - nxt.cached_tokens < 100  # the result block (~90 bytes)
         check_calls(nxt, tools.tools)
         first = nxt

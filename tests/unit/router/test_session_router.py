@@ -198,7 +198,7 @@ def test_directory_registry_log_and_ttl(monkeypatch) -> None:
     state = SessionDirectoryState(default_ttl_s=10.0)
     sid = state.open(None, None)
     assert state.open(sid, None) is None  # taken
-    state.commit_turn(sid, [1, 2, 3, 70000])
+    state.commit_turn(sid, 0, [1, 2, 3, 70000])
     assert state.log(sid) == [1, 2, 3, 70000]
     assert state.info(sid) == {"replica": None, "turns": 1, "history_tokens": 4, "ttl_s": 10.0}
     import time
@@ -218,10 +218,10 @@ def test_a_closed_session_is_not_brought_back_by_routing_or_a_late_commit() -> N
     state = SessionDirectoryState(default_ttl_s=60.0)
     sid = state.open("s", None, "alice")
     assert state.resolve_pin(sid, "a", ["a"]) == ("a", None)
-    assert state.commit_turn(sid, [5, 6, 7]) and state.commit_turn(sid, [5, 6, 7])
+    assert state.commit_turn(sid, 0, [5, 6, 7]) and state.commit_turn(sid, 0, [5, 6, 7])
     assert state.close(sid, "alice") == "a"
     assert state.resolve_pin(sid, "b", ["a", "b"]) == ("b", None)
-    assert not state.commit_turn(sid, [5, 6, 7, 8, 9])
+    assert not state.commit_turn(sid, 3, [8, 9])
     assert state.sessions == {} and state.info(sid) is None and state.info(sid, "bob") is None
     assert state.get_pin(sid) is None and state.counts()["sessions"] == 0
     assert state.open(sid, None, "bob") == sid  # the id is free again, for a new session
@@ -251,8 +251,8 @@ def test_stored_responses_live_and_die_with_their_session(monkeypatch) -> None:
     state = SessionDirectoryState(default_ttl_s=10.0)
     sid = state.open(None, None)
     items = [{"id": "msg_1", "role": "user"}]
-    assert state.store_response(sid, {"id": "resp_1"}, items, [5, 6, 7])
-    assert state.store_response(sid, {"id": "resp_2"}, items, [5, 6, 7, 8])
+    assert state.store_response(sid, {"id": "resp_1"}, items, 0, [5, 6, 7])
+    assert state.store_response(sid, {"id": "resp_2"}, items, 3, [8])
     assert state.get_response("resp_1") == {
         "session_id": sid,
         "response": {"id": "resp_1"},
@@ -263,10 +263,10 @@ def test_stored_responses_live_and_die_with_their_session(monkeypatch) -> None:
     assert state.get_response("resp_1") is None and state.get_response("resp_2") is not None
     assert state.close(sid) == ""
     assert state.get_response("resp_2") is None and state.response_sessions == {}
-    assert not state.store_response(sid, {"id": "resp_3"}, items, [1])  # session gone
+    assert not state.store_response(sid, {"id": "resp_3"}, items, 0, [1])  # session gone
     # expiry: the session's idle TTL takes its responses along
     sid2 = state.open(None, None)
-    state.store_response(sid2, {"id": "resp_4"}, items, [1])
+    state.store_response(sid2, {"id": "resp_4"}, items, 0, [1])
     import time
 
     now = time.monotonic()
@@ -301,7 +301,7 @@ def test_directory_memory_does_not_grow_with_session_churn(monkeypatch) -> None:
         for i in range(n):
             sid = state.open(None, None, owner)
             state.resolve_pin(sid, "a", ["a"])
-            state.store_response(sid, {"id": f"r-{owner}-{i}"}, [], [5, 6, 7], owner)
+            state.store_response(sid, {"id": f"r-{owner}-{i}"}, [], 0, [5, 6, 7], owner)
             if i % 2:
                 state.close(sid, owner)
         clock[0] += 6.0  # the other half expires
@@ -344,12 +344,12 @@ def test_a_restarted_directory_rebuilds_everything_from_its_store() -> None:
     state = SessionDirectoryState(default_ttl_s=60.0, store=store)
     kept = state.open("kept", None, "k1")
     state.resolve_pin(kept, "replica-a", ["replica-a"])
-    state.commit_turn(kept, [5, 6, 7])
-    state.store_response(kept, {"id": "resp-1"}, [{"id": "m1"}], [5, 6, 7, 8], "k1")
-    state.store_response(kept, {"id": "resp-2"}, [], [5, 6, 7, 8, 9], "k1")
+    state.commit_turn(kept, 0, [5, 6, 7])
+    state.store_response(kept, {"id": "resp-1"}, [{"id": "m1"}], 3, [8], "k1")
+    state.store_response(kept, {"id": "resp-2"}, [], 4, [9], "k1")
     state.delete_response("resp-2", "k1")
     gone = state.open("gone", None)
-    state.store_response(gone, {"id": "resp-3"}, [], [1], None)
+    state.store_response(gone, {"id": "resp-3"}, [], 0, [1], None)
     state.close(gone)
     state.drop_replica("replica-b")  # no effect on kept
 
@@ -361,7 +361,7 @@ def test_a_restarted_directory_rebuilds_everything_from_its_store() -> None:
     assert again.get_response("resp-1", "k1")["items"] == [{"id": "m1"}]
     assert again.get_response("resp-2", "k1") is None and again.get_response("resp-3") is None
     assert again.owner_sessions == {"k1": 1}
-    assert set(store.data) == {"s/kept", "r/resp-1"}  # nothing left of what went
+    assert set(store.data) == {"s/kept", "r/resp-1", *(f"l/kept/{i}" for i in range(3))}
 
 
 def test_rebalance_plan_moves_a_session_off_a_saturated_replica() -> None:
