@@ -23,4 +23,7 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
         ray_actor_options={"num_cpus": cfg.ingress.num_cpus},
         max_ongoing_requests=cfg.ingress.max_ongoing_requests,
     )
-    return ingress.bind(replica.bind(cfg.engine.model_dump()), cfg.model_dump())
+    engine = cfg.engine.model_dump()
+    return ingress.bind(
+        replica.bind(engine, directory_shards=cfg.directory.shards), cfg.model_dump()
+    )

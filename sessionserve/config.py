@@ -266,12 +266,24 @@ class IngressDeploymentConfig(_Strict):
     )
 
 
+class DirectoryConfig(_Strict):
+    shards: int = Field(
+        1,
+        ge=1,
+        le=256,
+        description="Session directory actors; sessions are spread over them by id hash. "
+        "Fixed for the life of the app's sessions: changing it loses the open sessions' "
+        "records (each shard rebuilds from its own store prefix).",
+    )
+
+
 class AppConfig(_Strict):
     """The `args:` of the Serve application (deploy/serve-*.yaml)."""
 
     engine: EngineConfig = Field(default_factory=EngineConfig)
     replica: ReplicaDeploymentConfig = Field(default_factory=ReplicaDeploymentConfig)
     ingress: IngressDeploymentConfig = Field(default_factory=IngressDeploymentConfig)
+    directory: DirectoryConfig = Field(default_factory=DirectoryConfig)
     session_header: str = Field(
         "x-session-id", description="HTTP header naming the session (or body `session_id`)."
     )

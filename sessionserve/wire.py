@@ -8,12 +8,18 @@ not load torch or transformers.
 from __future__ import annotations
 
 import enum
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from sessionserve.errors import InvalidRequestError
+
+
+def new_id(prefix: str) -> str:
+    """An id for an API object (response, message, call): `prefix-` and 24 hex digits."""
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
 class FinishReason(enum.StrEnum):

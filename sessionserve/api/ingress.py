@@ -70,7 +70,7 @@ from sessionserve.errors import (
     UnknownResponseError,
     UnknownSessionError,
 )
-from sessionserve.router.directory import get_directory
+from sessionserve.router.directory_client import get_directory
 from sessionserve.router.pin_cache import check_pin, forget_pin, rebalance_plan
 from sessionserve.wire import GenerateCall, SamplingParams, ToolUse, TurnDelta, TurnResult
 
@@ -118,7 +118,9 @@ class Ingress:
         context = serve.get_replica_context()
         self.ingress_id = context.replica_id.unique_id
         app_name = context.app_name
-        self.directory = get_directory(app_name, self.cfg.engine.sessions.default_ttl_s)
+        self.directory = get_directory(
+            app_name, self.cfg.engine.sessions.default_ttl_s, self.cfg.directory.shards
+        )
         keys = load_api_keys(self.cfg.ingress.api_keys_file)
         configure(app, keys, self.cfg.ingress.max_body_bytes)
         log.info("API keys: %s", f"{len(keys)} configured" if keys else "none (open API)")
@@ -219,11 +221,11 @@ class Ingress:
         limit = self.cfg.ingress.max_sessions_per_key
         if ttl_s is None:  # this deployment's default (the directory may predate a redeploy)
             ttl_s = self.cfg.engine.sessions.default_ttl_s
-        return await self.directory.open.remote(sid, ttl_s, owner_id, limit)
+        return await self.directory.open(sid, ttl_s, owner_id, limit)
 
     async def _close(self, session_id: str, owner_id: str | None) -> bool:
         """Forget the session (and its stored responses); free its KV on its replica."""
-        replica = await self.directory.close.remote(session_id, owner_id)
+        replica = await self.directory.close(session_id, owner_id)
         if replica:  # frees its KV there (deferred while a turn runs)
             await self.replica.options(session_id=session_id).close_session.remote(session_id)
             forget_pin(session_id)  # this process's routers drop the closed session's pin
@@ -231,7 +233,7 @@ class Ingress:
 
     async def _info(self, sid: str, owner_id: str | None, history: bool = False) -> dict:
         """The directory's record of a session of this caller's (404 if there is none)."""
-        info = await self.directory.info.remote(sid, owner_id, history)
+        info = await self.directory.info(sid, owner_id, history)
         if info is None:
             raise UnknownSessionError(sid)
         return info
@@ -275,9 +277,7 @@ class Ingress:
         new_items = parse_input(body.input)
         earlier: list[dict[str, Any]] = []
         if body.previous_response_id is not None:  # continue (or fork) its conversation
-            prev = await self.directory.get_response.remote(
-                body.previous_response_id, owner(request)
-            )
+            prev = await self.directory.get_response(body.previous_response_id, owner(request))
             if prev is None:
                 raise UnknownResponseError(body.previous_response_id, "previous_response_id")
             sid = prev["session_id"]
@@ -286,6 +286,8 @@ class Ingress:
             sid = await self._open(None, None, owner(request)) if body.store else None
         draft = ResponseDraft(body, self.model, sid, new_session=body.previous_response_id is None)
         draft.owner = owner(request)
+        if sid is not None:  # stored on its session's directory shard
+            draft.id = self.directory.response_id(sid)
         try:
             stream, first, items = await self._start_response(
                 draft, sampling, tools, earlier + new_items, len(new_items)
@@ -307,14 +309,14 @@ class Ingress:
 
     @app.get("/v1/responses/{response_id}", responses=LOOKUP)
     async def get_response(self, response_id: str, request: Request) -> JSONResponse:
-        stored = await self.directory.get_response.remote(response_id, owner(request))
+        stored = await self.directory.get_response(response_id, owner(request))
         if stored is None:
             raise UnknownResponseError(response_id)
         return JSONResponse(stored["response"])
 
     @app.delete("/v1/responses/{response_id}", responses=LOOKUP)
     async def delete_response(self, response_id: str, request: Request) -> dict[str, Any]:
-        if not await self.directory.delete_response.remote(response_id, owner(request)):
+        if not await self.directory.delete_response(response_id, owner(request)):
             raise UnknownResponseError(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
 
@@ -329,7 +331,7 @@ class Ingress:
             None, description="An item id of this response: the page starts after it (else 400)."
         ),
     ) -> dict[str, Any]:
-        stored = await self.directory.get_response.remote(response_id, owner(request))
+        stored = await self.directory.get_response(response_id, owner(request))
         if stored is None:
             raise UnknownResponseError(response_id)
         return item_page(stored["items"], limit, order, after)
@@ -371,7 +373,7 @@ class Ingress:
             raise EngineUnavailableError(f"the turn was aborted ({final.finish_message}); retry")
         response = draft.object(replace(final, ingress=self.ingress_id), final.text or "")
         if draft.body.store and draft.session_id is not None:
-            stored = self.directory.store_response.remote(
+            stored = self.directory.store_response(
                 draft.session_id, response, items, final.log_base, final.log_tail, draft.owner
             )
             await asyncio.shield(self._kept_or_freed(draft.session_id, stored))
@@ -414,7 +416,7 @@ class Ingress:
         sid = header or body_sid
         if sid is None:
             return {}
-        record = await self.directory.touch.remote(sid, owner(request))
+        record = await self.directory.touch(sid, owner(request))
         if record is None:
             if not self.cfg.engine.sessions.implicit_open:
                 raise UnknownSessionError(sid)
@@ -459,7 +461,7 @@ class Ingress:
 
     async def _session_log(self, session_id: str, owner_id: str | None) -> list[int]:
         """The session's failover token log, for a replica that does not hold the session."""
-        history = await self.directory.log.remote(session_id, owner_id)
+        history = await self.directory.log(session_id, owner_id)
         if history is None:  # deleted or expired since this turn's touch
             raise UnknownSessionError(session_id)
         return history
@@ -566,9 +568,7 @@ class Ingress:
         """Record a finished session turn in the failover log. Shielded: a client that
         disconnects meanwhile must not leave the replica holding a turn the log lacks."""
         if call.session_id is not None and final.finish_reason != "abort":
-            recorded = self.directory.commit_turn.remote(
-                call.session_id, final.log_base, final.log_tail
-            )
+            recorded = self.directory.commit_turn(call.session_id, final.log_base, final.log_tail)
             await asyncio.shield(self._kept_or_freed(call.session_id, recorded))
 
     async def _kept_or_freed(self, session_id: str, recorded: Awaitable[bool]) -> None:

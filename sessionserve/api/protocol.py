@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import re
 import time
-import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
@@ -430,10 +429,6 @@ class ErrorResponse(BaseModel):
     """OpenAI's error body: every non-2xx answer of the API has this shape."""
 
     error: ErrorDetail
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
 def now() -> int:

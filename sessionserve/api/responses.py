@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from sessionserve.api.protocol import new_id, now
-from sessionserve.wire import LogprobEntry, ToolCallDelta, TurnDelta, TurnResult
+from sessionserve.api.protocol import now
+from sessionserve.wire import LogprobEntry, ToolCallDelta, TurnDelta, TurnResult, new_id
 
 Kind = Literal["chat", "completion"]
 

@@ -37,12 +37,19 @@ from sessionserve.api.protocol import (
     RequestBody,
     TextFormat,
     constraint,
-    new_id,
     nullable,
     tool_use,
 )
 from sessionserve.errors import InvalidRequestError
-from sessionserve.wire import MIN_TOP_P, ToolCall, ToolSpec, ToolUse, TurnDelta, TurnResult
+from sessionserve.wire import (
+    MIN_TOP_P,
+    ToolCall,
+    ToolSpec,
+    ToolUse,
+    TurnDelta,
+    TurnResult,
+    new_id,
+)
 
 INPUT_ROLES = ("user", "assistant", "system", "developer")
 TEXT_PART_TYPES = ("input_text", "output_text")

@@ -100,7 +100,7 @@ class SessionMover:
         )
         try:
             placed = await self._import(handle, export, target)
-            if await directory.move_pin.remote(session_id, self.replica_id, placed["replica"]):
+            if await directory.move_pin(session_id, self.replica_id, placed["replica"]):
                 result.target, result.kv = placed["replica"], placed["kv"]
             else:  # closed or re-pinned meanwhile: the copy there must not linger
                 result.error = "the session was closed or re-pinned during the move"

@@ -57,8 +57,15 @@ POWER_OF_TWO_ROUTER = "ray.serve._private.request_router:PowerOfTwoChoicesReques
 
 
 class ReplicaServer:
-    def __init__(self, engine_config: dict[str, Any], engine: Engine | None = None) -> None:
-        """`engine`: one built by the caller (tests, scripts); else one from `engine_config`."""
+    def __init__(
+        self,
+        engine_config: dict[str, Any],
+        engine: Engine | None = None,
+        directory_shards: int = 1,
+    ) -> None:
+        """`engine`: one built by the caller (tests, scripts); else one from `engine_config`.
+        `directory_shards`: the app's `directory.shards` (a migration re-pins there)."""
+        self.directory_shards = directory_shards
         self.engine = engine or Engine(EngineConfig.model_validate(engine_config))
         # every call brings its whole input (see GenerateCall), so a full replica may give an
         # idle session's slot to a new one: that session's next turn re-prefills
@@ -97,6 +104,9 @@ class ReplicaServer:
                 request_router_class=SessionAffinityRouter
                 if r.request_router == "session_affinity"
                 else POWER_OF_TWO_ROUTER,
+                request_router_kwargs={"directory_shards": cfg.directory.shards}
+                if r.request_router == "session_affinity"
+                else {},
                 request_routing_stats_period_s=r.routing_stats_period_s,
                 request_routing_stats_timeout_s=max(5.0, 2 * r.routing_stats_period_s),
             ),
@@ -294,10 +304,11 @@ class ReplicaServer:
         if self._peer_handles is None:
             from ray import serve
 
-            from sessionserve.router.directory import get_directory
+            from sessionserve.router.directory_client import get_directory
 
             handle = serve.get_deployment_handle(self.deployment, self.app_name)
-            self._peer_handles = (handle, get_directory(self.app_name))
+            directory = get_directory(self.app_name, shards=self.directory_shards)
+            self._peer_handles = (handle, directory)
         return self._peer_handles
 
     async def model_limits(self) -> dict[str, int]:

@@ -15,26 +15,21 @@ compacted into one chunk every `MAX_LOG_CHUNKS` turns).
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import time
 import uuid
 from array import array
 from dataclasses import dataclass, field
-from typing import Any
 
 import ray
 
-from sessionserve.errors import DirectoryUnavailableError, TooManySessionsError
+from sessionserve.errors import TooManySessionsError
 from sessionserve.router.directory_store import GcsStore, SessionStore
 
 log = logging.getLogger(__name__)
 
-NAMESPACE = "sessionserve"
 REAP_PERIOD_S = 1.0
-HEAD_NODE_RESOURCE = "node:__internal_head__"  # Ray gives the head node this resource
-CALL_TIMEOUT_S = 30.0  # a directory call waits this long for a restarting actor
 MAX_LOG_CHUNKS = 64  # a log stored in more chunks is rewritten as one (amortized O(new))
 
 
@@ -151,14 +146,15 @@ class SessionDirectoryState:
             return None
         held = self.owner_sessions.get(owner, 0)
         if owner is not None and owner_limit is not None and held >= owner_limit:
-            raise TooManySessionsError(
-                f"this API key holds {held} open sessions, the limit "
-                f"(ingress.max_sessions_per_key) is {owner_limit}; close some (DELETE "
-                "/v1/sessions/{id}) or let them expire"
-            )
+            raise too_many_sessions(held, owner_limit)
         ttl = ttl_s if ttl_s is not None else self.default_ttl_s
         self._save(self._register(SessionRecord(sid, ttl, owner=owner)))
         return sid
+
+    def owner_count(self, owner: str | None) -> int:
+        """Open sessions of an API key here (a sharded directory sums its shards')."""
+        self._reap()
+        return self.owner_sessions.get(owner, 0)
 
     def touch(self, session_id: str, owner: str | None = None) -> dict | None:
         """The per-request check (marking the session active; ships no token log): None if
@@ -365,6 +361,13 @@ class SessionDirectoryState:
                 self._forget(sid)
 
 
+def too_many_sessions(held: int, limit: int) -> TooManySessionsError:
+    return TooManySessionsError(
+        f"this API key holds {held} open sessions, the limit (ingress.max_sessions_per_key) "
+        f"is {limit}; close some (DELETE /v1/sessions/{{id}}) or let them expire"
+    )
+
+
 def _log_key(session_id: str, chunk: int) -> str:
     return f"l/{session_id}/{chunk}"
 
@@ -374,84 +377,17 @@ def _expired(rec: SessionRecord, now: float) -> bool:
 
 
 class SessionDirectoryActor(SessionDirectoryState):
-    """The directory as a Ray actor, backed by the GCS store: restarted by Ray when killed or
-    when its node goes (calls made meanwhile wait and are retried), and rebuilt from the store
-    when it starts, so no session, pin, failover log or stored response is lost."""
+    """The directory (one shard of it) as a Ray actor, backed by the GCS store under its own
+    prefix: restarted by Ray when killed or when its node goes (calls made meanwhile wait and
+    are retried), and rebuilt from the store when it starts, so no session, pin, failover log
+    or stored response is lost."""
 
-    def __init__(self, app_name: str, default_ttl_s: float | None = None) -> None:
-        super().__init__(default_ttl_s, GcsStore(app_name))
+    def __init__(
+        self, app_name: str, default_ttl_s: float | None = None, store_prefix: str = ""
+    ) -> None:
+        super().__init__(default_ttl_s, GcsStore(app_name, store_prefix))
 
 
 SessionDirectory = ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)(
     SessionDirectoryActor
 )
-
-
-def directory_name(app_name: str) -> str:
-    return f"session-directory-{app_name or 'default'}"
-
-
-def _acquire(app_name: str, default_ttl_s: float | None):
-    """Get or create the actor, on the head node: the node that lives as long as the cluster
-    (a GPU worker may be scaled away or drained)."""
-    return SessionDirectory.options(
-        name=directory_name(app_name),
-        namespace=NAMESPACE,
-        get_if_exists=True,
-        lifetime="detached",
-        resources={HEAD_NODE_RESOURCE: 0.001},
-    ).remote(app_name, default_ttl_s)
-
-
-class DirectoryClient:
-    """The ingress's and the routers' handle on the directory: `await client.X.remote(...)`.
-    A restarting actor makes calls wait (Ray retries them); one that is gone for good (killed
-    without restart) is looked up again, which creates it anew from the store, and the call
-    is retried once. Still failing, the caller gets Ray's actor error: a 503 with Retry-After
-    at the API, never a wrong answer."""
-
-    def __init__(self, app_name: str, default_ttl_s: float | None = None) -> None:
-        self.app_name, self.default_ttl_s = app_name, default_ttl_s
-        self.actor = _acquire(app_name, default_ttl_s)
-
-    def __getattr__(self, method: str) -> _Method:
-        return _Method(self, method)
-
-    def reacquire(self) -> None:
-        log.warning("session directory %s is gone: looking it up again", self.app_name)
-        self.actor = _acquire(self.app_name, self.default_ttl_s)
-
-
-class _Method:
-    def __init__(self, client: DirectoryClient, name: str) -> None:
-        self.client, self.name = client, name
-
-    async def remote(self, *args: Any) -> Any:
-        from ray.exceptions import RayActorError
-
-        try:
-            return await self._call(args)
-        except RayActorError:
-            self.client.reacquire()
-            return await self._call(args)
-
-    async def _call(self, args: tuple) -> Any:
-        """One call, bounded: a directory that cannot come back is a 503, never a hang."""
-        ref = getattr(self.client.actor, self.name).remote(*args)
-        try:
-            return await asyncio.wait_for(asyncio.ensure_future(ref), CALL_TIMEOUT_S)
-        except TimeoutError:
-            raise DirectoryUnavailableError(
-                f"the session directory did not answer within {CALL_TIMEOUT_S:.0f} s "
-                "(restarting?); retry shortly"
-            ) from None
-
-    def send(self, *args: Any) -> None:
-        """Fire and forget (nothing waits for the answer)."""
-        getattr(self.client.actor, self.name).remote(*args)
-
-
-def get_directory(app_name: str, default_ttl_s: float | None = None) -> DirectoryClient:
-    """The application's directory, created on first use (detached: it outlives every router
-    and ingress replica; its state outlives the actor itself, in the GCS store)."""
-    return DirectoryClient(app_name, default_ttl_s)

@@ -43,11 +43,11 @@ class MemoryStore:
 class GcsStore:
     """Ray's GCS key-value store, under one prefix per application."""
 
-    def __init__(self, app_name: str) -> None:
+    def __init__(self, app_name: str, shard_prefix: str = "") -> None:
         from ray.experimental import internal_kv
 
         self.kv = internal_kv
-        self.prefix = f"directory/{app_name or 'default'}/"
+        self.prefix = f"directory/{app_name or 'default'}/{shard_prefix}"
 
     def put(self, key: str, value: object) -> None:
         self.kv._internal_kv_put(

@@ -33,7 +33,7 @@ from ray.serve.request_router import (
 )
 
 from sessionserve.metrics import RouterMetrics
-from sessionserve.router.directory import get_directory
+from sessionserve.router.directory_client import get_directory
 from sessionserve.router.pin_cache import PinCache, forget_replica
 
 log = logging.getLogger(__name__)
@@ -44,10 +44,12 @@ class SessionAffinityRouter(RequestRouter):
         self,
         tokens_per_new_session: int = 512,
         max_cached_pins: int = 65536,
+        directory_shards: int = 1,
         **kwargs,
     ) -> None:
         self._pins = PinCache(max_cached_pins)  # a local cache of the directory's pins
         self._directory = None
+        self._directory_shards = directory_shards
         # Stats arrive every ~second; placements made since then are counted here so that a
         # burst of new sessions does not all land on the replica that looked freest.
         self._tokens_per_new_session = tokens_per_new_session
@@ -84,7 +86,7 @@ class SessionAffinityRouter(RequestRouter):
             self._count("sticky_hits")
             return [[by_id[pinned]]]
         choice = self._most_free_kv(candidate_replicas)
-        winner, previous = await self._dir().resolve_pin.remote(
+        winner, previous = await self._dir().resolve_pin(
             session_id, choice.replica_id.unique_id, list(by_id)
         )
         if previous == winner:  # pinned earlier (through another router process), still there
@@ -103,7 +105,7 @@ class SessionAffinityRouter(RequestRouter):
         super().on_replica_actor_died(replica_id)
         dead = replica_id.unique_id
         forget_replica(dead)  # this router's pins and the loads the ingress reads
-        self._dir().drop_replica.send(dead)
+        self._dir().drop_replica(dead)
 
     # ---- internals ----
     def _addressed(
@@ -117,7 +119,7 @@ class SessionAffinityRouter(RequestRouter):
 
     def _dir(self):
         if self._directory is None:
-            self._directory = get_directory(self.app_name)
+            self._directory = get_directory(self.app_name, shards=self._directory_shards)
         return self._directory
 
     def _placed_since_stats(self, r: RunningReplica) -> int:

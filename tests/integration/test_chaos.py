@@ -1,6 +1,7 @@
 """Chaos on real Ray Serve (loopback, bounded): 16 sessions x 6 chat turns through the
 official `openai` client while the test kills, in turn, a model replica, the session
-directory actor (once restarted by Ray, once for good) and an ingress replica. A client
+directory's two shards (one restarted by Ray, one for good: each comes back from its own
+store prefix) and an ingress replica. A client
 retries a turn that failed with a retryable status. Afterwards every session's transcript on
 the server equals what its client received, no committed turn is lost, every failure was
 retryable, and the strict memory invariant holds on every replica. What each kill cost is
@@ -22,6 +23,7 @@ from tests.models import word_tokenizer
 
 pytestmark = pytest.mark.ray
 CHAOS_APP = "chaos"
+SHARDS = 2  # the directory's actors
 SESSIONS, TURNS = 16, 6
 # 500 only as Ray Serve's proxy answers (plain text) when the ingress replica it called died
 RETRYABLE = {500, 502, 503, 504}
@@ -35,8 +37,17 @@ def chaos(served):
     args["replica"].update(num_replicas=2, num_cpus=0.15)
     args["ingress"].update(num_replicas=2, num_cpus=0.05)
     args["engine"]["sessions"]["implicit_open"] = True
+    args["directory"] = {"shards": SHARDS}  # each shard is killed once below
     with extra_app(served, CHAOS_APP, args) as base:
         yield base
+
+
+def directory_shard(shard: int):
+    import ray
+
+    from sessionserve.router.directory_client import directory_name
+
+    return ray.get_actor(directory_name(CHAOS_APP, shard, SHARDS), namespace="sessionserve")
 
 
 def serve_actors(deployment: str) -> list:
@@ -108,18 +119,10 @@ def test_kills_lose_no_committed_turn(chaos) -> None:
         plan = [
             ("model replica", lambda: ray.kill(serve_actors("SessionReplica")[0])),
             (
-                "directory (restarted)",
-                lambda: ray.kill(
-                    ray.get_actor(f"session-directory-{CHAOS_APP}", namespace="sessionserve"),
-                    no_restart=False,
-                ),
+                "directory shard 0 (restarted)",
+                lambda: ray.kill(directory_shard(0), no_restart=False),
             ),
-            (
-                "directory (for good)",
-                lambda: ray.kill(
-                    ray.get_actor(f"session-directory-{CHAOS_APP}", namespace="sessionserve")
-                ),
-            ),
+            ("directory shard 1 (for good)", lambda: ray.kill(directory_shard(1))),
             ("ingress replica", lambda: ray.kill(serve_actors("Ingress")[0])),
         ]
         for i, (what, kill) in enumerate(plan):
@@ -215,7 +218,7 @@ def test_a_directory_that_cannot_answer_is_a_503_not_a_hang(served, monkeypatch)
 
     import ray
 
-    import sessionserve.router.directory as directory
+    import sessionserve.router.directory_client as directory
     from sessionserve.errors import DirectoryUnavailableError
 
     @ray.remote(num_cpus=0)
@@ -225,8 +228,8 @@ def test_a_directory_that_cannot_answer_is_a_503_not_a_hang(served, monkeypatch)
             return True
 
     monkeypatch.setattr(directory, "CALL_TIMEOUT_S", 0.5)
-    client = directory.get_directory("stuck-probe", 60.0)
-    client.actor = Stuck.remote()  # as a directory that is restarting for ever would behave
+    # as a directory that is restarting for ever would behave
+    client = directory.DirectoryClient("stuck-probe", 60.0, actors=[Stuck.remote()])
     with pytest.raises(DirectoryUnavailableError) as err:
-        asyncio.run(client.touch.remote("any"))
+        asyncio.run(client.touch("any"))
     assert err.value.status_code == 503

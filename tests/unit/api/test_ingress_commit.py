@@ -13,6 +13,7 @@ from sessionserve.api.ingress import Ingress
 from sessionserve.errors import SessionLogNeededError, UnknownSessionError
 from sessionserve.router import pin_cache
 from sessionserve.router.directory import SessionDirectoryState
+from sessionserve.router.directory_client import DirectoryClient
 from sessionserve.wire import GenerateCall, TurnResult
 
 
@@ -29,18 +30,14 @@ class FakeReplicaHandle:
 
 
 class SlowDirectory:
-    """`commit_turn.remote` waits for `release` before recording (a slow directory call)."""
+    """`commit_turn` waits for `release` before recording (a slow directory call)."""
 
     def __init__(self, state: SessionDirectoryState) -> None:
         self.state, self.release = state, asyncio.Event()
 
-    @property
-    def commit_turn(self) -> SimpleNamespace:
-        async def remote(sid: str, base: int, tail: list[int]) -> bool:
-            await self.release.wait()
-            return self.state.commit_turn(sid, base, tail)
-
-        return SimpleNamespace(remote=remote)
+    async def commit_turn(self, sid: str, base: int, tail: list[int]) -> bool:
+        await self.release.wait()
+        return self.state.commit_turn(sid, base, tail)
 
 
 def ingress_with(state: SessionDirectoryState) -> SimpleNamespace:
@@ -90,8 +87,8 @@ def test_a_turn_of_a_session_closed_meanwhile_is_freed_on_its_replica() -> None:
     assert sid not in cache and state.sessions == {}  # nothing brings it back
 
 
-class DirectoryCalls:
-    """The directory's methods as `.remote` coroutines over a real state."""
+class StateActor:
+    """A directory actor in this process: `method.remote(...)` runs on a real state."""
 
     def __init__(self, state: SessionDirectoryState) -> None:
         self.state = state
@@ -101,6 +98,11 @@ class DirectoryCalls:
             return getattr(self.state, name)(*args)
 
         return SimpleNamespace(remote=remote)
+
+
+def DirectoryCalls(state: SessionDirectoryState) -> DirectoryClient:  # noqa: N802
+    """The real directory client over a state in this process."""
+    return DirectoryClient("test", actors=[StateActor(state)])
 
 
 def test_a_turn_carries_its_sessions_ttl_to_the_replica() -> None:

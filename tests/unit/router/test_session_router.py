@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from sessionserve.router.directory import SessionDirectoryState
+from sessionserve.router.directory_client import DirectoryClient
 from sessionserve.router.session_router import SessionAffinityRouter
 
 
@@ -53,9 +54,12 @@ def opened(*session_ids: str) -> SessionDirectoryState:
 
 
 def make_router(directory: FakeDirectoryActor) -> SessionAffinityRouter:
+    """A router whose directory client (the real one) talks to `directory` as its actor;
+    `router.fake` is that actor, counting the calls."""
     router = object.__new__(SessionAffinityRouter)  # skip Serve's constructor
     router.initialize_state(tokens_per_new_session=100)
-    router._directory = directory
+    router._directory = DirectoryClient("test", actors=[directory])
+    router.fake = directory
     return router
 
 
@@ -76,7 +80,7 @@ def test_addressed_calls_go_to_the_named_replica_or_avoid_one() -> None:
     # a named replica that is not running: the call lands elsewhere and is refused there
     assert route(router, [a, b], None, replica="gone") == [[a]]
     assert route(router, [a], None, avoid=["a"]) == [[a]]  # nowhere else: refused by a itself
-    assert router._directory.calls == 0  # addressed calls never ask the directory
+    assert router.fake.calls == 0  # addressed calls never ask the directory
 
 
 def test_forget_pin_makes_the_next_request_ask_the_directory() -> None:
@@ -113,8 +117,8 @@ def test_a_session_reopened_elsewhere_does_not_follow_its_old_cached_pin() -> No
     assert route(router, [a, b], "s") == [[a]]  # placed anew, not sent after the old pin
     assert state.touch("s")["replica"] == "a"
     check_pin("s", "a")  # agrees: kept, no directory call
-    calls = router._directory.calls
-    assert route(router, [a, b], "s") == [[a]] and router._directory.calls == calls
+    calls = router.fake.calls
+    assert route(router, [a, b], "s") == [[a]] and router.fake.calls == calls
 
 
 def test_sessions_stick_and_new_ones_go_where_kv_is_free() -> None:
@@ -278,7 +282,7 @@ def test_the_router_pin_cache_is_bounded_and_a_forgotten_pin_still_routes() -> N
     state = opened("s-0")
     router = object.__new__(SessionAffinityRouter)
     router.initialize_state(tokens_per_new_session=100, max_cached_pins=1000)
-    router._directory = FakeDirectoryActor(state)
+    router._directory = DirectoryClient("test", actors=[FakeDirectoryActor(state)])
     a, b = FakeReplica("a", {"free_kv_tokens": 900}), FakeReplica("b", {"free_kv_tokens": 800})
     first = route(router, [a, b], "s-0")[0][0].name
     for i in range(1, 30_000):  # id churn
