@@ -154,9 +154,11 @@ class ToolCallDelta:
 
 @dataclass
 class GenerateCall:
-    """What the ingress sends a replica for one request."""
+    """What the ingress sends a replica for one request. `sampling` is validated once, where
+    the call is made (a dict of SamplingParams' fields is, on construction: in-process
+    callers and tests); the replica takes it as it is."""
 
-    sampling: dict[str, Any]  # SamplingParams' fields (validated again on the replica)
+    sampling: SamplingParams
     session_id: str | None = None
     mode: Literal["append", "chat"] = "append"
     # chat: the whole conversation; OpenAI's message fields, a tool call as a ToolCall
@@ -169,6 +171,10 @@ class GenerateCall:
     history_ids: list[int] | None = None
     rid: str | None = None
     ttl_s: float | None = None  # the session's idle TTL, for a replica that opens it
+
+    def __post_init__(self) -> None:
+        if isinstance(self.sampling, dict):
+            self.sampling = SamplingParams.build(**self.sampling)
 
 
 LogprobEntry = tuple[str, float, list[tuple[str, float]]]  # token text, logprob, top-n

@@ -339,7 +339,7 @@ class Ingress:
     async def _start_response(
         self,
         draft: ResponseDraft,
-        sampling: dict[str, Any],
+        sampling: SamplingParams,
         tools: ToolUse | None,
         items: list[dict],
         keep: int,
@@ -428,10 +428,9 @@ class Ingress:
         return {"session_id": sid, "ttl_s": record["ttl_s"], "log_tokens": record["log_tokens"]}
 
     @staticmethod
-    def _sampling(body: Any) -> dict[str, Any]:
-        kwargs = {k: v for k, v in body.sampling_kwargs().items() if v is not None}
-        SamplingParams.build(**kwargs)  # validate here: a 400 before any replica work
-        return kwargs
+    def _sampling(body: Any) -> SamplingParams:
+        """Validated here, once: a 400 before any replica work."""
+        return SamplingParams.build(**body.sampling_kwargs())
 
     async def _open_stream(
         self, call: GenerateCall, owner_id: str | None = None

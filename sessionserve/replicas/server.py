@@ -204,7 +204,7 @@ class ReplicaServer:
 
     def _sampling(self, call: GenerateCall) -> SamplingParams:
         """The call's sampling; with tools, the grammar of the calls (and of a JSON answer)."""
-        sampling = SamplingParams.build(**call.sampling)
+        sampling = call.sampling
         grammar = tool_grammar(call.tool_use, sampling.json_schema, self.tool_syntax)
         if grammar is None:
             return sampling
@@ -396,12 +396,13 @@ class ReplicaServer:
 
 
 def _node_id() -> str | None:
-    try:
-        import ray
+    """This process's Ray node, None outside Ray (asking Ray's runtime context there would
+    start a local Ray cluster)."""
+    import ray
 
-        return ray.get_runtime_context().get_node_id()
-    except Exception:  # outside Ray (tests, scripts)
+    if not ray.is_initialized():
         return None
+    return ray.get_runtime_context().get_node_id()
 
 
 def _result(r: RequestResult, replica: str, tools: ToolCallParser | None = None) -> TurnResult:
