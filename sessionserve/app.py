@@ -1,4 +1,5 @@
-"""`build_app(args)`: the Serve application (the `import_path` target of deploy/*.yaml).
+"""`build_app(args)`: the Serve application (the `import_path` target of deploy/*.yaml), and
+each deployment's Serve options from the app config.
 
 HTTP -> Ingress (FastAPI) -> SessionReplica (Engine), routed by SessionAffinityRouter
 """
@@ -8,22 +9,66 @@ from __future__ import annotations
 from typing import Any
 
 from ray import serve
+from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 
 from sessionserve.api.ingress import Ingress
 from sessionserve.config import AppConfig
 from sessionserve.replicas.server import ReplicaServer
+from sessionserve.router.session_router import SessionAffinityRouter
+
+POWER_OF_TWO_ROUTER = "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter"
 
 
 def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     cfg = AppConfig.model_validate(args or {})
-    replica = serve.deployment(ReplicaServer).options(**ReplicaServer.deployment_options(cfg))
-    ingress = serve.deployment(Ingress).options(
-        name="Ingress",
-        num_replicas=cfg.ingress.num_replicas,
-        ray_actor_options={"num_cpus": cfg.ingress.num_cpus},
-        max_ongoing_requests=cfg.ingress.max_ongoing_requests,
-    )
+    replica = serve.deployment(ReplicaServer).options(**replica_options(cfg))
+    ingress = serve.deployment(Ingress).options(**ingress_options(cfg))
     engine = cfg.engine.model_dump()
     return ingress.bind(
         replica.bind(engine, directory_shards=cfg.directory.shards), cfg.model_dump()
     )
+
+
+def ingress_options(cfg: AppConfig) -> dict[str, Any]:
+    i = cfg.ingress
+    return {
+        "name": "Ingress",
+        "num_replicas": i.num_replicas,
+        "ray_actor_options": {"num_cpus": i.num_cpus},
+        "max_ongoing_requests": i.max_ongoing_requests,
+    }
+
+
+def replica_options(cfg: AppConfig) -> dict[str, Any]:
+    """The model replicas' Serve options, from the app config's `replica` section (and the
+    directory's shard count, which the session router needs)."""
+    r = cfg.replica
+    sticky = r.request_router == "session_affinity"
+    opts: dict[str, Any] = {
+        "name": "SessionReplica",
+        "ray_actor_options": {"num_cpus": r.num_cpus, "num_gpus": r.num_gpus},
+        "max_ongoing_requests": r.max_ongoing_requests,
+        "max_queued_requests": r.max_queued_requests,
+        "health_check_period_s": r.health_check_period_s,
+        "graceful_shutdown_timeout_s": r.graceful_shutdown_timeout_s,
+        "request_router_config": RequestRouterConfig(
+            request_router_class=SessionAffinityRouter if sticky else POWER_OF_TWO_ROUTER,
+            request_router_kwargs={"directory_shards": cfg.directory.shards} if sticky else {},
+            request_routing_stats_period_s=r.routing_stats_period_s,
+            request_routing_stats_timeout_s=max(5.0, 2 * r.routing_stats_period_s),
+        ),
+    }
+    if r.env_vars:
+        opts["ray_actor_options"]["runtime_env"] = {"env_vars": dict(r.env_vars)}
+    if r.max_replicas_per_node is not None:
+        opts["max_replicas_per_node"] = r.max_replicas_per_node
+    if r.autoscaling is not None:
+        a = r.autoscaling
+        opts["autoscaling_config"] = AutoscalingConfig(
+            min_replicas=a.min_replicas,
+            max_replicas=a.max_replicas,
+            target_ongoing_requests=a.target_ongoing_requests,
+        )
+    else:
+        opts["num_replicas"] = r.num_replicas
+    return opts

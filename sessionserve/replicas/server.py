@@ -5,8 +5,8 @@ The engine runs on its own thread (`engine_loop.EngineLoop`); calls reach it as 
 commands. Tokens stream back through an asyncio queue fed by the engine's listener. A cancelled
 stream (client disconnect) aborts its request, which keeps what the session has committed.
 Tokenization happens here, next to the model's tokenizer. Sessions move between replicas
-through `migration.SessionMover` (an admin call, or this replica being stopped). The class
-builds its own Serve deployment options from the app config (`deployment_options`).
+through `migration.SessionMover` (an admin call, or this replica being stopped). Its Serve
+deployment options come from the app config in `sessionserve/app.py`.
 """
 
 from __future__ import annotations
@@ -20,9 +20,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from ray.serve.config import AutoscalingConfig, RequestRouterConfig
-
-from sessionserve.config import AppConfig, EngineConfig
+from sessionserve.config import EngineConfig
 from sessionserve.errors import (
     EngineUnavailableError,
     InvalidRequestError,
@@ -42,7 +40,6 @@ from sessionserve.replicas.request import RequestResult, TokenLogprob
 from sessionserve.replicas.sessions import SessionExport, SessionSeed
 from sessionserve.replicas.tools.formats import call_syntax, render_messages, tool_grammar
 from sessionserve.replicas.tools.parser import ToolCallParser
-from sessionserve.router.session_router import SessionAffinityRouter
 from sessionserve.wire import (
     FinishReason,
     GenerateCall,
@@ -53,7 +50,6 @@ from sessionserve.wire import (
 )
 
 log = logging.getLogger(__name__)
-POWER_OF_TWO_ROUTER = "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter"
 
 
 class ReplicaServer:
@@ -88,43 +84,6 @@ class ReplicaServer:
         self.tool_syntax = call_syntax(self.engine.tokenizer)  # how this model writes calls
         self._peer_handles: tuple[Any, Any] | None = None
         self._stopped = self._stopping = False
-
-    @staticmethod
-    def deployment_options(cfg: AppConfig) -> dict[str, Any]:
-        """This deployment's Serve options, from the app config's `replica` section."""
-        r = cfg.replica
-        opts: dict[str, Any] = {
-            "name": "SessionReplica",
-            "ray_actor_options": {"num_cpus": r.num_cpus, "num_gpus": r.num_gpus},
-            "max_ongoing_requests": r.max_ongoing_requests,
-            "max_queued_requests": r.max_queued_requests,
-            "health_check_period_s": r.health_check_period_s,
-            "graceful_shutdown_timeout_s": r.graceful_shutdown_timeout_s,
-            "request_router_config": RequestRouterConfig(
-                request_router_class=SessionAffinityRouter
-                if r.request_router == "session_affinity"
-                else POWER_OF_TWO_ROUTER,
-                request_router_kwargs={"directory_shards": cfg.directory.shards}
-                if r.request_router == "session_affinity"
-                else {},
-                request_routing_stats_period_s=r.routing_stats_period_s,
-                request_routing_stats_timeout_s=max(5.0, 2 * r.routing_stats_period_s),
-            ),
-        }
-        if r.env_vars:
-            opts["ray_actor_options"]["runtime_env"] = {"env_vars": dict(r.env_vars)}
-        if r.max_replicas_per_node is not None:
-            opts["max_replicas_per_node"] = r.max_replicas_per_node
-        if r.autoscaling is not None:
-            a = r.autoscaling
-            opts["autoscaling_config"] = AutoscalingConfig(
-                min_replicas=a.min_replicas,
-                max_replicas=a.max_replicas,
-                target_ongoing_requests=a.target_ongoing_requests,
-            )
-        else:
-            opts["num_replicas"] = r.num_replicas
-        return opts
 
     # ---- generation ----
     async def generate(self, call: GenerateCall) -> AsyncIterator[TurnDelta | TurnResult]:
