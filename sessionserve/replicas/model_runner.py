@@ -111,7 +111,9 @@ class ModelRunner:
             pos.extend(range(s.start, end))
             out_slots.extend(self.cache.slot_list(kv, s.start, end))
             ctx = self.cache.slots(kv, 0, end)
-            window = sliding.lookup(ctx) if sliding is not None else None
+            window = None
+            if sliding is not None:  # what the sliding layers read: the window's columns
+                window = sliding.lookup(ctx[-(sliding.window - 1 + end - s.start) :])
             seqs.append(SeqSpec(end - s.start, ctx, sliding_slots=window))
             layout[s.req.rid] = SeqLayout(n, len(logit_idx) if s.samples else -1)
             n += end - s.start

@@ -30,8 +30,8 @@ class SeqSpec:
     ctx_slots: torch.Tensor  # [ctx_len] KV slots of positions 0..ctx_len-1 (new ones included)
     tree_mask: torch.Tensor | None = None  # [q_len, q_len] bool: which new tokens see which
     # (speculative tree verification); None = causal among the new tokens
-    sliding_slots: torch.Tensor | None = None  # [ctx_len] the positions' sliding slots (0:
-    # none, outside the window) when the cache keeps sliding layers' KV apart
+    sliding_slots: torch.Tensor | None = None  # when the cache keeps sliding layers' KV apart:
+    # the sliding slots of the last `window - 1 + q_len` context positions (all, if fewer)
 
     @property
     def ctx_len(self) -> int:
