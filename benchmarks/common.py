@@ -40,6 +40,7 @@ def engine(
     max_context_len: int = 8192,
     sliding_window_kv: bool = True,
     sliding_slots: int | None = None,
+    compile: bool = False,
 ) -> Engine:
     cfg = EngineConfig(
         cache=CacheConfig(
@@ -53,6 +54,7 @@ def engine(
         ),
         sessions=SessionConfig(enabled=sessions, host_tier_bytes=host_tier_bytes),
         scheduler=SchedulerConfig(max_running_requests=max_running, max_prefill_tokens=prefill),
+        compile=compile,
     )
     return Engine(cfg, loaded)
 

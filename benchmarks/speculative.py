@@ -74,6 +74,7 @@ def run(
         cache=CacheConfig(num_slots=16384, max_rows=32, max_context_len=4096),
         scheduler=SchedulerConfig(max_running_requests=max(concurrency, 1)),
         spec=SpecConfig(drafter_path=drafter, num_drafts=k),
+        compile=False,  # speculation is measured on the eager forward (both arms alike)
     )
     eng = Engine(cfg, loaded)
     tok = eng.tokenizer

@@ -28,6 +28,7 @@ def _demo(args: argparse.Namespace) -> int:
         model=ModelConfig(path=args.model, torch_threads=args.threads),
         cache=CacheConfig(num_slots=8192, max_rows=32),
         memory_check="every_step",
+        compile=False,  # a demo of a few turns: no background build competing with it
     )
     engine = Engine(cfg)
     print(f"loaded {engine.model_name} in {time.monotonic() - t0:.1f} s\n")

@@ -167,6 +167,28 @@ class EngineConfig(_Strict):
         "instead of launching every kernel from Python (eagerly a short forward costs tens of "
         "ms of launch overhead). 0: such steps run eagerly.",
     )
+    compile: bool | Literal["auto"] = Field(
+        "auto",
+        description="Run steps of at most compile_max_tokens tokens through the model's forward "
+        "compiled ahead of time (torch.export + AOTInductor, our attention an opaque op; "
+        "built once per model, thread count and CPU, cached in compile_cache_dir, loaded in "
+        "seconds after). true: build (or load) at startup, before serving. auto: on CPU for "
+        "models of 50M+ parameters, loaded if cached, else built in the background while the "
+        "replica serves eagerly; off on CUDA (CUDA graphs) and for tiny models. A failed build "
+        "logs why and leaves the engine eager.",
+    )
+    compile_max_tokens: int = Field(
+        64,
+        ge=1,
+        le=4096,
+        description="Largest step (in tokens) the compiled forward runs: decode batches, short "
+        "turns, verifies. Longer prefills run eagerly (compute-bound there; no gain measured).",
+    )
+    compile_cache_dir: str | None = Field(
+        None,
+        description="Where compiled packages are kept; default $SESSIONSERVE_CACHE/compiled, "
+        "else ~/.cache/sessionserve/compiled.",
+    )
     memory_check: Literal["every_step", "periodic", "off"] = Field(
         "periodic",
         description="When the step loop checks the KV memory invariant (a broken one raises, and "

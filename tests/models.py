@@ -142,6 +142,8 @@ def tiny_engine(
     tokenizer=None,
     sliding_window_kv: bool = True,
     sliding_slots: int | None = None,
+    compile: bool | str = False,
+    compile_cache_dir: str | None = None,
     **session_kw,
 ) -> Engine:
     """An engine (checking memory every step unless told otherwise) around a (copy of a) tiny
@@ -170,6 +172,8 @@ def tiny_engine(
         cuda_graphs=cuda_graphs,
         memory_check=memory_check,
         memory_check_period_s=memory_check_period_s,
+        compile=compile,
+        compile_cache_dir=compile_cache_dir,
     )
     tokenizer = tokenizer or word_tokenizer()
     return Engine(cfg, LoadedModel(model, tokenizer, "tiny", "tests"), drafter=head)

@@ -4,6 +4,7 @@ the engine so the engine reads as the step loop and its API."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -21,12 +22,15 @@ from sessionserve.replicas.attention import (
     sliding_windows,
 )
 from sessionserve.replicas.attention.torch_backend import TorchPagedBackend
+from sessionserve.replicas.compiled_forward import plan_compile, start_compile
 from sessionserve.replicas.cuda_graphs import DecodeGraphs, ExtendGraphs, buckets_up_to
 from sessionserve.replicas.model_runner import ModelRunner
 from sessionserve.replicas.speculative.checkpoint import load_drafter
 from sessionserve.replicas.speculative.decoder import SpeculativeDecoder
 from sessionserve.replicas.speculative.drafter import EagleDrafter
 from sessionserve.replicas.speculative.proposer import EagleProposer
+
+log = logging.getLogger(__name__)
 
 
 def build_cache(cfg: EngineConfig, model_config: Any = None) -> SessionCache:
@@ -84,6 +88,12 @@ def build_runner(
         if not isinstance(backend, TorchPagedBackend):
             backend = TorchPagedBackend(cfg.cache.max_context_len, sliding_windows(model.config))
         runner.extend_graphs = ExtendGraphs(runner, backend, cfg.cuda_graph_max_extend)
+    plan = plan_compile(cfg.compile, model, cfg.compile_max_tokens, cfg.compile_cache_dir)
+    if plan.enabled:
+        install = lambda compiled: setattr(runner, "compiled", compiled)  # noqa: E731
+        runner.compiling = start_compile(plan, model, install, background=cfg.compile == "auto")
+    else:
+        log.debug("compile: the forward runs eagerly (%s)", plan.reason)
     pools = [runner.kv_pool] + ([speculative.proposer.pool] if speculative else [])
     s = cfg.sessions
     cache.attach_kv(pools, HostTier(s.host_tier_bytes) if s.host_tier_bytes else None)

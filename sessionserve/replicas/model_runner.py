@@ -5,11 +5,14 @@ over the paged KV pool, and samples the sequences that end their input this step
 scheduler commits). `forward` sees only tensors: token ids, positions, the slot each new token's
 KV goes to, and one `SeqSpec` per sequence (its new-token count and context slots). The batch
 goes to the device in one copy. Pure-decode batches replay a CUDA graph when `graphs` is set,
-short single-sequence extends when `extend_graphs` is (see cuda_graphs.py); the rest run eagerly.
+short single-sequence extends when `extend_graphs` is (see cuda_graphs.py); other steps of up
+to `engine.compile_max_tokens` tokens run the compiled forward when one is installed
+(compiled_forward.py); the rest run eagerly.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -19,6 +22,7 @@ from sessionserve.cache.kv_pool import KVPool
 from sessionserve.cache.session_cache import SessionCache
 from sessionserve.replicas.attention import AttentionBackend, ForwardMeta, SeqSpec, install
 from sessionserve.replicas.attention.base import to_device
+from sessionserve.replicas.compiled_forward import CompiledForward
 from sessionserve.replicas.grammar import apply_masks, consume
 from sessionserve.replicas.request import TokenLogprob
 from sessionserve.replicas.sampling import SampleOutput, sample
@@ -78,8 +82,10 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
-        self.graphs: DecodeGraphs | None = None  # set by the engine on CUDA
+        self.graphs: DecodeGraphs | None = None  # set by assembly.py on CUDA
         self.extend_graphs: ExtendGraphs | None = None
+        self.compiled: CompiledForward | None = None  # installed by compiled_forward.py
+        self.compiling: threading.Thread | None = None  # a background build, while it runs
         install(model)
 
     def run(
@@ -193,8 +199,12 @@ class ModelRunner:
             self.backend.prepare(batch.seqs, self.device),
             window[0] if window else None,
         )
-        hidden = self.decode_hidden(ids, pos, meta)
-        logits = self.lm_head(hidden[logit_idx])
+        compiled = self.compiled
+        if compiled is not None and compiled.accepts(n, len(batch.logit_idx)):
+            logits, hidden = compiled.run(ids, pos, logit_idx, meta)
+        else:
+            hidden = self.decode_hidden(ids, pos, meta)
+            logits = self.lm_head(hidden[logit_idx])
         return logits, hidden if batch.want_hidden else None
 
     def decode_hidden(

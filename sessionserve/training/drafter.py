@@ -146,6 +146,7 @@ def _generate(cfg: TrainConfig, loaded: Any, prompts: list[str]) -> list[list[in
         EngineConfig(
             cache=CacheConfig(num_slots=32768, max_rows=80),
             scheduler=SchedulerConfig(max_running_requests=48, max_prefill_tokens=1024),
+            compile=False,  # batches of 48: compute-bound, and no build racing the training
         ),
         loaded,
     )

@@ -16,6 +16,7 @@ from transformers import AttentionInterface
 
 from sessionserve.errors import InvalidConfigError
 from sessionserve.replicas.attention.base import AttentionBackend, ForwardMeta, SeqSpec
+from sessionserve.replicas.attention.paged_op import attend, current_meta, paged_attention_op
 from sessionserve.replicas.attention.torch_backend import TorchPagedBackend
 
 ATTN_NAME = "sessionserve_paged"
@@ -34,24 +35,20 @@ def paged_attention(
     paged_meta: ForwardMeta | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """Write the new tokens' K/V into the pool, then let the backend attend over it."""
-    if paged_meta is None:
-        raise RuntimeError(
-            f"the model uses {ATTN_NAME!r} attention but was called without paged_meta; "
-            "run it through sessionserve's ModelRunner"
-        )
-    layer = module.layer_idx
-    paged_meta.kv_pool.write(
-        layer,
-        paged_meta.out_slots,
-        key[0].transpose(0, 1),
-        value[0].transpose(0, 1),
-        paged_meta.sliding_out_slots,
-    )
+    """Write the new tokens' K/V into the pool, then let the backend attend over it: with the
+    `paged_meta` the caller passed (eager), or, inside a compiled forward, through the opaque
+    op that reads the forward context (paged_op.py)."""
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     window = kwargs.get("sliding_window")  # transformers passes it for sliding layers
-    out = paged_meta.backend.forward(layer, query, key, value, paged_meta, scale, window)
-    return out, None
+    layer = module.layer_idx
+    if paged_meta is not None:
+        return attend(paged_meta, layer, query, key, value, scale, window), None
+    if torch.compiler.is_compiling() or current_meta() is not None:
+        return paged_attention_op(query, key, value, layer, scale, window or 0), None
+    raise RuntimeError(
+        f"the model uses {ATTN_NAME!r} attention but was called without paged_meta; "
+        "run it through sessionserve's ModelRunner"
+    )
 
 
 AttentionInterface.register(ATTN_NAME, paged_attention)

@@ -20,7 +20,9 @@ def _chat_ids(tokenizer, messages: list[dict]) -> list[int]:
 
 def test_two_turn_chat_about_a_fact_reuses_the_session() -> None:
     engine = Engine(
-        EngineConfig(cache=CacheConfig(num_slots=4096, max_rows=16), memory_check="every_step")
+        EngineConfig(
+            cache=CacheConfig(num_slots=4096, max_rows=16), memory_check="every_step", compile=False
+        )
     )
     tok = engine.tokenizer
     greedy = SamplingParams(max_tokens=48, temperature=0)
@@ -49,7 +51,9 @@ def test_speculative_greedy_equals_plain_on_the_default_model() -> None:
 
     from sessionserve.training.drafter import initial_drafter
 
-    cfg = EngineConfig(cache=CacheConfig(num_slots=4096, max_rows=16), memory_check="every_step")
+    cfg = EngineConfig(
+        cache=CacheConfig(num_slots=4096, max_rows=16), memory_check="every_step", compile=False
+    )
     plain = Engine(cfg)
     model = plain.loaded.model
     head = initial_drafter(model, torch.arange(model.config.vocab_size)).eval()

@@ -1,0 +1,82 @@
+"""Paged attention as one opaque torch op, so a compiler can take the rest of the model.
+
+`torch.compile` cannot trace our attention (Python plans, a pool indexed by slot lists), and a
+graph break per layer would leave the model in 60 pieces. So under compilation each layer's
+attention is a single call of `sessionserve::paged_attention(q, k, v, layer, scaling, window)`,
+a `torch.library` custom op: inductor treats it as a kernel it cannot see into and fuses
+everything around it (norms, rotary, activations, the GEMMs' epilogues). The op takes only
+tensors and numbers; the forward's metadata (pool, plan, slots) is the one `ForwardMeta` the
+caller makes current with `forward_context` for the duration of the forward, as vLLM's
+forward context does. Its body is the eager path: write the new K/V, run the backend.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from sessionserve.replicas.attention.base import ForwardMeta
+
+_current: ForwardMeta | None = None
+
+
+@contextlib.contextmanager
+def forward_context(meta: ForwardMeta) -> Iterator[None]:
+    """Make `meta` the metadata every `paged_attention` op of this forward reads."""
+    global _current
+    previous, _current = _current, meta
+    try:
+        yield
+    finally:
+        _current = previous
+
+
+def current_meta() -> ForwardMeta | None:
+    return _current
+
+
+def attend(
+    meta: ForwardMeta,
+    layer: int,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float,
+    window: int | None,
+) -> torch.Tensor:
+    """Write the new tokens' K/V into the pool, then let the backend attend over it:
+    [1, T, H, D] from q [1, H, T, D] and k/v [1, KVH, T, D]."""
+    meta.kv_pool.write(
+        layer,
+        meta.out_slots,
+        key[0].transpose(0, 1),
+        value[0].transpose(0, 1),
+        meta.sliding_out_slots,
+    )
+    return meta.backend.forward(layer, query, key, value, meta, scaling, window)
+
+
+@torch.library.custom_op("sessionserve::paged_attention", mutates_args=())
+def paged_attention_op(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layer: int,
+    scaling: float,
+    window: int,
+) -> torch.Tensor:
+    """`attend` with the current forward's metadata (`window` 0: full attention). The pool
+    write is a side effect the compiler does not see; it stays ordered because each layer's
+    op consumes the previous layer's output."""
+    meta = _current
+    if meta is None:
+        raise RuntimeError("sessionserve::paged_attention ran outside forward_context")
+    return attend(meta, layer, query, key, value, scaling, window or None)
+
+
+@paged_attention_op.register_fake
+def _(query, key, value, layer, scaling, window):  # noqa: ANN001, ANN202 (torch's signature)
+    _, heads, tokens, head_dim = query.shape
+    return query.new_empty(1, tokens, heads, head_dim)

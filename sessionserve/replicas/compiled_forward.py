@@ -1,0 +1,252 @@
+"""The model's forward compiled ahead of time: the unmodified transformers decoder and LM head,
+exported with `torch.export` and compiled by AOTInductor into a package cached on disk.
+
+Why this shape (measured on 2 AVX2 cores, SmolLM2-135M fp32, docs/benchmarks.md): a decode
+step is bound by reading the weights, and the eager GEMV (MKL at one row) reads them on one
+core at ~15 GB/s while two cores reach ~32. Inductor's C++ GEMM templates (max-autotune, with
+the weights frozen into the graph) use both and fuse the norms, rotary and activations
+around them; attention stays our op (`attention/paged_op.py`), opaque to the compiler. JIT
+`torch.compile` gets the same kernels but cannot cache them (the frozen, prepacked weights
+bypass inductor's FX graph cache), so every start would pay minutes; an AOTInductor package
+is built once per model, thread count and CPU, and loads in seconds after.
+
+One package serves every step of 1..max_tokens tokens (one dynamic dimension for the tokens,
+one for the rows whose logits are wanted); longer prefills run eagerly, where the GEMMs are
+compute-bound and the eager kernels are as good.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import sessionserve
+from sessionserve.replicas.attention.base import ForwardMeta
+from sessionserve.replicas.attention.paged_op import forward_context
+
+log = logging.getLogger(__name__)
+AUTO_MIN_PARAMS = 50_000_000  # `compile: auto` skips smaller models (tests' tiny ones): a
+# build costs minutes, and a forward that small is bound by Python, not by weight reads
+HEARTBEAT_S = 30.0
+PACKAGE_FORMAT = 1  # bump when what is exported changes (_DecoderAndHead, the attention op)
+
+
+def default_cache_dir() -> Path:
+    """`$SESSIONSERVE_CACHE/compiled`, else `~/.cache/sessionserve/compiled`."""
+    root = os.environ.get("SESSIONSERVE_CACHE") or Path.home() / ".cache" / "sessionserve"
+    return Path(root) / "compiled"
+
+
+class _DecoderAndHead(torch.nn.Module):
+    """What is exported: token ids and positions [T], the rows wanted [N] -> logits [N, V]
+    and last hidden states [T, H] (after the final norm; EAGLE reads them)."""
+
+    def __init__(self, model: Any) -> None:
+        super().__init__()
+        self.decoder = model.get_decoder()
+        self.lm_head = model.get_output_embeddings()
+
+    def forward(
+        self, ids: torch.Tensor, positions: torch.Tensor, logit_idx: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = self.decoder(
+            input_ids=ids[None], position_ids=positions[None], use_cache=False
+        ).last_hidden_state[0]
+        return self.lm_head(hidden[logit_idx]), hidden
+
+
+class CompiledForward:
+    """A loaded package: `run(ids, positions, logit_idx, meta)` as `ModelRunner.forward`'s
+    eager path computes it, for steps of at most `max_tokens` tokens that want logits."""
+
+    def __init__(self, package: Path, max_tokens: int) -> None:
+        self.package = package
+        self.max_tokens = max_tokens
+        self._fn = torch._inductor.aoti_load_package(str(package))
+
+    def accepts(self, num_tokens: int, num_logits: int) -> bool:
+        return 1 <= num_logits and num_tokens <= self.max_tokens
+
+    def run(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        logit_idx: torch.Tensor,
+        meta: ForwardMeta,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        with forward_context(meta):
+            return self._fn(ids, positions, logit_idx)
+
+
+def package_key(model: Any, max_tokens: int) -> str:
+    """What a package's code and constants depend on: the weights (hashed), the model config,
+    dtype and device, the token limit, the thread count and CPU ISA the kernels were tuned
+    for, and the torch, transformers and sessionserve versions."""
+    import transformers
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    digest = hashlib.blake2b(digest_size=16)
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    param = next(model.parameters())
+    facts = {
+        "config": model.config.to_json_string(use_diff=False),
+        "dtype": str(param.dtype),
+        "device": param.device.type,
+        "max_tokens": max_tokens,
+        "threads": torch.get_num_threads(),
+        "isa": str(pick_vec_isa()),
+        "versions": [torch.__version__, transformers.__version__, sessionserve.__version__],
+        "format": PACKAGE_FORMAT,
+    }
+    digest.update(json.dumps(facts, sort_keys=True).encode())
+    return digest.hexdigest()
+
+
+def build_package(model: Any, path: Path, max_tokens: int) -> None:
+    """Export and compile (minutes on a small CPU; a heartbeat logs progress), writing the
+    package atomically to `path`. `model` must not run forwards meanwhile: export swaps its
+    parameters for fake ones while it traces (callers pass a copy)."""
+    tokens = torch.export.Dim("tokens", min=1, max=max_tokens)
+    rows = torch.export.Dim("rows", min=1, max=max_tokens)
+    example = (torch.zeros(2, dtype=torch.int64), torch.arange(2), torch.arange(2))
+    device = next(model.parameters()).device
+    example = tuple(t.to(device) for t in example)
+    module = _DecoderAndHead(model).eval()
+    started = time.monotonic()
+    with torch.inference_mode(), _heartbeat(path, started):
+        program = torch.export.export(
+            module, example, dynamic_shapes=({0: tokens}, {0: tokens}, {0: rows})
+        )
+        log.info("compile: exported in %.1f s; compiling (AOTInductor)", time.monotonic() - started)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.partial.pt2")
+        try:
+            torch._inductor.aoti_compile_and_package(
+                program,
+                package_path=str(partial),
+                # in-process compiles: no worker pool left behind a replica that stops
+                inductor_configs={"freezing": True, "max_autotune": True, "compile_threads": 1},
+            )
+            os.replace(partial, path)
+        finally:
+            partial.unlink(missing_ok=True)
+    log.info("compile: built %s in %.0f s", path, time.monotonic() - started)
+
+
+@contextlib.contextmanager
+def _heartbeat(path: Path, started: float) -> Iterator[None]:
+    """Log every HEARTBEAT_S while a build runs, so a first start does not look hung."""
+    done = threading.Event()
+
+    def beat() -> None:
+        while not done.wait(HEARTBEAT_S):
+            log.info("compile: still building %s (%.0f s)", path.name, time.monotonic() - started)
+
+    thread = threading.Thread(target=beat, name="compile-heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+
+
+@dataclass(frozen=True)
+class CompilePlan:
+    """What `engine.compile` resolved to for this model: whether to compile, and where."""
+
+    enabled: bool
+    reason: str
+    package: Path | None = None
+    max_tokens: int = 0
+
+
+def plan_compile(
+    mode: bool | str, model: Any, max_tokens: int, cache_dir: str | None
+) -> CompilePlan:
+    """Resolve `engine.compile` (auto | true | false) for `model`: auto compiles on CPU for a
+    model of at least AUTO_MIN_PARAMS parameters; on CUDA it leaves the forward to CUDA
+    graphs (a compiled forward inside them has not been measured on a GPU yet)."""
+    device = next(model.parameters()).device
+    if mode is False:
+        return CompilePlan(False, "engine.compile is false")
+    if mode == "auto":
+        params = sum(p.numel() for p in model.parameters())
+        if device.type != "cpu":
+            return CompilePlan(False, f"auto on {device.type}: CUDA graphs run the forward")
+        if params < AUTO_MIN_PARAMS:
+            return CompilePlan(False, f"auto: a {params:,}-parameter model is not worth it")
+    root = Path(cache_dir) if cache_dir else default_cache_dir()
+    package = root / f"{package_key(model, max_tokens)}.pt2"
+    return CompilePlan(True, "engine.compile", package, max_tokens)
+
+
+def load_or_build(plan: CompilePlan, model: Any) -> CompiledForward | None:
+    """The compiled forward for `plan`: loaded from the cache, or built first (one process
+    builds while others wait on a file lock, then load its package). None, with a warning
+    that says why, when building or loading fails: the engine then stays eager."""
+    from filelock import FileLock
+
+    assert plan.package is not None
+    try:
+        if not plan.package.exists():
+            plan.package.parent.mkdir(parents=True, exist_ok=True)
+            with FileLock(str(plan.package) + ".lock"):
+                if not plan.package.exists():
+                    log.info(
+                        "compile: building the forward for steps of up to %d tokens "
+                        "(first start with this model, threads and CPU; cached at %s)",
+                        plan.max_tokens,
+                        plan.package,
+                    )
+                    build_package(copy.deepcopy(model), plan.package, plan.max_tokens)
+        started = time.monotonic()
+        compiled = CompiledForward(plan.package, plan.max_tokens)
+        log.info("compile: loaded %s in %.1f s", plan.package, time.monotonic() - started)
+        return compiled
+    except Exception as e:  # noqa: BLE001 - any failure leaves a working eager engine
+        log.warning("compile: the forward stays eager, because compiling failed: %r", e)
+        return None
+
+
+def start_compile(
+    plan: CompilePlan,
+    model: Any,
+    install: Callable[[CompiledForward], None],
+    background: bool,
+) -> threading.Thread | None:
+    """Load or build `plan`'s package and `install` it. A cached package loads at once; a
+    build blocks unless `background` (then it runs in a daemon thread at the lowest CPU
+    priority, the replica serving eagerly meanwhile, and installs itself when done: the next
+    step runs compiled). Returns that thread, or None."""
+    assert plan.package is not None
+    if not background or plan.package.exists():
+        compiled = load_or_build(plan, model)
+        if compiled is not None:
+            install(compiled)
+        return None
+
+    def work() -> None:
+        with contextlib.suppress(OSError):  # per thread on Linux; its compiler children inherit
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        compiled = load_or_build(plan, model)
+        if compiled is not None:
+            install(compiled)
+            log.info("compile: steps of up to %d tokens now run compiled", plan.max_tokens)
+
+    thread = threading.Thread(target=work, name="compile-forward", daemon=True)
+    thread.start()
+    return thread
