@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import platform
 import shutil
@@ -20,8 +21,11 @@ from sessionserve.replicas.loader import LoadedModel, load_model
 
 
 def setup_threads(threads: int) -> None:
+    """Also shows sessionserve's own progress lines (a compiled forward's build) on stderr."""
     torch.set_num_threads(threads)
     torch.manual_seed(0)
+    logging.basicConfig(format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("sessionserve").setLevel(logging.INFO)
 
 
 def load(path: str = "default") -> LoadedModel:

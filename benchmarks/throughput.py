@@ -8,7 +8,12 @@ Both generate exactly the requested number of tokens (EOS ignored). tokens/s cou
 output tokens only. `engine_overhead_frac` is the share of the engine's step time spent outside
 the model forward (scheduling, batch building, sampling, bookkeeping) over decode-only steps.
 
-    .venv/bin/python -m benchmarks.throughput [--concurrency 1 8 32] [--threads 2]
+The engine runs with `engine.compile: true` (its package built on the first run, then loaded
+from the cache) unless `--no-compile`; the same engine with its compiled forward taken out
+gives the eager figures. `compile_speedup_B`: eager / compiled milliseconds per decode step
+with B requests decoding (300-token prompts), both measured in this process, alternating.
+
+    .venv/bin/python -m benchmarks.throughput [--concurrency 1 8 32] [--threads 2] [--no-compile]
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import time
 
 import torch
 
-from benchmarks.common import emit, engine, load, machine, setup_threads
+from benchmarks.common import emit, engine, load, machine, median, setup_threads
 from sessionserve.wire import SamplingParams
 
 
@@ -31,10 +36,48 @@ def workload(n: int, vocab: int, seed: int) -> list[tuple[list[int], int]]:
     ]
 
 
-def run_engine(loaded, reqs, concurrency: int) -> tuple[float, float]:
-    eng = engine(
-        loaded, sessions=False, radix=False, max_running=concurrency, num_slots=16384, prefill=2048
+def build_engine(loaded, concurrency: int, compile: bool):
+    return engine(
+        loaded,
+        sessions=False,
+        radix=False,
+        max_running=concurrency,
+        num_slots=16384,
+        prefill=2048,
+        compile=compile,
     )
+
+
+def decode_step_ms(eng, batch: int, rounds: int = 3, steps: int = 8) -> tuple[float, float]:
+    """Median ms per decode step of `batch` requests: eager (compiled forward taken out), then
+    compiled, alternating `rounds` times."""
+    compiled = eng.runner.compiled
+    rids = [
+        eng.submit(
+            list(range(100 + b, 400 + b)),
+            SamplingParams(max_tokens=4096, temperature=0, ignore_eos=True),
+        )
+        for b in range(batch)
+    ]
+    while eng.scheduler.waiting or not all(r.sampled for r in eng.scheduler.running):
+        eng.step()
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for _ in range(rounds):
+        for use in (False, True):
+            eng.runner.compiled = compiled if use else None
+            eng.step()  # the first step after a switch is not timed
+            t = time.perf_counter()
+            for _ in range(steps):
+                eng.step()
+            times[use].append((time.perf_counter() - t) / steps * 1e3)
+    eng.runner.compiled = compiled
+    for rid in rids:
+        eng.abort(rid)
+    eng.run_until_idle()
+    return median(times[False]), median(times[True])
+
+
+def run_engine(eng, reqs) -> tuple[float, float]:
     forward_s, step_s = 0.0, 0.0
     inner = eng.runner.forward
 
@@ -91,13 +134,24 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-compile", action="store_true", help="the eager engine only")
     args = ap.parse_args()
     setup_threads(args.threads)
     ref = load()  # generate runs on a model with transformers' own (sdpa) attention
     ours = load()
     vocab = ref.model.config.vocab_size
-    run_engine(ours, workload(2, vocab, seed=99), 2)  # warm-up
-    summary = {"benchmark": "throughput", "machine": machine()}
+    compile = not args.no_compile
+    t = time.perf_counter()
+    run_engine(build_engine(ours, 2, compile), workload(2, vocab, seed=99))  # warm-up
+    summary = {"benchmark": "throughput", "machine": machine(), "compile": compile}
+    print(f"engine ready (compiled forward built or loaded) in {time.perf_counter() - t:.0f} s")
+    if compile:
+        for b in (1, 8):
+            eager_ms, compiled_ms = decode_step_ms(build_engine(ours, b, True), b)
+            print(f"decode step, batch {b}: eager {eager_ms:.1f} ms, compiled {compiled_ms:.1f} ms")
+            summary[f"decode_ms_eager_{b}"] = round(eager_ms, 2)
+            summary[f"decode_ms_compiled_{b}"] = round(compiled_ms, 2)
+            summary[f"compile_speedup_{b}"] = round(eager_ms / compiled_ms, 2)
     print(
         f"{'c':>3} {'requests':>8} {'tokens':>7} {'engine tok/s':>13} {'generate tok/s':>15} "
         f"{'ratio':>6} {'overhead':>9}"
@@ -105,7 +159,7 @@ def main() -> None:
     for c in args.concurrency:
         reqs = workload(max(2 * c, 4), vocab, seed=c)
         tokens = sum(n for _, n in reqs)
-        wall_e, overhead = run_engine(ours, reqs, c)
+        wall_e, overhead = run_engine(build_engine(ours, c, compile), reqs)
         wall_g = run_generate(ref.model, reqs, c)
         ratio = wall_g / wall_e
         print(

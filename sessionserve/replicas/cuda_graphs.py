@@ -26,7 +26,8 @@ import torch
 
 from sessionserve.replicas.attention.base import ForwardMeta, to_device
 from sessionserve.replicas.attention.torch_backend import TorchPagedBackend
-from sessionserve.replicas.model_runner import ForwardBatch, ModelRunner
+from sessionserve.replicas.model_runner import ModelRunner
+from sessionserve.replicas.step import ForwardBatch
 
 log = logging.getLogger(__name__)
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)

@@ -13,8 +13,7 @@ to `engine.compile_max_tokens` tokens run the compiled forward when one is insta
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -24,51 +23,18 @@ from sessionserve.replicas.attention import AttentionBackend, ForwardMeta, SeqSp
 from sessionserve.replicas.attention.base import to_device
 from sessionserve.replicas.compiled_forward import CompiledForward
 from sessionserve.replicas.grammar import apply_masks, consume
-from sessionserve.replicas.request import TokenLogprob
 from sessionserve.replicas.sampling import SampleOutput, sample
+from sessionserve.replicas.step import (
+    ChainDrafts,
+    ForwardBatch,
+    ScheduledBatch,
+    ScheduledSeq,
+    SeqLayout,
+    StepOutput,
+)
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the graphs hold the runner they replay for
     from sessionserve.replicas.cuda_graphs import DecodeGraphs, ExtendGraphs
-    from sessionserve.replicas.scheduler import ScheduledBatch, ScheduledSeq
-    from sessionserve.replicas.speculative.proposer import ChainDrafts
-
-
-@dataclass
-class ForwardBatch:
-    input_ids: torch.Tensor  # [T] (host)
-    positions: torch.Tensor  # [T]
-    out_slots: torch.Tensor  # [T]
-    seqs: list[SeqSpec]
-    logit_idx: torch.Tensor  # [N] flat token indices whose logits are needed
-    want_hidden: bool = False  # also return every token's last hidden state (for EAGLE)
-    sliding_out_slots: torch.Tensor | None = None  # [T] with sliding layers' KV kept apart
-
-    @property
-    def is_decode(self) -> bool:
-        """Every sequence adds one token and samples from it (what a decode graph runs)."""
-        return len(self.logit_idx) == len(self.seqs) == len(self.input_ids) and all(
-            s.tree_mask is None for s in self.seqs
-        )
-
-
-class SeqLayout(NamedTuple):
-    """Where one scheduled sequence sits in a step's flat forward."""
-
-    flat_start: int  # index of its first token (in the hidden states)
-    logit_row: int  # its first logits row (k + 1 rows for a verify); -1 if it samples nothing
-
-
-@dataclass
-class StepOutput:
-    """What one step's forward produced, by request id. `emitted` holds each sampled
-    sequence's new tokens (the speculative decoder adds its verified runs); `errors` the
-    requests whose own sampling or verify raised (they end alone, the batch goes on)."""
-
-    logits: torch.Tensor
-    hidden: torch.Tensor | None
-    layout: dict[str, SeqLayout]
-    emitted: dict[str, tuple[list[int], list[TokenLogprob]]] = field(default_factory=dict)
-    errors: dict[str, Exception] = field(default_factory=dict)
 
 
 class ModelRunner:

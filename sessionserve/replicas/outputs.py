@@ -16,8 +16,8 @@ from typing import Any
 
 from sessionserve.metrics import EngineMetrics
 from sessionserve.replicas.request import Request, RequestResult, TokenLogprob
-from sessionserve.replicas.scheduler import SeqUpdate
 from sessionserve.replicas.sessions import SessionController
+from sessionserve.replicas.step import SeqUpdate
 from sessionserve.replicas.stopping import answer_text
 from sessionserve.wire import FinishReason
 

@@ -16,53 +16,15 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from sessionserve.cache.request_kv import KVState
 from sessionserve.cache.session_cache import SessionCache
 from sessionserve.config import SchedulerConfig
 from sessionserve.errors import KVCacheFullError
 from sessionserve.replicas.request import Request, TokenLogprob
+from sessionserve.replicas.speculative.decoder import SpeculativeDecoder
+from sessionserve.replicas.step import ScheduledBatch, ScheduledSeq, SeqUpdate, StepOutput
 from sessionserve.replicas.stopping import StopChecker
-
-if TYPE_CHECKING:
-    from sessionserve.replicas.model_runner import StepOutput
-    from sessionserve.replicas.speculative.decoder import SpeculativeDecoder
-
-
-@dataclass
-class ScheduledSeq:
-    req: Request
-    start: int  # positions [start, end) of req.tokens are computed this step
-    end: int
-    num_drafts: int = 0  # speculative tokens verified after `end` (their slots are allocated)
-
-    @property
-    def samples(self) -> bool:
-        """The whole input is computed after this step: a token is sampled from its logits."""
-        return self.end == self.req.num_tokens
-
-
-@dataclass
-class ScheduledBatch:
-    seqs: list[ScheduledSeq] = field(default_factory=list)
-    retracted: list[Request] = field(default_factory=list)
-
-    def __bool__(self) -> bool:
-        return bool(self.seqs)
-
-
-@dataclass
-class SeqUpdate:
-    """One request's news from a step: its new tokens (trimmed to the answer when it finished),
-    and whether it finished, or failed alone (`error`; its KV is already given back)."""
-
-    req: Request
-    new_tokens: list[int] = field(default_factory=list)
-    new_logprobs: list[TokenLogprob] = field(default_factory=list)
-    finished: bool = False
-    error: Exception | None = None
 
 
 class Scheduler:

@@ -110,6 +110,7 @@ applications:
         attention_backend: {{ $e.attentionBackend | toJson }}
         memory_check: {{ $e.memoryCheck | toJson }}
         cuda_graphs: {{ $e.cudaGraphs | toJson }}
+        compile: {{ $e.compile | toJson }}
         cache:
           page_size: {{ $e.cache.pageSize | toJson }}
           num_slots: {{ $e.cache.numSlots | toJson }}

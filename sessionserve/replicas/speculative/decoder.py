@@ -17,13 +17,18 @@ from collections.abc import Callable, Collection
 import torch
 
 from sessionserve.cache.session_cache import SessionCache
-from sessionserve.replicas.model_runner import StepOutput
 from sessionserve.replicas.request import Request
 from sessionserve.replicas.sampling import filter_logits, token_logprobs
-from sessionserve.replicas.scheduler import ScheduledBatch, ScheduledSeq
 from sessionserve.replicas.speculative.acceptance import accept_greedy, accept_sampled
-from sessionserve.replicas.speculative.proposer import CatchUp, ChainDrafts, EagleProposer
+from sessionserve.replicas.speculative.proposer import EagleProposer
 from sessionserve.replicas.speculative.stats import SpecStats
+from sessionserve.replicas.step import (
+    CatchUp,
+    ChainDrafts,
+    ScheduledBatch,
+    ScheduledSeq,
+    StepOutput,
+)
 
 
 class SpeculativeDecoder:

@@ -14,7 +14,6 @@ Prefill chunks go through step 3 too, so a session's parked KV is complete in bo
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
@@ -25,24 +24,7 @@ from sessionserve.replicas.request import Request
 from sessionserve.replicas.sampling import draw, uniforms
 from sessionserve.replicas.speculative.draft_state import DraftState
 from sessionserve.replicas.speculative.drafter import EagleDrafter
-
-
-@dataclass
-class CatchUp:
-    """Positions [start, end) of `req` the target computed and committed this step, with the
-    target's hidden states there ([end - start, H]); `wants_draft`: it decodes next step."""
-
-    req: Request
-    start: int
-    end: int
-    hidden: torch.Tensor
-    wants_draft: bool
-
-
-@dataclass
-class ChainDrafts:
-    tokens: list[int]
-    probs: torch.Tensor | None  # [k, V] for sampled requests
+from sessionserve.replicas.step import CatchUp, ChainDrafts
 
 
 class EagleProposer:

@@ -1,0 +1,108 @@
+"""The step's data, shared by everything that takes part in a step: what the scheduler
+scheduled (`ScheduledBatch` of `ScheduledSeq`), the drafts proposed for it (`ChainDrafts`),
+the flat forward the model runner builds from them (`ForwardBatch`, `SeqLayout`), what the
+forward produced (`StepOutput`), what the target committed for the drafter to catch up on
+(`CatchUp`), and each request's news (`SeqUpdate`). Kept in one module below the scheduler,
+the runner, the graphs and the speculative decoder so none of them imports another for its
+types.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+from sessionserve.replicas.attention.base import SeqSpec
+from sessionserve.replicas.request import Request, TokenLogprob
+
+
+@dataclass
+class ScheduledSeq:
+    req: Request
+    start: int  # positions [start, end) of req.tokens are computed this step
+    end: int
+    num_drafts: int = 0  # speculative tokens verified after `end` (their slots are allocated)
+
+    @property
+    def samples(self) -> bool:
+        """The whole input is computed after this step: a token is sampled from its logits."""
+        return self.end == self.req.num_tokens
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    retracted: list[Request] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.seqs)
+
+
+@dataclass
+class SeqUpdate:
+    """One request's news from a step: its new tokens (trimmed to the answer when it finished),
+    and whether it finished, or failed alone (`error`; its KV is already given back)."""
+
+    req: Request
+    new_tokens: list[int] = field(default_factory=list)
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)
+    finished: bool = False
+    error: Exception | None = None
+
+
+@dataclass
+class CatchUp:
+    """Positions [start, end) of `req` the target computed and committed this step, with the
+    target's hidden states there ([end - start, H]); `wants_draft`: it decodes next step."""
+
+    req: Request
+    start: int
+    end: int
+    hidden: torch.Tensor
+    wants_draft: bool
+
+
+@dataclass
+class ChainDrafts:
+    tokens: list[int]
+    probs: torch.Tensor | None  # [k, V] for sampled requests
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T] (host)
+    positions: torch.Tensor  # [T]
+    out_slots: torch.Tensor  # [T]
+    seqs: list[SeqSpec]
+    logit_idx: torch.Tensor  # [N] flat token indices whose logits are needed
+    want_hidden: bool = False  # also return every token's last hidden state (for EAGLE)
+    sliding_out_slots: torch.Tensor | None = None  # [T] with sliding layers' KV kept apart
+
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence adds one token and samples from it (what a decode graph runs)."""
+        return len(self.logit_idx) == len(self.seqs) == len(self.input_ids) and all(
+            s.tree_mask is None for s in self.seqs
+        )
+
+
+class SeqLayout(NamedTuple):
+    """Where one scheduled sequence sits in a step's flat forward."""
+
+    flat_start: int  # index of its first token (in the hidden states)
+    logit_row: int  # its first logits row (k + 1 rows for a verify); -1 if it samples nothing
+
+
+@dataclass
+class StepOutput:
+    """What one step's forward produced, by request id. `emitted` holds each sampled
+    sequence's new tokens (the speculative decoder adds its verified runs); `errors` the
+    requests whose own sampling or verify raised (they end alone, the batch goes on)."""
+
+    logits: torch.Tensor
+    hidden: torch.Tensor | None
+    layout: dict[str, SeqLayout]
+    emitted: dict[str, tuple[list[int], list[TokenLogprob]]] = field(default_factory=dict)
+    errors: dict[str, Exception] = field(default_factory=dict)
