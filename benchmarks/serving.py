@@ -8,6 +8,8 @@ Workloads (greedy, `ignore_eos` so every server writes exactly the requested tok
   pressure   N conversations taking turns in a random order (seeded), C at a time: with more
              live conversations than the server's KV holds, an LRU prefix cache evicts the
              histories that come back next; sessions keep them (size both servers' KV alike)
+Two servers can also run one after the other: `--save a.json` on the first run, then
+`--against a.json` on the second prints the ratios (this run / that run).
 Every request carries `x-session-id: <conversation>` (sessionserve pins and keeps the session;
 other servers ignore the header). Printed per target and workload: output tokens/s, median
 and last-turn TTFT, cached prompt tokens; with two targets, the ratios first/second. Targets
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
 import statistics
 import time
@@ -190,8 +193,14 @@ async def main_async(args) -> None:
                 results[url][key] = s
                 print(f"{key:>12} {url}: {s}", flush=True)
     summary: dict = {"benchmark": "serving", "targets": args.target, "results": results}
-    if len(targets) == 2:
-        a, b = (results[url] for url in args.target)
+    if args.against:  # a run saved earlier (another server, started alone on these cores)
+        with open(args.against) as f:
+            results.update(json.load(f)["results"])
+    if args.save:
+        with open(args.save, "w") as f:
+            json.dump(summary, f)
+    if len(results) == 2:
+        a, b = results.values()
         for key in a:
             summary[f"tok_s_ratio_{key}"] = round(
                 a[key]["output_tok_s"] / b[key]["output_tok_s"], 2
@@ -212,6 +221,8 @@ def main() -> None:
     ap.add_argument("--pressure-turns", type=int, default=4)
     ap.add_argument("--pressure-concurrency", type=int, default=4)
     ap.add_argument("--api-key", default="unused")
+    ap.add_argument("--save", help="also write this run's JSON here")
+    ap.add_argument("--against", help="compare with a run saved by --save (ratios: this/that)")
     asyncio.run(main_async(ap.parse_args()))
 
 

@@ -1,4 +1,5 @@
-"""Client errors raised in a replica are logged as one INFO line, not an ERROR traceback.
+"""A replica's log under Serve: client errors as one INFO line, not an ERROR traceback
+(`install`), and sessionserve's own INFO lines shown beside Serve's (`show_our_logs`).
 
 Ray Serve logs every exception a replica method raises with `logger.exception("Request
 failed.")`. For our typed 4xx errors (context too long, a session busy or unknown, bad
@@ -27,6 +28,20 @@ class ClientErrorsAsInfo(logging.Filter):
             record.args = (err.status_code, type(err).__name__, err)
             record.exc_info, record.exc_text = None, None
         return True
+
+
+def show_our_logs() -> None:
+    """Send the `sessionserve` loggers' INFO lines (a compiled forward's build progress, the
+    attention backend chosen) to the handlers Serve gave `ray.serve` in this process: the
+    replica's log file and the console of `serve run`. Without it Python drops them (no
+    handler below WARNING). A no-op outside Serve (no such handlers) and when done already."""
+    ours, serve = logging.getLogger("sessionserve"), logging.getLogger(RAY_SERVE_LOGGER)
+    if ours.handlers or not serve.handlers:
+        return
+    ours.setLevel(logging.INFO)
+    for handler in serve.handlers:
+        ours.addHandler(handler)
+    ours.propagate = False
 
 
 def install() -> None:

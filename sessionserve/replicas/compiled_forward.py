@@ -205,6 +205,10 @@ def load_or_build(plan: CompilePlan, model: Any) -> CompiledForward | None:
         if not plan.package.exists():
             plan.package.parent.mkdir(parents=True, exist_ok=True)
             with FileLock(str(plan.package) + ".lock"):
+                # a build killed with its replica left its partial file; under the lock no
+                # other build of this package runs, so any there is stale
+                for stale in plan.package.parent.glob(f"{plan.package.stem}.*.partial.pt2"):
+                    stale.unlink(missing_ok=True)
                 if not plan.package.exists():
                     log.info(
                         "compile: building the forward for steps of up to %d tokens "

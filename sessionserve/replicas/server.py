@@ -62,6 +62,7 @@ class ReplicaServer:
         """`engine`: one built by the caller (tests, scripts); else one from `engine_config`.
         `directory_shards`: the app's `directory.shards` (a migration re-pins there)."""
         self.directory_shards = directory_shards
+        client_error_logs.show_our_logs()  # before the engine: its build logs progress
         self.engine = engine or Engine(EngineConfig.model_validate(engine_config))
         # every call brings its whole input (see GenerateCall), so a full replica may give an
         # idle session's slot to a new one: that session's next turn re-prefills

@@ -64,3 +64,26 @@ def test_a_signal_the_ingress_retries_is_one_info_line_too(caplog) -> None:
     assert log_needed.levelno == moved.levelno == logging.INFO
     assert log_needed.getMessage().startswith("request refused (503 SessionLogNeededError)")
     assert died.levelno == logging.ERROR and died.exc_info is not None
+
+
+def test_our_info_lines_reach_serves_handlers_once_and_only_under_serve() -> None:
+    ours, serve = logging.getLogger("sessionserve"), logging.getLogger("ray.serve")
+    saved = (ours.handlers[:], ours.level, ours.propagate, serve.handlers[:])
+    seen: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    try:
+        ours.handlers, serve.handlers = [], []
+        client_error_logs.show_our_logs()  # outside Serve: nothing to attach to
+        assert ours.handlers == []
+        serve.handlers = [Collect()]
+        client_error_logs.show_our_logs()
+        client_error_logs.show_our_logs()  # idempotent: one line, not two
+        logging.getLogger("sessionserve.replicas.compiled_forward").info("compile: loaded x")
+        assert seen == ["compile: loaded x"]
+    finally:
+        ours.handlers, _, ours.propagate, serve.handlers = saved
+        ours.setLevel(saved[1])  # clears the loggers' cached levels too

@@ -125,6 +125,9 @@ def test_a_failed_build_leaves_an_eager_engine_and_says_why(tmp_path, monkeypatc
 
     monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", broken)
     model = model_for("llama")
+    # what a build killed with its replica leaves: removed by the next build of the package
+    key = compiled_forward.package_key(model, 64)
+    (tmp_path / f"{key}.4242.partial.pt2").write_bytes(b"half a package")
     with caplog.at_level(logging.WARNING, logger=compiled_forward.__name__):
         engine = tiny_engine(model, compile=True, compile_cache_dir=str(tmp_path))
     assert engine.runner.compiled is None
@@ -132,7 +135,7 @@ def test_a_failed_build_leaves_an_eager_engine_and_says_why(tmp_path, monkeypatc
         "stays eager" in r.getMessage() and "no C++ compiler" in r.getMessage()
         for r in caplog.records
     )
-    assert list(tmp_path.iterdir()) in ([], [tmp_path / p.name for p in tmp_path.glob("*.lock")])
+    assert [p.suffix for p in tmp_path.iterdir()] in ([], [".lock"])  # no package, no partial
     greedy = SamplingParams(max_tokens=8, temperature=0)
     (r,) = engine.generate([[4, 5, 6]], greedy)
     assert r.output_ids == hf_greedy(model, [4, 5, 6], 8)[: len(r.output_ids)]
