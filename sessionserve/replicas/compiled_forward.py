@@ -11,8 +11,8 @@ bypass inductor's FX graph cache), so every start would pay minutes; an AOTInduc
 is built once per model, thread count and CPU, and loads in seconds after.
 
 One package serves every step of 1..max_tokens tokens (one dynamic dimension for the tokens,
-one for the rows whose logits are wanted); longer prefills run eagerly, where the GEMMs are
-compute-bound and the eager kernels are as good.
+one for the rows whose logits are wanted); longer steps run eagerly: the package's GEMMs are
+autotuned for a few rows, and from ~50 rows on eager MKL is faster (docs/benchmarks.md).
 """
 
 from __future__ import annotations

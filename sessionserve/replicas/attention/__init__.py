@@ -16,7 +16,7 @@ from transformers import AttentionInterface
 
 from sessionserve.errors import InvalidConfigError
 from sessionserve.replicas.attention.base import AttentionBackend, ForwardMeta, SeqSpec
-from sessionserve.replicas.attention.paged_op import attend, current_meta, paged_attention_op
+from sessionserve.replicas.attention.paged_op import attend, paged_attention_op
 from sessionserve.replicas.attention.torch_backend import TorchPagedBackend
 
 ATTN_NAME = "sessionserve_paged"
@@ -43,7 +43,7 @@ def paged_attention(
     layer = module.layer_idx
     if paged_meta is not None:
         return attend(paged_meta, layer, query, key, value, scale, window), None
-    if torch.compiler.is_compiling() or current_meta() is not None:
+    if torch.compiler.is_compiling():
         return paged_attention_op(query, key, value, layer, scale, window or 0), None
     raise RuntimeError(
         f"the model uses {ATTN_NAME!r} attention but was called without paged_meta; "

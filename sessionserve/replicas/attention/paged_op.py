@@ -33,10 +33,6 @@ def forward_context(meta: ForwardMeta) -> Iterator[None]:
         _current = previous
 
 
-def current_meta() -> ForwardMeta | None:
-    return _current
-
-
 def attend(
     meta: ForwardMeta,
     layer: int,
