@@ -173,7 +173,7 @@ class EngineConfig(_Strict):
         "compiled ahead of time (torch.export + AOTInductor, our attention an opaque op; "
         "built once per model, thread count and CPU, cached in compile_cache_dir, loaded in "
         "seconds after). true: build (or load) at startup, before serving. auto: on CPU for "
-        "models of 50M+ parameters, loaded if cached, else built in the background while the "
+        "models of 50M+ parameters, loaded if cached, else built by a background process while the "
         "replica serves eagerly; off on CUDA (CUDA graphs) and for tiny models. A failed build "
         "logs why and leaves the engine eager.",
     )

@@ -131,6 +131,7 @@ def test_a_failed_build_leaves_an_eager_engine_and_says_why(tmp_path, monkeypatc
     # what a build killed with its replica leaves: removed by the next build of the package
     key = compiled_forward.package_key(model, EngineConfig().compile_max_tokens)
     (tmp_path / f"{key}.4242.partial.pt2").write_bytes(b"half a package")
+    (tmp_path / f"{key}.4242.model.pt").write_bytes(b"a model for a build process")
     with caplog.at_level(logging.WARNING, logger=compiled_forward.__name__):
         engine = tiny_engine(model, compile=True, compile_cache_dir=str(tmp_path))
     assert engine.runner.compiled is None
@@ -138,7 +139,7 @@ def test_a_failed_build_leaves_an_eager_engine_and_says_why(tmp_path, monkeypatc
         "stays eager" in r.getMessage() and "no C++ compiler" in r.getMessage()
         for r in caplog.records
     )
-    assert [p.suffix for p in tmp_path.iterdir()] in ([], [".lock"])  # no package, no partial
+    assert [p.suffix for p in tmp_path.iterdir()] in ([], [".lock"])  # no package, no leftovers
     greedy = SamplingParams(max_tokens=8, temperature=0)
     (r,) = engine.generate([[4, 5, 6]], greedy)
     assert r.output_ids == hf_greedy(model, [4, 5, 6], 8)[: len(r.output_ids)]
@@ -164,7 +165,7 @@ def test_auto_skips_tiny_models_and_builds_big_ones_in_the_background(
         shutil.copy(built, path)
 
     monkeypatch.setattr(compiled_forward, "AUTO_MIN_PARAMS", 0)
-    monkeypatch.setattr(compiled_forward, "build_package", build_when_released)
+    monkeypatch.setattr(compiled_forward, "build_in_subprocess", build_when_released)
     engine = tiny_engine(model, compile="auto", compile_cache_dir=str(tmp_path))
     assert engine.runner.compiling is not None and engine.runner.compiled is None
     greedy = SamplingParams(max_tokens=10, temperature=0)
@@ -175,3 +176,19 @@ def test_auto_skips_tiny_models_and_builds_big_ones_in_the_background(
     steps = count_compiled_steps(engine)
     (after,) = engine.generate([[7, 8, 9, 10]], greedy)
     assert after.output_ids == before.output_ids and steps[0] > 0
+
+
+def test_a_build_process_makes_the_package_the_engine_loads(cache_dir, tmp_path) -> None:
+    """`build_in_subprocess` (what a background build runs): the model crosses as a file, a
+    child process at nice 19 builds, the package loads and answers as the eager engine."""
+    model = model_for("qwen2")
+    package = tmp_path / "qwen2.pt2"
+    compiled_forward.build_in_subprocess(model, package, 8)
+    assert package.exists() and [p.name for p in tmp_path.iterdir()] == ["qwen2.pt2"]
+    engine = tiny_engine(model)
+    engine.runner.compiled = compiled_forward.CompiledForward(package, 8)
+    steps = count_compiled_steps(engine)
+    greedy = SamplingParams(max_tokens=10, temperature=0)
+    (got,) = engine.generate([[3, 14, 15, 92]], greedy)
+    (want,) = tiny_engine(model).generate([[3, 14, 15, 92]], greedy)
+    assert got.output_ids == want.output_ids and steps[0] >= len(got.output_ids) - 1
