@@ -23,6 +23,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -208,11 +209,11 @@ def build_in_subprocess(model: Any, path: Path, max_tokens: int) -> None:
     try:
         torch.save(model, model_file)
         argv = [str(model_file), str(path), str(max_tokens), str(torch.get_num_threads())]
-        child = subprocess.run(
-            [sys.executable, "-m", __name__, *argv],
-            preexec_fn=lambda: os.nice(19),  # noqa: PLW1509 - only sets the child's priority
-            check=False,
-        )
+        # `nice`, not a preexec_fn: forking a threaded process must not run Python in the child
+        command = [sys.executable, "-m", __name__, *argv]
+        if shutil.which("nice"):
+            command = ["nice", "-n", "19", *command]
+        child = subprocess.run(command, check=False)
     finally:
         model_file.unlink(missing_ok=True)
     if child.returncode != 0:
