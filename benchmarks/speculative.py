@@ -1,17 +1,25 @@
-"""EAGLE speculative decoding on the default model: decode tokens/s with and without it.
+"""Speculative decoding on the default model: decode tokens/s with and without it.
 
-Sessions answer prompts that are not in the drafter's training set (two greedy turns each:
-a question, then a follow-up on the same session). At concurrency c, c sessions run at once
-(continuous batching); c=1 runs them one after another. Decode tokens/s counts the tokens
-emitted by decode-only steps over those steps' time (prefill steps are the same work in both
-runs and are left out). Greedy output is identical with and without speculation (checked
-here), so both runs produce the same tokens.
+Two workloads, each run plain and speculative in the same process on the same forward
+(compiled, as `serve run` decodes on this machine, unless --no-compile):
+- chat: sessions answer prompts that are not in the drafter's training set (two greedy turns
+  each: a question, then a follow-up). Drafts from the EAGLE head (`--drafter`); also with the
+  history drafter beside it, which should neither help nor hurt here.
+- agent: sessions are handed a tool's output (a config file, a JSON listing, a log, code) and
+  asked to give it back edited, then edited again: what agents do. Drafts from the session's own
+  history (no head).
+At concurrency c, c sessions run at once (continuous batching; sessions repeat the prompt list
+when c is larger). Decode tokens/s counts the tokens of decode-only steps over those steps'
+time (prefill steps are the same work in both runs and are left out). Greedy output is
+identical with and without speculation (checked here). Speculation runs with the online policy
+(`spec.adaptive`, the default) unless --no-adaptive.
 
     .venv/bin/sessionserve train-drafter            # once: writes drafters/default
     .venv/bin/python -m benchmarks.speculative [--drafter drafters/default] [--num-drafts 4]
 
-Last line: JSON with accept_len (mean tokens per verify step, EAGLE's tau, at k=num_drafts),
-speedup_1 and speedup_8 (decode tokens/s with / without speculation).
+Last line: JSON with accept_len (mean tokens per verify step, EAGLE's tau, head, chat, first
+concurrency), speedup_1/_8/_32 (head, chat: decode tokens/s with / without speculation),
+speedup_agent_1 (history drafter, agent workload) and the policy's per-bucket measurements.
 """
 
 from __future__ import annotations
@@ -67,28 +75,75 @@ def verify_cost(loaded, lengths=(1, 2, 3, 5, 8), reps: int = 12) -> dict[int, fl
     return out
 
 
+TOOL_OUTPUTS = [
+    (
+        "I ran `cat deploy/app.yaml` and got:\n```yaml\nname: checkout-service\n"
+        "replicas: 2\nimage: registry.local/checkout:1.4.2\nports:\n  - 8080\n  - 9090\n"
+        "env:\n  LOG_LEVEL: info\n  DB_HOST: db.internal\n  DB_PORT: 5432\n"
+        "  CACHE_TTL_SECONDS: 300\nresources:\n  cpu: 500m\n  memory: 512Mi\n```\n"
+        "Print the whole file again with replicas set to 4.",
+        "Now print the whole file again with LOG_LEVEL set to debug.",
+    ),
+    (
+        "The tool `list_orders` returned:\n```json\n"
+        '[{"id": 1041, "customer": "Ada Park", "total": 42.50, "status": "shipped"},\n'
+        ' {"id": 1042, "customer": "Ben Ortiz", "total": 17.25, "status": "pending"},\n'
+        ' {"id": 1043, "customer": "Chloe Wu", "total": 88.00, "status": "shipped"},\n'
+        ' {"id": 1044, "customer": "Dev Shah", "total": 5.75, "status": "cancelled"}]\n```\n'
+        "Repeat this JSON exactly, but with the status of order 1042 set to shipped.",
+        "Now repeat the JSON again, without the cancelled order.",
+    ),
+    (
+        "Here is utils.py:\n```python\ndef mean(values):\n    total = 0\n"
+        "    for v in values:\n        total += v\n    return total / len(values)\n\n\n"
+        "def clamp(x, low, high):\n    if x < low:\n        return low\n"
+        "    if x > high:\n        return high\n    return x\n```\n"
+        "Rewrite the whole file, renaming `mean` to `average`.",
+        "Now write the whole file again with a docstring in each function.",
+    ),
+    (
+        "`tail -n 6 server.log` printed:\n```\n"
+        "2026-11-20 10:01:02 INFO request id=81 path=/health status=200 ms=3\n"
+        "2026-11-20 10:01:05 INFO request id=82 path=/orders status=200 ms=41\n"
+        "2026-11-20 10:01:07 WARN request id=83 path=/orders status=429 ms=2\n"
+        "2026-11-20 10:01:09 INFO request id=84 path=/orders status=200 ms=38\n"
+        "2026-11-20 10:01:12 ERROR request id=85 path=/pay status=500 ms=120\n"
+        "2026-11-20 10:01:15 INFO request id=86 path=/health status=200 ms=2\n```\n"
+        "Copy the lines that are not INFO, exactly as they are.",
+        "Now copy every line with path=/orders, exactly as they are.",
+    ),
+]
+
+
 def run(
-    loaded, drafter: str | None, k: int, concurrency: int, max_tokens: int, prompts: list[str]
+    loaded,
+    spec: SpecConfig,
+    concurrency: int,
+    max_tokens: int,
+    turns: list[tuple[str, str]],
+    compile: bool,
 ) -> dict:
+    sessions = max(len(turns), concurrency)
     cfg = EngineConfig(
-        cache=CacheConfig(num_slots=16384, max_rows=32, max_context_len=4096),
+        cache=CacheConfig(num_slots=32768, max_rows=64, max_context_len=4096),
         scheduler=SchedulerConfig(max_running_requests=max(concurrency, 1)),
-        spec=SpecConfig(drafter_path=drafter, num_drafts=k),
-        compile=False,  # speculation is measured on the eager forward (both arms alike)
+        spec=spec,
+        compile=compile,
     )
     eng = Engine(cfg, loaded)
+    if eng.runner.compiling is not None:
+        eng.runner.compiling.join()
     tok = eng.tokenizer
     params = SamplingParams(max_tokens=max_tokens, temperature=0)
     decode_s, decode_tokens, outputs = 0.0, 0, {}
-    sessions = [(i, eng.open_session()) for i in range(len(prompts))]
-    history = {sid: [] for _, sid in sessions}
-    for group_start in range(0, len(sessions), concurrency):
-        group = sessions[group_start : group_start + concurrency]
+    opened = [(i, eng.open_session()) for i in range(sessions)]
+    history = {sid: [] for _, sid in opened}
+    for group_start in range(0, len(opened), concurrency):
+        group = opened[group_start : group_start + concurrency]
         for turn in range(2):
             rids = {}
             for i, sid in group:
-                content = prompts[i] if turn == 0 else FOLLOW_UP
-                history[sid].append({"role": "user", "content": content})
+                history[sid].append({"role": "user", "content": turns[i % len(turns)][turn]})
                 ids = tok.apply_chat_template(
                     history[sid], add_generation_prompt=True, tokenize=True, return_dict=False
                 )
@@ -106,39 +161,73 @@ def run(
                 r = eng.take_result(rid)
                 outputs[(i, turn)] = r.output_ids
                 history[sid].append({"role": "assistant", "content": r.text})
-    for _, sid in sessions:
+    for _, sid in opened:
         eng.close_session(sid)
     eng.check_memory()
+    spec_dec = eng.speculative
     return {
         "decode_tps": decode_tokens / decode_s,
         "decode_tokens": decode_tokens,
         "outputs": outputs,
         "spec": eng.spec_stats.as_dict(),
+        "by_source": {k: v.as_dict() for k, v in spec_dec.by_source.items()} if spec_dec else {},
+        "policy": spec_dec.policy.summary() if spec_dec and spec_dec.policy else {},
     }
+
+
+def compare(name: str, loaded, spec: SpecConfig, c: int, args, turns, summary: dict) -> None:
+    """One plain and one speculative run; prints and records `speedup_{name}`."""
+    base = run(loaded, SpecConfig(), c, args.max_tokens, turns, args.compile)
+    got = run(loaded, spec, c, args.max_tokens, turns, args.compile)
+    same = base["outputs"] == got["outputs"]
+    speedup = got["decode_tps"] / base["decode_tps"]
+    s = got["spec"]
+    print(
+        f"{name}: decode {base['decode_tps']:.1f} tok/s plain, {got['decode_tps']:.1f} tok/s "
+        f"speculative -> {speedup:.2f}x; mean acceptance length {s['mean_accept_len']:.2f} "
+        f"(accepted {s['accepted']}/{s['drafted']} drafts); histogram "
+        f"{s['accept_len_histogram']}; by source "
+        f"{ {k: v['mean_accept_len'] for k, v in got['by_source'].items()} }; "
+        f"outputs identical: {same}"
+    )
+    print(f"  policy per batch bucket: {got['policy']}")
+    summary[f"speedup_{name}"] = round(speedup, 3)
+    summary[f"plain_tps_{name}"] = round(base["decode_tps"], 2)
+    summary[f"spec_tps_{name}"] = round(got["decode_tps"], 2)
+    summary[f"accept_len_{name}"] = s["mean_accept_len"]
+    summary[f"histogram_{name}"] = s["accept_len_histogram"]
+    summary[f"identical_{name}"] = same
+    summary[f"policy_{name}"] = got["policy"]
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--drafter", default="drafters/default", help="EAGLE head directory")
     ap.add_argument("--num-drafts", type=int, default=4, help="chain length k")
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--agent-concurrency", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-compile", dest="compile", action="store_false")
+    ap.add_argument("--no-adaptive", dest="adaptive", action="store_false")
+    ap.add_argument("--skip-head", action="store_true", help="only the history drafter runs")
     ap.add_argument(
         "--seen-prompts",
         action="store_true",
         help="use 8 of the drafter's training prompts instead (how much it memorised)",
     )
     args = ap.parse_args()
-    if not (Path(args.drafter) / "config.json").exists():
+    if not args.skip_head and not (Path(args.drafter) / "config.json").exists():
         print(
             f"no drafter at {args.drafter}: train one first with "
-            f"`.venv/bin/sessionserve train-drafter --out {args.drafter}` (about 20 min here)",
+            f"`.venv/bin/sessionserve train-drafter --out {args.drafter}` (about 20 min here), "
+            "or pass --skip-head",
             file=sys.stderr,
         )
         return 2
     assert not set(EVAL_PROMPTS) & set(shipped_prompts()), "eval prompts must be unseen"
     prompts = shipped_prompts()[: len(EVAL_PROMPTS)] if args.seen_prompts else EVAL_PROMPTS
+    chat = [(p, FOLLOW_UP) for p in prompts]
     setup_threads(args.threads)
     loaded = load()
     print(f"machine: {machine()}  drafter: {args.drafter}  k={args.num_drafts}")
@@ -146,6 +235,8 @@ def main() -> int:
         "k": args.num_drafts,
         "max_tokens": args.max_tokens,
         "prompts": "seen" if args.seen_prompts else "unseen",
+        "compile": args.compile,
+        "adaptive": args.adaptive,
     }
     cost = verify_cost(loaded)
     print(
@@ -153,25 +244,18 @@ def main() -> int:
         + ", ".join(f"n={n}: {ms:.1f} ms ({ms / cost[1]:.2f}x)" for n, ms in cost.items())
     )
     summary["verify_cost_ratio"] = {n: round(ms / cost[1], 3) for n, ms in cost.items()}
-    for c in args.concurrency:
-        base = run(loaded, None, args.num_drafts, c, args.max_tokens, prompts)
-        spec = run(loaded, args.drafter, args.num_drafts, c, args.max_tokens, prompts)
-        same = base["outputs"] == spec["outputs"]
-        speedup = spec["decode_tps"] / base["decode_tps"]
-        s = spec["spec"]
-        print(
-            f"concurrency {c}: decode {base['decode_tps']:.1f} tok/s plain, "
-            f"{spec['decode_tps']:.1f} tok/s speculative -> {speedup:.2f}x; "
-            f"mean acceptance length {s['mean_accept_len']:.2f} "
-            f"(accepted {s['accepted']}/{s['drafted']} drafts); "
-            f"histogram {s['accept_len_histogram']}; outputs identical: {same}"
-        )
-        summary[f"speedup_{c}"] = round(speedup, 3)
-        summary[f"plain_tps_{c}"] = round(base["decode_tps"], 2)
-        summary[f"spec_tps_{c}"] = round(spec["decode_tps"], 2)
-        summary[f"accept_len_{c}"] = s["mean_accept_len"]
-        summary[f"identical_{c}"] = same
-    summary["accept_len"] = summary[f"accept_len_{args.concurrency[0]}"]
+    k, adaptive = args.num_drafts, args.adaptive
+    history = SpecConfig(num_drafts=k, history_drafts=True, adaptive=adaptive)
+    for c in args.agent_concurrency:
+        compare(f"agent_{c}", loaded, history, c, args, TOOL_OUTPUTS, summary)
+    compare("chat_history_1", loaded, history, 1, args, chat, summary)
+    if not args.skip_head:
+        head = SpecConfig(drafter_path=args.drafter, num_drafts=k, adaptive=adaptive)
+        for c in args.concurrency:
+            compare(str(c), loaded, head, c, args, chat, summary)
+        both = head.model_copy(update={"history_drafts": True})
+        compare("agent_head_history_1", loaded, both, 1, args, TOOL_OUTPUTS, summary)
+        summary["accept_len"] = summary[f"accept_len_{args.concurrency[0]}"]
     emit(summary)
     return 0
 

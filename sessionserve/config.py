@@ -130,8 +130,42 @@ class SpecConfig(_Strict):
         "layout, or written by `sessionserve train-drafter`); None = no speculative decoding.",
     )
     num_drafts: int = Field(
-        4, ge=1, le=16, description="Tokens the drafter proposes per step (chain length k)."
+        4, ge=1, le=16, description="Most tokens drafted per request per step (chain length k)."
     )
+    history_drafts: bool = Field(
+        False,
+        description="Also draft from each sequence's own earlier tokens: the tokens that "
+        "followed the most recent earlier occurrence of its last few tokens, searched over the "
+        "request and its whole session history (no weights, no forward). Pays where answers "
+        "repeat their context: agents quoting tool output, code edits, JSON. With an EAGLE "
+        "head too, each request drafts from the source whose recent acceptance is higher.",
+    )
+    history_min_match: int = Field(
+        2, ge=1, le=16, description="Shortest suffix the history drafter looks up (tokens)."
+    )
+    history_max_match: int = Field(
+        5, ge=1, le=32, description="Longest suffix the history drafter looks up (tokens)."
+    )
+    adaptive: bool = Field(
+        True,
+        description="Measure decode tokens/s with and without drafts per batch size while "
+        "serving, and draft only where it is faster (re-checking the other choice every 16th "
+        "step); cap each request's chain at what its recent verifies kept, plus one. false: "
+        "every eligible request drafts full chains on every step.",
+    )
+
+    @model_validator(mode="after")
+    def _match_range(self) -> SpecConfig:
+        if self.history_min_match > self.history_max_match:
+            raise ValueError(
+                f"spec.history_min_match ({self.history_min_match}) is above "
+                f"spec.history_max_match ({self.history_max_match})"
+            )
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.drafter_path is not None or self.history_drafts
 
 
 class EngineConfig(_Strict):

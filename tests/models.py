@@ -135,6 +135,9 @@ def tiny_engine(
     backend: str = "torch",
     drafter=None,
     num_drafts: int = 4,
+    history_drafts: bool = False,
+    history_min_match: int = 2,
+    adaptive: bool = False,
     device: str | None = None,
     cuda_graphs: bool = True,
     memory_check: str = "every_step",
@@ -148,7 +151,9 @@ def tiny_engine(
 ) -> Engine:
     """An engine (checking memory every step unless told otherwise) around a (copy of a) tiny
     model, on `device` (default: the test device). `drafter`: a function making an EAGLE head
-    for the copied model (e.g. `mimic_drafter`), to speculate."""
+    for the copied model (e.g. `mimic_drafter`), to speculate. `history_drafts`: draft from
+    each sequence's own history too; `adaptive`: the online drafting policy (off here, so a
+    test's drafts do not depend on timing)."""
     device = device or engine_device()
     model = copy.deepcopy(model) if model is not None else tiny_model()
     head = drafter(model) if drafter is not None else None  # built on CPU, moved with it
@@ -167,7 +172,12 @@ def tiny_engine(
         ),
         scheduler=SchedulerConfig(max_prefill_tokens=prefill, force_retract_every=retract_every),
         sessions=SessionConfig(**session_kw),
-        spec=SpecConfig(num_drafts=num_drafts),
+        spec=SpecConfig(
+            num_drafts=num_drafts,
+            history_drafts=history_drafts,
+            history_min_match=history_min_match,
+            adaptive=adaptive,
+        ),
         attention_backend=backend,
         cuda_graphs=cuda_graphs,
         memory_check=memory_check,

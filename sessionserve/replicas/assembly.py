@@ -28,6 +28,8 @@ from sessionserve.replicas.model_runner import ModelRunner
 from sessionserve.replicas.speculative.checkpoint import load_drafter
 from sessionserve.replicas.speculative.decoder import SpeculativeDecoder
 from sessionserve.replicas.speculative.drafter import EagleDrafter
+from sessionserve.replicas.speculative.history import HistoryProposer
+from sessionserve.replicas.speculative.policy import SpecPolicy
 from sessionserve.replicas.speculative.proposer import EagleProposer
 
 log = logging.getLogger(__name__)
@@ -62,8 +64,9 @@ def build_runner(
     on_verify: Callable[[int], None],
     drafter: EagleDrafter | None = None,
 ) -> tuple[ModelRunner, SpeculativeDecoder | None]:
-    """The runner and, when a drafter is given or configured, the speculative decoder (which
-    reports each verify's acceptance length to `on_verify`); both KV pools are attached to the
+    """The runner and, when a drafter is given or configured or history drafts are on, the
+    speculative decoder (which reports each verify's acceptance length to `on_verify`); both KV
+    pools are attached to the
     cache (the drafter's KV parks and moves with the target's)."""
     runner = ModelRunner(model, *pool_and_backend(cfg, model, cache), cache)
     if cfg.cuda_graphs and runner.device.type == "cuda":
@@ -71,17 +74,8 @@ def build_runner(
         runner.graphs = DecodeGraphs(runner, buckets_up_to(most))
     if drafter is None and cfg.spec.drafter_path is not None:
         drafter = load_drafter(cfg.spec.drafter_path, model)
-    speculative = None
-    if drafter is not None:
-        proposer = EagleProposer(
-            drafter,
-            *pool_and_backend(cfg, drafter, cache),
-            cache,
-            cfg.spec.num_drafts,
-            model.config.vocab_size,
-        )
-        speculative = SpeculativeDecoder(proposer, cache, on_verify, context_limit(cfg, cache))
-    elif runner.graphs is not None and cfg.cuda_graph_max_extend > 1:
+    speculative = build_speculative(cfg, model, cache, runner, on_verify, drafter)
+    if drafter is None and runner.graphs is not None and cfg.cuda_graph_max_extend > 1:
         # short extends replay graphs too, unless a drafter needs every hidden state; over the
         # torch backend's static plan whatever the decode backend (the pool layout is shared)
         backend = runner.backend
@@ -94,10 +88,38 @@ def build_runner(
         runner.compiling = start_compile(plan, model, install, background=cfg.compile == "auto")
     else:
         log.debug("compile: the forward runs eagerly (%s)", plan.reason)
-    pools = [runner.kv_pool] + ([speculative.proposer.pool] if speculative else [])
+    eagle = speculative.eagle if speculative else None
+    pools = [runner.kv_pool] + ([eagle.pool] if eagle else [])
     s = cfg.sessions
     cache.attach_kv(pools, HostTier(s.host_tier_bytes) if s.host_tier_bytes else None)
     return runner, speculative
+
+
+def build_speculative(
+    cfg: EngineConfig,
+    model: Any,
+    cache: SessionCache,
+    runner: ModelRunner,
+    on_verify: Callable[[int], None],
+    drafter: EagleDrafter | None,
+) -> SpeculativeDecoder | None:
+    """The speculative decoder over the EAGLE head and/or history drafts that `cfg.spec`
+    asks for (None: neither)."""
+    spec = cfg.spec
+    if drafter is None and spec.drafter_path is None and not spec.history_drafts:
+        return None
+    vocab = model.config.vocab_size
+    eagle = history = None
+    if drafter is not None:
+        eagle = EagleProposer(
+            drafter, *pool_and_backend(cfg, drafter, cache), cache, spec.num_drafts, vocab
+        )
+    if spec.history_drafts:
+        history = HistoryProposer(
+            spec.num_drafts, spec.history_min_match, spec.history_max_match, vocab, runner.device
+        )
+    policy = SpecPolicy() if spec.adaptive else None
+    return SpeculativeDecoder(cache, on_verify, context_limit(cfg, cache), eagle, history, policy)
 
 
 def pool_and_backend(

@@ -1,10 +1,11 @@
 """The replica's engine: the step loop and the in-process API (no Ray needed).
 
     batch = scheduler.schedule()                 # admission, chunked prefill, retraction
-    drafts = speculative.propose(batch)          # EAGLE chains (with a drafter)
+    drafts = speculative.propose(batch)          # EAGLE / history drafts (when speculating)
     output = runner.run(batch, drafts)           # inputs, forward, sampling
     speculative.verify(batch, drafts, output)    # accepted drafts, their KV committed
     updates = scheduler.process(batch, output)   # commit, stop, catch-up, finish
+    speculative.finish_step(batch, output)       # the step's cost and yield, for the policy
     -> events to listeners (outputs.py); the memory check per the `memory_check` policy
 
 Thread model: every public method takes `self.lock`, so in-process callers may call `submit`,
@@ -220,11 +221,15 @@ class Engine:
             batch = self.scheduler.schedule()
             events = []
             if batch:
-                drafts = self.speculative.propose(batch) if self.speculative else {}
-                output = self.runner.run(batch, drafts, want_hidden=self.speculative is not None)
-                if self.speculative:
-                    self.speculative.verify(batch, drafts, output)
+                spec = self.speculative
+                drafts = spec.propose(batch) if spec else {}
+                hidden = spec is not None and spec.wants_hidden
+                output = self.runner.run(batch, drafts, want_hidden=hidden)
+                if spec:
+                    spec.verify(batch, drafts, output)
                 events = self.outputs.events(self.scheduler.process(batch, output))
+                if spec:
+                    spec.finish_step(batch, output)
             if self.check_schedule.due():
                 self.check_memory()
             if self.metrics.gauges_due():

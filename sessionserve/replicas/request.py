@@ -12,7 +12,7 @@ import torch
 from sessionserve.cache.request_kv import RequestKV
 from sessionserve.errors import ContextTooLongError, InvalidRequestError
 from sessionserve.replicas.detokenize import IncrementalText
-from sessionserve.replicas.speculative.draft_state import DraftState
+from sessionserve.replicas.speculative.draft_state import Drafting, DraftState
 from sessionserve.replicas.speculative.stats import SpecStats
 from sessionserve.wire import FinishReason, SamplingParams
 
@@ -71,6 +71,7 @@ class Request:
     generator: torch.Generator | None = None
     timings: Timings = field(default_factory=Timings)
     draft: DraftState | None = None  # the drafter's next guess (speculative decoding)
+    drafting: Drafting = field(default_factory=Drafting)  # draft sources, history log
     spec: SpecStats = field(default_factory=SpecStats)
     grammar: Any = None  # the JSON schema's matcher (replicas/grammar.py): masks each sample
 

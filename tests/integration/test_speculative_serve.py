@@ -33,7 +33,7 @@ def spec_served(served, tmp_path_factory):
     plain = Engine(engine_cfg.model_copy(update={"memory_check": "every_step"}))
     drafter_dir = tmp_path_factory.mktemp("spec-head")
     save_drafter(mimic_drafter(copy.deepcopy(plain.loaded.model)), drafter_dir)
-    args["engine"]["spec"] = {"drafter_path": str(drafter_dir), "num_drafts": 4}
+    args["engine"]["spec"] = {"drafter_path": str(drafter_dir), "num_drafts": 4, "adaptive": False}
     # the main app holds 1.5 of the cluster's 2 CPUs: this one must fit in the rest
     args["replica"].update(num_replicas=1, num_cpus=0.25)
     args["ingress"].update(num_replicas=1, num_cpus=0.125)

@@ -1,13 +1,20 @@
-"""Speculative decoding inside the engine's step: propose before the forward, verify after it,
-catch the drafter up on what was committed.
+"""Speculative decoding inside the engine's step: choose each request's drafts, propose them
+before the forward, verify after it, catch the EAGLE head up on what was committed.
 
+    k = speculative.draft_len(req)            # the scheduler allocates k draft slots
     drafts = speculative.propose(batch)       # chains for the decodes that speculate
     out = runner.run(batch, drafts)           # one target forward over inputs and drafts
     speculative.verify(batch, drafts, out)    # accepted runs into `out`, their KV committed
     scheduler.process(batch, out)             # stops, then `catch_up`, then finishes
+    speculative.finish_step(batch, out)       # the step's cost and yield -> the policy
 
-It owns the drafter's share of the step: the proposer, acceptance, committing a verify's
-accepted KV and freeing the rejected drafts' slots, and the statistics.
+Drafts come from an EAGLE head (proposer.py), from the sequence's own history (history.py), or
+from either, per request and step: the source whose recent acceptance promises more tokens.
+With `adaptive`, a request drafts no more than its recent verifies accepted plus one, and the
+policy (policy.py) turns drafting off for the batch sizes where it measures no gain.
+
+It owns the drafters' share of the step: proposals, acceptance, committing a verify's accepted
+KV and freeing the rejected drafts' slots, and the statistics.
 """
 
 from __future__ import annotations
@@ -20,6 +27,9 @@ from sessionserve.cache.session_cache import SessionCache
 from sessionserve.replicas.request import Request
 from sessionserve.replicas.sampling import filter_logits, token_logprobs
 from sessionserve.replicas.speculative.acceptance import accept_greedy, accept_sampled
+from sessionserve.replicas.speculative.draft_state import DraftSource
+from sessionserve.replicas.speculative.history import HistoryProposer
+from sessionserve.replicas.speculative.policy import SpecPolicy
 from sessionserve.replicas.speculative.proposer import EagleProposer
 from sessionserve.replicas.speculative.stats import SpecStats
 from sessionserve.replicas.step import (
@@ -34,32 +44,85 @@ from sessionserve.replicas.step import (
 class SpeculativeDecoder:
     def __init__(
         self,
-        proposer: EagleProposer,
         cache: SessionCache,
         on_verify: Callable[[int], None],
         limit: int,
+        eagle: EagleProposer | None = None,
+        history: HistoryProposer | None = None,
+        policy: SpecPolicy | None = None,
     ) -> None:
-        self.proposer = proposer
+        if eagle is None and history is None:
+            raise ValueError("speculative decoding needs an EAGLE head or history drafts")
+        self.eagle = eagle
+        self.history = history
         self.cache = cache
         self.on_verify = on_verify  # told each verify's acceptance length (metrics)
         self.limit = limit  # the context limit: no drafts past it
+        self.policy = policy  # None: always draft, full chains
         self.stats = SpecStats()
+        self.by_source: dict[str, SpecStats] = {}
+        self.drafting = True  # the policy's choice for the coming step
+        self._step_started: float | None = None
 
+    @property
+    def wants_hidden(self) -> bool:
+        """The EAGLE head drafts from the target's hidden states."""
+        return self.eagle is not None
+
+    # ---- before the forward ----
     def draft_len(self, req: Request) -> int:
-        """Drafts the scheduler allocates slots for in `req`'s next decode step (none for a
-        constrained request: its drafts would have to pass its grammar's mask too)."""
-        if req.grammar is not None:
+        """Drafts the scheduler allocates slots for in `req`'s next decode step, and from which
+        source; none for a constrained request (its drafts would have to pass its grammar's
+        mask too) or one with penalties (they depend on every earlier token, drafts included)."""
+        d = req.drafting
+        d.source = None
+        if req.grammar is not None or req.sampling.has_penalties or not self.drafting:
             return 0
-        return self.proposer.draft_len(req, self.limit)
+        offers: list[tuple[float, int, DraftSource]] = []
+        if self.history is not None:
+            n = self.history.draft_len(req, self.limit)
+            if n:
+                offers.append((self._expected(req, "history", n), n, "history"))
+        if self.eagle is not None:
+            n = self.eagle.draft_len(req, self.limit)
+            if n:
+                offers.append((self._expected(req, "eagle", n), n, "eagle"))
+        if not offers:
+            return 0
+        _, n, d.source = max(offers)
+        return min(n, self._cap(req, d.source))
+
+    def _expected(self, req: Request, source: DraftSource, n: int) -> float:
+        """Drafts expected to be kept from a chain of `n` at this source's recent rate."""
+        rate = req.drafting.record(source).rate
+        return sum(rate**i for i in range(1, n + 1))
+
+    def _cap(self, req: Request, source: DraftSource) -> int:
+        """With a policy, a request drafts at most what its recent verifies kept, plus one."""
+        record = req.drafting.record(source)
+        if self.policy is None or record.verifies == 0:
+            return self.limit
+        return int(record.run) + 1
 
     def propose(self, batch: ScheduledBatch) -> dict[str, ChainDrafts]:
         """Draft chains for the decodes that speculate this step (by request id)."""
+        self._step_started = None
+        if self.policy is not None and all(  # a decode-only step: timed for the policy
+            s.end - s.start == 1 and s.samples for s in batch.seqs
+        ):
+            self._step_started = self.policy.clock()
         seqs = [s for s in batch.seqs if s.num_drafts]
-        if not seqs:
-            return {}
-        chains = self.proposer.propose([s.req for s in seqs], [s.num_drafts for s in seqs])
-        return {s.req.rid: c for s, c in zip(seqs, chains, strict=True)}
+        chains: dict[str, ChainDrafts] = {}
+        for s in seqs:
+            if s.req.drafting.source == "history":
+                chains[s.req.rid] = self.history.propose(s.req, s.num_drafts)
+        heads = [s for s in seqs if s.req.drafting.source == "eagle"]
+        if heads:
+            proposed = self.eagle.propose([s.req for s in heads], [s.num_drafts for s in heads])
+            chains.update((s.req.rid, c) for s, c in zip(heads, proposed, strict=True))
+        return chains
 
+    # ---- after the forward ----
     def verify(
         self, batch: ScheduledBatch, drafts: dict[str, ChainDrafts], out: StepOutput
     ) -> None:
@@ -85,8 +148,11 @@ class SpeculativeDecoder:
             verdict = accept_sampled(probs, chain.probs, chain.tokens, req.generator)
         self.cache.commit(req.kv, s.end + verdict.accepted)
         self.cache.free_overallocation(req.kv)
+        source = req.drafting.source or "eagle"
+        req.drafting.record(source).observe(k, verdict.accepted)
         req.spec.record(k, verdict.accepted)
         self.stats.record(k, verdict.accepted)
+        self.by_source.setdefault(source, SpecStats()).record(k, verdict.accepted)
         self.on_verify(verdict.accepted + 1)
         lps = (
             token_logprobs(target[: len(verdict.tokens)], verdict.tokens, p.top_logprobs)
@@ -102,10 +168,13 @@ class SpeculativeDecoder:
         decoding: Collection[str],
         skip: Collection[str],
     ) -> None:
-        """The drafter's pass over every position committed this step (see proposer.py);
-        `decoding`: requests that go on decoding (they get a guess); `skip`: requests that
-        failed this step (their KV is gone)."""
-        if out.hidden is None:
+        """Decide whether the next step drafts; then the EAGLE head's pass over every position
+        committed this step (see proposer.py). `decoding`: requests that go on decoding (they
+        get a guess when the next step drafts); `skip`: requests that failed this step (their
+        KV is gone)."""
+        if self.policy is not None:
+            self.drafting = self.policy.choose(len(decoding))
+        if self.eagle is None or out.hidden is None:
             return
         entries = []
         for s in batch.seqs:
@@ -113,7 +182,17 @@ class SpeculativeDecoder:
             if req.rid in skip:
                 continue
             first, end = out.layout[req.rid].flat_start, req.kv.committed_len
-            wants = req.rid in decoding and self.proposer.eligible(req)
+            wants = self.drafting and req.rid in decoding and self.eagle.eligible(req)
             hidden: torch.Tensor = out.hidden[first : first + end - s.start]
             entries.append(CatchUp(req, s.start, end, hidden, wants))
-        self.proposer.catch_up(entries)
+        self.eagle.catch_up(entries)
+
+    def finish_step(self, batch: ScheduledBatch, out: StepOutput) -> None:
+        """Tell the policy what a decode-only step cost and yielded (steps with prefill
+        chunks do other work and are not counted)."""
+        started, self._step_started = self._step_started, None
+        if self.policy is None or started is None:
+            return
+        tokens = sum(len(emitted[0]) for emitted in out.emitted.values())
+        speculated = any(s.num_drafts for s in batch.seqs)
+        self.policy.observe(len(batch.seqs), speculated, tokens, self.policy.clock() - started)

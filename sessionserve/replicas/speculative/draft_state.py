@@ -1,10 +1,15 @@
-"""What a request carries between steps when it drafts: the drafter's next guess."""
+"""What a request carries between steps when it drafts: the EAGLE head's next guess, the token
+log the history drafter searches, and what its recent verifies accepted."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal
 
+import numpy as np
 import torch
+
+DraftSource = Literal["eagle", "history"]
 
 
 @dataclass
@@ -19,3 +24,59 @@ class DraftState:
     token: int
     feature: torch.Tensor  # [H]
     probs: torch.Tensor | None = None  # [V]
+
+
+class TokenLog:
+    """A request's tokens (a session turn's whole history included) as a growing int32 array,
+    so the history drafter searches it with numpy instead of Python loops. Appended as the
+    request grows; built once per turn (a 100K-token history takes a few ms)."""
+
+    def __init__(self) -> None:
+        self._buf = np.empty(0, dtype=np.int32)
+        self.size = 0
+
+    def sync(self, tokens: list[int], start: int) -> None:
+        """Make the log hold `tokens`, which continue what it holds from position `start`."""
+        n = start + len(tokens)
+        if n > len(self._buf):
+            grown = np.empty(max(n, 2 * len(self._buf), 256), dtype=np.int32)
+            grown[: self.size] = self._buf[: self.size]
+            self._buf = grown
+        self._buf[start:n] = tokens
+        self.size = n
+
+    @property
+    def array(self) -> np.ndarray:
+        return self._buf[: self.size]
+
+
+@dataclass
+class SourceRecord:
+    """How one draft source has fared on one request: smoothed over its recent verifies, so a
+    request that stops matching (or starts) is noticed within a few steps."""
+
+    rate: float = 0.5  # drafts accepted / drafted
+    run: float = 0.0  # drafts accepted per verify (set to the chain length at first use)
+    verifies: int = 0
+
+    def observe(self, drafted: int, accepted: int, smoothing: float = 0.5) -> None:
+        if self.verifies == 0:
+            self.rate, self.run = accepted / drafted, float(accepted)
+        else:
+            self.rate += smoothing * (accepted / drafted - self.rate)
+            self.run += smoothing * (accepted - self.run)
+        self.verifies += 1
+
+
+@dataclass
+class Drafting:
+    """A request's speculation state besides the EAGLE guess: which source drafts this step,
+    the history drafter's log and proposal, and each source's record."""
+
+    source: DraftSource | None = None
+    log: TokenLog | None = None
+    history_tokens: list[int] = field(default_factory=list)
+    records: dict[str, SourceRecord] = field(default_factory=dict)
+
+    def record(self, source: DraftSource) -> SourceRecord:
+        return self.records.setdefault(source, SourceRecord())

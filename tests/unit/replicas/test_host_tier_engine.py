@@ -78,12 +78,12 @@ def test_drafter_kv_parks_and_returns_with_the_target() -> None:
     (r1,) = engine.generate([_input(0, 40)], greedy, session_id=sid)
     slot = engine.cache.session(sid)
     rows = engine.cache.rows.read(slot.row, 0, slot.committed_len)
-    drafter_k = engine.speculative.proposer.pool.k[:, rows].clone()
+    drafter_k = engine.speculative.eagle.pool.k[:, rows].clone()
     engine.park_session(sid)
     (r2,) = engine.generate([_input(1, 8)], greedy, session_id=sid)
     assert r2.cached_source == "host"
     restored = engine.cache.rows.read(slot.row, 0, drafter_k.shape[1])
-    drafter_pool = engine.speculative.proposer.pool
+    drafter_pool = engine.speculative.eagle.pool
     torch.testing.assert_close(drafter_pool.k[:, restored], drafter_k, atol=0, rtol=0)
     (ref,) = plain.generate([_input(0, 40) + r1.output_ids + _input(1, 8)], greedy)
     assert r2.output_ids == ref.output_ids and r2.spec_accepted > 0

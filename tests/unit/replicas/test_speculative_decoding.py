@@ -128,9 +128,9 @@ def test_drafter_kv_holds_exactly_the_committed_positions() -> None:
     kept = len(slot.kv_tokens)
     assert slot.kv_tokens == history[:kept]
     (ref,) = fresh.generate([history], SamplingParams(max_tokens=1, temperature=0))
-    ours = engine.speculative.proposer.pool.k[0][engine.cache.rows.read(slot.row, 0, kept - 1)]
+    ours = engine.speculative.eagle.pool.k[0][engine.cache.rows.read(slot.row, 0, kept - 1)]
     match = fresh.cache.radix.match_prefix(history[:kept])
-    theirs = fresh.speculative.proposer.pool.k[0][match.slots[: kept - 1]]
+    theirs = fresh.speculative.eagle.pool.k[0][match.slots[: kept - 1]]
     # the last parked position pairs with the token after it, which only this session knows
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
     engine.close_session(sid)

@@ -69,14 +69,14 @@ def test_train_writes_the_eagle_layout_and_it_drafts_the_same(target_dir, tmp_pa
     }.items():
         engine = tiny_engine(model, drafter=make)
         seen: list[list[int]] = []
-        propose = engine.speculative.proposer.propose
+        propose = engine.speculative.eagle.propose
 
         def recording(reqs, lengths, propose=propose, seen=seen):
             chains = propose(reqs, lengths)
             seen.extend(c.tokens for c in chains)
             return chains
 
-        engine.speculative.proposer.propose = recording
+        engine.speculative.eagle.propose = recording
         outputs = [r.output_ids for r in engine.generate([[5, 9, 44, 3], [70, 8]], GREEDY)]
         drafts[name] = (seen, outputs)
     assert drafts["trained"] == drafts["loaded"]
@@ -118,7 +118,7 @@ def test_cli_trains_and_the_engine_serves_with_the_result(target_dir, tmp_path, 
     cfg = EngineConfig(
         model=ModelConfig(path=str(target_dir)),
         cache=CacheConfig(num_slots=2048, max_context_len=512),
-        spec=SpecConfig(drafter_path=str(out), num_drafts=3),
+        spec=SpecConfig(drafter_path=str(out), num_drafts=3, adaptive=False),
         memory_check="every_step",
     )
     spec, plain = Engine(cfg), Engine(cfg.model_copy(update={"spec": SpecConfig()}))

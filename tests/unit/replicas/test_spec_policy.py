@@ -1,0 +1,97 @@
+"""The drafting policy: draft where it measured more tokens per second, re-check the other
+choice every `explore_every`-th step, learn per batch-size bucket, cap each request's chain at
+what it recently kept. Time is a fake clock here (tests never time things): the engine's
+forward advances it by a cost the test sets, so a verify can be made cheap or dear."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sessionserve.replicas.speculative.policy import SpecPolicy, bucket
+from sessionserve.wire import SamplingParams
+from tests.models import hf_greedy, mimic_drafter, random_drafter, tiny_engine, tiny_model
+
+GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+
+
+def test_buckets_are_powers_of_two() -> None:
+    assert [bucket(n) for n in (0, 1, 2, 3, 4, 7, 8, 31, 32)] == [1, 1, 2, 2, 3, 3, 4, 5, 6]
+
+
+def test_the_faster_arm_wins_and_the_slower_is_rechecked() -> None:
+    policy = SpecPolicy(explore_every=4, warmup_steps=2)
+    assert policy.choose(8) is True  # a bucket tries drafting first ...
+    policy.observe(8, True, tokens=8, seconds=1.0)
+    policy.observe(8, True, tokens=8, seconds=1.0)
+    assert policy.choose(8) is False  # ... then not drafting
+    policy.observe(8, False, tokens=8, seconds=0.5)
+    policy.observe(8, False, tokens=8, seconds=0.5)
+    picks = [policy.choose(9) for _ in range(8)]  # 9 shares 8's bucket
+    assert picks == [False, False, False, True] * 2  # plain is faster; every 4th re-checks
+    assert policy.choose(1) is True  # another bucket learns for itself
+    for _ in range(12):  # drafting turns out faster at 8 after all: the choice follows
+        policy.observe(8, True, tokens=24, seconds=1.0)
+    assert [policy.choose(8) for _ in range(4)] == [True, True, True, False]
+    summary = policy.summary()["8"]
+    assert summary["spec_tokens_per_s"] > summary["plain_tokens_per_s"] == 16.0
+
+
+class FakeClock:
+    """Advanced by the engine's forward: `plain` per step without drafts, `verify` with."""
+
+    def __init__(self, engine, plain: float, verify: float) -> None:
+        self.now = 0.0
+        run = engine.runner.run
+
+        def timed(batch, drafts, **kw):
+            self.now += verify if drafts else plain
+            return run(batch, drafts, **kw)
+
+        engine.runner.run = timed
+        engine.speculative.policy.clock = lambda: self.now
+
+
+def _prompts(n: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(4)
+    return [torch.randint(5, 250, (12 + 7 * i,), generator=gen).tolist() for i in range(n)]
+
+
+@pytest.mark.parametrize("verify_cost", [8.0, 1.2])
+def test_the_engine_drafts_only_where_it_pays(verify_cost: float) -> None:
+    """A verify costing 8 plain steps never pays (a whole chain yields 5 tokens): after the
+    warm-up, only the re-checks draft. At 1.2 it pays: nearly every step drafts. Greedy
+    output equals transformers' either way."""
+    model = tiny_model(num_hidden_layers=1, seed=3)
+    engine = tiny_engine(model, drafter=mimic_drafter, adaptive=True)
+    FakeClock(engine, plain=1.0, verify=verify_cost)
+    (prompt,) = _prompts(1)
+    params = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)
+    (r,) = engine.generate([prompt], params)
+    assert r.output_ids == hf_greedy(model, prompt, params.max_tokens)
+    arms = engine.speculative.policy.summary()["1"]
+    decode_steps = arms["spec_steps"] + arms["plain_steps"]
+    if verify_cost > 5:
+        assert arms["spec_tokens_per_s"] < arms["plain_tokens_per_s"]
+        # 2 warm-up steps, then every 16th decision
+        assert arms["spec_steps"] <= 2 + decode_steps // 16 + 1
+    else:
+        assert arms["spec_tokens_per_s"] > arms["plain_tokens_per_s"]
+        assert arms["plain_steps"] <= 2 + decode_steps // 16 + 1
+        assert r.spec_accepted > 0
+
+
+def test_a_request_whose_drafts_fail_drafts_one_at_a_time() -> None:
+    """An untrained head is nearly always wrong: with the policy on (and verifies as cheap as
+    plain steps, so drafting stays on), each chain shrinks to what was kept plus one."""
+    model = tiny_model(seed=5)
+    engine = tiny_engine(model, drafter=random_drafter, num_drafts=4, adaptive=True)
+    FakeClock(engine, plain=1.0, verify=1.0)
+    prompts = _prompts(2)
+    for prompt, r in zip(prompts, engine.generate(prompts, GREEDY), strict=True):
+        assert r.output_ids == hf_greedy(model, prompt, GREEDY.max_tokens)
+        assert r.spec_steps > 8
+        # the first verify drafts 4; after full rejections, 1 per step
+        assert r.spec_drafted <= 4 + 2 + (r.spec_steps - 2) * 1 + 2 * r.spec_accepted
+    stats = engine.spec_stats
+    assert stats.drafted < 1.5 * stats.steps, stats
