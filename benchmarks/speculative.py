@@ -6,8 +6,9 @@ Two workloads, each run plain and speculative in the same process on the same fo
   each: a question, then a follow-up). Drafts from the EAGLE head (`--drafter`); also with the
   history drafter beside it, which should neither help nor hurt here.
 - agent: sessions are handed a tool's output (a config file, a JSON listing, a log, code) and
-  asked to give it back edited, then edited again: what agents do. Drafts from the session's own
-  history (no head).
+  asked to give it back edited, then edited again: what agents do. As agent frameworks do, the
+  answer is started for the model (the code fence and the file's first line) and stops at the
+  closing fence. Drafts from the session's own history (no head).
 At concurrency c, c sessions run at once (continuous batching; sessions repeat the prompt list
 when c is larger). Decode tokens/s counts the tokens of decode-only steps over those steps'
 time (prefill steps are the same work in both runs and are left out). Greedy output is
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.common import emit, load, machine, setup_threads
@@ -75,44 +77,73 @@ def verify_cost(loaded, lengths=(1, 2, 3, 5, 8), reps: int = 12) -> dict[int, fl
     return out
 
 
-TOOL_OUTPUTS = [
+@dataclass(frozen=True)
+class Turn:
+    user: str
+    answer_start: str = ""  # the assistant's answer begins with this (the agent's prefill)
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    tasks: list[tuple[Turn, Turn]]  # one session each: two turns
+    stop: tuple[str, ...] = ()
+
+
+# An agent's file-editing step: a tool's output in the context, then the edited file written
+# back. Like agent frameworks do, the answer is started for the model (the fence and the
+# file's first line) and stopped at the closing fence.
+_FILES = [
     (
-        "I ran `cat deploy/app.yaml` and got:\n```yaml\nname: checkout-service\n"
-        "replicas: 2\nimage: registry.local/checkout:1.4.2\nports:\n  - 8080\n  - 9090\n"
-        "env:\n  LOG_LEVEL: info\n  DB_HOST: db.internal\n  DB_PORT: 5432\n"
-        "  CACHE_TTL_SECONDS: 300\nresources:\n  cpu: 500m\n  memory: 512Mi\n```\n"
+        "I ran `cat deploy/app.yaml` and got:",
+        "yaml",
+        "name: checkout-service\nreplicas: 2\nimage: registry.local/checkout:1.4.2\nports:\n"
+        "  - 8080\n  - 9090\nenv:\n  LOG_LEVEL: info\n  DB_HOST: db.internal\n"
+        "  DB_PORT: 5432\n  CACHE_TTL_SECONDS: 300\nresources:\n  cpu: 500m\n"
+        "  memory: 512Mi",
         "Print the whole file again with replicas set to 4.",
         "Now print the whole file again with LOG_LEVEL set to debug.",
     ),
     (
-        "The tool `list_orders` returned:\n```json\n"
+        "The tool `list_orders` returned:",
+        "json",
         '[{"id": 1041, "customer": "Ada Park", "total": 42.50, "status": "shipped"},\n'
         ' {"id": 1042, "customer": "Ben Ortiz", "total": 17.25, "status": "pending"},\n'
         ' {"id": 1043, "customer": "Chloe Wu", "total": 88.00, "status": "shipped"},\n'
-        ' {"id": 1044, "customer": "Dev Shah", "total": 5.75, "status": "cancelled"}]\n```\n'
+        ' {"id": 1044, "customer": "Dev Shah", "total": 5.75, "status": "cancelled"}]',
         "Repeat this JSON exactly, but with the status of order 1042 set to shipped.",
         "Now repeat the JSON again, without the cancelled order.",
     ),
     (
-        "Here is utils.py:\n```python\ndef mean(values):\n    total = 0\n"
-        "    for v in values:\n        total += v\n    return total / len(values)\n\n\n"
-        "def clamp(x, low, high):\n    if x < low:\n        return low\n"
-        "    if x > high:\n        return high\n    return x\n```\n"
+        "Here is utils.py:",
+        "python",
+        "def mean(values):\n    total = 0\n    for v in values:\n        total += v\n"
+        "    return total / len(values)\n\n\ndef clamp(x, low, high):\n    if x < low:\n"
+        "        return low\n    if x > high:\n        return high\n    return x",
         "Rewrite the whole file, renaming `mean` to `average`.",
         "Now write the whole file again with a docstring in each function.",
     ),
     (
-        "`tail -n 6 server.log` printed:\n```\n"
+        "`tail -n 6 server.log` printed:",
+        "",
         "2026-11-20 10:01:02 INFO request id=81 path=/health status=200 ms=3\n"
         "2026-11-20 10:01:05 INFO request id=82 path=/orders status=200 ms=41\n"
         "2026-11-20 10:01:07 WARN request id=83 path=/orders status=429 ms=2\n"
         "2026-11-20 10:01:09 INFO request id=84 path=/orders status=200 ms=38\n"
         "2026-11-20 10:01:12 ERROR request id=85 path=/pay status=500 ms=120\n"
-        "2026-11-20 10:01:15 INFO request id=86 path=/health status=200 ms=2\n```\n"
+        "2026-11-20 10:01:15 INFO request id=86 path=/health status=200 ms=2",
         "Copy the lines that are not INFO, exactly as they are.",
         "Now copy every line with path=/orders, exactly as they are.",
     ),
 ]
+
+
+def _agent_task(intro: str, lang: str, body: str, first: str, second: str) -> tuple[Turn, Turn]:
+    start = f"```{lang}\n{body.splitlines()[0]}\n"
+    return (Turn(f"{intro}\n```{lang}\n{body}\n```\n{first}", start), Turn(second, start))
+
+
+AGENT = Workload("agent", [_agent_task(*f) for f in _FILES], stop=("```",))
 
 
 def run(
@@ -120,10 +151,10 @@ def run(
     spec: SpecConfig,
     concurrency: int,
     max_tokens: int,
-    turns: list[tuple[str, str]],
+    work: Workload,
     compile: bool,
 ) -> dict:
-    sessions = max(len(turns), concurrency)
+    sessions = max(len(work.tasks), concurrency)
     cfg = EngineConfig(
         cache=CacheConfig(num_slots=32768, max_rows=64, max_context_len=4096),
         scheduler=SchedulerConfig(max_running_requests=max(concurrency, 1)),
@@ -134,7 +165,7 @@ def run(
     if eng.runner.compiling is not None:
         eng.runner.compiling.join()
     tok = eng.tokenizer
-    params = SamplingParams(max_tokens=max_tokens, temperature=0)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, stop=work.stop)
     decode_s, decode_tokens, outputs = 0.0, 0, {}
     opened = [(i, eng.open_session()) for i in range(sessions)]
     history = {sid: [] for _, sid in opened}
@@ -143,9 +174,17 @@ def run(
         for turn in range(2):
             rids = {}
             for i, sid in group:
-                history[sid].append({"role": "user", "content": turns[i % len(turns)][turn]})
+                step = work.tasks[i % len(work.tasks)][turn]
+                history[sid].append({"role": "user", "content": step.user})
+                messages = history[sid]
+                if step.answer_start:
+                    messages = messages + [{"role": "assistant", "content": step.answer_start}]
                 ids = tok.apply_chat_template(
-                    history[sid], add_generation_prompt=True, tokenize=True, return_dict=False
+                    messages,
+                    add_generation_prompt=not step.answer_start,
+                    continue_final_message=bool(step.answer_start),
+                    tokenize=True,
+                    return_dict=False,
                 )
                 rids[eng.submit(ids, params, session_id=sid, mode="chat")] = (i, sid)
             while eng.has_work():
@@ -160,7 +199,9 @@ def run(
             for rid, (i, sid) in rids.items():
                 r = eng.take_result(rid)
                 outputs[(i, turn)] = r.output_ids
-                history[sid].append({"role": "assistant", "content": r.text})
+                step = work.tasks[i % len(work.tasks)][turn]
+                answer = step.answer_start + r.text + "".join(work.stop[:1])
+                history[sid].append({"role": "assistant", "content": answer})
     for _, sid in opened:
         eng.close_session(sid)
     eng.check_memory()
@@ -175,10 +216,10 @@ def run(
     }
 
 
-def compare(name: str, loaded, spec: SpecConfig, c: int, args, turns, summary: dict) -> None:
+def compare(name: str, loaded, spec: SpecConfig, c: int, args, work: Workload, summary: dict):
     """One plain and one speculative run; prints and records `speedup_{name}`."""
-    base = run(loaded, SpecConfig(), c, args.max_tokens, turns, args.compile)
-    got = run(loaded, spec, c, args.max_tokens, turns, args.compile)
+    base = run(loaded, SpecConfig(), c, args.max_tokens, work, args.compile)
+    got = run(loaded, spec, c, args.max_tokens, work, args.compile)
     same = base["outputs"] == got["outputs"]
     speedup = got["decode_tps"] / base["decode_tps"]
     s = got["spec"]
@@ -227,7 +268,7 @@ def main() -> int:
         return 2
     assert not set(EVAL_PROMPTS) & set(shipped_prompts()), "eval prompts must be unseen"
     prompts = shipped_prompts()[: len(EVAL_PROMPTS)] if args.seen_prompts else EVAL_PROMPTS
-    chat = [(p, FOLLOW_UP) for p in prompts]
+    chat = Workload("chat", [(Turn(p), Turn(FOLLOW_UP)) for p in prompts])
     setup_threads(args.threads)
     loaded = load()
     print(f"machine: {machine()}  drafter: {args.drafter}  k={args.num_drafts}")
@@ -247,14 +288,14 @@ def main() -> int:
     k, adaptive = args.num_drafts, args.adaptive
     history = SpecConfig(num_drafts=k, history_drafts=True, adaptive=adaptive)
     for c in args.agent_concurrency:
-        compare(f"agent_{c}", loaded, history, c, args, TOOL_OUTPUTS, summary)
+        compare(f"agent_{c}", loaded, history, c, args, AGENT, summary)
     compare("chat_history_1", loaded, history, 1, args, chat, summary)
     if not args.skip_head:
         head = SpecConfig(drafter_path=args.drafter, num_drafts=k, adaptive=adaptive)
         for c in args.concurrency:
             compare(str(c), loaded, head, c, args, chat, summary)
         both = head.model_copy(update={"history_drafts": True})
-        compare("agent_head_history_1", loaded, both, 1, args, TOOL_OUTPUTS, summary)
+        compare("agent_head_history_1", loaded, both, 1, args, AGENT, summary)
         summary["accept_len"] = summary[f"accept_len_{args.concurrency[0]}"]
     emit(summary)
     return 0

@@ -21,19 +21,21 @@ class StopChecker:
         self.max_context_len = max_context_len
 
     def check(self, req: Request) -> bool:
-        """Call after each appended token (or accepted run); True once finished."""
+        """Call after each appended token or accepted run; True once finished. With several
+        new tokens (a verified run), the earliest end among them wins, so a stop string
+        completed before an EOS in the same run ends the answer where a one-token-at-a-time
+        decode would have."""
         p, out = req.sampling, req.output_ids
         start, req.stop_checked = req.stop_checked, len(out)
+        end: tuple[FinishReason, int] | None = None
         for i in range(start, len(out)):
             t = out[i]
             if (t in req.eos_token_ids and not p.ignore_eos) or t in p.stop_token_ids:
-                return self._finish(req, FinishReason.STOP, i + 1)
-            if i + 1 >= p.max_tokens:
-                return self._finish(req, FinishReason.LENGTH, i + 1)
-            if len(req.input_ids) + i + 1 >= self.max_context_len:
-                return self._finish(req, FinishReason.LENGTH, i + 1)
-        if req.grammar is not None and req.grammar.is_stopped():  # the JSON is complete
-            return self._finish(req, FinishReason.STOP, len(out))
+                end = (FinishReason.STOP, i + 1)
+            elif i + 1 >= p.max_tokens or len(req.input_ids) + i + 1 >= self.max_context_len:
+                end = (FinishReason.LENGTH, i + 1)
+            if end is not None:
+                break
         if p.stop and self.tokenizer is not None:
             text = req.stop_text = req.stop_text or IncrementalText(self.tokenizer)
             seen = len(text.text)
@@ -41,8 +43,12 @@ class StopChecker:
                 # string could span into it) is searched: O(new tokens) per step
                 tail = text.text[max(0, seen - max(len(s) for s in p.stop) + 1) :]
                 if any(s in tail for s in p.stop):
-                    return self._finish(req, FinishReason.STOP, self._stop_string_end(req))
-        return False
+                    at = self._stop_string_end(req)
+                    if end is None or at <= end[1]:
+                        end = (FinishReason.STOP, at)
+        if end is None and req.grammar is not None and req.grammar.is_stopped():
+            end = (FinishReason.STOP, len(out))  # the JSON is complete
+        return end is not None and self._finish(req, *end)
 
     def _stop_string_end(self, req: Request) -> int:
         """Fewest output tokens whose text contains a stop string (a bisection: a longer

@@ -10,10 +10,13 @@ import numpy as np
 import pytest
 import torch
 
+from sessionserve.cache.request_kv import RequestKV
 from sessionserve.config import SpecConfig
+from sessionserve.replicas.request import Request
 from sessionserve.replicas.speculative.history import continuation
+from sessionserve.replicas.stopping import StopChecker
 from sessionserve.wire import FinishReason, SamplingParams
-from tests.models import hf_greedy, mimic_drafter, tiny_engine, tiny_model
+from tests.models import EOS, hf_greedy, mimic_drafter, tiny_engine, tiny_model, word_tokenizer
 from tests.unit.replicas.test_speculative_sampling import (
     ALPHA,
     _exact_marginals,
@@ -155,3 +158,44 @@ def test_penalties_and_grammars_never_draft_from_history() -> None:
 def test_the_match_range_is_checked() -> None:
     with pytest.raises(ValueError, match="history_min_match"):
         SpecConfig(history_drafts=True, history_min_match=4, history_max_match=3)
+
+
+def test_a_stop_string_before_an_eos_in_one_verified_run_ends_the_answer_there() -> None:
+    """A verify emits several tokens at once: the earliest end among them wins, as if they
+    had come one at a time (a stop string completed before an EOS or max_tokens in the
+    same run ends the answer at the stop string, and the other way round)."""
+    tok = word_tokenizer()
+
+    def checked(run: list[int], **params) -> Request:
+        req = Request("r", [5, 6], SamplingParams(**params), RequestKV(rid="r"))
+        req.eos_token_ids = frozenset({EOS})
+        checker = StopChecker(tok, 1024)
+        req.output_ids += [7, 8]
+        assert not checker.check(req)
+        req.output_ids += run
+        assert checker.check(req)
+        return req
+
+    req = checked([9, 10, EOS, 12], max_tokens=20, stop=("w9 w10",))
+    assert (req.finish_reason, req.finished_len) == (FinishReason.STOP, 4)
+    req = checked([9, EOS, 10, 12], max_tokens=20, stop=("w9 w10",))
+    assert (req.finish_reason, req.finished_len) == (FinishReason.STOP, 4)  # the EOS
+    req = checked([9, 10, 11, 12], max_tokens=3, stop=("w10",))
+    assert (req.finish_reason, req.finished_len) == (FinishReason.LENGTH, 3)
+    req = checked([9, 10, 11, 12], max_tokens=4, stop=("w10",))
+    assert (req.finish_reason, req.finished_len) == (FinishReason.STOP, 4)  # both: the string
+
+
+def test_stop_strings_inside_accepted_history_runs_equal_plain_decoding() -> None:
+    model = tiny_model(num_hidden_layers=1, seed=3)
+    engine = tiny_engine(model, history_drafts=True)
+    plain = tiny_engine(model)
+    for prompt in _loops(model, 3):
+        (probe,) = plain.generate([prompt], GREEDY)
+        words = probe.text.split()
+        stop = f"{words[-3]} {words[-2]}"  # the answer loops: first met inside a run
+        params = SamplingParams(max_tokens=40, temperature=0, stop=(stop,))
+        (r,), (ref,) = engine.generate([prompt], params), plain.generate([prompt], params)
+        assert r.output_ids == ref.output_ids and r.text == ref.text
+        assert r.finish_reason == ref.finish_reason == FinishReason.STOP
+    assert engine.spec_stats.accepted > 0
