@@ -76,7 +76,12 @@ class SpeculativeDecoder:
         mask too) or one with penalties (they depend on every earlier token, drafts included)."""
         d = req.drafting
         d.source = None
-        if req.grammar is not None or req.sampling.has_penalties or not self.drafting:
+        p = req.sampling
+        if req.grammar is not None or p.has_penalties:
+            return 0
+        # the policy's timing-driven choice would make a seeded answer depend on the load: a
+        # seeded sampled request drafts by its own record only, so its seed reproduces it
+        if not self.drafting and (p.seed is None or p.is_greedy):
             return 0
         offers: list[tuple[float, int, DraftSource]] = []
         if self.history is not None:
@@ -182,7 +187,9 @@ class SpeculativeDecoder:
             if req.rid in skip:
                 continue
             first, end = out.layout[req.rid].flat_start, req.kv.committed_len
-            wants = self.drafting and req.rid in decoding and self.eagle.eligible(req)
+            p = req.sampling
+            drafts_next = self.drafting or (p.seed is not None and not p.is_greedy)
+            wants = drafts_next and req.rid in decoding and self.eagle.eligible(req)
             hidden: torch.Tensor = out.hidden[first : first + end - s.start]
             entries.append(CatchUp(req, s.start, end, hidden, wants))
         self.eagle.catch_up(entries)

@@ -95,3 +95,21 @@ def test_a_request_whose_drafts_fail_drafts_one_at_a_time() -> None:
         assert r.spec_drafted <= 4 + 2 + (r.spec_steps - 2) * 1 + 2 * r.spec_accepted
     stats = engine.spec_stats
     assert stats.drafted < 1.5 * stats.steps, stats
+
+
+def test_a_seeded_answer_does_not_depend_on_what_the_policy_measured() -> None:
+    """Whether drafting pays is timing; a seeded sampled request drafts by its own record
+    only, so the same seed gives the same answer whether verifies look cheap or dear."""
+    model = tiny_model(num_hidden_layers=1, seed=3)
+    prompts = _prompts(3)
+    params = SamplingParams(max_tokens=40, temperature=0.8, seed=7, ignore_eos=True)
+    answers = []
+    for verify_cost in (8.0, 1.0):
+        engine = tiny_engine(model, drafter=mimic_drafter, history_drafts=True, adaptive=True)
+        FakeClock(engine, plain=1.0, verify=verify_cost)
+        greedy = engine.generate(prompts[:2], GREEDY)  # the policy learns on these
+        assert [r.output_ids for r in greedy] == [hf_greedy(model, p, 40) for p in prompts[:2]]
+        (r,) = engine.generate(prompts[2:], params)
+        assert r.spec_steps > 0
+        answers.append(r.output_ids)
+    assert answers[0] == answers[1]
