@@ -131,6 +131,8 @@ applications:
         spec:
           drafter_path: {{ if $e.spec.drafterPath }}{{ $e.spec.drafterPath | toJson }}{{ else }}null{{ end }}
           num_drafts: {{ $e.spec.numDrafts | toJson }}
+          history_drafts: {{ $e.spec.historyDrafts | toJson }}
+          adaptive: {{ $e.spec.adaptive | toJson }}
       replica:
         num_replicas: {{ $v.replicas.count | toJson }}
         num_cpus: {{ $v.replicas.numCpus | toJson }}

@@ -124,11 +124,17 @@ def test_autoscaling_reaches_the_serve_config() -> None:
 def test_drafter_value_reaches_the_engine_config() -> None:
     (default,) = by_kind(render(), "RayService")
     args = yaml.safe_load(default["spec"]["serveConfigV2"])["applications"][0]["args"]
-    assert args["engine"]["spec"] == {"drafter_path": None, "num_drafts": 4}
+    assert args["engine"]["spec"] == {
+        "drafter_path": None,
+        "num_drafts": 4,
+        "history_drafts": False,
+        "adaptive": True,
+    }
     (full,) = by_kind(render(FULL), "RayService")
     args = yaml.safe_load(full["spec"]["serveConfigV2"])["applications"][0]["args"]
     spec = AppConfig.model_validate(args).engine.spec
     assert spec.drafter_path == "/models/EAGLE-LLaMA3.1-Instruct-8B" and spec.num_drafts == 5
+    assert spec.history_drafts and not spec.adaptive
 
 
 def test_cuda_graphs_value_reaches_the_engine_config() -> None:
