@@ -1,5 +1,6 @@
 """Speculative decoding through the served application: a second Serve app in the same cluster
-whose replica loads an EAGLE head from disk (`engine.spec.drafter_path`), driven by the
+whose replica loads an EAGLE head from disk (`engine.spec.drafter_path`) and drafts from each
+session's history too (`engine.spec.history_drafts`), driven by the
 official `openai` client over HTTP. Answers equal a non-speculative engine's; usage reports
 the drafts kept and rejected, and a real Prometheus sees the same figures in the replica's
 speculation metrics; the replica's memory invariant holds (strict mode)."""
@@ -33,7 +34,12 @@ def spec_served(served, tmp_path_factory):
     plain = Engine(engine_cfg.model_copy(update={"memory_check": "every_step"}))
     drafter_dir = tmp_path_factory.mktemp("spec-head")
     save_drafter(mimic_drafter(copy.deepcopy(plain.loaded.model)), drafter_dir)
-    args["engine"]["spec"] = {"drafter_path": str(drafter_dir), "num_drafts": 4, "adaptive": False}
+    args["engine"]["spec"] = {
+        "drafter_path": str(drafter_dir),
+        "num_drafts": 4,
+        "history_drafts": True,  # the head and the session's history draft side by side
+        "adaptive": False,  # drafting every step: what this test checks is not timing
+    }
     # the main app holds 1.5 of the cluster's 2 CPUs: this one must fit in the rest
     args["replica"].update(num_replicas=1, num_cpus=0.25)
     args["ingress"].update(num_replicas=1, num_cpus=0.125)
