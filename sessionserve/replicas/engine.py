@@ -4,7 +4,9 @@
     drafts = speculative.propose(batch)          # EAGLE / history drafts (when speculating)
     output = runner.run(batch, drafts)           # inputs, forward, sampling
     speculative.verify(batch, drafts, output)    # accepted drafts, their KV committed
-    updates = scheduler.process(batch, output)   # commit, stop, catch-up, finish
+    updates = scheduler.process(batch, output)   # commit, append, stop checks
+    speculative.catch_up(batch, output, updates) # the EAGLE head over what was committed
+    events <- scheduler.finish(updates)          # trim, save the KV, end
     speculative.finish_step(batch, output)       # the step's cost and yield, for the policy
     -> events to listeners (outputs.py); the memory check per the `memory_check` policy
 
@@ -78,7 +80,10 @@ class Engine:
         self.runner, self.speculative = build_runner(cfg, model, self.cache, on_verify, drafter)
         self.context_limit = context_limit(cfg, self.cache)
         self.stopper = StopChecker(self.tokenizer, cfg.cache.max_context_len)
-        self.scheduler = Scheduler(self.cache, cfg.scheduler, self.stopper, self.speculative)
+        spec = self.speculative
+        self.scheduler = Scheduler(
+            self.cache, cfg.scheduler, self.stopper, spec.draft_len if spec else None
+        )
         self.sessions = SessionController(self.cache, cfg.sessions, self._decode_verbatim())
         self.outputs = OutputProcessor(
             self.tokenizer, self.sessions, self.scheduler.release, lambda: self.metrics
@@ -227,7 +232,10 @@ class Engine:
                 output = self.runner.run(batch, drafts, want_hidden=hidden)
                 if spec:
                     spec.verify(batch, drafts, output)
-                events = self.outputs.events(self.scheduler.process(batch, output))
+                updates = self.scheduler.process(batch, output)
+                if spec:
+                    spec.catch_up(batch, output, updates)
+                events = self.outputs.events(self.scheduler.finish(updates))
                 if spec:
                     spec.finish_step(batch, output)
             if self.check_schedule.due():

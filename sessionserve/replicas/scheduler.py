@@ -7,22 +7,21 @@ arrival order while KV allows (free + evictable radix pages + idle sessions, min
 the running decodes). When a decode cannot get a slot, the youngest decode request is retracted:
 its KV goes back to the cache (a session turn's is parked in its slot) and it waits to be
 re-admitted ahead of new requests. After the forward, `process` commits each sequence's KV,
-appends its tokens, checks stops, lets the drafter catch up, and finishes what is done: besides
-admission, the only code that changes a request's KV (a verify's commit is the speculative
-decoder's).
+appends its tokens and checks stops, and `finish` ends what is done: besides admission, the
+only code that changes a request's KV (a verify's commit is the speculative decoder's).
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 
 from sessionserve.cache.request_kv import KVState
 from sessionserve.cache.session_cache import SessionCache
 from sessionserve.config import SchedulerConfig
 from sessionserve.errors import KVCacheFullError
 from sessionserve.replicas.request import Request, TokenLogprob
-from sessionserve.replicas.speculative.decoder import SpeculativeDecoder
 from sessionserve.replicas.step import ScheduledBatch, ScheduledSeq, SeqUpdate, StepOutput
 from sessionserve.replicas.stopping import StopChecker
 
@@ -33,12 +32,14 @@ class Scheduler:
         cache: SessionCache,
         config: SchedulerConfig,
         stopper: StopChecker,
-        speculative: SpeculativeDecoder | None = None,
+        draft_len: Callable[[Request], int] | None = None,
     ) -> None:
+        """`draft_len`: the draft slots a decode needs this step (the speculative decoder's
+        choice; None: no speculation)."""
         self.cache = cache
         self.config = config
         self.stopper = stopper
-        self.speculative = speculative
+        self.draft_len = draft_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.retractions_total = 0
@@ -93,7 +94,7 @@ class Scheduler:
         i, drafts = 0, []
         while i < len(decodes):
             req = decodes[i]
-            k = self.speculative.draft_len(req) if self.speculative else 0
+            k = self.draft_len(req) if self.draft_len else 0
             try:
                 self._allocate_decode(req, k)
             except KVCacheFullError:
@@ -155,9 +156,10 @@ class Scheduler:
 
     # ---- after the forward ----
     def process(self, batch: ScheduledBatch, out: StepOutput) -> list[SeqUpdate]:
-        """Commit the step's KV, append the sampled tokens, check stops, let the drafter catch
-        up on what was committed, and finish what is done. A request whose own sampling, stop
-        check or finish raised ends alone (KV given back); the batch goes on."""
+        """Commit the step's KV, append the sampled tokens and check stops. A request whose
+        own sampling or stop check raised ends alone (KV given back); the batch goes on.
+        `finish` then ends what is done (after the drafter's catch-up, which reads the KV of
+        requests that finish this step)."""
         for s in batch.seqs:  # a verify committed only what it accepted
             if not s.num_drafts:
                 self.cache.commit(s.req.kv, s.end)
@@ -168,10 +170,10 @@ class Scheduler:
                 updates.append(self._fail(req, out.errors[req.rid]))
             elif req.rid in out.emitted:  # (a prefill chunk samples nothing)
                 updates.append(self._append(req, *out.emitted[req.rid], now))
-        if self.speculative is not None:
-            failed = {u.req.rid for u in updates if u.error}
-            going_on = {u.req.rid for u in updates if not (u.error or u.finished)}
-            self.speculative.catch_up(batch, out, going_on, failed)
+        return updates
+
+    def finish(self, updates: list[SeqUpdate]) -> list[SeqUpdate]:
+        """End the requests `process` found finished (a failed finish ends that one alone)."""
         return [self._finish(u) if u.finished else u for u in updates]
 
     def _append(

@@ -5,8 +5,12 @@ before the forward, verify after it, catch the EAGLE head up on what was committ
     drafts = speculative.propose(batch)       # chains for the decodes that speculate
     out = runner.run(batch, drafts)           # one target forward over inputs and drafts
     speculative.verify(batch, drafts, out)    # accepted runs into `out`, their KV committed
-    scheduler.process(batch, out)             # stops, then `catch_up`, then finishes
+    updates = scheduler.process(batch, out)   # commits, appends, stop checks
+    speculative.catch_up(batch, out, updates) # the EAGLE head over the committed positions
+    scheduler.finish(updates)                 # finished requests give their KV back
     speculative.finish_step(batch, out)       # the step's cost and yield -> the policy
+
+The engine makes every call but `draft_len`, which the scheduler makes while it allocates.
 
 Drafts come from an EAGLE head (proposer.py), from the sequence's own history (history.py), or
 from either, per request and step: the source whose recent acceptance promises more tokens.
@@ -19,7 +23,7 @@ KV and freeing the rejected drafts' slots, and the statistics.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 
 import torch
 
@@ -37,6 +41,7 @@ from sessionserve.replicas.step import (
     ChainDrafts,
     ScheduledBatch,
     ScheduledSeq,
+    SeqUpdate,
     StepOutput,
 )
 
@@ -166,17 +171,13 @@ class SpeculativeDecoder:
         )
         return verdict.tokens, lps
 
-    def catch_up(
-        self,
-        batch: ScheduledBatch,
-        out: StepOutput,
-        decoding: Collection[str],
-        skip: Collection[str],
-    ) -> None:
+    def catch_up(self, batch: ScheduledBatch, out: StepOutput, updates: list[SeqUpdate]) -> None:
         """Decide whether the next step drafts; then the EAGLE head's pass over every position
-        committed this step (see proposer.py). `decoding`: requests that go on decoding (they
-        get a guess when the next step drafts); `skip`: requests that failed this step (their
-        KV is gone)."""
+        committed this step (see proposer.py), before finished requests give their KV back.
+        Requests that go on decoding get a guess when the next step drafts; failed ones
+        (their KV is gone) are skipped."""
+        skip = {u.req.rid for u in updates if u.error}
+        decoding = {u.req.rid for u in updates if not (u.error or u.finished)}
         if self.policy is not None:
             self.drafting = self.policy.choose(len(decoding))
         if self.eagle is None or out.hidden is None:
