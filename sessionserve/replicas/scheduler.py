@@ -148,6 +148,7 @@ class Scheduler:
         self.cache.retract(req.kv, req.tokens)
         req.sampled = False
         req.draft = None
+        req.drafting.drop_deferred()
         req.retractions += 1
         self.retractions_total += 1
         self.running.remove(req)

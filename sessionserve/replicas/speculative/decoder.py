@@ -45,6 +45,10 @@ from sessionserve.replicas.step import (
     StepOutput,
 )
 
+# positions whose EAGLE catch-up may wait while a request does not draft (their hidden states
+# are kept: 2.3 KB a token for SmolLM2 in fp32); past it, the catch-up runs anyway
+MAX_DEFERRED = 512
+
 
 class SpeculativeDecoder:
     def __init__(
@@ -174,8 +178,10 @@ class SpeculativeDecoder:
     def catch_up(self, batch: ScheduledBatch, out: StepOutput, updates: list[SeqUpdate]) -> None:
         """Decide whether the next step drafts; then the EAGLE head's pass over every position
         committed this step (see proposer.py), before finished requests give their KV back.
-        Requests that go on decoding get a guess when the next step drafts; failed ones
-        (their KV is gone) are skipped."""
+        Requests that go on decoding get a guess when the next step drafts; when it does not,
+        their pass waits (with the hidden states) until one drafts again or ends, so a
+        replica whose policy turned drafting off does not pay for the head each step. Failed
+        requests (their KV is gone) are skipped."""
         skip = {u.req.rid for u in updates if u.error}
         decoding = {u.req.rid for u in updates if not (u.error or u.finished)}
         if self.policy is not None:
@@ -184,15 +190,22 @@ class SpeculativeDecoder:
             return
         entries = []
         for s in batch.seqs:
-            req = s.req
+            req, d = s.req, s.req.drafting
             if req.rid in skip:
+                d.drop_deferred()
                 continue
             first, end = out.layout[req.rid].flat_start, req.kv.committed_len
             p = req.sampling
             drafts_next = self.drafting or (p.seed is not None and not p.is_greedy)
-            wants = drafts_next and req.rid in decoding and self.eagle.eligible(req)
             hidden: torch.Tensor = out.hidden[first : first + end - s.start]
-            entries.append(CatchUp(req, s.start, end, hidden, wants))
+            going_on = req.rid in decoding
+            if going_on and not drafts_next and d.deferred_len < MAX_DEFERRED:
+                d.defer(s.start, hidden)  # no draft next step: catch up when one is wanted
+                req.draft = None
+                continue
+            start, hidden = d.take_deferred(s.start, hidden)
+            wants = drafts_next and going_on and self.eagle.eligible(req)
+            entries.append(CatchUp(req, start, end, hidden, wants))
         self.eagle.catch_up(entries)
 
     def finish_step(self, batch: ScheduledBatch, out: StepOutput) -> None:

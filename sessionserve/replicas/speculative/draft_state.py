@@ -77,6 +77,33 @@ class Drafting:
     log: TokenLog | None = None
     history_tokens: list[int] = field(default_factory=list)
     records: dict[str, SourceRecord] = field(default_factory=dict)
+    # the EAGLE head's catch-up put off while the request does not draft: from this position,
+    # with the target's hidden states since (run when drafting resumes or the request ends)
+    deferred_from: int | None = None
+    deferred_hidden: list[torch.Tensor] = field(default_factory=list)
 
     def record(self, source: DraftSource) -> SourceRecord:
         return self.records.setdefault(source, SourceRecord())
+
+    def defer(self, start: int, hidden: torch.Tensor) -> None:
+        if self.deferred_from is None:
+            self.deferred_from = start
+        self.deferred_hidden.append(hidden.clone())  # graph outputs are reused buffers
+
+    def take_deferred(self, start: int, hidden: torch.Tensor) -> tuple[int, torch.Tensor]:
+        """The deferred positions and this step's, as one catch-up."""
+        if self.deferred_from is None:
+            return start, hidden
+        first, chunks = self.deferred_from, self.deferred_hidden + [hidden]
+        self.drop_deferred()
+        return first, torch.cat(chunks)
+
+    @property
+    def deferred_len(self) -> int:
+        return sum(len(h) for h in self.deferred_hidden)
+
+    def drop_deferred(self) -> None:
+        """Forget a deferred catch-up (a retracted or failed request): the head's KV at those
+        positions stays unwritten, which can only lower its acceptance later, never change an
+        answer (every draft is verified)."""
+        self.deferred_from, self.deferred_hidden = None, []

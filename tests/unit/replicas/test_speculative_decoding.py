@@ -10,8 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from sessionserve.replicas.speculative.draft_state import Drafting
 from sessionserve.wire import FinishReason, SamplingParams
 from tests.models import hf_greedy, mimic_drafter, random_drafter, tiny_engine, tiny_model
+from tests.unit.replicas.test_spec_policy import FakeClock
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
 
@@ -111,12 +113,26 @@ def test_max_tokens_and_stop_tokens_inside_an_accepted_run_are_exact() -> None:
     assert terms.free == terms.total
 
 
-def test_drafter_kv_holds_exactly_the_committed_positions() -> None:
+@pytest.mark.parametrize("verify_cost", [None, 8.0])
+def test_drafter_kv_holds_exactly_the_committed_positions(
+    verify_cost: float | None, monkeypatch
+) -> None:
     """After a session's turns, the drafter's K at every parked slot equals what a fresh
     prefill of the whole history computes: the catch-up wrote every committed position with
-    the target's hidden states (no guessed chain entry survives)."""
+    the target's hidden states (no guessed chain entry survives). Also with the policy on and
+    verifies made dear (fake clock): most steps do not draft and put their catch-up off, which
+    runs when a step drafts again or the turn ends."""
     model = tiny_model(num_hidden_layers=1, seed=3)
-    engine = tiny_engine(model, drafter=lambda m: mimic_drafter(m, noise=0.05), page_size=1)
+    engine = tiny_engine(
+        model,
+        drafter=lambda m: mimic_drafter(m, noise=0.05),
+        page_size=1,
+        adaptive=verify_cost is not None,
+    )
+    if verify_cost is not None:
+        FakeClock(engine, plain=1.0, verify=verify_cost)
+        deferred, defer = [], Drafting.defer
+        monkeypatch.setattr(Drafting, "defer", lambda d, *a: (deferred.append(1), defer(d, *a)))
     fresh = tiny_engine(model, drafter=lambda m: mimic_drafter(m, noise=0.05), page_size=1)
     sid = engine.open_session()
     history: list[int] = []
@@ -133,6 +149,10 @@ def test_drafter_kv_holds_exactly_the_committed_positions() -> None:
     theirs = fresh.speculative.eagle.pool.k[0][match.slots[: kept - 1]]
     # the last parked position pairs with the token after it, which only this session knows
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+    if verify_cost is not None:
+        arms = engine.speculative.policy.summary()["1"]
+        assert arms["plain_steps"] > arms["spec_steps"] > 0
+        assert len(deferred) > 10  # catch-ups were put off, then run
     engine.close_session(sid)
     engine.cache.flush()
     terms = engine.checker.check_idle()
