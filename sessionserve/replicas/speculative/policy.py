@@ -6,9 +6,11 @@ drafts are accepted (the model, the drafter, the workload): neither is known bef
 So the engine measures both. Decode-only steps are timed from the first draft to the last
 commit, and each step's emitted tokens per second goes into one of two running means for its
 batch-size bucket: steps that verified drafts and steps that did not. The next step speculates
-when that arm is the faster one, except every `explore_every`-th decision in a bucket, which
-takes the other arm so its mean stays current; a bucket starts by trying both. A losing arm
-therefore costs about 1/`explore_every` of its gap (~2% when speculation halves throughput).
+when that arm is the faster one, except every n-th decision in a bucket, which takes the other
+arm so its mean stays current; a bucket starts by trying both. Re-checking a slower arm costs
+about its gap / n, so n grows with the gap: n = max(`explore_every`, gap / `explore_loss`),
+at most `max_explore_every` (a 16% gap is re-checked every 16 steps, a 50% gap every 50: about
+1% of throughput either way).
 """
 
 from __future__ import annotations
@@ -44,9 +46,13 @@ class SpecPolicy:
         explore_every: int = 16,
         smoothing: float = 0.2,
         warmup_steps: int = 2,
+        explore_loss: float = 0.01,
+        max_explore_every: int = 128,
     ) -> None:
         self.clock = clock
         self.explore_every = explore_every
+        self.explore_loss = explore_loss
+        self.max_explore_every = max_explore_every
         self.smoothing = smoothing
         self.warmup_steps = warmup_steps
         self.arms: dict[tuple[int, bool], Arm] = {}
@@ -65,7 +71,14 @@ class SpecPolicy:
         b = bucket(num_decodes)
         self._decisions[b] = n = self._decisions.get(b, 0) + 1
         best = on.tokens_per_s >= off.tokens_per_s
-        return (not best) if n % self.explore_every == 0 else best
+        return (not best) if n % self.recheck_every(on, off) == 0 else best
+
+    def recheck_every(self, on: Arm, off: Arm) -> int:
+        """Decisions between re-checks of the slower arm: more, the larger its gap."""
+        fast, slow = max(on.tokens_per_s, off.tokens_per_s), min(on.tokens_per_s, off.tokens_per_s)
+        gap = 1.0 - slow / fast if fast > 0 else 0.0
+        every = max(self.explore_every, round(gap / self.explore_loss))
+        return min(every, self.max_explore_every)
 
     def observe(self, num_decodes: int, speculated: bool, tokens: int, seconds: float) -> None:
         """One decode-only step: `tokens` emitted in `seconds`, drafts verified or not."""

@@ -20,21 +20,26 @@ def test_buckets_are_powers_of_two() -> None:
 
 
 def test_the_faster_arm_wins_and_the_slower_is_rechecked() -> None:
-    policy = SpecPolicy(explore_every=4, warmup_steps=2)
+    policy = SpecPolicy(explore_every=4, warmup_steps=2, explore_loss=0.05)
     assert policy.choose(8) is True  # a bucket tries drafting first ...
     policy.observe(8, True, tokens=8, seconds=1.0)
     policy.observe(8, True, tokens=8, seconds=1.0)
     assert policy.choose(8) is False  # ... then not drafting
-    policy.observe(8, False, tokens=8, seconds=0.5)
-    policy.observe(8, False, tokens=8, seconds=0.5)
+    policy.observe(8, False, tokens=8, seconds=0.9)
+    policy.observe(8, False, tokens=8, seconds=0.9)
     picks = [policy.choose(9) for _ in range(8)]  # 9 shares 8's bucket
-    assert picks == [False, False, False, True] * 2  # plain is faster; every 4th re-checks
+    # plain is 10% faster: re-checked every max(4, 0.1 / 0.05) = 4th decision
+    assert picks == [False, False, False, True] * 2
+    for _ in range(30):  # plain turns out twice as fast: re-checked every 0.5 / 0.05 = 10th
+        policy.observe(8, False, tokens=16, seconds=1.0)
+    picks = [policy.choose(8) for _ in range(20)]
+    assert [i for i, p in enumerate(picks, start=9) if p] == [10, 20]
     assert policy.choose(1) is True  # another bucket learns for itself
-    for _ in range(12):  # drafting turns out faster at 8 after all: the choice follows
-        policy.observe(8, True, tokens=24, seconds=1.0)
-    assert [policy.choose(8) for _ in range(4)] == [True, True, True, False]
+    for _ in range(40):  # drafting turns out faster at 8 after all: the choice follows
+        policy.observe(8, True, tokens=20, seconds=1.0)
+    assert policy.choose(8) is True
     summary = policy.summary()["8"]
-    assert summary["spec_tokens_per_s"] > summary["plain_tokens_per_s"] == 16.0
+    assert summary["spec_tokens_per_s"] > summary["plain_tokens_per_s"] > 15.9
 
 
 class FakeClock:
@@ -73,7 +78,7 @@ def test_the_engine_drafts_only_where_it_pays(verify_cost: float) -> None:
     decode_steps = arms["spec_steps"] + arms["plain_steps"]
     if verify_cost > 5:
         assert arms["spec_tokens_per_s"] < arms["plain_tokens_per_s"]
-        # 2 warm-up steps, then every 16th decision
+        # 2 warm-up steps, then at most every 16th decision
         assert arms["spec_steps"] <= 2 + decode_steps // 16 + 1
     else:
         assert arms["spec_tokens_per_s"] > arms["plain_tokens_per_s"]
