@@ -84,7 +84,7 @@ class SpeculativeDecoder:
         source; none for a constrained request (its drafts would have to pass its grammar's
         mask too) or one with penalties (they depend on every earlier token, drafts included)."""
         d = req.drafting
-        d.source = None
+        d.source, d.copying = None, False
         p = req.sampling
         if req.grammar is not None or p.has_penalties:
             return 0
@@ -164,6 +164,7 @@ class SpeculativeDecoder:
         self.cache.free_overallocation(req.kv)
         source = req.drafting.source or "eagle"
         req.drafting.record(source).observe(k, verdict.accepted)
+        req.drafting.copying = source == "history" and verdict.accepted == k
         req.spec.record(k, verdict.accepted)
         self.stats.record(k, verdict.accepted)
         self.by_source.setdefault(source, SpecStats()).record(k, verdict.accepted)
@@ -178,9 +179,10 @@ class SpeculativeDecoder:
     def catch_up(self, batch: ScheduledBatch, out: StepOutput, updates: list[SeqUpdate]) -> None:
         """Decide whether the next step drafts; then the EAGLE head's pass over every position
         committed this step (see proposer.py), before finished requests give their KV back.
-        Requests that go on decoding get a guess when the next step drafts; when it does not,
-        their pass waits (with the hidden states) until one drafts again or ends, so a
-        replica whose policy turned drafting off does not pay for the head each step. Failed
+        Requests that go on decoding get a guess when the next step drafts from the head; when
+        it does not (the policy turned drafting off, the request copies its history, or it
+        cannot draft), their pass waits (with the hidden states) until a guess is wanted or
+        the request ends, so the head costs nothing on steps that do not use it. Failed
         requests (their KV is gone) are skipped."""
         skip = {u.req.rid for u in updates if u.error}
         decoding = {u.req.rid for u in updates if not (u.error or u.finished)}
@@ -199,12 +201,12 @@ class SpeculativeDecoder:
             drafts_next = self.drafting or (p.seed is not None and not p.is_greedy)
             hidden: torch.Tensor = out.hidden[first : first + end - s.start]
             going_on = req.rid in decoding
-            if going_on and not drafts_next and d.deferred_len < MAX_DEFERRED:
-                d.defer(s.start, hidden)  # no draft next step: catch up when one is wanted
+            wants = drafts_next and going_on and self.eagle.eligible(req) and not d.copying
+            if going_on and not wants and d.deferred_len < MAX_DEFERRED:
+                d.defer(s.start, hidden)  # no guess needed next step: catch up when one is
                 req.draft = None
                 continue
             start, hidden = d.take_deferred(s.start, hidden)
-            wants = drafts_next and going_on and self.eagle.eligible(req)
             entries.append(CatchUp(req, start, end, hidden, wants))
         self.eagle.catch_up(entries)
 

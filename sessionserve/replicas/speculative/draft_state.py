@@ -77,6 +77,9 @@ class Drafting:
     log: TokenLog | None = None
     history_tokens: list[int] = field(default_factory=list)
     records: dict[str, SourceRecord] = field(default_factory=dict)
+    # this step's history drafts were all kept: the sequence is copying its context, so the
+    # next step will draft from history again and the head's guess is not needed
+    copying: bool = False
     # the EAGLE head's catch-up put off while the request does not draft: from this position,
     # with the target's hidden states since (run when drafting resumes or the request ends)
     deferred_from: int | None = None
