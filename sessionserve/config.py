@@ -150,8 +150,8 @@ class SpecConfig(_Strict):
         True,
         description="Measure decode tokens/s with and without drafts per batch size while "
         "serving, and draft only where it is faster (re-checking the other choice every 16th "
-        "step); cap each request's chain at what its recent verifies kept, plus one. false: "
-        "every eligible request drafts full chains on every step.",
+        "to 128th step, rarer the larger the gap); cap each request's chain at what its recent "
+        "verifies kept, plus one. false: every eligible request drafts full chains every step.",
     )
 
     @model_validator(mode="after")
@@ -165,6 +165,7 @@ class SpecConfig(_Strict):
 
     @property
     def enabled(self) -> bool:
+        """A draft source is configured (a head handed to `Engine` in memory is not seen here)."""
         return self.drafter_path is not None or self.history_drafts
 
 

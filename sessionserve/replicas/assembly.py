@@ -66,8 +66,7 @@ def build_runner(
 ) -> tuple[ModelRunner, SpeculativeDecoder | None]:
     """The runner and, when a drafter is given or configured or history drafts are on, the
     speculative decoder (which reports each verify's acceptance length to `on_verify`); both KV
-    pools are attached to the
-    cache (the drafter's KV parks and moves with the target's)."""
+    pools are attached to the cache (the drafter's KV parks and moves with the target's)."""
     runner = ModelRunner(model, *pool_and_backend(cfg, model, cache), cache)
     if cfg.cuda_graphs and runner.device.type == "cuda":
         most = min(cfg.scheduler.max_running_requests, cfg.cuda_graph_max_batch)
@@ -106,7 +105,7 @@ def build_speculative(
     """The speculative decoder over the EAGLE head and/or history drafts that `cfg.spec`
     asks for (None: neither)."""
     spec = cfg.spec
-    if drafter is None and spec.drafter_path is None and not spec.history_drafts:
+    if drafter is None and not spec.enabled:
         return None
     vocab = model.config.vocab_size
     eagle = history = None
