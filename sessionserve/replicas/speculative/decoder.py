@@ -88,9 +88,7 @@ class SpeculativeDecoder:
         p = req.sampling
         if req.grammar is not None or p.has_penalties:
             return 0
-        # the policy's timing-driven choice would make a seeded answer depend on the load: a
-        # seeded sampled request drafts by its own record only, so its seed reproduces it
-        if not self.drafting and (p.seed is None or p.is_greedy):
+        if not self._may_draft(req):
             return 0
         offers: list[tuple[float, int, DraftSource]] = []
         if self.history is not None:
@@ -105,6 +103,12 @@ class SpeculativeDecoder:
             return 0
         _, n, d.source = max(offers)
         return min(n, self._cap(req, d.source))
+
+    def _may_draft(self, req: Request) -> bool:
+        """The policy's choice, except for a seeded sampled request: a timing-driven choice
+        would make its answer depend on the load, so it drafts by its own record only."""
+        p = req.sampling
+        return self.drafting or (p.seed is not None and not p.is_greedy)
 
     def _expected(self, req: Request, source: DraftSource, n: int) -> float:
         """Drafts expected to be kept from a chain of `n` at this source's recent rate."""
@@ -197,12 +201,12 @@ class SpeculativeDecoder:
                 d.drop_deferred()
                 continue
             first, end = out.layout[req.rid].flat_start, req.kv.committed_len
-            p = req.sampling
-            drafts_next = self.drafting or (p.seed is not None and not p.is_greedy)
             hidden: torch.Tensor = out.hidden[first : first + end - s.start]
             going_on = req.rid in decoding
-            wants = drafts_next and going_on and self.eagle.eligible(req) and not d.copying
-            if going_on and not wants and d.deferred_len < MAX_DEFERRED:
+            wants = going_on and self._may_draft(req) and self.eagle.eligible(req)
+            wants = wants and not d.copying
+            waiting = 0 if d.deferred_from is None else s.start - d.deferred_from
+            if going_on and not wants and waiting < MAX_DEFERRED:
                 d.defer(s.start, hidden)  # no guess needed next step: catch up when one is
                 req.draft = None
                 continue

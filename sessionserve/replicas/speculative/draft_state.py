@@ -35,14 +35,13 @@ class TokenLog:
         self._buf = np.empty(0, dtype=np.int32)
         self.size = 0
 
-    def sync(self, tokens: list[int], start: int) -> None:
-        """Make the log hold `tokens`, which continue what it holds from position `start`."""
-        n = start + len(tokens)
+    def extend(self, tokens: list[int]) -> None:
+        n = self.size + len(tokens)
         if n > len(self._buf):
             grown = np.empty(max(n, 2 * len(self._buf), 256), dtype=np.int32)
             grown[: self.size] = self._buf[: self.size]
             self._buf = grown
-        self._buf[start:n] = tokens
+        self._buf[self.size : n] = tokens
         self.size = n
 
     @property
@@ -100,10 +99,6 @@ class Drafting:
         first, chunks = self.deferred_from, self.deferred_hidden + [hidden]
         self.drop_deferred()
         return first, torch.cat(chunks)
-
-    @property
-    def deferred_len(self) -> int:
-        return sum(len(h) for h in self.deferred_hidden)
 
     def drop_deferred(self) -> None:
         """Forget a deferred catch-up (a retracted or failed request): the head's KV at those

@@ -59,7 +59,7 @@ class HistoryProposer:
         d = req.drafting
         if d.log is None:
             d.log = TokenLog()
-        d.log.sync(req.token_slice(d.log.size, req.num_tokens), d.log.size)
+        d.log.extend(req.token_slice(d.log.size, req.num_tokens))  # the tokens since last step
         room = max(0, min(self.num_drafts, limit - req.num_tokens))
         found = continuation(d.log.array, room, self.min_match, self.max_match) if room else []
         d.history_tokens = [int(t) for t in found]
