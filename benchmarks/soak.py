@@ -31,6 +31,7 @@ import httpx  # noqa: E402
 import psutil  # noqa: E402
 
 from benchmarks.common import emit, local_serve  # noqa: E402
+from sessionserve.api.memory_trace import ENV as MEMORY_TRACE_ENV  # noqa: E402
 
 APP = "soak"
 
@@ -192,13 +193,36 @@ def sample(serve, processes: dict, rss0: dict) -> dict:
     return {"drift": drift, "rss": rss, "terms": terms, "check_failures": failures}
 
 
+def print_trace(traced: dict, ingress_rss: dict[str, int]) -> None:
+    """What the ingress's Python allocations grew by since the baseline, against its RSS."""
+    rss = ", ".join(f"{v / 2**20:.1f} MiB" for v in ingress_rss.values())
+    print(
+        f"ingress since the baseline: RSS +{rss}; Python allocations (tracemalloc) "
+        f"{traced['grown_bytes'] / 2**20:+.2f} MiB of {traced['traced_bytes'] / 2**20:.1f} MiB"
+    )
+    for entry in traced["top"]:
+        print(f"{entry['size_diff'] / 2**10:+10.1f} KiB {entry['count_diff']:+7d} blocks")
+        for frame in entry["traceback"][-6:]:
+            print(f"{'':>24}{frame}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--turns", type=int, default=3000, help="client actions in all")
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument("--report-every", type=int, default=500)
     ap.add_argument("--port", type=int, default=8124)
+    ap.add_argument(
+        "--trace-ingress",
+        type=int,
+        default=0,
+        metavar="FRAMES",
+        help="run tracemalloc in the ingress (FRAMES per allocation); after the first "
+        "--report-every actions take a baseline, and at the end print what grew since",
+    )
     args = ap.parse_args()
+    if args.trace_ingress:  # Ray's workers inherit the driver's environment
+        os.environ[MEMORY_TRACE_ENV] = str(args.trace_ingress)
     from ray import serve
 
     from sessionserve.app import build_app
@@ -211,6 +235,8 @@ def main() -> None:
         serve.run(build_app(app_args(model_dir)), name=APP, route_prefix="/")
         base = f"http://127.0.0.1:{args.port}"
         processes, rss0 = replica_processes(), {}
+        ingress = serve.get_deployment_handle("Ingress", app_name=APP)
+        rss_mark: dict[str, int] = {}  # RSS when the ingress's trace took its baseline
         samples.append(sample(serve, processes, rss0))
         started = time.monotonic()
 
@@ -227,6 +253,10 @@ def main() -> None:
                 except httpx.HTTPError as e:
                     client.count(f"transport:{type(e).__name__}")
                 if n % args.report_every == 0:
+                    if args.trace_ingress and n == args.report_every:
+                        traced = ingress.memory_trace.remote("mark").result(timeout_s=120)
+                        rss_mark.update(sample(serve, processes, {})["rss"])
+                        print(f"ingress tracemalloc baseline: {traced / 2**20:.1f} MiB traced")
                     s = sample(serve, processes, rss0)
                     samples.append(s)
                     grown = max((s["rss"][k] - rss0[k] for k in s["rss"]), default=0)
@@ -246,6 +276,10 @@ def main() -> None:
         time.sleep(1.0)  # let aborted turns finish aborting
         final = sample(serve, processes, rss0)
         idle = all(t["in_flight"] == 0 for t in final["terms"].values())
+        traced = ingress.memory_trace.remote("growth").result(timeout_s=300) if rss_mark else None
+    if traced is not None:
+        ingress_rss = {k: final["rss"][k] - v for k, v in rss_mark.items() if "Ingress" in k}
+        print_trace(traced, ingress_rss)
     growth = {k: round((final["rss"][k] - rss0[k]) / 2**20, 1) for k in final["rss"]}
     errors = {k: v for k, v in counts.items() if k.startswith(("5xx", "unexpected", "transport"))}
     print(f"{'process':>32} {'RSS growth MiB':>15}")
@@ -268,6 +302,16 @@ def main() -> None:
             "idle_at_end": idle,
             "rss_growth_mib": growth,
             "errors": errors,
+            **(
+                {
+                    "ingress_traced_growth_mib": round(traced["grown_bytes"] / 2**20, 2),
+                    "ingress_rss_growth_since_mark_mib": {
+                        k: round(v / 2**20, 1) for k, v in ingress_rss.items()
+                    },
+                }
+                if traced is not None
+                else {}
+            ),
         }
     )
 

@@ -1,7 +1,7 @@
 """The published OpenAPI schema: FastAPI's own, made to state what this deployment enforces.
 
 A schema-valid request must never be refused for a reason the schema does not state. The
-request models (protocol.py, responses_api.py) carry the fixed rules; this module adds what
+request models (protocol.py, responses/protocol.py) carry the fixed rules; this module adds what
 only the running deployment knows, once, when the schema is first asked for:
 - the session header (its name is configurable) on the routes that read it, with the id rule;
 - the largest `max_tokens` the context allows (the rule "input + max_tokens fits the context"

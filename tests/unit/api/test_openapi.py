@@ -18,7 +18,7 @@ from sessionserve.api.errors import install_error_handlers
 from sessionserve.api.ingress import app
 from sessionserve.api.openapi import published_schema
 from sessionserve.api.protocol import ChatCompletionRequest, CompletionRequest
-from sessionserve.api.responses_api import ResponseCreate, parse_input
+from sessionserve.api.responses.protocol import ResponseCreate, parse_input
 from sessionserve.errors import InvalidRequestError
 from sessionserve.replicas.request import check_prompt_ids
 from sessionserve.wire import SamplingParams

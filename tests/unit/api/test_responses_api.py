@@ -7,13 +7,11 @@ from dataclasses import replace
 
 import pytest
 
-from sessionserve.api.responses_api import (
+from sessionserve.api.responses.objects import ResponseDraft, ResponseEvents, item_page
+from sessionserve.api.responses.protocol import (
     ResponseCreate,
-    ResponseDraft,
-    ResponseEvents,
     chat_messages,
     drop_oldest_turn,
-    item_page,
     message_item,
     parse_input,
 )
