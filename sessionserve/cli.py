@@ -19,6 +19,7 @@ def _demo(args: argparse.Namespace) -> int:
     """A multi-turn conversation on one streaming session, in-process (no Ray yet)."""
     from sessionserve.config import CacheConfig, EngineConfig, ModelConfig
     from sessionserve.replicas.engine import Engine
+    from sessionserve.replicas.prompts import chat_input_ids
     from sessionserve.wire import SamplingParams
 
     print("sessionserve demo: the replica engine in-process (no Ray): one session, several")
@@ -32,14 +33,12 @@ def _demo(args: argparse.Namespace) -> int:
     )
     engine = Engine(cfg)
     print(f"loaded {engine.model_name} in {time.monotonic() - t0:.1f} s\n")
-    tok, sid = engine.tokenizer, engine.open_session()
+    sid = engine.open_session()
     messages: list[dict] = []
     greedy = SamplingParams(max_tokens=args.max_tokens, temperature=0)
     for question in DEMO_TURNS[: args.turns]:
         messages.append({"role": "user", "content": question})
-        ids = tok.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=False
-        )
+        ids = chat_input_ids(engine.tokenizer, engine.model_name, messages)
         (r,) = engine.generate([ids], greedy, session_id=sid, mode="chat")
         messages.append({"role": "assistant", "content": r.text})
         print(f"user> {question}\nassistant> {r.text}")

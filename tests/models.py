@@ -147,13 +147,16 @@ def tiny_engine(
     sliding_slots: int | None = None,
     compile: bool | str = False,
     compile_cache_dir: str | None = None,
+    metrics=None,
+    reclaim_sessions_at_limit: bool = False,
     **session_kw,
 ) -> Engine:
     """An engine (checking memory every step unless told otherwise) around a (copy of a) tiny
     model, on `device` (default: the test device). `drafter`: a function making an EAGLE head
     for the copied model (e.g. `mimic_drafter`), to speculate. `history_drafts`: draft from
     each sequence's own history too; `adaptive`: the online drafting policy (off here, so a
-    test's drafts do not depend on timing)."""
+    test's drafts do not depend on timing). `metrics`, `reclaim_sessions_at_limit`: as
+    `Engine` takes them (a served replica's exporter; its session reclaiming)."""
     device = device or engine_device()
     model = copy.deepcopy(model) if model is not None else tiny_model()
     head = drafter(model) if drafter is not None else None  # built on CPU, moved with it
@@ -186,7 +189,14 @@ def tiny_engine(
         compile_cache_dir=compile_cache_dir,
     )
     tokenizer = tokenizer or word_tokenizer()
-    return Engine(cfg, LoadedModel(model, tokenizer, "tiny", "tests"), drafter=head)
+    loaded = LoadedModel(model, tokenizer, "tiny", "tests")
+    return Engine(
+        cfg,
+        loaded,
+        metrics=metrics,
+        drafter=head,
+        reclaim_sessions_at_limit=reclaim_sessions_at_limit,
+    )
 
 
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:

@@ -61,9 +61,13 @@ class Engine:
         loaded: LoadedModel | None = None,
         metrics: EngineMetrics | None = None,
         drafter: EagleDrafter | None = None,
+        reclaim_sessions_at_limit: bool = False,
     ):
-        """`drafter`: an EAGLE head already attached to the model (tests build one in memory);
-        otherwise `config.spec.drafter_path` is loaded when set."""
+        """`metrics`: where the engine reports (a served replica's exporter; default: nowhere).
+        `drafter`: an EAGLE head already attached to the model (tests build one in memory);
+        otherwise `config.spec.drafter_path` is loaded when set. `reclaim_sessions_at_limit`:
+        at `sessions.max_sessions`, a new session takes the least recently used idle one's
+        slot (`SessionController`; the served replica, whose turns bring their whole input)."""
         self.config = cfg = config or EngineConfig()
         if cfg.model.torch_threads:
             torch.set_num_threads(cfg.model.torch_threads)
@@ -75,8 +79,7 @@ class Engine:
         self.vocab_size = model.config.vocab_size
         self.metrics = metrics or EngineMetrics()
         self.cache = build_cache(cfg, model.config)
-        # metrics are looked up at each use: the served replica swaps in its exporter later
-        on_verify = lambda n: self.metrics.on_spec_step(n)  # noqa: E731
+        on_verify = self.metrics.on_spec_step
         self.runner, self.speculative = build_runner(cfg, model, self.cache, on_verify, drafter)
         self.context_limit = context_limit(cfg, self.cache)
         self.stopper = StopChecker(self.tokenizer, cfg.cache.max_context_len)
@@ -84,9 +87,11 @@ class Engine:
         self.scheduler = Scheduler(
             self.cache, cfg.scheduler, self.stopper, spec.draft_len if spec else None
         )
-        self.sessions = SessionController(self.cache, cfg.sessions, self._decode_verbatim())
+        self.sessions = SessionController(
+            self.cache, cfg.sessions, self._decode_verbatim(), reclaim_sessions_at_limit
+        )
         self.outputs = OutputProcessor(
-            self.tokenizer, self.sessions, self.scheduler.release, lambda: self.metrics
+            self.tokenizer, self.sessions, self.scheduler.release, self.metrics
         )
         self.checker = MemoryChecker(self.cache)
         self.check_schedule = CheckSchedule(cfg.memory_check, cfg.memory_check_period_s)

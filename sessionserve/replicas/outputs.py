@@ -43,10 +43,9 @@ class OutputProcessor:
         tokenizer: Any | None,
         sessions: SessionController,
         release: Callable[[Request], None],
-        metrics: Callable[[], EngineMetrics],
+        metrics: EngineMetrics,
     ) -> None:
-        """`release` gives a request's KV back (the scheduler's one abort/fail path);
-        `metrics` is looked up per use: the served replica swaps in its exporter later."""
+        """`release` gives a request's KV back (the scheduler's one abort/fail path)."""
         self.tokenizer = tokenizer
         self.sessions = sessions
         self.release = release
@@ -74,7 +73,7 @@ class OutputProcessor:
         phase = "decode" if req.sampled else ("prefill" if req.kv.is_live else "queued")
         self.release(req)
         req.finish_reason, req.finish_message = FinishReason.ABORT, message
-        self.metrics().on_abort(phase)
+        self.metrics.on_abort(phase)
         return self._close(req, success=False)
 
     def dispatch(self, events: list[StepEvent]) -> None:
@@ -110,7 +109,7 @@ class OutputProcessor:
             f"generating this request failed on the replica ({type(exc).__name__}); it was "
             "stopped alone and its KV freed; retry it"
         )
-        self.metrics().on_abort("decode" if req.sampled else "prefill")
+        self.metrics.on_abort("decode" if req.sampled else "prefill")
         return self._close(req, success=False, text="")
 
     def _close(self, req: Request, success: bool, text: str | None = None) -> StepEvent:
@@ -119,7 +118,7 @@ class OutputProcessor:
             self.sessions.turn_ended(req.session_id, success)
         self.requests.pop(req.rid, None)
         result = RequestResult.of(req, answer_text(self.tokenizer, req) if text is None else text)
-        self.metrics().on_finish(result)
+        self.metrics.on_finish(result)
         if req.rid not in self.listeners:  # a listener gets it in its last event instead
             self.results[req.rid] = result
         return StepEvent(req.rid, [], result)

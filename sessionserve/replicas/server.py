@@ -20,30 +20,26 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from sessionserve.config import EngineConfig
+from sessionserve.config import EngineConfig, served_model_name
 from sessionserve.errors import (
     EngineUnavailableError,
-    InvalidRequestError,
     MemoryInvariantError,
-    RequestFailedError,
     UnknownReplicaError,
 )
 from sessionserve.faults import fault_point
 from sessionserve.metrics import RayEngineMetrics
 from sessionserve.replicas import client_error_logs
-from sessionserve.replicas.detokenize import IncrementalText
 from sessionserve.replicas.engine import Engine
 from sessionserve.replicas.engine_loop import EngineLoop
 from sessionserve.replicas.migration import SessionMover
 from sessionserve.replicas.outputs import StepEvent
-from sessionserve.replicas.request import RequestResult, TokenLogprob
+from sessionserve.replicas.prompts import chat_input_ids, prompt_ids
 from sessionserve.replicas.sessions import SessionExport, SessionSeed
-from sessionserve.replicas.tools.formats import call_syntax, render_messages, tool_grammar
+from sessionserve.replicas.tools.formats import call_syntax, tool_grammar
 from sessionserve.replicas.tools.parser import ToolCallParser
+from sessionserve.replicas.turn_output import TurnOutput
 from sessionserve.wire import (
-    FinishReason,
     GenerateCall,
-    LogprobEntry,
     SamplingParams,
     TurnDelta,
     TurnResult,
@@ -59,32 +55,31 @@ class ReplicaServer:
         engine: Engine | None = None,
         directory_shards: int = 1,
     ) -> None:
-        """`engine`: one built by the caller (tests, scripts); else one from `engine_config`.
-        `directory_shards`: the app's `directory.shards` (a migration re-pins there)."""
+        """`engine`: one built by the caller (tests, scripts), used as it is; else one from
+        `engine_config`, exporting its metrics when in Serve. `directory_shards`: the app's
+        `directory.shards` (a migration re-pins there)."""
         self.directory_shards = directory_shards
+        self.replica_id, self.app_name, self.deployment = _serve_identity()
         client_error_logs.show_our_logs()  # before the engine: its build logs progress
-        self.engine = engine or Engine(EngineConfig.model_validate(engine_config))
-        # every call brings its whole input (see GenerateCall), so a full replica may give an
-        # idle session's slot to a new one: that session's next turn re-prefills
-        self.engine.sessions.reclaim_at_limit = True
+        if self.app_name is not None:
+            client_error_logs.install()  # Serve's "Request failed." for a 4xx: one INFO line
+        self.engine = engine or self._build_engine(EngineConfig.model_validate(engine_config))
         self.streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self.loop = EngineLoop(self.engine, on_death=self._end_streams)
         self.loop.start()
-        try:
-            from ray import serve
-
-            context = serve.get_replica_context()
-            self.replica_id = context.replica_id.unique_id
-            self.app_name, self.deployment = context.app_name, context.deployment
-        except Exception:  # constructed outside Serve (tests, scripts): no metrics export
-            self.replica_id, self.app_name, self.deployment = "local", None, None
-        else:
-            self.engine.metrics = RayEngineMetrics(self.replica_id, self.engine.model_name)
-            client_error_logs.install()  # Serve's "Request failed." for a 4xx: one INFO line
         self.mover = SessionMover(self.engine, self._run, self.replica_id)
         self.tool_syntax = call_syntax(self.engine.tokenizer)  # how this model writes calls
         self._peer_handles: tuple[Any, Any] | None = None
         self._stopped = self._stopping = False
+
+    def _build_engine(self, cfg: EngineConfig) -> Engine:
+        """Every call brings its whole input (see GenerateCall), so a full replica may give an
+        idle session's slot to a new one: that session's next turn re-prefills."""
+        served = self.app_name is not None  # else: outside Serve, no metrics export
+        metrics = (
+            RayEngineMetrics(self.replica_id, served_model_name(cfg.model)) if served else None
+        )
+        return Engine(cfg, metrics=metrics, reclaim_sessions_at_limit=True)
 
     # ---- generation ----
     async def generate(self, call: GenerateCall) -> AsyncIterator[TurnDelta | TurnResult]:
@@ -99,8 +94,7 @@ class ReplicaServer:
         # holds); append mode brings the new prompt, extending this replica's history of the
         # session (the directory's failover log goes to a replica lacking it, on its demand).
         seed = SessionSeed(call.ttl_s, call.history_ids, call.log_tokens)
-        done, text_sent = False, ""
-        answer = IncrementalText(self.engine.tokenizer)  # O(new tokens) per event
+        output = TurnOutput(self.engine.tokenizer, sampling, tools, self.replica_id)
         await self.mover.admit_turn(call.session_id)  # moved elsewhere: the ingress re-routes
         self.streams[rid] = (aio, events)  # before submitting: a death in between is seen
         try:
@@ -114,32 +108,15 @@ class ReplicaServer:
                 listener=lambda e: aio.call_soon_threadsafe(events.put_nowait, e),
                 open_missing=seed,
             )
-            while not done:
+            while not output.done:
                 event = await events.get()
                 if isinstance(event, Exception):  # the engine thread died
                     raise event
-                done = event.result is not None
-                if done and event.result.finish_reason is FinishReason.ERROR:
-                    raise RequestFailedError(event.result.finish_message or "request failed")
-                if event.text is None:  # else the engine decoded it already (stop strings)
-                    answer.extend(event.new_token_ids)
-                so_far = answer.text if event.text is None else event.text
-                text = (event.result.text or "") if done else self._visible_text(so_far, sampling)
-                piece, calls = text[len(text_sent) :], []
-                text_sent = text
-                if tools is not None:  # the calls apart from the content
-                    piece, calls = tools.feed(piece)
-                    if done:
-                        rest, last = tools.finish()
-                        piece, calls = piece + rest, calls + last
-                if event.new_token_ids or piece or calls:
-                    logprobs = self._logprob_entries(event.new_logprobs)
-                    yield TurnDelta(event.new_token_ids, piece, logprobs, calls)
-                if done:
-                    yield _result(event.result, self.replica_id, tools)
+                for piece in output.feed(event):
+                    yield piece
         finally:
             self.streams.pop(rid, None)
-            if not done and self.loop.error is None:
+            if not output.done and self.loop.error is None:
                 # the caller went away: abort, keeping what the session committed
                 with contextlib.suppress(Exception, asyncio.CancelledError):
                     await self._run(self.engine.abort, rid, "client disconnected")
@@ -147,20 +124,6 @@ class ReplicaServer:
     async def _run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """`fn` on the engine thread (queued before this returns, even if cancelled)."""
         return await asyncio.wrap_future(self.loop.call(functools.partial(fn, *args, **kwargs)))
-
-    @staticmethod
-    def _visible_text(text: str, sampling: SamplingParams) -> str:
-        """The answer so far, minus a tail that might still become a stop string (so what is
-        sent is always a prefix of the final answer)."""
-        hold = max((len(s) - 1 for s in sampling.stop), default=0)
-        return text[: max(0, len(text) - hold)]
-
-    def _logprob_entries(self, lps: list[TokenLogprob]) -> list[LogprobEntry]:
-        tok = self.engine.tokenizer
-        return [
-            (tok.decode([lp.token_id]), lp.logprob, [(tok.decode([t]), v) for t, v in lp.top])
-            for lp in lps
-        ]
 
     def _sampling(self, call: GenerateCall) -> SamplingParams:
         """The call's sampling; with tools, the grammar of the calls (and of a JSON answer)."""
@@ -171,35 +134,12 @@ class ReplicaServer:
         return sampling.model_copy(update={"lark_grammar": grammar, "json_schema": None})
 
     def _input_ids(self, call: GenerateCall) -> list[int]:
+        """Chat mode: the whole conversation; append mode: only the new tokens (the session's
+        come before them)."""
         tok = self.engine.tokenizer
         if call.messages is not None:
-            if getattr(tok, "chat_template", None) is None:
-                raise InvalidRequestError(
-                    f"messages: {self.engine.model_name} is a base model with no chat template, "
-                    "so it cannot take chat messages; send a prompt to /v1/completions",
-                    param="messages",
-                )
-            messages, extra = call.messages, {}
-            if call.tool_use is not None or any(
-                m.get("tool_calls") or m["role"] == "tool" for m in messages
-            ):
-                messages, extra = render_messages(tok, messages, call.tool_use)
-            try:
-                return list(
-                    tok.apply_chat_template(
-                        messages,
-                        add_generation_prompt=True,
-                        tokenize=True,
-                        return_dict=False,
-                        **extra,
-                    )
-                )
-            except Exception as e:  # a template that rejects the roles or order
-                raise InvalidRequestError(f"messages: {e}", param="messages") from None
-        prompt = call.prompt  # append mode: only the new tokens (the session's come after)
-        if isinstance(prompt, list):
-            return list(prompt)
-        return tok(prompt or "", add_special_tokens=False).input_ids
+            return chat_input_ids(tok, self.engine.model_name, call.messages, call.tool_use)
+        return prompt_ids(tok, call.prompt)
 
     # ---- sessions ----
     async def close_session(self, session_id: str, replica: str | None = None) -> bool:
@@ -355,6 +295,18 @@ class ReplicaServer:
                 pass
 
 
+def _serve_identity() -> tuple[str, str | None, str | None]:
+    """This replica's id, app and deployment names; ("local", None, None) outside Serve
+    (tests, scripts)."""
+    try:
+        from ray import serve
+
+        context = serve.get_replica_context()
+    except Exception:
+        return "local", None, None
+    return context.replica_id.unique_id, context.app_name, context.deployment
+
+
 def _node_id() -> str | None:
     """This process's Ray node, None outside Ray (asking Ray's runtime context there would
     start a local Ray cluster)."""
@@ -363,29 +315,3 @@ def _node_id() -> str | None:
     if not ray.is_initialized():
         return None
     return ray.get_runtime_context().get_node_id()
-
-
-def _result(r: RequestResult, replica: str, tools: ToolCallParser | None = None) -> TurnResult:
-    """The turn's final record; with tools, its content and calls apart (an answer that
-    ended with calls finishes as "tool_calls", as OpenAI's do)."""
-    result = TurnResult(
-        finish_reason=r.finish_reason.value,
-        finish_message=r.finish_message,
-        text=r.text,
-        output_ids=r.output_ids,
-        prompt_tokens=r.prompt_tokens,
-        completion_tokens=r.completion_tokens,
-        cached_tokens=r.cached_tokens,
-        cached_source=r.cached_source,
-        log_base=r.log_base,  # the session's token log after this turn: cut there, then
-        log_tail=r.input_ids[r.log_base :] + r.output_ids,  # this
-        spec_drafted=r.spec_drafted,
-        spec_accepted=r.spec_accepted,
-        ttft_s=r.ttft_s,
-        replica=replica,
-    )
-    if tools is not None:
-        result.text, result.tool_calls = tools.content, tools.made
-        if result.tool_calls and result.finish_reason == FinishReason.STOP:
-            result.finish_reason = "tool_calls"
-    return result

@@ -83,18 +83,19 @@ class SessionController:
         cache: SessionCache,
         config: SessionConfig,
         decode: Callable[[list[int]], str] | None = None,
+        reclaim_at_limit: bool = False,
     ) -> None:
         """`decode`: the tokenizer's, keeping special tokens and spaces (chat turns keep the
-        session's own tokens where the conversation's text is unchanged, retokenize.py)."""
+        session's own tokens where the conversation's text is unchanged, retokenize.py).
+        `reclaim_at_limit`: at max_sessions, give the least recently used idle session's slot
+        to the new one. Only safe where every turn brings its whole input (the served
+        replica: the ingress sends the conversation or the directory's token log), so a
+        reclaimed session's next turn re-prefills it; an in-process caller relying on the
+        slot's history keeps the 429 instead."""
         self.cache = cache
         self.config = config
         self.decode = decode
-        # At max_sessions, give the least recently used idle session's slot to the new one.
-        # Only safe where every turn brings its whole input (the served replica: the ingress
-        # sends the conversation or the directory's token log), so a reclaimed session's next
-        # turn re-prefills it; an in-process caller relying on the slot's history keeps the
-        # 429 instead.
-        self.reclaim_at_limit = False
+        self.reclaim_at_limit = reclaim_at_limit
         self.reclaimed_total = 0
         self._last_reap = time.monotonic()
 

@@ -173,8 +173,7 @@ def test_a_full_replica_gives_the_least_recently_used_idle_slot_to_a_new_session
     with pytest.raises(TooManySessionsError):
         plain.open_session("c")
 
-    engine = tiny_engine(model, max_sessions=2)
-    engine.sessions.reclaim_at_limit = True
+    engine = tiny_engine(model, max_sessions=2, reclaim_sessions_at_limit=True)
     conversation = {sid: [5 + i, 6 + i, 7 + i] for i, sid in enumerate(("a", "b"))}
     first = {}
     for sid, ids in conversation.items():  # "a" is the least recently used

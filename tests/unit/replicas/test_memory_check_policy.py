@@ -12,8 +12,8 @@ from tests.models import tiny_engine
 P = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
 
-def engine_with(policy: str, period_s: float = 10.0):
-    return tiny_engine(memory_check=policy, memory_check_period_s=period_s)
+def engine_with(policy: str, period_s: float = 10.0, metrics=None):
+    return tiny_engine(memory_check=policy, memory_check_period_s=period_s, metrics=metrics)
 
 
 def steps(engine, n: int) -> None:
@@ -81,8 +81,8 @@ class RecordingMetrics:
 def test_gauges_report_what_the_engine_holds_and_check_the_invariant() -> None:
     """Gauges are read off the engine's parts each step (a served replica exports them), and
     reporting checks the invariant even with `memory_check: off`."""
-    engine = engine_with("off")
-    metrics = engine.metrics = RecordingMetrics()  # as the served replica swaps its exporter in
+    metrics = RecordingMetrics()  # as a served replica gives its exporter
+    engine = engine_with("off", metrics=metrics)
     sid = engine.open_session()
     engine.submit([5, 6, 7], P, session_id=sid)
     engine.submit([8, 9], P)

@@ -230,8 +230,10 @@ def test_each_verify_reaches_the_metrics_the_engine_has_now() -> None:
         def on_spec_step(self, accept_len: int) -> None:
             self.lengths.append(accept_len)
 
-    engine = tiny_engine(tiny_model(num_hidden_layers=1, seed=3), drafter=mimic_drafter)
-    engine.metrics = recorder = Recorder()
+    recorder = Recorder()
+    engine = tiny_engine(
+        tiny_model(num_hidden_layers=1, seed=3), drafter=mimic_drafter, metrics=recorder
+    )
     (r,) = engine.generate(_prompts(0, (9,)), GREEDY)
     assert len(recorder.lengths) == r.spec_steps > 0
     assert sum(recorder.lengths) == r.spec_accepted + r.spec_steps
