@@ -27,7 +27,7 @@ import time
 import ray
 
 from benchmarks.common import emit
-from sessionserve.router.directory_client import DirectoryClient, get_directory
+from sessionserve.directory.client import DirectoryClient, get_directory
 
 NEW_TOKENS = 64
 HISTORIES = {"1k": 1_000, "32k": 32_000, "128k": 128_000}

@@ -45,8 +45,8 @@ from sessionserve.api.security import (
 from sessionserve.api.session_admin import SessionAdmin
 from sessionserve.api.turns import TurnStream, TurnTransport
 from sessionserve.config import AppConfig, served_model_name
+from sessionserve.directory.client import get_directory
 from sessionserve.errors import UnknownModelError, UnknownSessionError
-from sessionserve.router.directory_client import get_directory
 from sessionserve.wire import GenerateCall, SamplingParams, TurnDelta, TurnResult
 
 log = logging.getLogger(__name__)

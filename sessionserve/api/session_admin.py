@@ -1,7 +1,7 @@
 """The session API's work, with no HTTP in it: open, look up, close, move and park a session,
 and the session fields a turn carries to its replica.
 
-The directory (`router/directory.py`) owns what a session is: its owner, TTL, pin, token log
+The directory (`directory/state.py`) owns what a session is: its owner, TTL, pin, token log
 and committed-turn count; this class asks it, and reaches the session's replica through the
 deployment handle (the session router pins the call) for what only the replica knows (the KV
 it holds) or does (move, park, free).

@@ -18,13 +18,13 @@ from dataclasses import replace
 from typing import Any, Protocol
 
 from sessionserve.api.errors import response_for
+from sessionserve.directory.client import DirectoryClient
 from sessionserve.errors import (
     SessionLogNeededError,
     SessionMovedError,
     UnknownSessionError,
     unwrap,
 )
-from sessionserve.router.directory_client import DirectoryClient
 from sessionserve.router.pin_cache import forget_pin, rebalance_plan
 from sessionserve.wire import GenerateCall, TurnDelta, TurnResult
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import enum
 import itertools
-import time
 from dataclasses import dataclass, field
 
 from sessionserve.cache.radix import RadixNode
@@ -65,8 +64,9 @@ class SessionSlot:
     (len == committed_len); normally a prefix of `history`, longer only while a retracted turn's
     KV is parked. `turn_rid` marks the one turn in flight; `borrower` is the live request using
     the row (checked against the live batch by the memory checker, never trusted for accounting).
-    The slot is also the session's whole record on its replica (TTL, turns): nothing else holds
-    session state there.
+    The slot holds KV and what KV policy needs (the LRU tick, eviction count), nothing else:
+    the session's activity clock, TTL and turn count are the session controller's
+    (`replicas/sessions.py`), its failover log and committed turns the directory's.
     """
 
     session_id: str
@@ -83,14 +83,6 @@ class SessionSlot:
     closing: bool = False
     last_used: int = field(default_factory=lru_tick)
     evictions: int = 0
-    # the session's own record (the replica's one place for it): idle TTL, counters
-    ttl_s: float | None = None
-    created_at: float = field(default_factory=time.time)
-    last_active: float = field(default_factory=time.monotonic)  # a turn started or ended
-    # successful turns this replica ran (the in-process API's count). The served view reports
-    # the directory's count of committed turns instead, which a retried turn whose answer was
-    # lost does not inflate: only the directory can tell a retry from a new turn.
-    turns: int = 0
 
     @property
     def holds_kv(self) -> bool:

@@ -204,7 +204,7 @@ class ReplicaServer:
         if self._peer_handles is None:
             from ray import serve
 
-            from sessionserve.router.directory_client import get_directory
+            from sessionserve.directory.client import get_directory
 
             handle = serve.get_deployment_handle(self.deployment, self.app_name)
             directory = get_directory(self.app_name, shards=self.directory_shards)

@@ -1,10 +1,11 @@
 """The session controller: open/close, TTL, and how a turn's input is built.
 
-KV, the one-turn-in-flight rule and the session's record (TTL, turns: `SessionSlot`) live in
-the cache (`SessionCache`); this layer adds what the API needs on top: generated ids, implicit
-open, reaping idle sessions past their TTL, and the input of a turn: append mode adds the new
-tokens to the session's history (prompts and answers so far); chat mode takes the client's
-whole conversation, and the cache reuses the longest prefix it holds.
+KV and the one-turn-in-flight rule live in the cache (`SessionCache`, a `SessionSlot` per
+session); this layer adds what the API needs on top: generated ids, implicit open, each
+session's activity clock and the idle TTL it is read against (`ReplicaSession`), reaping idle
+sessions past it, and the input of a turn: append mode adds the new tokens to the session's
+history (prompts and answers so far); chat mode takes the client's whole conversation, and the
+cache reuses the longest prefix it holds.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from sessionserve.cache.kv_snapshot import KVSnapshot
 from sessionserve.cache.request_kv import RequestKV
@@ -50,10 +51,22 @@ class SessionSeed:
         return self.log_tokens != len(history)
 
 
+@dataclass
+class ReplicaSession:
+    """What this replica keeps of a session besides its KV: the activity clock, the idle TTL it
+    is read against (the directory's, which every served turn brings; refreshed then) and the
+    turns run here (the in-process API's count; a served client reads the directory's count of
+    committed turns, which a retried turn whose answer was lost does not inflate)."""
+
+    ttl_s: float | None
+    last_active: float = field(default_factory=time.monotonic)  # a turn started or ended
+    turns_here: int = 0
+
+
 @dataclass(frozen=True)
 class SessionInfo:
     session_id: str
-    turns: int
+    turns: int  # turns run on this replica (`ReplicaSession.turns_here`)
     history_tokens: int  # the token log: prompts and answers of every successful turn
     held_tokens: int  # KV resident for this session right now (0 after eviction)
     turn_in_flight: bool
@@ -97,6 +110,9 @@ class SessionController:
         self.decode = decode
         self.reclaim_at_limit = reclaim_at_limit
         self.reclaimed_total = 0
+        # one per session slot of the cache; dropped when its slot goes (a deferred close
+        # completes when its turn ends)
+        self.records: dict[str, ReplicaSession] = {}
         self._last_reap = time.monotonic()
 
     def open(self, session_id: str | None = None, ttl_s: float | None = None) -> str:
@@ -107,13 +123,18 @@ class SessionController:
             raise InvalidConfigError(f"ttl_s={ttl_s}: must be > 0 seconds")
         if self.reclaim_at_limit and len(self.cache.session_slots) >= self.config.max_sessions:
             self._reclaim_one()
-        slot = self.cache.open_session(sid)
-        slot.ttl_s = ttl_s if ttl_s is not None else self.config.default_ttl_s
+        self.cache.open_session(sid)
+        self.records[sid] = ReplicaSession(
+            ttl_s if ttl_s is not None else self.config.default_ttl_s
+        )
         return sid
 
     def close(self, session_id: str) -> bool:
         """True if closed now; False if deferred until the running turn ends."""
-        return self.cache.close_session(session_id)
+        closed = self.cache.close_session(session_id)
+        if closed:
+            self.records.pop(session_id, None)
+        return closed
 
     def start_turn(
         self,
@@ -153,7 +174,10 @@ class SessionController:
         if mode == "chat" and self.decode is not None and slot.history:
             new_ids = continue_history(slot.history, new_ids, self.decode)
         kv = self.cache.start_turn(session_id, rid)
-        slot.last_active = time.monotonic()
+        record = self.records[session_id]
+        record.last_active = time.monotonic()
+        if seed.ttl_s is not None:  # the directory's TTL, which a turn brings: it may change
+            record.ttl_s = seed.ttl_s
         full = slot.history + new_ids if mode == "append" else list(new_ids)
         in_sync = open_missing is None or not seed.differs_from(slot.history)
         return kv, full, common_prefix_len(slot.history, full) if in_sync else 0
@@ -164,10 +188,12 @@ class SessionController:
         self.turn_ended(session_id, success=False)
 
     def turn_ended(self, session_id: str, success: bool) -> None:
-        slot = self.cache.session_slots.get(session_id)  # None: a deferred close completed
-        if slot is not None:
-            slot.last_active = time.monotonic()
-            slot.turns += int(success)
+        if session_id not in self.cache.session_slots:  # a deferred close completed
+            self.records.pop(session_id, None)
+            return
+        record = self.records[session_id]
+        record.last_active = time.monotonic()
+        record.turns_here += int(success)
 
     def idle(self) -> list[str]:
         """Open sessions with no turn in flight, most recently used first."""
@@ -176,22 +202,23 @@ class SessionController:
 
     def info(self, session_id: str) -> SessionInfo:
         slot = self.cache.session(session_id)
+        record = self.records[session_id]
         held = self.cache.slot_held_tokens(slot) if slot.holds_kv else 0
         return SessionInfo(
             session_id,
-            slot.turns,
+            record.turns_here,
             len(slot.history),
             held,
             slot.turn_rid is not None,
-            slot.ttl_s,
-            time.monotonic() - slot.last_active,
+            record.ttl_s,
+            time.monotonic() - record.last_active,
         )
 
     def export(self, session_id: str) -> SessionExport:
         """What another replica needs to take the session over (it stays here meanwhile)."""
         history, kv = self.cache.export_session(session_id)
-        slot = self.cache.session(session_id)
-        return SessionExport(session_id, history, kv, slot.ttl_s, slot.turns)
+        record = self.records[session_id]
+        return SessionExport(session_id, history, kv, record.ttl_s, record.turns_here)
 
     def adopt(self, export: SessionExport) -> str:
         """Take over an exported session, replacing a stale copy of it here. Returns where its
@@ -208,7 +235,7 @@ class SessionController:
         except Exception:
             self.close(sid)
             raise
-        self.cache.session(sid).turns = export.turns
+        self.records[sid].turns_here = export.turns
         return where
 
     def _reclaim_one(self) -> None:
@@ -231,10 +258,13 @@ class SessionController:
         if now - self._last_reap < REAP_PERIOD_S:
             return closed
         self._last_reap = now
+        for sid in self.records.keys() - self.cache.session_slots.keys():
+            del self.records[sid]  # its slot went without telling (never expected; kept tidy)
         for sid, slot in list(self.cache.session_slots.items()):
-            if slot.ttl_s is None or slot.turn_rid is not None:
+            record = self.records[sid]
+            if record.ttl_s is None or slot.turn_rid is not None:
                 continue
-            if now - slot.last_active > slot.ttl_s:
+            if now - record.last_active > record.ttl_s:
                 self.close(sid)
                 closed.append(sid)
                 log.info("session %s idle past its TTL: closed", sid)

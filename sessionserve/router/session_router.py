@@ -32,8 +32,8 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
+from sessionserve.directory.client import get_directory
 from sessionserve.metrics import RouterMetrics
-from sessionserve.router.directory_client import get_directory
 from sessionserve.router.pin_cache import PinCache, forget_replica
 
 log = logging.getLogger(__name__)

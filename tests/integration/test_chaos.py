@@ -45,7 +45,7 @@ def chaos(served):
 def directory_shard(shard: int):
     import ray
 
-    from sessionserve.router.directory_client import directory_name
+    from sessionserve.directory.client import directory_name
 
     return ray.get_actor(directory_name(CHAOS_APP, shard, SHARDS), namespace="sessionserve")
 
@@ -218,7 +218,7 @@ def test_a_directory_that_cannot_answer_is_a_503_not_a_hang(served, monkeypatch)
 
     import ray
 
-    import sessionserve.router.directory_client as directory
+    import sessionserve.directory.client as directory
     from sessionserve.errors import DirectoryUnavailableError
 
     @ray.remote(num_cpus=0)

@@ -143,7 +143,7 @@ def test_an_append_session_is_not_rewritten_by_a_diverging_log(http) -> None:
     back) neither rewinds it nor re-prefills, and the turn's commit repairs the log."""
     import ray
 
-    from sessionserve.router.directory_client import directory_name
+    from sessionserve.directory.client import directory_name
     from tests.conftest import APP
 
     sid = open_session(http)

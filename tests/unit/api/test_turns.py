@@ -14,10 +14,10 @@ import pytest
 from sessionserve.api.session_admin import SessionAdmin
 from sessionserve.api.turns import MOVED_RETRIES, TurnTransport
 from sessionserve.config import AppConfig
+from sessionserve.directory.client import DirectoryClient
+from sessionserve.directory.state import SessionDirectoryState
 from sessionserve.errors import SessionLogNeededError, SessionMovedError, UnknownSessionError
 from sessionserve.router import pin_cache
-from sessionserve.router.directory import SessionDirectoryState
-from sessionserve.router.directory_client import DirectoryClient
 from sessionserve.wire import GenerateCall, TurnResult
 
 

@@ -140,6 +140,7 @@ def test_close_is_deferred_while_a_turn_runs() -> None:
     engine.run_until_idle()
     assert engine.take_result(rid).completion_tokens == 8  # the turn finished normally
     assert sid not in engine.cache.session_slots
+    assert sid not in engine.sessions.records  # its clock and TTL went with its slot
     engine.cache.flush()
     terms = engine.checker.check_idle()
     assert terms.free == terms.total
@@ -157,6 +158,36 @@ def test_idle_sessions_expire_after_their_ttl(monkeypatch) -> None:
     engine.submit([3, 4], SamplingParams(max_tokens=1))  # any step reaps
     engine.run_until_idle()
     assert sid not in engine.cache.session_slots and keep in engine.cache.session_slots
+    engine.checker.check_idle()
+
+
+def test_the_ttl_a_turn_brings_is_the_one_the_replica_reaps_by(monkeypatch) -> None:
+    """The directory owns a session's TTL: a served turn brings it (SessionSeed.ttl_s), and a
+    changed TTL replaces the one the replica opened the session with, so the replica never
+    reaps by a stale copy."""
+    import time as real_time
+
+    from sessionserve.replicas.sessions import SessionSeed
+
+    engine = tiny_engine(tiny_model())
+    sid = "s"
+    short = SessionSeed(ttl_s=5.0)
+    engine.generate(
+        [_new_input(0)], SamplingParams(max_tokens=2), session_id=sid, open_missing=short
+    )
+    assert engine.session_info(sid).ttl_s == 5.0
+    longer = SessionSeed(ttl_s=100.0, log_tokens=len(engine.cache.session(sid).history))
+    engine.generate([[9]], SamplingParams(max_tokens=2), session_id=sid, open_missing=longer)
+    assert engine.session_info(sid).ttl_s == 100.0
+    now = real_time.monotonic()
+    monkeypatch.setattr("time.monotonic", lambda: now + 6.0)
+    engine.submit([3, 4], SamplingParams(max_tokens=1))  # any step reaps
+    engine.run_until_idle()
+    assert sid in engine.cache.session_slots  # 6 s idle: past the first TTL, not the second
+    monkeypatch.setattr("time.monotonic", lambda: now + 101.0)
+    engine.submit([3, 4], SamplingParams(max_tokens=1))
+    engine.run_until_idle()
+    assert sid not in engine.cache.session_slots and sid not in engine.sessions.records
     engine.checker.check_idle()
 
 

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from sessionserve.router.directory import SessionDirectoryState
-from sessionserve.router.directory_client import DirectoryClient
+from sessionserve.directory.client import DirectoryClient
+from sessionserve.directory.state import SessionDirectoryState
 from sessionserve.router.session_router import SessionAffinityRouter
 
 
@@ -342,7 +342,7 @@ def test_an_api_key_may_hold_a_bounded_number_of_sessions() -> None:
 def test_a_restarted_directory_rebuilds_everything_from_its_store() -> None:
     """What a killed directory actor comes back with: every open session (owner, pin, token
     log, turns, TTL), every stored response; nothing that was closed, deleted or expired."""
-    from sessionserve.router.directory_store import MemoryStore
+    from sessionserve.directory.store import MemoryStore
 
     store = MemoryStore()
     state = SessionDirectoryState(default_ttl_s=60.0, store=store)

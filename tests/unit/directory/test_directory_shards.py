@@ -9,10 +9,10 @@ import asyncio
 
 import pytest
 
+from sessionserve.directory.client import DirectoryClient, shard_of
+from sessionserve.directory.state import SessionDirectoryState
+from sessionserve.directory.store import MemoryStore
 from sessionserve.errors import TooManySessionsError
-from sessionserve.router.directory import SessionDirectoryState
-from sessionserve.router.directory_client import DirectoryClient, shard_of
-from sessionserve.router.directory_store import MemoryStore
 
 SHARDS = 4
 

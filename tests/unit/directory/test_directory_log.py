@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pickle
 
-from sessionserve.router.directory import MAX_LOG_CHUNKS, SessionDirectoryState
-from sessionserve.router.directory_store import MemoryStore
+from sessionserve.directory.state import MAX_LOG_CHUNKS, SessionDirectoryState
+from sessionserve.directory.store import MemoryStore
 
 
 class CountingStore(MemoryStore):

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 
 import ray
 
+from sessionserve.directory.store import GcsStore, SessionStore
 from sessionserve.errors import TooManySessionsError
-from sessionserve.router.directory_store import GcsStore, SessionStore
 
 log = logging.getLogger(__name__)
 

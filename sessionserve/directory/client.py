@@ -18,9 +18,9 @@ import uuid
 import zlib
 from typing import Any
 
+from sessionserve.directory.state import SessionDirectory, too_many_sessions
+from sessionserve.directory.store import NAMESPACE
 from sessionserve.errors import DirectoryUnavailableError
-from sessionserve.router.directory import SessionDirectory, too_many_sessions
-from sessionserve.router.directory_store import NAMESPACE
 from sessionserve.wire import new_id
 
 log = logging.getLogger(__name__)
