@@ -259,11 +259,12 @@ def main() -> None:
                         print(f"ingress tracemalloc baseline: {traced / 2**20:.1f} MiB traced")
                     s = sample(serve, processes, rss0)
                     samples.append(s)
-                    grown = max((s["rss"][k] - rss0[k] for k in s["rss"]), default=0)
+                    grown = {k: (v - rss0[k]) / 2**20 for k, v in s["rss"].items()}
                     print(
                         f"{n:>6} actions  {time.monotonic() - started:7.1f} s  drift "
-                        f"{s['drift']}  max RSS growth {grown / 2**20:6.1f} MiB  "
-                        f"5xx {counts['5xx']}",
+                        f"{s['drift']}  RSS growth MiB "
+                        + " ".join(f"{k} {v:.1f}" for k, v in sorted(grown.items()))
+                        + f"  5xx {counts['5xx']}",
                         flush=True,
                     )
 
