@@ -25,7 +25,12 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     ingress = serve.deployment(Ingress).options(**ingress_options(cfg))
     engine = cfg.engine.model_dump()
     return ingress.bind(
-        replica.bind(engine, directory_shards=cfg.directory.shards), cfg.model_dump()
+        replica.bind(
+            engine,
+            directory_shards=cfg.directory.shards,
+            stream_interval_ms=cfg.replica.stream_interval_ms,
+        ),
+        cfg.model_dump(),
     )
 
 

@@ -279,6 +279,16 @@ class ReplicaDeploymentConfig(_Strict):
         1.0, gt=0, description="How often replicas report free KV to the router."
     )
     health_check_period_s: float = Field(10.0, gt=0, description="Serve health check period.")
+    stream_interval_ms: float = Field(
+        50.0,
+        ge=0,
+        le=1000,
+        description="A streamed turn's tokens after the first are sent at most this often, "
+        "merged into one delta, as Ray Serve LLM batches its streams: every streamed item is a "
+        "message through the replica, the ingress and the proxy, so a fast decoder would pay "
+        "one per token. The first token always goes at once; 0: every engine step's tokens go "
+        "as they come. (On a 2-core CPU, ~30 ms a step, 50 and 0 measured the same.)",
+    )
     graceful_shutdown_timeout_s: float = Field(
         30.0,
         gt=0,

@@ -37,7 +37,7 @@ from sessionserve.replicas.prompts import chat_input_ids, prompt_ids
 from sessionserve.replicas.sessions import SessionExport, SessionSeed
 from sessionserve.replicas.tools.formats import call_syntax, tool_grammar
 from sessionserve.replicas.tools.parser import ToolCallParser
-from sessionserve.replicas.turn_output import TurnOutput
+from sessionserve.replicas.turn_output import TurnOutput, merged
 from sessionserve.wire import (
     GenerateCall,
     SamplingParams,
@@ -54,11 +54,14 @@ class ReplicaServer:
         engine_config: dict[str, Any],
         engine: Engine | None = None,
         directory_shards: int = 1,
+        stream_interval_ms: float = 0.0,
     ) -> None:
         """`engine`: one built by the caller (tests, scripts), used as it is; else one from
         `engine_config`, exporting its metrics when in Serve. `directory_shards`: the app's
-        `directory.shards` (a migration re-pins there)."""
+        `directory.shards` (a migration re-pins there). `stream_interval_ms`: the app's
+        `replica.stream_interval_ms` (how often a stream sends after its first token)."""
         self.directory_shards = directory_shards
+        self.stream_interval_s = stream_interval_ms / 1000
         self.replica_id, self.app_name, self.deployment = _serve_identity()
         client_error_logs.show_our_logs()  # before the engine: its build logs progress
         if self.app_name is not None:
@@ -88,7 +91,14 @@ class ReplicaServer:
         sampling = self._sampling(call)
         tools = ToolCallParser(self.tool_syntax) if sampling.lark_grammar is not None else None
         events: asyncio.Queue[StepEvent | Exception] = asyncio.Queue()
+        ended = asyncio.Event()  # the final event is queued
         aio = asyncio.get_running_loop()
+
+        def deliver(event: StepEvent) -> None:  # on this event loop, from the engine thread
+            events.put_nowait(event)
+            if event.result is not None:
+                ended.set()
+
         rid = call.rid or uuid.uuid4().hex
         # Chat mode brings the whole conversation (the cache reuses the longest prefix it
         # holds); append mode brings the new prompt, extending this replica's history of the
@@ -105,15 +115,27 @@ class ReplicaServer:
                 session_id=call.session_id,
                 mode=call.mode,
                 rid=rid,
-                listener=lambda e: aio.call_soon_threadsafe(events.put_nowait, e),
+                listener=lambda e: aio.call_soon_threadsafe(deliver, e),
                 open_missing=seed,
             )
+            sent_at = None  # when the last message went (None: none yet)
             while not output.done:
-                event = await events.get()
-                if isinstance(event, Exception):  # the engine thread died
-                    raise event
-                for piece in output.feed(event):
+                batch = [await events.get()]
+                if sent_at is not None:  # the first token goes alone, at once; then batched
+                    wait = sent_at + self.stream_interval_s - aio.time()
+                    if wait > 0 and not ended.is_set():
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(ended.wait(), wait)
+                    while not events.empty():
+                        batch.append(events.get_nowait())
+                pieces: list[TurnDelta | TurnResult] = []
+                for event in batch:
+                    if isinstance(event, Exception):  # the engine thread died
+                        raise event
+                    pieces += output.feed(event)
+                for piece in merged(pieces):
                     yield piece
+                sent_at = aio.time()
         finally:
             self.streams.pop(rid, None)
             if not output.done and self.loop.error is None:

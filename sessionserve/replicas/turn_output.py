@@ -15,6 +15,24 @@ from sessionserve.replicas.tools.parser import ToolCallParser
 from sessionserve.wire import FinishReason, LogprobEntry, SamplingParams, TurnDelta, TurnResult
 
 
+def merged(pieces: list[TurnDelta | TurnResult]) -> list[TurnDelta | TurnResult]:
+    """Consecutive deltas as one (their tokens, text, logprobs and calls in order): what a
+    stream sends when several engine steps' output goes in one message."""
+    out: list[TurnDelta | TurnResult] = []
+    for piece in pieces:
+        last = out[-1] if out else None
+        if isinstance(piece, TurnDelta) and isinstance(last, TurnDelta):
+            out[-1] = TurnDelta(
+                last.token_ids + piece.token_ids,
+                last.text + piece.text,
+                last.logprobs + piece.logprobs,
+                last.tool_calls + piece.tool_calls,
+            )
+        else:
+            out.append(piece)
+    return out
+
+
 class TurnOutput:
     def __init__(
         self, tokenizer: Any, sampling: SamplingParams, tools: ToolCallParser | None, replica: str

@@ -42,6 +42,30 @@ def test_stream_deltas_add_up_to_the_answer(server) -> None:
     assert final.log_base == 0 and final.log_tail == [5, 6, 7] + final.output_ids
 
 
+def test_a_batched_stream_sends_the_first_token_at_once_and_the_same_answer(server) -> None:
+    """With `stream_interval_ms`, the tokens after the first go merged, at most that often:
+    the first delta is one token (time to first token unchanged), a long interval leaves one
+    more delta before the final record, and tokens, text and logprobs equal the unbatched
+    stream's."""
+    call = GenerateCall(
+        {"max_tokens": 12, "temperature": 0, "ignore_eos": True, "logprobs": True},
+        prompt="w5 w6 w7",
+    )
+    plain = asyncio.run(_collect(server.generate(call)))
+    server.stream_interval_s = 60.0  # longer than the turn: only its end flushes
+    try:
+        batched = asyncio.run(_collect(server.generate(call)))
+    finally:
+        server.stream_interval_s = 0.0
+    assert len(batched) == 3
+    first, rest, final = batched
+    assert len(first.token_ids) == 1 and len(rest.token_ids) == 11
+    assert first.token_ids + rest.token_ids == [t for p in plain[:-1] for t in p.token_ids]
+    assert first.text + rest.text == "".join(p.text for p in plain[:-1]) == final.text
+    assert first.logprobs + rest.logprobs == [lp for p in plain[:-1] for lp in p.logprobs]
+    assert final.output_ids == plain[-1].output_ids
+
+
 def test_a_request_that_fails_alone_raises_a_typed_500_for_its_caller(server, monkeypatch):
     from sessionserve.errors import RequestFailedError
     from sessionserve.replicas.stopping import StopChecker
