@@ -41,7 +41,10 @@ class MemoryStore:
 
 
 class GcsStore:
-    """Ray's GCS key-value store, under one prefix per application."""
+    """Ray's GCS key-value store, under one prefix per application. Ray has no public API for
+    it: this is the store Serve's own controller checkpoints through (its GCS client's
+    `internal_kv_*`), reached through `ray.experimental.internal_kv`; kept to this one class,
+    so another store (Redis, etcd) implements `SessionStore` and drops in."""
 
     def __init__(self, app_name: str, shard_prefix: str = "") -> None:
         from ray.experimental import internal_kv
