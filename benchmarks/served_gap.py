@@ -1,0 +1,138 @@
+"""What serving costs a request: the same prompt and answer length decoded by the engine in
+this process, then streamed from a running server over HTTP (the official `openai` client).
+
+Run the server first (e.g. `serve run benchmarks/serve-cpu-bench.yaml`), alone on the
+machine; this script builds the in-process engine only after the served requests are done, so
+the two never decode at once (the idle server's processes stay up meanwhile; `--local-only`
+with the server stopped measures the engine with no Ray on the machine). Per request: time
+to first token and the mean gap per token after it; the ratios served / in-process. The
+in-process engine uses the bench config's shape (compiled forward, 2 torch threads).
+
+    .venv/bin/python -m benchmarks.served_gap --target http://127.0.0.1:8000/v1 [--requests 4]
+    .venv/bin/python -m benchmarks.served_gap --local-only     # the server stopped: no Ray up
+
+The last line is JSON: ttft_s and ms_per_token for both sides, and their ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import openai
+
+from benchmarks.common import emit, load, machine, setup_threads
+from sessionserve.config import CacheConfig, EngineConfig, ModelConfig
+from sessionserve.replicas.engine import Engine
+from sessionserve.wire import SamplingParams
+
+WORDS = ("river stone light garden window market letter winter music paper " * 30).split()
+
+
+def prompt(i: int, words: int) -> str:
+    return " ".join(WORDS[i : i + words])
+
+
+def served(target: str, model: str | None, n: int, words: int, tokens: int) -> list[tuple]:
+    client = openai.OpenAI(base_url=target, api_key="unused")
+    model = model or client.models.list().data[0].id
+    out = []
+    for i in range(n):
+        t0, arrivals, got = time.perf_counter(), [], 0
+        stream = client.completions.create(
+            model=model,
+            prompt=prompt(i, words),
+            max_tokens=tokens,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        for _ in stream:
+            arrivals.append(time.perf_counter() - t0)
+        got = tokens  # ignore_eos: exactly max_tokens (chunks may merge several)
+        out.append((arrivals[0], (arrivals[-1] - arrivals[0]) / (got - 1)))
+    return out
+
+
+def in_process(n: int, words: int, tokens: int, threads: int) -> list[tuple]:
+    setup_threads(threads)
+    cfg = EngineConfig(
+        model=ModelConfig(path="default", torch_threads=threads),
+        cache=CacheConfig(num_slots=23296, max_rows=96, max_context_len=4096),
+        compile=True,
+    )
+    eng = Engine(cfg, load("default"))
+    if eng.runner.compiling is not None:
+        eng.runner.compiling.join()
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    out = []
+    for i in range(n):
+        ids = eng.tokenizer(prompt(i, words), add_special_tokens=False).input_ids
+        rid = eng.submit(ids, params)
+        t0, first = time.perf_counter(), None
+        while eng.has_work():
+            events = eng.step()
+            if first is None and any(e.new_token_ids for e in events):
+                first = time.perf_counter() - t0
+        total = time.perf_counter() - t0
+        eng.take_result(rid)
+        out.append((first, (total - first) / (tokens - 1)))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--target", help="the running server's OpenAI base URL")
+    ap.add_argument(
+        "--local-only",
+        action="store_true",
+        help="only the in-process engine (run with no server up: what the cores give alone)",
+    )
+    ap.add_argument("--model", help="model id (default: the server's first)")
+    ap.add_argument("--requests", type=int, default=4)
+    ap.add_argument("--words", type=int, default=250, help="prompt length in words")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    if not args.local_only and not args.target:
+        ap.error("give --target (a running server) or --local-only")
+    if args.local_only:
+        local = in_process(args.requests, args.words, args.tokens, args.threads)
+        ttft, gap = (statistics.median(x[k] for x in local[1:]) for k in (0, 1))
+        print(f"machine: {machine()}; in-process TTFT {ttft:.3f} s, {1000 * gap:.1f} ms/token")
+        emit(
+            {
+                "benchmark": "served_gap",
+                "local_ttft_s": round(ttft, 3),
+                "local_ms_per_token": round(1000 * gap, 1),
+            }
+        )
+        return
+    remote = served(args.target, args.model, args.requests, args.words, args.tokens)
+    local = in_process(args.requests, args.words, args.tokens, args.threads)
+    print(f"machine: {machine()}")
+    print(
+        f"{'request':>7} {'served TTFT s':>14} {'served ms/tok':>14} {'local TTFT s':>13} "
+        f"{'local ms/tok':>13}"
+    )
+    for i, ((st, sg), (lt, lg)) in enumerate(zip(remote, local, strict=True)):
+        print(f"{i + 1:>7} {st:>14.3f} {1000 * sg:>14.1f} {lt:>13.3f} {1000 * lg:>13.1f}")
+    # the first in-process request pays the engine's first-call costs: medians of the rest
+    s_ttft, s_gap = (statistics.median(x[k] for x in remote[1:]) for k in (0, 1))
+    l_ttft, l_gap = (statistics.median(x[k] for x in local[1:]) for k in (0, 1))
+    emit(
+        {
+            "benchmark": "served_gap",
+            "served_ttft_s": round(s_ttft, 3),
+            "local_ttft_s": round(l_ttft, 3),
+            "served_ms_per_token": round(1000 * s_gap, 1),
+            "local_ms_per_token": round(1000 * l_gap, 1),
+            "ttft_ratio_served_over_local": round(s_ttft / l_ttft, 2),
+            "step_ratio_served_over_local": round(s_gap / l_gap, 2),
+        }
+    )
+
+
+if __name__ == "__main__":
+    main()
