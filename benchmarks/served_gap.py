@@ -39,7 +39,7 @@ def served(target: str, model: str | None, n: int, words: int, tokens: int) -> l
     model = model or client.models.list().data[0].id
     out = []
     for i in range(n):
-        t0, arrivals, got = time.perf_counter(), [], 0
+        t0, arrivals = time.perf_counter(), []
         stream = client.completions.create(
             model=model,
             prompt=prompt(i, words),
@@ -50,8 +50,8 @@ def served(target: str, model: str | None, n: int, words: int, tokens: int) -> l
         )
         for _ in stream:
             arrivals.append(time.perf_counter() - t0)
-        got = tokens  # ignore_eos: exactly max_tokens (chunks may merge several)
-        out.append((arrivals[0], (arrivals[-1] - arrivals[0]) / (got - 1)))
+        # ignore_eos: exactly `tokens` tokens, however many chunks they came in
+        out.append((arrivals[0], (arrivals[-1] - arrivals[0]) / (tokens - 1)))
     return out
 
 
@@ -81,6 +81,11 @@ def in_process(n: int, words: int, tokens: int, threads: int) -> list[tuple]:
     return out
 
 
+def medians(rows: list[tuple]) -> tuple[float, float]:
+    """Median TTFT and per-token gap, leaving out the first request (it pays first-call costs)."""
+    return statistics.median(r[0] for r in rows[1:]), statistics.median(r[1] for r in rows[1:])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", help="the running server's OpenAI base URL")
@@ -99,7 +104,7 @@ def main() -> None:
         ap.error("give --target (a running server) or --local-only")
     if args.local_only:
         local = in_process(args.requests, args.words, args.tokens, args.threads)
-        ttft, gap = (statistics.median(x[k] for x in local[1:]) for k in (0, 1))
+        ttft, gap = medians(local)
         print(f"machine: {machine()}; in-process TTFT {ttft:.3f} s, {1000 * gap:.1f} ms/token")
         emit(
             {
@@ -118,9 +123,8 @@ def main() -> None:
     )
     for i, ((st, sg), (lt, lg)) in enumerate(zip(remote, local, strict=True)):
         print(f"{i + 1:>7} {st:>14.3f} {1000 * sg:>14.1f} {lt:>13.3f} {1000 * lg:>13.1f}")
-    # the first in-process request pays the engine's first-call costs: medians of the rest
-    s_ttft, s_gap = (statistics.median(x[k] for x in remote[1:]) for k in (0, 1))
-    l_ttft, l_gap = (statistics.median(x[k] for x in local[1:]) for k in (0, 1))
+    s_ttft, s_gap = medians(remote)
+    l_ttft, l_gap = medians(local)
     emit(
         {
             "benchmark": "served_gap",
