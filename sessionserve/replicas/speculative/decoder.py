@@ -72,6 +72,7 @@ class SpeculativeDecoder:
         self.by_source: dict[str, SpecStats] = {}
         self.drafting = True  # the policy's choice for the coming step
         self._step_started: float | None = None
+        self._caught_up_deferred = False  # this step paid for positions of earlier steps
 
     @property
     def wants_hidden(self) -> bool:
@@ -124,7 +125,7 @@ class SpeculativeDecoder:
 
     def propose(self, batch: ScheduledBatch) -> dict[str, ChainDrafts]:
         """Draft chains for the decodes that speculate this step (by request id)."""
-        self._step_started = None
+        self._step_started, self._caught_up_deferred = None, False
         if self.policy is not None and all(  # a decode-only step: timed for the policy
             s.end - s.start == 1 and s.samples for s in batch.seqs
         ):
@@ -211,14 +212,18 @@ class SpeculativeDecoder:
                 req.draft = None
                 continue
             start, hidden = d.take_deferred(s.start, hidden)
+            self._caught_up_deferred |= start < s.start
             entries.append(CatchUp(req, start, end, hidden, wants))
         self.eagle.catch_up(entries)
 
     def finish_step(self, batch: ScheduledBatch, out: StepOutput) -> None:
-        """Tell the policy what a decode-only step cost and yielded (steps with prefill
-        chunks do other work and are not counted)."""
+        """Tell the policy what a decode-only step cost and yielded. Not counted: steps with
+        prefill chunks (other work), and steps whose catch-up included positions deferred from
+        earlier steps: that work is owed whichever way this step went, and a re-check that
+        paid for a whole prompt would make drafting look several times dearer than it is."""
         started, self._step_started = self._step_started, None
-        if self.policy is None or started is None:
+        paid_debt, self._caught_up_deferred = self._caught_up_deferred, False
+        if self.policy is None or started is None or paid_debt:
             return
         tokens = sum(len(emitted[0]) for emitted in out.emitted.values())
         speculated = any(s.num_drafts for s in batch.seqs)

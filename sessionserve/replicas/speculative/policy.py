@@ -7,10 +7,12 @@ So the engine measures both. Decode-only steps are timed from the first draft to
 commit, and each step's emitted tokens per second goes into one of two running means for its
 batch-size bucket: steps that verified drafts and steps that did not. The next step speculates
 when that arm is the faster one, except every n-th decision in a bucket, which takes the other
-arm so its mean stays current; a bucket starts by trying both. Re-checking a slower arm costs
-about its gap / n, so n grows with the gap: n = max(`explore_every`, gap / `explore_loss`),
-at most `max_explore_every` (a 16% gap is re-checked every 16 steps, a 50% gap every 50: about
-1% of throughput either way).
+arm so its mean stays current; a bucket starts by trying both. A re-check of the slower arm
+loses its gap (1 - slow / fast tokens/s) of a step that lasts its own step time, so it costs
+about gap * (slow step / fast step) fast steps, and re-checking every n-th step costs that / n
+of throughput: n = max(`explore_every`, that / `explore_loss`), at most `max_explore_every`
+(a 16% gap at equal step times is re-checked every 16 steps; a verify at 8 decodes that yields
+half the tokens/s in steps 2.5x as long, every 125: about 1% of throughput either way).
 """
 
 from __future__ import annotations
@@ -23,13 +25,15 @@ from dataclasses import dataclass
 @dataclass
 class Arm:
     tokens_per_s: float = 0.0
+    step_s: float = 0.0  # what one of its steps lasts: a re-check's cost scales with it
     steps: int = 0
 
-    def observe(self, tokens_per_s: float, smoothing: float) -> None:
+    def observe(self, tokens: int, seconds: float, smoothing: float) -> None:
         if self.steps == 0:
-            self.tokens_per_s = tokens_per_s
+            self.tokens_per_s, self.step_s = tokens / seconds, seconds
         else:
-            self.tokens_per_s += smoothing * (tokens_per_s - self.tokens_per_s)
+            self.tokens_per_s += smoothing * (tokens / seconds - self.tokens_per_s)
+            self.step_s += smoothing * (seconds - self.step_s)
         self.steps += 1
 
 
@@ -56,7 +60,7 @@ class SpecPolicy:
         self.smoothing = smoothing
         self.warmup_steps = warmup_steps
         self.arms: dict[tuple[int, bool], Arm] = {}
-        self._decisions: dict[int, int] = {}
+        self._since_recheck: dict[int, int] = {}
 
     def arm(self, num_decodes: int, speculated: bool) -> Arm:
         return self.arms.setdefault((bucket(num_decodes), speculated), Arm())
@@ -68,22 +72,29 @@ class SpecPolicy:
             return True
         if off.steps < self.warmup_steps:
             return False
-        b = bucket(num_decodes)
-        self._decisions[b] = n = self._decisions.get(b, 0) + 1
+        b = bucket(num_decodes)  # decisions since this bucket's last re-check
+        self._since_recheck[b] = n = self._since_recheck.get(b, 0) + 1
         best = on.tokens_per_s >= off.tokens_per_s
-        return (not best) if n % self.recheck_every(on, off) == 0 else best
+        if n < self.recheck_every(on, off):
+            return best
+        self._since_recheck[b] = 0
+        return not best
 
     def recheck_every(self, on: Arm, off: Arm) -> int:
-        """Decisions between re-checks of the slower arm: more, the larger its gap."""
-        fast, slow = max(on.tokens_per_s, off.tokens_per_s), min(on.tokens_per_s, off.tokens_per_s)
-        gap = 1.0 - slow / fast if fast > 0 else 0.0
-        every = max(self.explore_every, round(gap / self.explore_loss))
+        """Decisions between re-checks of the slower arm: more, the more one of them costs
+        (its tokens/s gap, in steps as long as its own, counted in the faster arm's steps)."""
+        fast, slow = (on, off) if on.tokens_per_s >= off.tokens_per_s else (off, on)
+        if fast.tokens_per_s <= 0 or fast.step_s <= 0:
+            return self.explore_every
+        gap = 1.0 - slow.tokens_per_s / fast.tokens_per_s
+        cost = gap * slow.step_s / fast.step_s  # fast steps lost per re-check
+        every = max(self.explore_every, round(cost / self.explore_loss))
         return min(every, self.max_explore_every)
 
     def observe(self, num_decodes: int, speculated: bool, tokens: int, seconds: float) -> None:
         """One decode-only step: `tokens` emitted in `seconds`, drafts verified or not."""
         if seconds > 0 and num_decodes > 0:
-            self.arm(num_decodes, speculated).observe(tokens / seconds, self.smoothing)
+            self.arm(num_decodes, speculated).observe(tokens, seconds, self.smoothing)
 
     def summary(self) -> dict[str, dict[str, float]]:
         """Per bucket (its smallest batch size): each arm's mean tokens/s and steps."""

@@ -32,14 +32,30 @@ def test_the_faster_arm_wins_and_the_slower_is_rechecked() -> None:
     assert picks == [False, False, False, True] * 2
     for _ in range(30):  # plain turns out twice as fast: re-checked every 0.5 / 0.05 = 10th
         policy.observe(8, False, tokens=16, seconds=1.0)
-    picks = [policy.choose(8) for _ in range(20)]
-    assert [i for i, p in enumerate(picks, start=9) if p] == [10, 20]
+    picks = [policy.choose(8) for _ in range(20)]  # counted from the re-check at decision 8
+    assert [i for i, p in enumerate(picks, start=9) if p] == [18, 28]
     assert policy.choose(1) is True  # another bucket learns for itself
     for _ in range(40):  # drafting turns out faster at 8 after all: the choice follows
         policy.observe(8, True, tokens=20, seconds=1.0)
     assert policy.choose(8) is True
     summary = policy.summary()["8"]
     assert summary["spec_tokens_per_s"] > summary["plain_tokens_per_s"] > 15.9
+
+
+def test_a_recheck_in_long_steps_comes_more_rarely() -> None:
+    """A verify step that yields half the tokens/s of a plain step but lasts 2.5 of them
+    loses 1.25 plain steps each time it is re-checked: for ~1% of throughput, every 125th
+    decision (a tokens/s gap alone would say every 50th, costing 2.5%)."""
+    policy = SpecPolicy(explore_every=16, warmup_steps=1, explore_loss=0.01)
+    policy.observe(8, True, tokens=10, seconds=0.25)  # 40 tokens/s in 250 ms steps
+    policy.observe(8, False, tokens=8, seconds=0.1)  # 80 tokens/s in 100 ms steps
+    picks = [policy.choose(8) for _ in range(250)]
+    assert [i for i, p in enumerate(picks, start=1) if p] == [125, 250]
+    on, off = policy.arm(8, True), policy.arm(8, False)
+    assert policy.recheck_every(on, off) == 125
+    policy.observe(8, True, tokens=20, seconds=0.1)  # drafting got fast: the arms trade places
+    policy.observe(8, True, tokens=20, seconds=0.1)
+    assert policy.choose(8) is True
 
 
 class FakeClock:
@@ -84,6 +100,40 @@ def test_the_engine_drafts_only_where_it_pays(verify_cost: float) -> None:
         assert arms["spec_tokens_per_s"] > arms["plain_tokens_per_s"]
         assert arms["plain_steps"] <= 2 + decode_steps // 16 + 1
         assert r.spec_accepted > 0
+
+
+def test_a_step_that_pays_for_deferred_catch_up_is_not_timed() -> None:
+    """While drafting is off the head's catch-up waits; the re-check that resumes it pays
+    for every position since. That work is owed either way, so the step is not counted:
+    here a deferred position costs 100 plain steps, and no timed step shows it."""
+    model = tiny_model(num_hidden_layers=1, seed=3)
+    engine = tiny_engine(model, drafter=mimic_drafter, adaptive=True)
+    clock = FakeClock(engine, plain=1.0, verify=8.0)
+    spec = engine.speculative
+    spec.policy.max_explore_every = 16  # a few re-checks within the answer
+    eagle_catch_up, paid, timed = spec.eagle.catch_up, [], []
+
+    def dear_catch_up(entries):
+        owed = sum(max(0, e.end - e.start - 5) for e in entries)  # a verify commits <= 5
+        clock.now += 100.0 * owed
+        paid.append(owed)
+        eagle_catch_up(entries)
+
+    policy_observe = spec.policy.observe
+
+    def observe(num_decodes, speculated, tokens, seconds):
+        timed.append(seconds)
+        policy_observe(num_decodes, speculated, tokens, seconds)
+
+    spec.eagle.catch_up, spec.policy.observe = dear_catch_up, observe
+    (prompt,) = _prompts(1)
+    params = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)
+    (r,) = engine.generate([prompt], params)
+    assert r.output_ids == hf_greedy(model, prompt, params.max_tokens)
+    assert sum(1 for owed in paid if owed > 0) >= 3  # re-checks (and the end) paid debts
+    assert timed and max(timed) < 100.0
+    arms = spec.policy.summary()["1"]
+    assert arms["spec_steps"] >= 2 and arms["plain_tokens_per_s"] > arms["spec_tokens_per_s"]
 
 
 def test_a_request_whose_drafts_fail_drafts_one_at_a_time() -> None:
