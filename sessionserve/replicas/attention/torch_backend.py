@@ -232,9 +232,8 @@ class TorchPagedBackend(AttentionBackend):
 
 def gather_rows(pool: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """`pool[index]` for a 2-D index ([B, L] slots -> [B, L, KVH, D]) through `index_select`,
-    which copies whole rows in parallel: on CPU 3.5-4.7x faster than advanced indexing
-    (`aten::index`) for these shapes (4 sequences of 2,000 slots: 0.14 vs 0.65 ms a tensor,
-    60 tensors a step for SmolLM2), the same values."""
+    which copies whole rows at a time; advanced indexing (`aten::index`) copied the same values
+    slowly enough on CPU to cost decode steps 5-19% (benchmarks/paged_gather.py)."""
     rows = pool.index_select(0, index.reshape(-1))
     return rows.view(*index.shape, *pool.shape[1:])
 

@@ -73,6 +73,7 @@ class SpeculativeDecoder:
         self.drafting = True  # the policy's choice for the coming step
         self._step_started: float | None = None
         self._caught_up_deferred = False  # this step paid for positions of earlier steps
+        # (both reset by `propose`, at the start of every step)
 
     @property
     def wants_hidden(self) -> bool:
@@ -222,8 +223,7 @@ class SpeculativeDecoder:
         earlier steps: that work is owed whichever way this step went, and a re-check that
         paid for a whole prompt would make drafting look several times dearer than it is."""
         started, self._step_started = self._step_started, None
-        paid_debt, self._caught_up_deferred = self._caught_up_deferred, False
-        if self.policy is None or started is None or paid_debt:
+        if self.policy is None or started is None or self._caught_up_deferred:
             return
         tokens = sum(len(emitted[0]) for emitted in out.emitted.values())
         speculated = any(s.num_drafts for s in batch.seqs)
