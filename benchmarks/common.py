@@ -1,4 +1,5 @@
-"""Shared by the benchmark scripts: model loading, engine construction, machine facts."""
+"""Shared by the benchmark scripts: model loading, engine construction, timing decode steps
+under alternating variants, machine facts."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import platform
 import shutil
 import statistics
 import tempfile
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -61,6 +63,27 @@ def engine(
         compile=compile,
     )
     return Engine(cfg, loaded)
+
+
+def alternate_decode_steps(
+    eng: Engine, variants: dict[str, Callable[[], None]], rounds: int, steps: int
+) -> dict[str, float]:
+    """Median ms per decode step of what `eng` is decoding under each variant (a function
+    that switches the engine to it), prefills first done, variants alternating `rounds` times
+    so drift on a shared machine falls on all of them; the first step after a switch is not
+    timed."""
+    while eng.scheduler.waiting or not all(r.sampled for r in eng.scheduler.running):
+        eng.step()
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(rounds):
+        for name, switch in variants.items():
+            switch()
+            eng.step()
+            t = time.perf_counter()
+            for _ in range(steps):
+                eng.step()
+            times[name].append((time.perf_counter() - t) / steps * 1e3)
+    return {name: median(ts) for name, ts in times.items()}
 
 
 def machine() -> dict[str, Any]:

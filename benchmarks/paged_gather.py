@@ -16,9 +16,8 @@ Last line: JSON with `step_ms_{B}x{L}` (index_select), `step_ms_index_{B}x{L}` a
 from __future__ import annotations
 
 import argparse
-import time
 
-from benchmarks.common import emit, engine, load, machine, median, setup_threads
+from benchmarks.common import alternate_decode_steps, emit, engine, load, machine, setup_threads
 from sessionserve.replicas.attention import torch_backend
 from sessionserve.wire import SamplingParams
 
@@ -44,22 +43,16 @@ def step_ms(loaded, batch: int, context: int, rounds: int, steps: int) -> dict[s
     params = SamplingParams(max_tokens=rounds * 2 * (steps + 1) + 8, temperature=0, ignore_eos=True)
     prompts = [[100 + (b * 7 + i) % 9000 for i in range(context)] for b in range(batch)]
     rids = [eng.submit(p, params) for p in prompts]
-    while eng.scheduler.waiting or not all(r.sampled for r in eng.scheduler.running):
-        eng.step()
-    times: dict[str, list[float]] = {name: [] for name in GATHERS}
-    for _ in range(rounds):
-        for name, gather in GATHERS.items():
-            torch_backend.gather_rows = gather
-            eng.step()  # not timed: the first step after a switch
-            t = time.perf_counter()
-            for _ in range(steps):
-                eng.step()
-            times[name].append((time.perf_counter() - t) / steps * 1e3)
+    variants = {
+        name: (lambda gather=gather: setattr(torch_backend, "gather_rows", gather))
+        for name, gather in GATHERS.items()
+    }
+    ms = alternate_decode_steps(eng, variants, rounds, steps)
     torch_backend.gather_rows = GATHERS["index_select"]
     for rid in rids:
         eng.abort(rid)
     eng.run_until_idle()
-    return {name: median(ts) for name, ts in times.items()}
+    return ms
 
 
 def same_tokens(loaded) -> bool:

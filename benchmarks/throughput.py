@@ -24,7 +24,14 @@ import time
 
 import torch
 
-from benchmarks.common import emit, engine, load, machine, median, setup_threads
+from benchmarks.common import (
+    alternate_decode_steps,
+    emit,
+    engine,
+    load,
+    machine,
+    setup_threads,
+)
 from sessionserve.wire import SamplingParams
 
 
@@ -59,22 +66,16 @@ def decode_step_ms(eng, batch: int, rounds: int = 3, steps: int = 8) -> tuple[fl
         )
         for b in range(batch)
     ]
-    while eng.scheduler.waiting or not all(r.sampled for r in eng.scheduler.running):
-        eng.step()
-    times: dict[bool, list[float]] = {False: [], True: []}
-    for _ in range(rounds):
-        for use in (False, True):
-            eng.runner.compiled = compiled if use else None
-            eng.step()  # the first step after a switch is not timed
-            t = time.perf_counter()
-            for _ in range(steps):
-                eng.step()
-            times[use].append((time.perf_counter() - t) / steps * 1e3)
+    variants = {
+        "eager": lambda: setattr(eng.runner, "compiled", None),
+        "compiled": lambda: setattr(eng.runner, "compiled", compiled),
+    }
+    ms = alternate_decode_steps(eng, variants, rounds, steps)
     eng.runner.compiled = compiled
     for rid in rids:
         eng.abort(rid)
     eng.run_until_idle()
-    return median(times[False]), median(times[True])
+    return ms["eager"], ms["compiled"]
 
 
 def run_engine(eng, reqs) -> tuple[float, float]:
