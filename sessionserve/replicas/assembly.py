@@ -27,7 +27,7 @@ from sessionserve.replicas.cuda_graphs import DecodeGraphs, ExtendGraphs, bucket
 from sessionserve.replicas.model_runner import ModelRunner
 from sessionserve.replicas.speculative.checkpoint import load_drafter
 from sessionserve.replicas.speculative.decoder import SpeculativeDecoder
-from sessionserve.replicas.speculative.drafter import EagleDrafter
+from sessionserve.replicas.speculative.drafter import DraftHead
 from sessionserve.replicas.speculative.history import HistoryProposer
 from sessionserve.replicas.speculative.policy import SpecPolicy
 from sessionserve.replicas.speculative.proposer import EagleProposer
@@ -62,17 +62,19 @@ def build_runner(
     model: Any,
     cache: SessionCache,
     on_verify: Callable[[int], None],
-    drafter: EagleDrafter | None = None,
+    drafter: DraftHead | None = None,
 ) -> tuple[ModelRunner, SpeculativeDecoder | None]:
     """The runner and, when a drafter is given or configured or history drafts are on, the
     speculative decoder (which reports each verify's acceptance length to `on_verify`); both KV
     pools are attached to the cache (the drafter's KV parks and moves with the target's)."""
+    if drafter is None and cfg.spec.drafter_path is not None:
+        drafter = load_drafter(cfg.spec.drafter_path, model)
     runner = ModelRunner(model, *pool_and_backend(cfg, model, cache), cache)
+    if drafter is not None:  # before graphs are captured and the forward compiled
+        runner.feature_layers = drafter.feature_layers
     if cfg.cuda_graphs and runner.device.type == "cuda":
         most = min(cfg.scheduler.max_running_requests, cfg.cuda_graph_max_batch)
         runner.graphs = DecodeGraphs(runner, buckets_up_to(most))
-    if drafter is None and cfg.spec.drafter_path is not None:
-        drafter = load_drafter(cfg.spec.drafter_path, model)
     speculative = build_speculative(cfg, model, cache, runner, on_verify, drafter)
     if drafter is None and runner.graphs is not None and cfg.cuda_graph_max_extend > 1:
         # short extends replay graphs too, unless a drafter needs every hidden state; over the
@@ -81,7 +83,9 @@ def build_runner(
         if not isinstance(backend, TorchPagedBackend):
             backend = TorchPagedBackend(cfg.cache.max_context_len, sliding_windows(model.config))
         runner.extend_graphs = ExtendGraphs(runner, backend, cfg.cuda_graph_max_extend)
-    plan = plan_compile(cfg.compile, model, cfg.compile_max_tokens, cfg.compile_cache_dir)
+    plan = plan_compile(
+        cfg.compile, model, cfg.compile_max_tokens, cfg.compile_cache_dir, runner.feature_layers
+    )
     if plan.enabled:
         install = lambda compiled: setattr(runner, "compiled", compiled)  # noqa: E731
         runner.compiling = start_compile(plan, model, install, background=cfg.compile == "auto")
@@ -100,7 +104,7 @@ def build_speculative(
     cache: SessionCache,
     runner: ModelRunner,
     on_verify: Callable[[int], None],
-    drafter: EagleDrafter | None,
+    drafter: DraftHead | None,
 ) -> SpeculativeDecoder | None:
     """The speculative decoder over the EAGLE head and/or history drafts that `cfg.spec`
     asks for (None: neither)."""

@@ -39,6 +39,7 @@ import sessionserve
 from sessionserve.replicas.attention import install
 from sessionserve.replicas.attention.base import ForwardMeta
 from sessionserve.replicas.attention.paged_op import forward_context
+from sessionserve.replicas.hidden_states import decoder_features
 
 log = logging.getLogger(__name__)
 AUTO_MIN_PARAMS = 50_000_000  # `compile: auto` skips smaller models (tests' tiny ones): a
@@ -55,20 +56,20 @@ def default_cache_dir() -> Path:
 
 class _DecoderAndHead(torch.nn.Module):
     """What is exported: token ids and positions [T], the rows wanted [N] -> logits [N, V]
-    and last hidden states [T, H] (after the final norm; EAGLE reads them)."""
+    and the drafter's features [T, F] (the last hidden states after the final norm, or the
+    `feature_layers` concatenated: what an EAGLE / EAGLE-3 head reads)."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, feature_layers: tuple[int, ...] | None = None) -> None:
         super().__init__()
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
+        self.feature_layers = feature_layers
 
     def forward(
         self, ids: torch.Tensor, positions: torch.Tensor, logit_idx: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden = self.decoder(
-            input_ids=ids[None], position_ids=positions[None], use_cache=False
-        ).last_hidden_state[0]
-        return self.lm_head(hidden[logit_idx]), hidden
+        last, features = decoder_features(self.decoder, ids, positions, self.feature_layers)
+        return self.lm_head(last[logit_idx]), features
 
 
 class CompiledForward:
@@ -94,10 +95,10 @@ class CompiledForward:
             return self._fn(ids, positions, logit_idx)
 
 
-def package_key(model: Any, max_tokens: int) -> str:
+def package_key(model: Any, max_tokens: int, feature_layers: tuple[int, ...] | None = None) -> str:
     """What a package's code and constants depend on: the weights (hashed), the model config,
-    dtype and device, the token limit, the thread count and CPU ISA the kernels were tuned
-    for, and the torch, transformers and sessionserve versions."""
+    dtype and device, the token limit, the hidden states it returns, the thread count and CPU
+    ISA the kernels were tuned for, and the torch, transformers and sessionserve versions."""
     import transformers
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
@@ -116,11 +117,15 @@ def package_key(model: Any, max_tokens: int) -> str:
         "versions": [torch.__version__, transformers.__version__, sessionserve.__version__],
         "format": PACKAGE_FORMAT,
     }
+    if feature_layers is not None:  # only then: packages built before stay valid
+        facts["feature_layers"] = list(feature_layers)
     digest.update(json.dumps(facts, sort_keys=True).encode())
     return digest.hexdigest()
 
 
-def build_package(model: Any, path: Path, max_tokens: int) -> None:
+def build_package(
+    model: Any, path: Path, max_tokens: int, feature_layers: tuple[int, ...] | None = None
+) -> None:
     """Export and compile (minutes on a small CPU; a heartbeat logs progress), writing the
     package atomically to `path`. `model` must not run forwards meanwhile: export swaps its
     parameters for fake ones while it traces (callers pass a copy)."""
@@ -130,7 +135,7 @@ def build_package(model: Any, path: Path, max_tokens: int) -> None:
     device = next(model.parameters()).device
     example = tuple(t.to(device) for t in example)
     install(model)  # whatever it came with, the package runs our paged attention
-    module = _DecoderAndHead(model).eval()
+    module = _DecoderAndHead(model, feature_layers).eval()
     started = time.monotonic()
     with torch.inference_mode(), _heartbeat(path, started):
         program = torch.export.export(
@@ -177,10 +182,15 @@ class CompilePlan:
     reason: str
     package: Path | None = None
     max_tokens: int = 0
+    feature_layers: tuple[int, ...] | None = None  # what the drafter reads (model_runner.py)
 
 
 def plan_compile(
-    mode: bool | str, model: Any, max_tokens: int, cache_dir: str | None
+    mode: bool | str,
+    model: Any,
+    max_tokens: int,
+    cache_dir: str | None,
+    feature_layers: tuple[int, ...] | None = None,
 ) -> CompilePlan:
     """Resolve `engine.compile` (auto | true | false) for `model`: auto compiles on CPU for a
     model of at least AUTO_MIN_PARAMS parameters; on CUDA it leaves the forward to CUDA
@@ -195,11 +205,13 @@ def plan_compile(
         if params < AUTO_MIN_PARAMS:
             return CompilePlan(False, f"auto: a {params:,}-parameter model is not worth it")
     root = Path(cache_dir) if cache_dir else default_cache_dir()
-    package = root / f"{package_key(model, max_tokens)}.pt2"
-    return CompilePlan(True, "engine.compile", package, max_tokens)
+    package = root / f"{package_key(model, max_tokens, feature_layers)}.pt2"
+    return CompilePlan(True, "engine.compile", package, max_tokens, feature_layers)
 
 
-def build_in_subprocess(model: Any, path: Path, max_tokens: int) -> None:
+def build_in_subprocess(
+    model: Any, path: Path, max_tokens: int, feature_layers: tuple[int, ...] | None = None
+) -> None:
     """`build_package` in a child process at the lowest CPU priority: inductor's lowering is
     Python, and in a thread beside a serving engine it held the GIL enough to make requests
     ~3x slower while it ran (measured: the end-to-end suite took 5:20 instead of 3:04). The
@@ -209,6 +221,7 @@ def build_in_subprocess(model: Any, path: Path, max_tokens: int) -> None:
     try:
         torch.save(model, model_file)
         argv = [str(model_file), str(path), str(max_tokens), str(torch.get_num_threads())]
+        argv.append(",".join(map(str, feature_layers)) if feature_layers is not None else "-")
         # `nice`, not a preexec_fn: forking a threaded process must not run Python in the child
         command = [sys.executable, "-m", __name__, *argv]
         if shutil.which("nice"):
@@ -220,16 +233,19 @@ def build_in_subprocess(model: Any, path: Path, max_tokens: int) -> None:
         raise RuntimeError(f"the build process exited with {child.returncode} (its log says why)")
 
 
-def _child_main(model_file: str, path: str, max_tokens: str, threads: str) -> None:
+def _child_main(model_file: str, path: str, max_tokens: str, threads: str, layers: str) -> None:
     logging.basicConfig(format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("sessionserve").setLevel(logging.INFO)
     torch.set_num_threads(int(threads))  # the kernels are tuned for the parent's threads
     model = torch.load(model_file, weights_only=False)
-    build_package(model, Path(path), int(max_tokens))
+    feature_layers = None if layers == "-" else tuple(int(i) for i in layers.split(","))
+    build_package(model, Path(path), int(max_tokens), feature_layers)
 
 
 def load_or_build(
-    plan: CompilePlan, model: Any, build: Callable[[Any, Path, int], None] | None = None
+    plan: CompilePlan,
+    model: Any,
+    build: Callable[[Any, Path, int, tuple[int, ...] | None], None] | None = None,
 ) -> CompiledForward | None:
     """The compiled forward for `plan`: loaded from the cache, or built first by `build`
     (default: in this process, on a copy of the model) while others wait on a file lock, then
@@ -255,9 +271,8 @@ def load_or_build(
                         plan.package,
                     )
                     if build is None:
-                        build_package(copy.deepcopy(model), plan.package, plan.max_tokens)
-                    else:
-                        build(model, plan.package, plan.max_tokens)
+                        build = lambda m, *args: build_package(copy.deepcopy(m), *args)  # noqa: E731
+                    build(model, plan.package, plan.max_tokens, plan.feature_layers)
         started = time.monotonic()
         compiled = CompiledForward(plan.package, plan.max_tokens)
         log.info("compile: loaded %s in %.1f s", plan.package, time.monotonic() - started)

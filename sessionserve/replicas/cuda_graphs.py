@@ -52,7 +52,7 @@ class _Graph:
     out_slots: torch.Tensor
     sliding_out_slots: torch.Tensor  # (unread without sliding layers' KV kept apart)
     plan: Any  # the backend's static metadata
-    hidden: torch.Tensor | None = None  # [B, H] outputs (written by each replay)
+    hidden: torch.Tensor | None = None  # [B, F] the drafter's features (each replay)
     logits: torch.Tensor | None = None  # [B, V]
     graph: Any = None  # torch.cuda.CUDAGraph once captured
 
@@ -94,8 +94,8 @@ class DecodeGraphs:
     def _forward(self, g: _Graph) -> None:
         r = self.runner
         meta = ForwardMeta(r.backend, r.kv_pool, g.out_slots, g.plan, g.sliding_out_slots)
-        g.hidden = r.decode_hidden(g.ids, g.positions, meta)
-        g.logits = r.lm_head(g.hidden)
+        last, g.hidden = r.decode_hidden(g.ids, g.positions, meta)
+        g.logits = r.lm_head(last)
 
     @torch.inference_mode()
     def _build(self, size: int, key: Hashable) -> _Graph:
@@ -203,8 +203,8 @@ class ExtendGraphs:
     def _forward(self, g: _ExtendGraph) -> None:
         r = self.runner
         meta = ForwardMeta(self.backend, r.kv_pool, g.out_slots, g.plan, g.sliding_out_slots)
-        hidden = r.decode_hidden(g.ids, g.positions, meta)
-        g.logits = r.lm_head(hidden[g.logit_row])
+        last, _ = r.decode_hidden(g.ids, g.positions, meta)
+        g.logits = r.lm_head(last[g.logit_row])
 
     @torch.inference_mode()
     def _build(self, size: int, width: int) -> _ExtendGraph:

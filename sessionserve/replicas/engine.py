@@ -46,7 +46,7 @@ from sessionserve.replicas.sessions import (
     SessionInfo,
     SessionSeed,
 )
-from sessionserve.replicas.speculative.drafter import EagleDrafter
+from sessionserve.replicas.speculative.drafter import DraftHead
 from sessionserve.replicas.speculative.stats import SpecStats
 from sessionserve.replicas.stopping import StopChecker
 from sessionserve.wire import SamplingParams
@@ -60,7 +60,7 @@ class Engine:
         config: EngineConfig | None = None,
         loaded: LoadedModel | None = None,
         metrics: EngineMetrics | None = None,
-        drafter: EagleDrafter | None = None,
+        drafter: DraftHead | None = None,
         reclaim_sessions_at_limit: bool = False,
     ):
         """`metrics`: where the engine reports (a served replica's exporter; default: nowhere).

@@ -23,6 +23,7 @@ from sessionserve.replicas.attention import AttentionBackend, ForwardMeta, SeqSp
 from sessionserve.replicas.attention.base import to_device
 from sessionserve.replicas.compiled_forward import CompiledForward
 from sessionserve.replicas.grammar import apply_masks, consume
+from sessionserve.replicas.hidden_states import decoder_features
 from sessionserve.replicas.sampling import SampleOutput, sample
 from sessionserve.replicas.step import (
     ChainDrafts,
@@ -51,6 +52,10 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None  # set by assembly.py on CUDA
         self.extend_graphs: ExtendGraphs | None = None
         self.compiled: CompiledForward | None = None  # installed by compiled_forward.py
+        # which target hidden states the drafter reads (set by assembly.py before graphs are
+        # captured): None = the last, after the final norm; else `output_hidden_states`
+        # indices, concatenated (an EAGLE-3 head's three layers)
+        self.feature_layers: tuple[int, ...] | None = None
         self.compiling: threading.Thread | None = None  # a background build, while it runs
         install(model)
 
@@ -138,8 +143,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits [N, V] for `batch.logit_idx`, and with `want_hidden` the last hidden state
-        (after the final norm) of every token [T, H]; K/V of every new token is written to the
+        """Logits [N, V] for `batch.logit_idx`, and with `want_hidden` the drafter's features
+        of every token [T, F] (`decode_hidden`); K/V of every new token is written to the
         pool. The decoder and the LM head run separately so the hidden states come for free."""
         if self.graphs is not None and batch.is_decode:
             out = self.graphs.run(batch)
@@ -169,17 +174,16 @@ class ModelRunner:
         if compiled is not None and compiled.accepts(n, len(batch.logit_idx)):
             logits, hidden = compiled.run(ids, pos, logit_idx, meta)
         else:
-            hidden = self.decode_hidden(ids, pos, meta)
-            logits = self.lm_head(hidden[logit_idx])
+            last, hidden = self.decode_hidden(ids, pos, meta)
+            logits = self.lm_head(last[logit_idx])
         return logits, hidden if batch.want_hidden else None
 
     def decode_hidden(
         self, ids: torch.Tensor, positions: torch.Tensor, meta: ForwardMeta
-    ) -> torch.Tensor:
-        """The decoder over device tensors [T]: last hidden states [T, H]."""
-        return self.decoder(
-            input_ids=ids[None], position_ids=positions[None], use_cache=False, paged_meta=meta
-        ).last_hidden_state[0]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decoder over device tensors [T]: the last hidden states [T, H] (after the final
+        norm, what the LM head reads) and the drafter's features [T, F]."""
+        return decoder_features(self.decoder, ids, positions, self.feature_layers, paged_meta=meta)
 
 
 def _sample_rows(seqs: list[ScheduledSeq], logits: torch.Tensor) -> SampleOutput:

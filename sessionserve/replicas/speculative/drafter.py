@@ -1,4 +1,5 @@
-"""The EAGLE draft head: `fc(concat(embed(token), target_hidden)) -> one decoder layer`.
+"""Draft heads: what every layout offers (`DraftHead`), and the EAGLE-1/2 head
+(`fc(concat(embed(token), target_hidden)) -> one decoder layer`); EAGLE-3's is in eagle3.py.
 
 Its output is a *predicted target hidden state*; the target's own LM head turns it into draft
 logits. Entry `q` of a sequence pairs token `x[q+1]` with the target's hidden state `h[q]` and
@@ -24,12 +25,81 @@ from transformers.models.llama.modeling_llama import (
 )
 
 
-class EagleDrafter(nn.Module):
-    """Weights: `fc.*`, `layers.0.*`, optionally `embed_tokens.weight`, `norm.weight`, `d2t`.
+class DraftHead(nn.Module):
+    """What the proposer and the trainer need of a draft head, whatever its layout.
 
-    The target's embedding and LM head are borrowed (not parameters of this module), so a
-    saved checkpoint holds only the head's own weights.
+    `features(ids, hidden, positions)` -> the head's output per position, which is fed back as
+    the next draft step's `hidden`; `draft_logits(features)` scores the draft vocabulary. A
+    draft vocabulary (`d2t`: draft id + d2t[id] = target id) restricts drafting to the most
+    frequent tokens. `feature_layers` names the target hidden states the head reads (indices
+    into transformers' `output_hidden_states`, concatenated), or None for the last one after
+    the final norm. The target's embedding (and LM head, for heads without one) are borrowed,
+    not parameters, so a saved checkpoint holds only the head's own weights.
     """
+
+    feature_layers: tuple[int, ...] | None = None
+    config: LlamaConfig
+    d2t: torch.Tensor | None
+    embed_tokens: nn.Embedding | None
+
+    def _init_vocab(self, draft_vocab: torch.Tensor | None) -> None:
+        if draft_vocab is not None:
+            self.register_buffer("d2t", draft_vocab - torch.arange(draft_vocab.numel()))
+        else:
+            self.d2t = None
+        self._target: tuple[nn.Module, nn.Module] | None = None  # (embedding, lm_head)
+
+    # ---- wiring to the target ----
+    def attach(self, target: Any) -> DraftHead:
+        """Borrow `target`'s input embedding and LM head (checked for shape by the loader)."""
+        self._target = (target.get_input_embeddings(), target.get_output_embeddings())
+        return self
+
+    def _borrowed(self) -> tuple[nn.Module, nn.Module]:
+        if self._target is None:
+            raise RuntimeError(f"{type(self).__name__}.attach(target_model) must come first")
+        return self._target
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        table = self.embed_tokens if self.embed_tokens is not None else self._borrowed()[0]
+        return table(input_ids)
+
+    # ---- the draft vocabulary ----
+    @property
+    def draft_ids(self) -> torch.Tensor | None:
+        """Target ids of the draft vocabulary, or None when drafting over the whole vocab."""
+        if self.d2t is None:
+            return None
+        return self.d2t + torch.arange(self.d2t.numel(), device=self.d2t.device)
+
+    def to_target(self, draft_idx: torch.Tensor) -> torch.Tensor:
+        return draft_idx if self.d2t is None else draft_idx + self.d2t[draft_idx]
+
+    def target_probs(self, draft_probs: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """Spread draft-vocabulary probabilities ([..., Vd]) over the target vocabulary."""
+        if self.d2t is None:
+            return draft_probs
+        full = draft_probs.new_zeros(*draft_probs.shape[:-1], vocab_size)
+        full[..., self.draft_ids] = draft_probs
+        return full
+
+    # ---- compute (per layout) ----
+    def features(
+        self,
+        input_ids: torch.Tensor,
+        hidden: torch.Tensor,
+        position_ids: torch.Tensor,
+        **attn_kwargs: Any,
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+    def draft_logits(self, features: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class EagleDrafter(DraftHead):
+    """The EAGLE-1/2 layout. Weights: `fc.*`, `layers.0.*`, optionally `embed_tokens.weight`,
+    `norm.weight`, `d2t`; it scores drafts with the target's own LM head."""
 
     def __init__(
         self,
@@ -52,26 +122,13 @@ class EagleDrafter(nn.Module):
         self.norm = LlamaRMSNorm(h, eps=config.rms_norm_eps) if final_norm else None
         self.embed_tokens = nn.Embedding(config.vocab_size, h) if own_embeddings else None
         self.rotary = LlamaRotaryEmbedding(config)
-        if draft_vocab is not None:
-            self.register_buffer("d2t", draft_vocab - torch.arange(draft_vocab.numel()))
-        else:
-            self.d2t = None
-        self._target: tuple[nn.Module, nn.Module] | None = None  # (embedding, lm_head)
+        self._init_vocab(draft_vocab)
         self._head_weight: torch.Tensor | None = None
 
-    # ---- wiring to the target ----
     def attach(self, target: Any) -> EagleDrafter:
-        """Borrow `target`'s input embedding and LM head (checked for shape by the loader)."""
-        self._target = (target.get_input_embeddings(), target.get_output_embeddings())
+        super().attach(target)
         self._head_weight = None
         return self
-
-    @property
-    def draft_ids(self) -> torch.Tensor | None:
-        """Target ids of the draft vocabulary, or None when drafting over the whole vocab."""
-        if self.d2t is None:
-            return None
-        return self.d2t + torch.arange(self.d2t.numel(), device=self.d2t.device)
 
     def head_weight(self) -> torch.Tensor:
         """The LM head's rows the drafter scores (all, or the draft vocabulary's)."""
@@ -84,16 +141,7 @@ class EagleDrafter(nn.Module):
             self._head_weight = w.detach()
         return self._head_weight
 
-    def _borrowed(self) -> tuple[nn.Module, nn.Module]:
-        if self._target is None:
-            raise RuntimeError("EagleDrafter.attach(target_model) must be called before use")
-        return self._target
-
     # ---- compute ----
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        table = self.embed_tokens if self.embed_tokens is not None else self._borrowed()[0]
-        return table(input_ids)
-
     def features(
         self,
         input_ids: torch.Tensor,  # [B, T]
@@ -112,17 +160,6 @@ class EagleDrafter(nn.Module):
     def draft_logits(self, features: torch.Tensor) -> torch.Tensor:
         """Logits over the draft vocabulary ([..., Vd]); map choices back with `to_target`."""
         return torch.nn.functional.linear(features, self.head_weight())
-
-    def to_target(self, draft_idx: torch.Tensor) -> torch.Tensor:
-        return draft_idx if self.d2t is None else draft_idx + self.d2t[draft_idx]
-
-    def target_probs(self, draft_probs: torch.Tensor, vocab_size: int) -> torch.Tensor:
-        """Spread draft-vocabulary probabilities ([..., Vd]) over the target vocabulary."""
-        if self.d2t is None:
-            return draft_probs
-        full = draft_probs.new_zeros(*draft_probs.shape[:-1], vocab_size)
-        full[..., self.draft_ids] = draft_probs
-        return full
 
 
 def drafter_config(target_config: Any, **overrides: Any) -> LlamaConfig:

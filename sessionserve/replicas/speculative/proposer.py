@@ -23,14 +23,14 @@ from sessionserve.replicas.attention import ATTN_NAME, AttentionBackend, Forward
 from sessionserve.replicas.request import Request
 from sessionserve.replicas.sampling import draw, uniforms
 from sessionserve.replicas.speculative.draft_state import DraftState
-from sessionserve.replicas.speculative.drafter import EagleDrafter
+from sessionserve.replicas.speculative.drafter import DraftHead
 from sessionserve.replicas.step import CatchUp, ChainDrafts
 
 
 class EagleProposer:
     def __init__(
         self,
-        drafter: EagleDrafter,
+        drafter: DraftHead,
         pool: KVPool,
         backend: AttentionBackend,
         cache: SessionCache,

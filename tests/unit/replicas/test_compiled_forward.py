@@ -160,7 +160,8 @@ def test_auto_skips_tiny_models_and_builds_big_ones_in_the_background(
     built = compiled_engine(model, cache_dir).runner.compiled.package
     release = threading.Event()
 
-    def build_when_released(model, path, max_tokens):
+    def build_when_released(model, path, max_tokens, feature_layers):
+        assert feature_layers is None  # no EAGLE-3 head: the last hidden state only
         assert release.wait(60)
         shutil.copy(built, path)
 
