@@ -103,6 +103,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     train.add_argument("--model", help="target model path (default: SmolLM2)")
     train.add_argument("--out", help="output directory (default: drafters/default)")
+    train.add_argument(
+        "--arch",
+        choices=["eagle", "eagle3"],
+        help="head layout: eagle (EAGLE-1/2, the last hidden state; default) or eagle3 "
+        "(three target layers fused, its own draft vocabulary)",
+    )
     train.add_argument("--prompts", help="prompt file, one per line (default: shipped set)")
     train.add_argument("--max-prompts", type=int, help="use only the first N prompts")
     train.add_argument("--max-new-tokens", type=int, help="answer length per prompt")

@@ -1,14 +1,18 @@
-"""`sessionserve train-drafter`: an EAGLE head for a target model, trained on a CPU.
+"""`sessionserve train-drafter`: an EAGLE or EAGLE-3 head for a target model, trained on a CPU.
 
 Self-distillation in three phases, each resumable from files in the output directory:
 1. generate: the target answers the shipped prompts (greedy, through our own engine, batched);
    the token sequences go to `dataset.pt`.
 2. features: one target forward per sequence gives the hidden states the head learns from
-   (recomputed on resume: cheaper than storing them).
-3. train: the head learns `h[q+1]` (smooth L1) and token `x[q+2]` (cross-entropy over the draft
-   vocabulary) from `(x[q+1], h[q])`, EAGLE's objective; `train_state.pt` holds the optimizer and
-   position every few steps, so an interrupted run continues where it stopped.
-The result is an EAGLE checkpoint (`config.json`, `model.safetensors`) in the output directory.
+   (recomputed on resume: cheaper than storing them): the last one for EAGLE, three layers'
+   concatenated for EAGLE-3.
+3. train: from `(x[q+1], h[q])` the head learns token `x[q+2]` (cross-entropy over the draft
+   vocabulary) and, for EAGLE, also `h[q+1]` (smooth L1; an EAGLE-3 head's output is its own,
+   not a target state, so only tokens teach it). `unroll` chain steps are trained, step 2+
+   feeding the head its own output as serving does (EAGLE-3's training-time test);
+   `train_state.pt` holds the optimizer and position every few steps, so an interrupted run
+   continues where it stopped.
+The result is a checkpoint in the published layout (`config.json`, `model.safetensors`).
 """
 
 from __future__ import annotations
@@ -27,18 +31,22 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from sessionserve.errors import InvalidConfigError
+from sessionserve.replicas.hidden_states import decoder_features
 from sessionserve.replicas.speculative.checkpoint import save_drafter
-from sessionserve.replicas.speculative.drafter import EagleDrafter, drafter_config
+from sessionserve.replicas.speculative.drafter import DraftHead, EagleDrafter, drafter_config
+from sessionserve.replicas.speculative.eagle3 import Eagle3Drafter, default_feature_layers
 
 log = logging.getLogger(__name__)
 DATASET = "dataset.pt"
 STATE = "train_state.pt"
+ARCHS = ("eagle", "eagle3")
 
 
 @dataclass(frozen=True)
 class TrainConfig:
     model: str = "default"
     out: str = "drafters/default"
+    arch: str = "eagle"  # "eagle" (EAGLE-1/2 layout) or "eagle3"
     prompts: str | None = None  # a text file, one prompt per line; None = the shipped set
     max_prompts: int | None = None
     max_new_tokens: int = 128
@@ -60,11 +68,13 @@ def shipped_prompts() -> list[str]:
     return [line for line in text.read_text().splitlines() if line.strip()]
 
 
-def train_drafter(cfg: TrainConfig) -> EagleDrafter:
+def train_drafter(cfg: TrainConfig) -> DraftHead:
     """Run (or resume) all phases; writes the checkpoint to `cfg.out` and returns the head
     (attached to its target, eval mode)."""
     from sessionserve.replicas.loader import load_model
 
+    if cfg.arch not in ARCHS:
+        raise InvalidConfigError(f"--arch {cfg.arch!r}: choose one of {', '.join(ARCHS)}")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     out = Path(cfg.out).expanduser()
@@ -74,9 +84,16 @@ def train_drafter(cfg: TrainConfig) -> EagleDrafter:
     model = loaded.model
     print(f"target {loaded.name}: loaded in {time.monotonic() - t0:.1f} s; output in {out}")
     seqs, vocab = _dataset(cfg, out, loaded)
-    feats, labels = _features(model, seqs)
+    layers = (
+        default_feature_layers(model.config.num_hidden_layers) if cfg.arch == "eagle3" else None
+    )
+    if layers is not None and not all(0 <= i < model.config.num_hidden_layers for i in layers):
+        raise InvalidConfigError(
+            f"EAGLE-3 reads the target's layers {list(layers)}: it needs at least 3 layers"
+        )
+    feats, labels = _features(model, seqs, layers)
     torch.manual_seed(cfg.seed)  # the head's initial weights
-    drafter = initial_drafter(model, vocab)
+    drafter = initial_drafter(model, vocab) if layers is None else initial_eagle3(model, vocab)
     _train(cfg, out, drafter, model, seqs, feats, labels)
     meta = {
         "target": loaded.name,
@@ -86,7 +103,8 @@ def train_drafter(cfg: TrainConfig) -> EagleDrafter:
         "train_seconds": round(time.monotonic() - t0, 1),
     }
     save_drafter(drafter, out, **meta)
-    print(f"wrote the EAGLE head to {out} ({time.monotonic() - t0:.0f} s in all)")
+    kind = "EAGLE-3" if layers is not None else "EAGLE"
+    print(f"wrote the {kind} head to {out} ({time.monotonic() - t0:.0f} s in all)")
     print(f"serve with it: engine.spec.drafter_path: {out.resolve()}")
     return drafter
 
@@ -207,15 +225,18 @@ def _draft_vocab(seqs: list[list[int]], vocab_size: int, size: int, loaded: Any)
 
 # ---- phase 2: target hidden states ----
 @torch.no_grad()
-def _features(model: Any, seqs: list[list[int]]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The target's last hidden state (after its final norm) at every position, and its
-    greedy next token there: what a draft must match to be accepted."""
+def _features(
+    model: Any, seqs: list[list[int]], layers: tuple[int, ...] | None
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """What the head reads at every position (the target's last hidden state after its final
+    norm, or `layers`' states concatenated: what serving hands it, `decoder_features`), and
+    the target's greedy next token there: what a draft must match to be accepted."""
     model.set_attn_implementation("sdpa")  # the engine switched it to paged attention
     decoder, head, feats, labels = model.get_decoder(), model.get_output_embeddings(), [], []
     for s in tqdm(seqs, desc="features", unit="seq", dynamic_ncols=True):
-        hidden = decoder(input_ids=torch.tensor([s])).last_hidden_state[0].float()
-        feats.append(hidden)
-        labels.append(head(hidden).argmax(-1))
+        last, feat = decoder_features(decoder, torch.tensor(s), torch.arange(len(s)), layers)
+        feats.append(feat.float())
+        labels.append(head(last).argmax(-1))
     return feats, labels
 
 
@@ -235,6 +256,39 @@ def initial_drafter(target: Any, vocab: torch.Tensor) -> EagleDrafter:
         drafter.fc.weight.normal_(0.0, 0.01)
         drafter.fc.weight[:, h:] += torch.eye(h)
         drafter.fc.bias.zero_()
+    return _ready_to_train(drafter, target)
+
+
+def initial_eagle3(target: Any, vocab: torch.Tensor) -> Eagle3Drafter:
+    """An EAGLE-3 head that starts as the logit lens of its deepest layer: `fc` passes that
+    layer's state through, the mid-layer's residual branches are off (its attention and MLP
+    start from the target's last layer, reading the hidden half), and the final norm and
+    `lm_head` are the target's (its rows for the draft vocabulary)."""
+    cfg = drafter_config(target.config)
+    full = vocab.numel() == target.config.vocab_size
+    layers = default_feature_layers(target.config.num_hidden_layers)
+    drafter = Eagle3Drafter(cfg, layers, draft_vocab=None if full else vocab)
+    last, mid, h = target.get_decoder().layers[-1], drafter.midlayer, cfg.hidden_size
+    mid.mlp.load_state_dict(last.mlp.state_dict())
+    mid.post_attention_layernorm.load_state_dict(last.post_attention_layernorm.state_dict())
+    with torch.no_grad():
+        for name in ("q_proj", "k_proj", "v_proj"):
+            src, dst = getattr(last.self_attn, name), getattr(mid.self_attn, name)
+            dst.weight.normal_(0.0, 0.01)
+            dst.weight[:, h:] = src.weight
+            if dst.bias is not None and src.bias is not None:
+                dst.bias.copy_(src.bias)
+        mid.self_attn.o_proj.weight.zero_()
+        mid.mlp.down_proj.weight.zero_()
+        drafter.fc.weight.normal_(0.0, 0.01)
+        drafter.fc.weight[:, -h:] += torch.eye(h)
+        drafter.norm.weight.copy_(target.get_decoder().norm.weight)
+        head = target.get_output_embeddings().weight
+        drafter.lm_head.weight.copy_(head if full else head[vocab])
+    return _ready_to_train(drafter, target)
+
+
+def _ready_to_train(drafter: DraftHead, target: Any) -> Any:
     drafter.config._attn_implementation = "sdpa"
     for p in target.parameters():
         p.requires_grad_(False)
@@ -244,7 +298,7 @@ def initial_drafter(target: Any, vocab: torch.Tensor) -> EagleDrafter:
 def _train(
     cfg: TrainConfig,
     out: Path,
-    drafter: EagleDrafter,
+    drafter: DraftHead,
     target: Any,
     seqs: list[list[int]],
     feats: list[torch.Tensor],
@@ -261,6 +315,8 @@ def _train(
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _warmup_cosine(total))
     step, state_path = 0, out / STATE
     schedule = {"total_steps": total, "batch_seqs": cfg.batch_seqs, "lr": cfg.lr}
+    if cfg.arch != "eagle":  # (states saved before EAGLE-3 existed stay resumable)
+        schedule["arch"] = cfg.arch
     if state_path.exists():
         state = torch.load(state_path, weights_only=False)
         _same_run(state_path, state.get("schedule"), schedule)
@@ -306,7 +362,7 @@ def _train(
 
 def _sequence_loss(
     cfg: TrainConfig,
-    drafter: EagleDrafter,
+    drafter: DraftHead,
     seq: list[int],
     feat: torch.Tensor,
     greedy: torch.Tensor,
@@ -316,12 +372,15 @@ def _sequence_loss(
     """EAGLE's loss on one sequence, over `cfg.unroll` chain steps; returns (loss, [loss sum,
     correct first drafts, count]).
 
-    Step 1 pairs token x[q+1] with the target's h[q] and learns h[q+1] and the target's greedy
-    token after x[q+1]. Step j > 1 replaces h with the head's own step j-1 output, as chained
-    drafting at serving time does (training on true features only leaves later drafts poor).
+    Step 1 pairs token x[q+1] with the target's h[q] and learns the target's greedy token
+    after x[q+1] (and, for an EAGLE head, h[q+1]). Step j > 1 replaces h with the head's own
+    step j-1 output, as chained drafting at serving time does (training on true features
+    only leaves later drafts poor).
     """
     ids = torch.tensor(seq)
     hidden = feat[:-1]
+    regress = not isinstance(drafter, Eagle3Drafter)  # its outputs are not target states
+    token_weight = cfg.token_loss_weight if regress else 1.0
     scale = feat.pow(2).mean().sqrt()  # regress in units of the sequence's RMS
     if gen is not None and cfg.noise:
         hidden = hidden + cfg.noise * scale * torch.randn(hidden.shape, generator=gen)
@@ -333,11 +392,12 @@ def _sequence_loss(
         f = drafter.features(
             ids[None, 1 + step : 1 + step + n], hidden[None], torch.arange(step, step + n)[None]
         )[0]
-        feature_loss = F.smooth_l1_loss(f / scale, feat[1 + step : 1 + step + n] / scale)
         labels = t2d[greedy[1 + step : 1 + step + n]]  # -100: outside the draft vocabulary
         logits = drafter.draft_logits(f)
         token_loss = F.cross_entropy(logits, labels, ignore_index=-100)
-        loss = loss + feature_loss + cfg.token_loss_weight * token_loss
+        loss = loss + token_weight * token_loss
+        if regress:
+            loss = loss + F.smooth_l1_loss(f / scale, feat[1 + step : 1 + step + n] / scale)
         if first is None:
             valid = labels >= 0
             correct = (logits.argmax(-1) == labels)[valid].sum().item()
@@ -350,7 +410,7 @@ def _sequence_loss(
 @torch.no_grad()
 def _validate(
     cfg: TrainConfig,
-    drafter: EagleDrafter,
+    drafter: DraftHead,
     data: list[tuple[list[int], torch.Tensor, torch.Tensor]],
     t2d: torch.Tensor,
 ) -> float:
@@ -364,7 +424,7 @@ def _validate(
     return correct / max(1.0, count)
 
 
-def _target_to_draft(drafter: EagleDrafter, vocab_size: int) -> torch.Tensor:
+def _target_to_draft(drafter: DraftHead, vocab_size: int) -> torch.Tensor:
     ids = drafter.draft_ids
     t2d = torch.full((vocab_size,), -100, dtype=torch.long)
     if ids is None:
@@ -387,7 +447,7 @@ def _warmup_cosine(total: int, warmup_frac: float = 0.05):
 
 def _save_state(
     path: Path,
-    drafter: EagleDrafter,
+    drafter: DraftHead,
     opt: Any,
     sched: Any,
     step: int,

@@ -126,3 +126,59 @@ def test_cli_trains_and_the_engine_serves_with_the_result(target_dir, tmp_path, 
     got, ref = spec.generate(prompts, GREEDY), plain.generate(prompts, GREEDY)
     assert [r.output_ids for r in got] == [r.output_ids for r in ref]
     assert all(r.spec_steps > 0 for r in got)
+
+
+@pytest.fixture(scope="module")
+def deep_target_dir(tmp_path_factory, target_dir) -> Path:
+    """A 7-layer target: EAGLE-3 reads the inputs of its layers 2, 3 and 4."""
+    d = tmp_path_factory.mktemp("deep-target")
+    save_tiny_model(d, seed=4, num_hidden_layers=7)
+    (d / "prompts.txt").write_text((target_dir / "prompts.txt").read_text())
+    return d
+
+
+def test_eagle3_training_writes_the_published_layout_and_serves(deep_target_dir, tmp_path):
+    from sessionserve.replicas.speculative.eagle3 import Eagle3Drafter
+
+    out = tmp_path / "eagle3"
+    trained = train_drafter(_cfg(deep_target_dir, out, arch="eagle3"))
+    weights = load_file(str(out / "model.safetensors"))
+    assert {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"} <= set(weights)
+    assert all(
+        k.startswith(("fc.", "midlayer.", "norm.", "lm_head.", "d2t", "t2d")) for k in weights
+    )
+    assert tuple(weights["fc.weight"].shape) == (64, 3 * 64)
+    assert tuple(weights["lm_head.weight"].shape) == (64, 64)  # the 64-token draft vocabulary
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert config["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [1, 2, 3]}
+
+    model = load_model(deep_target_dir).model
+    runs = {}
+    for name, make in {
+        "trained": lambda m: trained.attach(m),
+        "loaded": lambda m: load_drafter(out, m),
+        "plain": None,
+    }.items():
+        engine = tiny_engine(model, drafter=make)
+        seen: list[list[int]] = []
+        if make is not None:
+            assert isinstance(engine.speculative.eagle.drafter, Eagle3Drafter)
+            propose = engine.speculative.eagle.propose
+            engine.speculative.eagle.propose = lambda r, n, p=propose, s=seen: [
+                s.append(c.tokens) or c for c in p(r, n)
+            ]
+        outputs = [r.output_ids for r in engine.generate([[5, 9, 44, 3], [70, 8]], GREEDY)]
+        runs[name] = (seen, outputs)
+    assert runs["trained"] == runs["loaded"]
+    assert runs["loaded"][1] == runs["plain"][1]  # greedy output is the target's
+    assert len(runs["loaded"][0]) > 0
+    # a train state of one layout does not resume as the other
+    (out / "model.safetensors").unlink()
+    with pytest.raises(InvalidConfigError, match="re-run with the same options"):
+        train_drafter(_cfg(deep_target_dir, out, arch="eagle"))
+
+
+def test_eagle3_needs_three_target_layers(target_dir, tmp_path) -> None:
+    with pytest.raises(InvalidConfigError, match="needs at least 3 layers"):
+        train_drafter(_cfg(target_dir, tmp_path / "shallow", arch="eagle3"))
