@@ -18,6 +18,7 @@ the measured pass, as a serving replica long has (--cold measures its first pass
 
     .venv/bin/sessionserve train-drafter            # once: writes drafters/default
     .venv/bin/python -m benchmarks.speculative [--drafter drafters/default] [--num-drafts 4]
+        [--tree-topk 2 --tree-budget 8]    # EAGLE-2 trees from the head (greedy requests)
 
 Last line: JSON with accept_len (mean tokens per verify step, EAGLE's tau, head, chat, first
 concurrency), speedup_1/_8/_32 (head, chat: decode tokens/s with / without speculation),
@@ -299,7 +300,9 @@ def compare(name: str, loaded, spec: SpecConfig, c: int, args, work: Workload, s
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--drafter", default="drafters/default", help="EAGLE head directory")
-    ap.add_argument("--num-drafts", type=int, default=4, help="chain length k")
+    ap.add_argument("--num-drafts", type=int, default=4, help="chain length k (tree depth)")
+    ap.add_argument("--tree-topk", type=int, default=1, help="EAGLE-2 trees above 1 (head)")
+    ap.add_argument("--tree-budget", type=int, default=8, help="tree drafts verified")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--agent-concurrency", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -331,9 +334,12 @@ def main() -> int:
     chat = Workload("chat", [(Turn(p), Turn(FOLLOW_UP)) for p in prompts])
     setup_threads(args.threads)
     loaded = load()
-    print(f"machine: {machine()}  drafter: {args.drafter}  k={args.num_drafts}")
+    tree = f" tree {args.tree_topk}/{args.tree_budget}" if args.tree_topk > 1 else ""
+    print(f"machine: {machine()}  drafter: {args.drafter}  k={args.num_drafts}{tree}")
     summary: dict = {
         "k": args.num_drafts,
+        "tree_topk": args.tree_topk,
+        "tree_budget": args.tree_budget,
         "max_tokens": args.max_tokens,
         "prompts": "seen" if args.seen_prompts else "unseen",
         "compile": args.compile,
@@ -352,7 +358,13 @@ def main() -> int:
         compare(f"agent_{c}", loaded, history, c, args, AGENT, summary)
     compare("chat_history_1", loaded, history, 1, args, chat, summary)
     if not args.skip_head:
-        head = SpecConfig(drafter_path=args.drafter, num_drafts=k, adaptive=adaptive)
+        head = SpecConfig(
+            drafter_path=args.drafter,
+            num_drafts=k,
+            adaptive=adaptive,
+            tree_topk=args.tree_topk,
+            tree_budget=args.tree_budget,
+        )
         for c in args.concurrency:
             compare(str(c), loaded, head, c, args, chat, summary)
         both = head.model_copy(update={"history_drafts": True})

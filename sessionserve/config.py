@@ -146,6 +146,19 @@ class SpecConfig(_Strict):
     history_max_match: int = Field(
         5, ge=1, le=32, description="Longest suffix the history drafter looks up (tokens)."
     )
+    tree_topk: int = Field(
+        1,
+        ge=1,
+        le=8,
+        description="EAGLE-2 draft trees: above 1, greedy requests drafting from the EAGLE head "
+        "grow a tree, expanding the `tree_topk` likeliest nodes of each level into their "
+        "`tree_topk` best next tokens, `num_drafts` levels deep, and verify the `tree_budget` "
+        "likeliest nodes in one forward. 1 = chains. Needs the torch attention backend and a "
+        "model without sliding-window layers; sampled requests draft chains.",
+    )
+    tree_budget: int = Field(
+        8, ge=2, le=64, description="Most tree drafts verified per request per step."
+    )
     adaptive: bool = Field(
         True,
         description="Measure decode tokens/s with and without drafts per batch size while "

@@ -135,6 +135,8 @@ def tiny_engine(
     backend: str = "torch",
     drafter=None,
     num_drafts: int = 4,
+    tree_topk: int = 1,
+    tree_budget: int = 8,
     history_drafts: bool = False,
     history_min_match: int = 2,
     adaptive: bool = False,
@@ -153,7 +155,8 @@ def tiny_engine(
 ) -> Engine:
     """An engine (checking memory every step unless told otherwise) around a (copy of a) tiny
     model, on `device` (default: the test device). `drafter`: a function making an EAGLE head
-    for the copied model (e.g. `mimic_drafter`), to speculate. `history_drafts`: draft from
+    for the copied model (e.g. `mimic_drafter`), to speculate (`tree_topk` > 1: trees of
+    `tree_budget` drafts). `history_drafts`: draft from
     each sequence's own history too; `adaptive`: the online drafting policy (off here, so a
     test's drafts do not depend on timing). `metrics`, `reclaim_sessions_at_limit`: as
     `Engine` takes them (a served replica's exporter; its session reclaiming)."""
@@ -177,6 +180,8 @@ def tiny_engine(
         sessions=SessionConfig(**session_kw),
         spec=SpecConfig(
             num_drafts=num_drafts,
+            tree_topk=tree_topk,
+            tree_budget=tree_budget,
             history_drafts=history_drafts,
             history_min_match=history_min_match,
             adaptive=adaptive,

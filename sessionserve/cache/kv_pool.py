@@ -103,3 +103,11 @@ class KVPool:
         where = sliding_slots if sliding else slots
         k_pool.index_copy_(0, where, k.to(self.dtype))
         v_pool.index_copy_(0, where, v.to(self.dtype))
+
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy every full-attention layer's K/V at `src` to `dst` (a verified tree's kept
+        path moving to its sequence's positions; all rows are read before any is written)."""
+        if self.has_sliding:
+            raise NotImplementedError("moving KV rows kept in sliding slots")
+        self.k[:, dst] = self.k[:, src]
+        self.v[:, dst] = self.v[:, src]

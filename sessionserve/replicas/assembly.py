@@ -13,6 +13,7 @@ from sessionserve.cache.allocator import floor_align
 from sessionserve.cache.host_tier import HostTier
 from sessionserve.cache.session_cache import SessionCache
 from sessionserve.config import EngineConfig
+from sessionserve.errors import InvalidConfigError
 from sessionserve.replicas.attention import (
     AttentionBackend,
     attention_scale,
@@ -26,7 +27,7 @@ from sessionserve.replicas.compiled_forward import plan_compile, start_compile
 from sessionserve.replicas.cuda_graphs import DecodeGraphs, ExtendGraphs, buckets_up_to
 from sessionserve.replicas.model_runner import ModelRunner
 from sessionserve.replicas.speculative.checkpoint import load_drafter
-from sessionserve.replicas.speculative.decoder import SpeculativeDecoder
+from sessionserve.replicas.speculative.decoder import SpeculativeDecoder, TreeShape
 from sessionserve.replicas.speculative.drafter import DraftHead
 from sessionserve.replicas.speculative.history import HistoryProposer
 from sessionserve.replicas.speculative.policy import SpecPolicy
@@ -113,16 +114,50 @@ def build_speculative(
         return None
     vocab = model.config.vocab_size
     eagle = history = None
+    tree = tree_shape(cfg, model, drafter, runner.backend)
     if drafter is not None:
         eagle = EagleProposer(
-            drafter, *pool_and_backend(cfg, drafter, cache), cache, spec.num_drafts, vocab
+            drafter,
+            *pool_and_backend(cfg, drafter, cache),
+            cache,
+            spec.num_drafts,
+            vocab,
+            tree_topk=tree.topk if tree else 1,
         )
     if spec.history_drafts:
         history = HistoryProposer(
             spec.num_drafts, spec.history_min_match, spec.history_max_match, vocab, runner.device
         )
     policy = SpecPolicy() if spec.adaptive else None
-    return SpeculativeDecoder(cache, on_verify, context_limit(cfg, cache), eagle, history, policy)
+    return SpeculativeDecoder(
+        cache,
+        on_verify,
+        context_limit(cfg, cache),
+        eagle,
+        history,
+        policy,
+        tree=tree,
+        target_pool=runner.kv_pool,
+    )
+
+
+def tree_shape(
+    cfg: EngineConfig, model: Any, drafter: DraftHead | None, backend: AttentionBackend
+) -> TreeShape | None:
+    """`spec.tree_topk` > 1 as a TreeShape, or a clear error where trees cannot run."""
+    spec = cfg.spec
+    if spec.tree_topk == 1:
+        return None
+    problem = None
+    if drafter is None:
+        problem = "it needs an EAGLE head (spec.drafter_path)"
+    elif not isinstance(backend, TorchPagedBackend):
+        problem = f"the {backend.name} backend has no tree mask yet; use attention_backend: torch"
+    elif sliding_windows(model.config):
+        problem = "this model has sliding-window layers, which tree verification does not mask"
+    if problem:
+        raise InvalidConfigError(f"spec.tree_topk {spec.tree_topk}: {problem} (or tree_topk: 1)")
+    return TreeShape(spec.tree_topk, spec.tree_budget)
 
 
 def pool_and_backend(

@@ -26,7 +26,7 @@ from sessionserve.replicas.grammar import apply_masks, consume
 from sessionserve.replicas.hidden_states import decoder_features
 from sessionserve.replicas.sampling import SampleOutput, sample
 from sessionserve.replicas.step import (
-    ChainDrafts,
+    Drafts,
     ForwardBatch,
     ScheduledBatch,
     ScheduledSeq,
@@ -60,7 +60,7 @@ class ModelRunner:
         install(model)
 
     def run(
-        self, batch: ScheduledBatch, drafts: dict[str, ChainDrafts], want_hidden: bool = False
+        self, batch: ScheduledBatch, drafts: dict[str, Drafts], want_hidden: bool = False
     ) -> StepOutput:
         """Prepare, forward, and sample one token for each sequence that samples without
         drafts (a verify's rows are the speculative decoder's)."""
@@ -73,7 +73,7 @@ class ModelRunner:
         return out
 
     def prepare(
-        self, batch: ScheduledBatch, drafts: dict[str, ChainDrafts], want_hidden: bool
+        self, batch: ScheduledBatch, drafts: dict[str, Drafts], want_hidden: bool
     ) -> tuple[ForwardBatch, dict[str, SeqLayout]]:
         """The flat forward (drafts after their sequence's pending token), and where each
         sequence sits in it."""
@@ -85,13 +85,19 @@ class ModelRunner:
             end = s.end + len(extra)
             ids.extend(s.req.token_slice(s.start, s.end))
             ids.extend(extra)
-            pos.extend(range(s.start, end))
+            pos.extend(range(s.start, s.end))
+            tree = None
+            if chain is not None and chain.parents is not None:  # a draft's slot is its index's,
+                pos.extend(s.end - 1 + d for d in chain.depths())  # its position its depth's
+                tree = chain.tree_mask()
+            else:
+                pos.extend(range(s.end, end))
             out_slots.extend(self.cache.slot_list(kv, s.start, end))
             ctx = self.cache.slots(kv, 0, end)
             window = None
             if sliding is not None:  # what the sliding layers read: the window's columns
                 window = sliding.lookup(ctx[-(sliding.window - 1 + end - s.start) :])
-            seqs.append(SeqSpec(end - s.start, ctx, sliding_slots=window))
+            seqs.append(SeqSpec(end - s.start, ctx, tree_mask=tree, sliding_slots=window))
             layout[s.req.rid] = SeqLayout(n, len(logit_idx) if s.samples else -1)
             n += end - s.start
             if s.samples:

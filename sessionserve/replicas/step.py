@@ -1,10 +1,10 @@
 """The step's data, shared by everything that takes part in a step: what the scheduler
-scheduled (`ScheduledBatch` of `ScheduledSeq`), the drafts proposed for it (`ChainDrafts`),
-the flat forward the model runner builds from them (`ForwardBatch`, `SeqLayout`), what the
-forward produced (`StepOutput`), what the target committed for the drafter to catch up on
-(`CatchUp`), and each request's news (`SeqUpdate`). Kept in one module below the scheduler,
-the runner, the graphs and the speculative decoder so none of them imports another for its
-types.
+scheduled (`ScheduledBatch` of `ScheduledSeq`), the drafts proposed for it (`Drafts`: a chain
+or a tree), the flat forward the model runner builds from them (`ForwardBatch`, `SeqLayout`),
+what the forward produced (`StepOutput`), what the target committed for the drafter to catch
+up on (`CatchUp`), and each request's news (`SeqUpdate`). Kept in one module below the
+scheduler, the runner, the graphs and the speculative decoder so none of them imports another
+for its types.
 """
 
 from __future__ import annotations
@@ -65,9 +65,35 @@ class CatchUp:
 
 
 @dataclass
-class ChainDrafts:
+class Drafts:
+    """One request's drafts for a verify: a chain (`parents` None: draft i follows draft
+    i - 1), or a tree (`parents[i]`: the index of draft i's parent, -1 for the pending token;
+    parents come before their children)."""
+
     tokens: list[int]
-    probs: torch.Tensor | None  # [k, V] for sampled requests
+    probs: torch.Tensor | None  # [k, V] for sampled requests (chains only)
+    parents: list[int] | None = None
+
+    def depths(self) -> list[int]:
+        """Each draft's distance from the pending token (its position is the pending
+        token's plus this)."""
+        if self.parents is None:
+            return list(range(1, len(self.tokens) + 1))
+        out: list[int] = []
+        for p in self.parents:
+            out.append(1 if p < 0 else out[p] + 1)
+        return out
+
+    def tree_mask(self) -> torch.Tensor:
+        """[k + 1, k + 1] bool over [pending token, drafts]: which see which (itself and its
+        ancestors)."""
+        k = len(self.tokens)
+        mask = torch.zeros(k + 1, k + 1, dtype=torch.bool)
+        mask[:, 0] = True
+        for i, p in enumerate(self.parents or range(-1, k - 1)):
+            mask[i + 1] = mask[p + 1]
+            mask[i + 1, i + 1] = True
+        return mask
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
 Greedy: a draft is kept while it equals the target's argmax at its position; the target's
 argmax after the last kept draft is added. The output is the non-speculative greedy output.
+A tree keeps the path of drafts that are the target's argmax after their parent.
 
 Sampling (speculative rejection sampling, Leviathan et al. / Chen et al. 2023): draft `d` drawn
 from `q` is kept with probability min(1, p(d) / q(d)); at the first rejection a token is drawn
@@ -33,6 +34,25 @@ def accept_greedy(target_logits: torch.Tensor, drafts: list[int]) -> Verdict:
     while n < len(drafts) and drafts[n] == best[n]:
         n += 1
     return Verdict(drafts[:n] + [best[n]], n)
+
+
+def accept_greedy_tree(
+    target_logits: torch.Tensor, drafts: list[int], parents: list[int]
+) -> tuple[Verdict, list[int]]:
+    """`target_logits` [k+1, V]: row 0 scores the token after the pending one, row i + 1 the
+    token after draft i. From the pending token, follow the child whose token is the target's
+    argmax while there is one; returns the verdict and the kept drafts' indices (the path).
+    The output is the non-speculative greedy output, as for a chain."""
+    best = target_logits.argmax(dim=-1).tolist()
+    children: dict[int, dict[int, int]] = {}
+    for i, (token, parent) in enumerate(zip(drafts, parents, strict=True)):
+        children.setdefault(parent, {}).setdefault(token, i)
+    path, node = [], -1
+    while (nxt := children.get(node, {}).get(best[node + 1])) is not None:
+        path.append(nxt)
+        node = nxt
+    tokens = [drafts[i] for i in path] + [best[node + 1]]
+    return Verdict(tokens, len(path)), path
 
 
 def accept_sampled(

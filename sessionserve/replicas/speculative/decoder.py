@@ -2,7 +2,7 @@
 before the forward, verify after it, catch the EAGLE head up on what was committed.
 
     k = speculative.draft_len(req)            # the scheduler allocates k draft slots
-    drafts = speculative.propose(batch)       # chains for the decodes that speculate
+    drafts = speculative.propose(batch)       # chains/trees for the decodes that speculate
     out = runner.run(batch, drafts)           # one target forward over inputs and drafts
     speculative.verify(batch, drafts, out)    # accepted runs into `out`, their KV committed
     updates = scheduler.process(batch, out)   # commits, appends, stop checks
@@ -15,7 +15,9 @@ The engine makes every call but `draft_len`, which the scheduler makes while it 
 Drafts come from an EAGLE head (proposer.py), from the sequence's own history (history.py), or
 from either, per request and step: the source whose recent acceptance promises more tokens.
 With `adaptive`, a request drafts no more than its recent verifies accepted plus one, and the
-policy (policy.py) turns drafting off for the batch sizes where it measures no gain.
+policy (policy.py) turns drafting off for the batch sizes where it measures no gain. With a
+`tree` shape, greedy requests that draft from the head draft a tree (proposer.py) instead of a
+chain; the kept path's KV moves to its sequence's positions before it is committed.
 
 It owns the drafters' share of the step: proposals, acceptance, committing a verify's accepted
 KV and freeing the rejected drafts' slots, and the statistics.
@@ -24,13 +26,19 @@ KV and freeing the rejected drafts' slots, and the statistics.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
+from sessionserve.cache.kv_pool import KVPool
 from sessionserve.cache.session_cache import SessionCache
 from sessionserve.replicas.request import Request
 from sessionserve.replicas.sampling import filter_logits, token_logprobs
-from sessionserve.replicas.speculative.acceptance import accept_greedy, accept_sampled
+from sessionserve.replicas.speculative.acceptance import (
+    accept_greedy,
+    accept_greedy_tree,
+    accept_sampled,
+)
 from sessionserve.replicas.speculative.draft_state import DraftSource
 from sessionserve.replicas.speculative.history import HistoryProposer
 from sessionserve.replicas.speculative.policy import SpecPolicy
@@ -38,7 +46,7 @@ from sessionserve.replicas.speculative.proposer import EagleProposer
 from sessionserve.replicas.speculative.stats import SpecStats
 from sessionserve.replicas.step import (
     CatchUp,
-    ChainDrafts,
+    Drafts,
     ScheduledBatch,
     ScheduledSeq,
     SeqUpdate,
@@ -50,6 +58,15 @@ from sessionserve.replicas.step import (
 MAX_DEFERRED = 512
 
 
+@dataclass(frozen=True)
+class TreeShape:
+    """EAGLE-2 trees: `topk` branches per expanded node, at most `budget` drafts verified;
+    the depth is the chain length the request would draft."""
+
+    topk: int
+    budget: int
+
+
 class SpeculativeDecoder:
     def __init__(
         self,
@@ -59,6 +76,8 @@ class SpeculativeDecoder:
         eagle: EagleProposer | None = None,
         history: HistoryProposer | None = None,
         policy: SpecPolicy | None = None,
+        tree: TreeShape | None = None,
+        target_pool: KVPool | None = None,
     ) -> None:
         if eagle is None and history is None:
             raise ValueError("speculative decoding needs an EAGLE head or history drafts")
@@ -68,6 +87,10 @@ class SpeculativeDecoder:
         self.on_verify = on_verify  # told each verify's acceptance length (metrics)
         self.limit = limit  # the context limit: no drafts past it
         self.policy = policy  # None: always draft, full chains
+        if tree is not None and (eagle is None or target_pool is None):
+            raise ValueError("tree drafts need an EAGLE head and the target's KV pool")
+        self.tree = tree
+        self.target_pool = target_pool  # a kept tree path's KV moves within it
         self.stats = SpecStats()
         self.by_source: dict[str, SpecStats] = {}
         self.drafting = True  # the policy's choice for the coming step
@@ -86,7 +109,7 @@ class SpeculativeDecoder:
         source; none for a constrained request (its drafts would have to pass its grammar's
         mask too) or one with penalties (they depend on every earlier token, drafts included)."""
         d = req.drafting
-        d.source, d.copying = None, False
+        d.source, d.copying, d.tree_depth = None, False, 0
         p = req.sampling
         if req.grammar is not None or p.has_penalties:
             return 0
@@ -104,7 +127,20 @@ class SpeculativeDecoder:
         if not offers:
             return 0
         _, n, d.source = max(offers)
-        return min(n, self._cap(req, d.source))
+        n = min(n, self._cap(req, d.source))
+        if d.source == "eagle" and self._drafts_tree(req, n):
+            d.tree_depth = n
+            return self.eagle.scratch_slots(n, self.tree.budget)
+        return n
+
+    def _drafts_tree(self, req: Request, depth: int) -> bool:
+        """A greedy request with the head's first-level candidates, room for the tree's
+        slots, and a tree worth more than a chain (deeper than one level)."""
+        if self.tree is None or depth < 2 or not req.sampling.is_greedy:
+            return False
+        if req.draft is None or req.draft.candidates is None:
+            return False
+        return req.num_tokens + self.eagle.scratch_slots(depth, self.tree.budget) <= self.limit
 
     def _may_draft(self, req: Request) -> bool:
         """The policy's choice, except for a seeded sampled request: a timing-driven choice
@@ -124,28 +160,33 @@ class SpeculativeDecoder:
             return self.limit
         return int(record.run) + 1
 
-    def propose(self, batch: ScheduledBatch) -> dict[str, ChainDrafts]:
-        """Draft chains for the decodes that speculate this step (by request id)."""
+    def propose(self, batch: ScheduledBatch) -> dict[str, Drafts]:
+        """Drafts (chains, or trees) for the decodes that speculate this step (by request id)."""
         self._step_started, self._caught_up_deferred = None, False
         if self.policy is not None and all(  # a decode-only step: timed for the policy
             s.end - s.start == 1 and s.samples for s in batch.seqs
         ):
             self._step_started = self.policy.clock()
         seqs = [s for s in batch.seqs if s.num_drafts]
-        chains: dict[str, ChainDrafts] = {}
+        chains: dict[str, Drafts] = {}
         for s in seqs:
             if s.req.drafting.source == "history":
                 chains[s.req.rid] = self.history.propose(s.req, s.num_drafts)
         heads = [s for s in seqs if s.req.drafting.source == "eagle"]
+        trees = [s for s in heads if s.req.drafting.tree_depth]
+        heads = [s for s in heads if not s.req.drafting.tree_depth]
         if heads:
             proposed = self.eagle.propose([s.req for s in heads], [s.num_drafts for s in heads])
             chains.update((s.req.rid, c) for s, c in zip(heads, proposed, strict=True))
+        if trees:
+            assert self.tree is not None
+            depths = [s.req.drafting.tree_depth for s in trees]
+            grown = self.eagle.propose_tree([s.req for s in trees], depths, self.tree.budget)
+            chains.update((s.req.rid, t) for s, t in zip(trees, grown, strict=True))
         return chains
 
     # ---- after the forward ----
-    def verify(
-        self, batch: ScheduledBatch, drafts: dict[str, ChainDrafts], out: StepOutput
-    ) -> None:
+    def verify(self, batch: ScheduledBatch, drafts: dict[str, Drafts], out: StepOutput) -> None:
         """Each speculating sequence keeps the drafts the target agrees with, plus the target's
         own next token; a verify that raises ends that request alone."""
         for s in batch.seqs:
@@ -155,32 +196,56 @@ class SpeculativeDecoder:
                 except Exception as e:
                     out.errors[s.req.rid] = e
 
-    def _verify(self, s: ScheduledSeq, chain: ChainDrafts, out: StepOutput) -> tuple[list, list]:
-        """Accept a prefix of the chain; commit its KV (and the pending token's), free the
-        rejected drafts' slots now."""
+    def _verify(self, s: ScheduledSeq, chain: Drafts, out: StepOutput) -> tuple[list, list]:
+        """Accept a prefix of the chain (a path of the tree); commit its KV (and the pending
+        token's), free the rejected drafts' slots now."""
         req, k, row = s.req, len(chain.tokens), out.layout[s.req.rid].logit_row
         target = out.logits[row : row + k + 1].float()
         p = req.sampling
-        if p.is_greedy:
-            verdict = accept_greedy(target, chain.tokens)
+        rows = None  # the logits rows of the kept tokens, where not the first ones
+        if chain.parents is not None:
+            verdict, path = accept_greedy_tree(target, chain.tokens, chain.parents)
+            self._keep_path(s, path, out)
+            rows = [0] + [1 + i for i in path]
+            depth = max(chain.depths())
+        elif p.is_greedy:
+            verdict, depth = accept_greedy(target, chain.tokens), k
         else:
             probs = filter_logits(target, p).softmax(-1)
             verdict = accept_sampled(probs, chain.probs, chain.tokens, req.generator)
+            depth = k
         self.cache.commit(req.kv, s.end + verdict.accepted)
         self.cache.free_overallocation(req.kv)
         source = req.drafting.source or "eagle"
-        req.drafting.record(source).observe(k, verdict.accepted)
+        req.drafting.record(source).observe(depth, verdict.accepted)
         req.drafting.copying = source == "history" and verdict.accepted == k
         req.spec.record(k, verdict.accepted)
         self.stats.record(k, verdict.accepted)
         self.by_source.setdefault(source, SpecStats()).record(k, verdict.accepted)
         self.on_verify(verdict.accepted + 1)
-        lps = (
-            token_logprobs(target[: len(verdict.tokens)], verdict.tokens, p.top_logprobs)
-            if p.logprobs
-            else []
-        )
+        kept = target[: len(verdict.tokens)] if rows is None else target[rows]
+        lps = token_logprobs(kept, verdict.tokens, p.top_logprobs) if p.logprobs else []
         return verdict.tokens, lps
+
+    @torch.inference_mode()
+    def _keep_path(self, s: ScheduledSeq, path: list[int], out: StepOutput) -> None:
+        """Move a verified tree path's K/V (and hidden states, which the catch-up reads) from
+        its drafts' slots and rows to those of the positions it now holds: draft `path[j]`
+        becomes position `s.end + j`."""
+        moves = [(i, j) for j, i in enumerate(path) if i != j]
+        if not moves:
+            return
+        assert self.target_pool is not None
+        slots = self.cache.slots(s.req.kv, s.end, s.end + max(i for i, _ in moves) + 1)
+        src = torch.tensor([i for i, _ in moves])
+        dst = torch.tensor([j for _, j in moves])
+        self.target_pool.copy_slots(
+            slots[src].to(self.target_pool.k.device), slots[dst].to(self.target_pool.k.device)
+        )
+        if out.hidden is not None:
+            first = out.layout[s.req.rid].flat_start + 1
+            rows = out.hidden[(first + src).to(out.hidden.device)]
+            out.hidden[(first + dst).to(out.hidden.device)] = rows
 
     def catch_up(self, batch: ScheduledBatch, out: StepOutput, updates: list[SeqUpdate]) -> None:
         """Decide whether the next step drafts; then the EAGLE head's pass over every position

@@ -24,6 +24,9 @@ class DraftState:
     token: int
     feature: torch.Tensor  # [H]
     probs: torch.Tensor | None = None  # [V]
+    # a greedy request's best first drafts (target ids) and their log-probabilities, most
+    # likely first, when the head drafts trees: the tree's first level
+    candidates: tuple[list[int], list[float]] | None = None
 
 
 class TokenLog:
@@ -73,6 +76,7 @@ class Drafting:
     the history drafter's log and proposal, and each source's record."""
 
     source: DraftSource | None = None
+    tree_depth: int = 0  # > 0: this step's EAGLE drafts are a tree this deep (else a chain)
     log: TokenLog | None = None
     history_tokens: list[int] = field(default_factory=list)
     records: dict[str, SourceRecord] = field(default_factory=dict)

@@ -21,7 +21,7 @@ import torch
 
 from sessionserve.replicas.request import Request
 from sessionserve.replicas.speculative.draft_state import TokenLog
-from sessionserve.replicas.step import ChainDrafts
+from sessionserve.replicas.step import Drafts
 
 
 def continuation(tokens: np.ndarray, max_drafts: int, min_match: int, max_match: int) -> np.ndarray:
@@ -65,7 +65,7 @@ class HistoryProposer:
         d.history_tokens = [int(t) for t in found]
         return len(d.history_tokens)
 
-    def propose(self, req: Request, length: int) -> ChainDrafts:
+    def propose(self, req: Request, length: int) -> Drafts:
         """The first `length` tokens of the proposal `draft_len` found; sampled requests get
         the point-mass distributions the acceptance test divides by."""
         tokens = req.drafting.history_tokens[:length]
@@ -74,4 +74,4 @@ class HistoryProposer:
             probs = torch.zeros(length, self.vocab_size, device=self.device)
             rows = torch.arange(length, device=self.device)
             probs[rows, torch.tensor(tokens, device=self.device)] = 1.0
-        return ChainDrafts(tokens, probs)
+        return Drafts(tokens, probs)

@@ -9,11 +9,19 @@ Per step, for requests that draft:
    the target's real hidden states; it overwrites the chain's guessed entries, so the drafter's
    KV holds exactly the committed positions, and its last output is the next first draft.
 Prefill chunks go through step 3 too, so a session's parked KV is complete in both pools.
+
+A greedy request may draft a tree instead (`propose_tree`, EAGLE-2's dynamic tree): each
+level expands the `topk` most likely nodes so far (by the product of their path's draft
+probabilities) into their `topk` best next tokens, and the `budget` most likely nodes of all
+levels are verified. Each expanded node is one drafter entry attending to the committed
+entries and its ancestors' (its own context list); entries use the request's allocated slots
+past the committed ones as scratch, which the catch-up then overwrites.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -24,7 +32,7 @@ from sessionserve.replicas.request import Request
 from sessionserve.replicas.sampling import draw, uniforms
 from sessionserve.replicas.speculative.draft_state import DraftState
 from sessionserve.replicas.speculative.drafter import DraftHead
-from sessionserve.replicas.step import CatchUp, ChainDrafts
+from sessionserve.replicas.step import CatchUp, Drafts
 
 
 class EagleProposer:
@@ -36,6 +44,7 @@ class EagleProposer:
         cache: SessionCache,
         num_drafts: int,
         vocab_size: int,
+        tree_topk: int = 1,
     ) -> None:
         self.drafter = drafter
         self.pool = pool
@@ -43,6 +52,8 @@ class EagleProposer:
         self.cache = cache
         self.num_drafts = num_drafts
         self.vocab_size = vocab_size
+        self.tree_topk = tree_topk
+        self.grows_trees = tree_topk > 1  # greedy requests keep their best first drafts
         self.device = next(drafter.parameters()).device
         drafter.config._attn_implementation = ATTN_NAME
 
@@ -60,7 +71,7 @@ class EagleProposer:
 
     # ---- 1. chain ----
     @torch.inference_mode()
-    def propose(self, reqs: Sequence[Request], lengths: Sequence[int]) -> list[ChainDrafts]:
+    def propose(self, reqs: Sequence[Request], lengths: Sequence[int]) -> list[Drafts]:
         """`lengths[i]` drafts for `reqs[i]` (each has a DraftState; its pending token is at
         position num_tokens - 1, and slots up to num_tokens - 1 + lengths[i] are allocated)."""
         chains = [[r.draft.token] for r in reqs]
@@ -78,7 +89,7 @@ class EagleProposer:
                 seqs.append(SeqSpec(1, self.cache.slots(r.kv, 0, q + 1)))
             hidden = torch.stack([feats[i] for i in active])
             out = self._forward(ids, hidden, pos, torch.cat(out_slots), seqs)
-            tokens, dist = self._choose(out, [reqs[i] for i in active])
+            tokens, dist, _ = self._choose(out, [reqs[i] for i in active])
             for row, i in enumerate(active):
                 chains[i].append(tokens[row])
                 probs[i].append(dist[row])
@@ -87,8 +98,53 @@ class EagleProposer:
         for i, r in enumerate(reqs):
             n = lengths[i]
             p = None if r.sampling.is_greedy else torch.stack(probs[i][:n])
-            result.append(ChainDrafts(chains[i][:n], p))
+            result.append(Drafts(chains[i][:n], p))
         return result
+
+    # ---- 1b. tree ----
+    @torch.inference_mode()
+    def propose_tree(
+        self, reqs: Sequence[Request], depths: Sequence[int], budget: int
+    ) -> list[Drafts]:
+        """A tree of at most `budget` drafts, `depths[i]` levels deep, for each greedy
+        request (its DraftState has `candidates`; slots for `scratch_slots(depth, budget)`
+        drafts past its pending token are allocated)."""
+        trees = [_Tree.first_level(r.draft, self.tree_topk) for r in reqs]
+        for t, r, depth in zip(trees, reqs, depths, strict=True):  # one per expanded node
+            first = r.num_tokens - 1
+            t.scratch = self.cache.slots(r.kv, first, first + self.tree_topk * (depth - 1))
+        for level in range(1, max(depths, default=0)):
+            rows = [
+                (i, node)
+                for i, t in enumerate(trees)
+                if depths[i] > level
+                for node in t.frontier(level, self.tree_topk)
+            ]
+            if not rows:
+                break
+            ids, hidden, pos, out_slots, seqs = [], [], [], [], []
+            for i, node in rows:
+                r, t = reqs[i], trees[i]
+                slot = t.claim_entry(node)
+                base = self.cache.slots(r.kv, 0, r.num_tokens - 1)
+                ids.append(t.tokens[node])
+                hidden.append(t.input_feature(node, r.draft.feature))
+                pos.append(r.num_tokens - 1 + level - 1)
+                out_slots.append(slot)
+                seqs.append(SeqSpec(1, torch.cat((base, t.context_slots(node)))))
+            out = self._forward(ids, torch.stack(hidden), pos, torch.cat(out_slots), seqs)
+            logp = self.drafter.draft_logits(out).float().log_softmax(-1)
+            top = logp.topk(self.tree_topk, dim=-1)
+            picks = self.drafter.to_target(top.indices).tolist()
+            for row, (i, node) in enumerate(rows):
+                trees[i].expand(node, out[row], picks[row], top.values[row].tolist())
+        return [t.select(budget) for t in trees]
+
+    def scratch_slots(self, depth: int, budget: int) -> int:
+        """Draft slots a tree `depth` levels deep needs past the pending token: its
+        `budget` verified drafts, and one drafter entry per expanded node (the pending
+        token's slot is one of them)."""
+        return max(budget, self.tree_topk * (depth - 1) - 1)
 
     # ---- 3. catch-up ----
     @torch.inference_mode()
@@ -114,9 +170,9 @@ class EagleProposer:
             return
         feats = out[[last[i] for i in wanting]]
         reqs = [entries[i].req for i in wanting]
-        tokens, dist = self._choose(feats, reqs)
+        tokens, dist, candidates = self._choose(feats, reqs)
         for row, r in enumerate(reqs):
-            r.draft = DraftState(tokens[row], feats[row], dist[row])
+            r.draft = DraftState(tokens[row], feats[row], dist[row], candidates[row])
 
     # ---- internals ----
     def _forward(
@@ -144,10 +200,11 @@ class EagleProposer:
 
     def _choose(
         self, feats: torch.Tensor, reqs: Sequence[Request]
-    ) -> tuple[list[int], list[torch.Tensor | None]]:
+    ) -> tuple[list[int], list[torch.Tensor | None], list[tuple[list[int], list[float]] | None]]:
         """Greedy requests take the argmax; sampled ones draw from softmax(logits / T) and
         keep that distribution (over the target vocabulary) for the acceptance test; the
-        second list holds it per request (None for greedy ones)."""
+        second list holds it per request (None for greedy ones). With trees, the third holds
+        each greedy request's `tree_topk` best tokens and their log-probabilities."""
         logits = self.drafter.draft_logits(feats).float()
         picks = logits.argmax(dim=-1)
         dist: list[torch.Tensor | None] = [None] * len(reqs)
@@ -156,4 +213,79 @@ class EagleProposer:
                 p = (logits[i] / r.sampling.temperature).softmax(-1)
                 picks[i] = draw(p[None], uniforms([r.generator]))[0]
                 dist[i] = self.drafter.target_probs(p, self.vocab_size)
-        return self.drafter.to_target(picks).tolist(), dist
+        candidates: list[tuple[list[int], list[float]] | None] = [None] * len(reqs)
+        if self.grows_trees:
+            top = logits.log_softmax(-1).topk(self.tree_topk, dim=-1)
+            ids, scores = self.drafter.to_target(top.indices).tolist(), top.values.tolist()
+            for i, r in enumerate(reqs):
+                if r.sampling.is_greedy:
+                    candidates[i] = (ids[i], scores[i])
+        return self.drafter.to_target(picks).tolist(), dist, candidates
+
+
+@dataclass
+class _Tree:
+    """One request's tree while it grows: every node drafted so far (token, parent, level,
+    score = log-probability of its path), and for expanded nodes their drafter entry's slot
+    and output (the input feature of their children)."""
+
+    tokens: list[int]
+    parents: list[int]
+    levels: list[int]
+    scores: list[float]
+    entry_slot: dict[int, torch.Tensor]
+    output: dict[int, torch.Tensor]
+    scratch: torch.Tensor | None = None  # the slots entries take, in order
+    used: int = 0
+
+    @classmethod
+    def first_level(cls, draft: DraftState, topk: int) -> _Tree:
+        assert draft.candidates is not None, "a tree needs the head's first-level candidates"
+        ids, scores = draft.candidates
+        ids, scores = ids[:topk], scores[:topk]
+        return cls(list(ids), [-1] * len(ids), [1] * len(ids), list(scores), {}, {})
+
+    def frontier(self, level: int, topk: int) -> list[int]:
+        """The `topk` most likely nodes of `level` (those expanded next)."""
+        nodes = [i for i, lv in enumerate(self.levels) if lv == level]
+        return sorted(nodes, key=lambda i: -self.scores[i])[:topk]
+
+    def claim_entry(self, node: int) -> torch.Tensor:
+        """The next scratch slot for `node`'s drafter entry (the pending token's slot first,
+        then the draft slots past it)."""
+        assert self.scratch is not None
+        slot = self.scratch[self.used : self.used + 1]
+        self.used += 1
+        self.entry_slot[node] = slot
+        return slot
+
+    def input_feature(self, node: int, root_feature: torch.Tensor) -> torch.Tensor:
+        parent = self.parents[node]
+        return root_feature if parent < 0 else self.output[parent]
+
+    def context_slots(self, node: int) -> torch.Tensor:
+        """The entries `node`'s entry attends to past the committed ones: its ancestors'
+        and its own, root first."""
+        chain, i = [], node
+        while i >= 0:
+            chain.append(self.entry_slot[i])
+            i = self.parents[i]
+        return torch.cat(chain[::-1])
+
+    def expand(self, node: int, output: torch.Tensor, tokens: list[int], logps: list[float]):
+        self.output[node] = output
+        for token, lp in zip(tokens, logps, strict=True):
+            self.tokens.append(token)
+            self.parents.append(node)
+            self.levels.append(self.levels[node] + 1)
+            self.scores.append(self.scores[node] + min(lp, 0.0))  # never above the parent
+
+    def select(self, budget: int) -> Drafts:
+        """The `budget` most likely nodes (a child is never likelier than its parent, and ties
+        go to the shallower node, so the set keeps every kept node's ancestors), parents
+        before children."""
+        best = sorted(range(len(self.tokens)), key=lambda i: (-self.scores[i], self.levels[i]))
+        kept = sorted(best[:budget], key=lambda i: (self.levels[i], i))
+        index = {node: j for j, node in enumerate(kept)}
+        parents = [-1 if self.parents[n] < 0 else index[self.parents[n]] for n in kept]
+        return Drafts([self.tokens[n] for n in kept], None, parents)

@@ -114,17 +114,19 @@ def test_max_tokens_and_stop_tokens_inside_an_accepted_run_are_exact() -> None:
 
 
 @pytest.mark.parametrize(
-    ("verify_cost", "with_history"), [(None, False), (8.0, False), (None, True)]
+    ("verify_cost", "with_history", "tree_topk"),
+    [(None, False, 1), (8.0, False, 1), (None, True, 1), (None, False, 2)],
 )
 def test_drafter_kv_holds_exactly_the_committed_positions(
-    verify_cost: float | None, with_history: bool, monkeypatch
+    verify_cost: float | None, with_history: bool, tree_topk: int, monkeypatch
 ) -> None:
     """After a session's turns, the drafter's K at every parked slot equals what a fresh
     prefill of the whole history computes: the catch-up wrote every committed position with
     the target's hidden states (no guessed chain entry survives). Also with the policy on and
     verifies made dear (fake clock): most steps do not draft and put their catch-up off, which
     runs when a step drafts again or the turn ends; and with history drafts beside the head,
-    whose fully kept runs put the head's catch-up off too."""
+    whose fully kept runs put the head's catch-up off too; and with draft trees, whose
+    expanded nodes' entries sit in slots past the committed ones until the catch-up."""
     model = tiny_model(num_hidden_layers=1, seed=3)
     noise = 0.3 if with_history else 0.05  # a worse head: history drafts win some steps
     engine = tiny_engine(
@@ -133,6 +135,7 @@ def test_drafter_kv_holds_exactly_the_committed_positions(
         page_size=1,
         adaptive=verify_cost is not None,
         history_drafts=with_history,
+        tree_topk=tree_topk,
     )
     deferred, defer = [], Drafting.defer
     monkeypatch.setattr(Drafting, "defer", lambda d, *a: (deferred.append(1), defer(d, *a)))
@@ -175,13 +178,15 @@ def test_drafter_kv_holds_exactly_the_committed_positions(
     assert terms.free == terms.total
 
 
-@pytest.mark.parametrize("page_size", [1, 16])
-def test_session_turns_with_speculation_equal_plain_requests(page_size: int) -> None:
+@pytest.mark.parametrize(("page_size", "tree_topk"), [(1, 1), (16, 1), (16, 2)])
+def test_session_turns_with_speculation_equal_plain_requests(page_size: int, tree_topk: int):
     """Multi-turn with forced retraction, a turn aborted mid-verify, a max_tokens and a stop
     token that land inside verified runs: each answer equals a plain engine's on the full
     history; the next turn reuses exactly what the last one committed."""
     model = tiny_model(num_hidden_layers=1, seed=3)
-    engine = tiny_engine(model, drafter=mimic_drafter, page_size=page_size, retract_every=5)
+    engine = tiny_engine(
+        model, drafter=mimic_drafter, page_size=page_size, retract_every=5, tree_topk=tree_topk
+    )
     plain = tiny_engine(model, radix=False)
     sid = engine.open_session()
     history: list[int] = []
