@@ -68,15 +68,14 @@ def _eagle_head(
 ) -> EagleDrafter:
     config = _llama_config(raw)
     _check_fits(directory, config, weights, target)
-    d2t = weights.pop("d2t", None)
-    weights.pop("t2d", None)
+    draft_vocab = _take_draft_vocab(weights)
     return EagleDrafter(
         config,
         fc_bias="fc.bias" in weights,
         input_norm="layers.0.input_layernorm.weight" in weights,
         final_norm="norm.weight" in weights,
         own_embeddings="embed_tokens.weight" in weights,
-        draft_vocab=None if d2t is None else d2t.long() + torch.arange(d2t.numel()),
+        draft_vocab=draft_vocab,
     )
 
 
@@ -91,23 +90,24 @@ def _eagle3_head(
         else default_feature_layers(target.num_hidden_layers)
     )
     _check_fits3(directory, config, layers, weights, target)
-    d2t = weights.pop("d2t", None)
-    weights.pop("t2d", None)
-    head = weights.get("lm_head.weight")
-    if d2t is None and head is not None and head.shape[0] != target.vocab_size:
-        raise DrafterCheckpointError(
-            f"{directory}: lm_head.weight has {head.shape[0]} rows but no d2t says which target "
-            "tokens they are"
-        )
+    draft_vocab = _take_draft_vocab(weights)
     return Eagle3Drafter(
         config,
         layers,
         target_hidden_size=target.hidden_size,
         fc_bias="fc.bias" in weights,
         own_embeddings="embed_tokens.weight" in weights,
-        own_head=head is not None,
-        draft_vocab=None if d2t is None else d2t.long() + torch.arange(d2t.numel()),
+        own_head="lm_head.weight" in weights,
+        draft_vocab=draft_vocab,
     )
+
+
+def _take_draft_vocab(weights: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """Remove `d2t` (draft id + d2t[id] = target id) and `t2d` (its inverse mask, unused) from
+    `weights`; the draft vocabulary's target ids, or None for the whole vocabulary."""
+    d2t = weights.pop("d2t", None)
+    weights.pop("t2d", None)
+    return None if d2t is None else d2t.long() + torch.arange(d2t.numel())
 
 
 def _is_eagle3(raw: dict[str, Any], weights: dict[str, torch.Tensor]) -> bool:
@@ -258,6 +258,10 @@ def _check_fits3(
         problems.append(f"hidden size {h} != target's {ht} and no lm_head of its own")
     if head is not None and head.shape[-1] != h:
         problems.append(f"lm_head.weight is {tuple(head.shape)}, its width must be {h}")
+    if d2t is None and head is not None and head.shape[0] != target.vocab_size:
+        problems.append(
+            f"lm_head.weight has {head.shape[0]} rows but no d2t says which target tokens"
+        )
     if d2t is not None:
         if head is None or d2t.numel() != head.shape[0]:
             problems.append(

@@ -109,10 +109,12 @@ class EagleProposer:
         """A tree of at most `budget` drafts, `depths[i]` levels deep, for each greedy
         request (its DraftState has `candidates`; slots for `scratch_slots(depth, budget)`
         drafts past its pending token are allocated)."""
-        trees = [_Tree.first_level(r.draft, self.tree_topk) for r in reqs]
-        for t, r, depth in zip(trees, reqs, depths, strict=True):  # one per expanded node
+        trees, committed = [], []  # committed: the entries every node of a request sees
+        for r, depth in zip(reqs, depths, strict=True):  # a scratch slot per expanded node
             first = r.num_tokens - 1
-            t.scratch = self.cache.slots(r.kv, first, first + self.tree_topk * (depth - 1))
+            scratch = self.cache.slots(r.kv, first, first + self.tree_topk * (depth - 1))
+            trees.append(_Tree.first_level(r.draft, self.tree_topk, scratch))
+            committed.append(self.cache.slots(r.kv, 0, first))
         for level in range(1, max(depths, default=0)):
             rows = [
                 (i, node)
@@ -126,12 +128,11 @@ class EagleProposer:
             for i, node in rows:
                 r, t = reqs[i], trees[i]
                 slot = t.claim_entry(node)
-                base = self.cache.slots(r.kv, 0, r.num_tokens - 1)
                 ids.append(t.tokens[node])
                 hidden.append(t.input_feature(node, r.draft.feature))
                 pos.append(r.num_tokens - 1 + level - 1)
                 out_slots.append(slot)
-                seqs.append(SeqSpec(1, torch.cat((base, t.context_slots(node)))))
+                seqs.append(SeqSpec(1, torch.cat((committed[i], t.context_slots(node)))))
             out = self._forward(ids, torch.stack(hidden), pos, torch.cat(out_slots), seqs)
             logp = self.drafter.draft_logits(out).float().log_softmax(-1)
             top = logp.topk(self.tree_topk, dim=-1)
@@ -233,17 +234,17 @@ class _Tree:
     parents: list[int]
     levels: list[int]
     scores: list[float]
+    scratch: torch.Tensor  # the slots expanded nodes' entries take, in order
     entry_slot: dict[int, torch.Tensor]
     output: dict[int, torch.Tensor]
-    scratch: torch.Tensor | None = None  # the slots entries take, in order
     used: int = 0
 
     @classmethod
-    def first_level(cls, draft: DraftState, topk: int) -> _Tree:
+    def first_level(cls, draft: DraftState, topk: int, scratch: torch.Tensor) -> _Tree:
         assert draft.candidates is not None, "a tree needs the head's first-level candidates"
         ids, scores = draft.candidates
         ids, scores = ids[:topk], scores[:topk]
-        return cls(list(ids), [-1] * len(ids), [1] * len(ids), list(scores), {}, {})
+        return cls(list(ids), [-1] * len(ids), [1] * len(ids), list(scores), scratch, {}, {})
 
     def frontier(self, level: int, topk: int) -> list[int]:
         """The `topk` most likely nodes of `level` (those expanded next)."""
@@ -253,7 +254,6 @@ class _Tree:
     def claim_entry(self, node: int) -> torch.Tensor:
         """The next scratch slot for `node`'s drafter entry (the pending token's slot first,
         then the draft slots past it)."""
-        assert self.scratch is not None
         slot = self.scratch[self.used : self.used + 1]
         self.used += 1
         self.entry_slot[node] = slot
