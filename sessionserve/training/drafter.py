@@ -93,7 +93,10 @@ def train_drafter(cfg: TrainConfig) -> DraftHead:
         )
     feats, labels = _features(model, seqs, layers)
     torch.manual_seed(cfg.seed)  # the head's initial weights
-    drafter = initial_drafter(model, vocab) if layers is None else initial_eagle3(model, vocab)
+    if layers is None:
+        drafter: DraftHead = initial_drafter(model, vocab)
+    else:
+        drafter = initial_eagle3(model, vocab, layers)
     _train(cfg, out, drafter, model, seqs, feats, labels)
     meta = {
         "target": loaded.name,
@@ -259,14 +262,13 @@ def initial_drafter(target: Any, vocab: torch.Tensor) -> EagleDrafter:
     return _ready_to_train(drafter, target)
 
 
-def initial_eagle3(target: Any, vocab: torch.Tensor) -> Eagle3Drafter:
+def initial_eagle3(target: Any, vocab: torch.Tensor, layers: tuple[int, ...]) -> Eagle3Drafter:
     """An EAGLE-3 head that starts as the logit lens of its deepest layer: `fc` passes that
     layer's state through, the mid-layer's residual branches are off (its attention and MLP
     start from the target's last layer, reading the hidden half), and the final norm and
     `lm_head` are the target's (its rows for the draft vocabulary)."""
     cfg = drafter_config(target.config)
     full = vocab.numel() == target.config.vocab_size
-    layers = default_feature_layers(target.config.num_hidden_layers)
     drafter = Eagle3Drafter(cfg, layers, draft_vocab=None if full else vocab)
     last, mid, h = target.get_decoder().layers[-1], drafter.midlayer, cfg.hidden_size
     mid.mlp.load_state_dict(last.mlp.state_dict())
