@@ -109,5 +109,6 @@ class KVPool:
         path moving to its sequence's positions; all rows are read before any is written)."""
         if self.has_sliding:
             raise NotImplementedError("moving KV rows kept in sliding slots")
+        src, dst = src.to(self.k.device), dst.to(self.k.device)
         self.k[:, dst] = self.k[:, src]
         self.v[:, dst] = self.v[:, src]

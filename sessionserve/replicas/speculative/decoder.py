@@ -239,9 +239,7 @@ class SpeculativeDecoder:
         slots = self.cache.slots(s.req.kv, s.end, s.end + max(i for i, _ in moves) + 1)
         src = torch.tensor([i for i, _ in moves])
         dst = torch.tensor([j for _, j in moves])
-        self.target_pool.copy_slots(
-            slots[src].to(self.target_pool.k.device), slots[dst].to(self.target_pool.k.device)
-        )
+        self.target_pool.copy_slots(slots[src], slots[dst])
         if out.hidden is not None:
             first = out.layout[s.req.rid].flat_start + 1
             rows = out.hidden[(first + src).to(out.hidden.device)]
