@@ -51,12 +51,23 @@ def pytest_configure(config) -> None:
 def pytest_collection_modifyitems(config, items) -> None:
     import torch
 
+    _modules_on_the_shared_cluster_last(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _modules_on_the_shared_cluster_last(items: list) -> None:
+    """Run every module that uses `served` after all others (a stable reorder, whole modules,
+    so module fixtures are set up once). `served` is session-scoped: once started, its Ray
+    cluster (Serve controller, proxy, four replicas polled every second) lives until the run
+    ends, taking CPU from every later test and its driver threads from the pytest process.
+    Started last, nothing runs beside it that does not need it."""
+    uses = {item.path for item in items if "served" in item.fixturenames}
+    items.sort(key=lambda item: item.path in uses)
 
 
 def free_port() -> int:
