@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -9,6 +10,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -43,8 +45,11 @@ def served_default_model(tmp_path_factory):
 
 def _serve_run(config: str, tmp_path):
     """`serve run config` as a user starts it; yields (base URL, process) once healthy."""
-    if not _port_free(PORT):
-        pytest.fail(f"port {PORT} is busy: stop whatever listens there (a `make serve`?)")
+    deadline = time.monotonic() + 60  # a server stopped by the test before may still be going
+    while not _port_free(PORT):
+        if time.monotonic() > deadline:
+            pytest.fail(f"port {PORT} is busy: stop whatever listens there (a `make serve`?)")
+        time.sleep(0.5)
     ray_tmp = tempfile.mkdtemp(prefix="ss-", dir="/tmp")  # Ray's socket paths must be short
     env = os.environ | {
         "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
@@ -70,11 +75,24 @@ def _serve_run(config: str, tmp_path):
         assert healthy, (tmp_path / "serve.log").read_text()[-3000:]
         yield base, proc
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)  # serve run shuts down cleanly on SIGTERM
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        _stop_group(proc)
         shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+def _stop_group(proc: subprocess.Popen, grace_s: float = 60) -> None:
+    """SIGTERM `serve run`'s process group (it shuts down cleanly on it) and wait until every
+    process of the group is gone, Ray's own included: one left behind keeps port 8000 (or its
+    CPUs) from the next test. SIGKILL what outlives `grace_s`."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        deadline = time.monotonic() + grace_s
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(grace_s)  # reaped, or the group would never look empty
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(proc.pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.2)
+        grace_s = 10
