@@ -59,10 +59,16 @@ def test_the_model_is_gemma3_with_sliding_layers(reference) -> None:
     assert reference.tokenizer.chat_template is None  # a base model: completions only
 
 
-@pytest.mark.parametrize("page_size", [1, 16])
-def test_greedy_equals_generate_three_windows_in(reference, text_ids, page_size) -> None:
+@pytest.fixture(scope="module")
+def three_windows_in(reference, text_ids) -> tuple[list[int], list[int]]:
+    """A prompt more than three windows long and `generate`'s greedy continuation of it."""
     prompt = text_ids[: 3 * WINDOW + 100]
-    want = hf_greedy(reference.model, prompt, NEW_TOKENS)
+    return prompt, hf_greedy(reference.model, prompt, NEW_TOKENS)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_greedy_equals_generate_three_windows_in(three_windows_in, page_size) -> None:
+    prompt, want = three_windows_in
     engine = gemma_engine(page_size)
     (got,) = engine.generate([prompt], GREEDY)
     assert got.output_ids == want
