@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -143,7 +144,7 @@ def build_package(
         )
         log.info("compile: exported in %.1f s; compiling (AOTInductor)", time.monotonic() - started)
         path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(f".{os.getpid()}.partial.pt2")
+        partial = path.with_suffix(f".{_builder()}.partial.pt2")
         try:
             torch._inductor.aoti_compile_and_package(
                 program,
@@ -217,7 +218,7 @@ def build_in_subprocess(
     ~3x slower while it ran (measured: the end-to-end suite took 5:20 instead of 3:04). The
     model travels as a `torch.save` file next to the package; the child logs to our stderr."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    model_file = path.with_suffix(f".{os.getpid()}.model.pt")
+    model_file = path.with_suffix(f".{_builder()}.model.pt")
     try:
         torch.save(model, model_file)
         argv = [str(model_file), str(path), str(max_tokens), str(torch.get_num_threads())]
@@ -256,6 +257,43 @@ def _idle_priority() -> str:
         return f"nice {os.nice(0)}"
 
 
+BUILD_FILES = ("*.partial.pt2", "*.model.pt")  # what a build leaves if it is killed
+
+
+def _builder() -> str:
+    """Who writes a build file, in its name (host and process): see remove_stale_build_files."""
+    return f"{_host()}-{os.getpid()}"
+
+
+def _host() -> str:
+    return socket.gethostname().replace(".", "_")  # a file name's dots separate its fields
+
+
+def remove_stale_build_files(package: Path) -> None:
+    """Remove what killed builds left beside `package` (a copy of the model, hundreds of MB,
+    or a half-written package). Called under `package`'s lock, where no other build of it
+    runs: any of its own are stale. Another package's are stale once the process named in
+    the file's name is gone from this host; a file from another host (a cache directory
+    shared between nodes) or from an older release (no host in its name) is left alone."""
+    host = _host()
+    for pattern in BUILD_FILES:
+        for path in package.parent.glob(pattern):
+            key, _, rest = path.name.partition(".")
+            owner_host, _, pid = rest.split(".", 1)[0].rpartition("-")
+            if key == package.stem or (owner_host == host and not _process_alive(pid)):
+                path.unlink(missing_ok=True)
+
+
+def _process_alive(pid: str) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, ValueError):  # someone else's process, or not a pid
+        return True
+    return True
+
+
 def load_or_build(
     plan: CompilePlan,
     model: Any,
@@ -272,11 +310,7 @@ def load_or_build(
         if not plan.package.exists():
             plan.package.parent.mkdir(parents=True, exist_ok=True)
             with FileLock(str(plan.package) + ".lock"):
-                # a build killed with its replica left its model file or partial package;
-                # under the lock no other build of this package runs, so any there is stale
-                for pattern in ("*.partial.pt2", "*.model.pt"):
-                    for stale in plan.package.parent.glob(f"{plan.package.stem}.{pattern}"):
-                        stale.unlink(missing_ok=True)
+                remove_stale_build_files(plan.package)
                 if not plan.package.exists():
                     log.info(
                         "compile: building the forward for steps of up to %d tokens "

@@ -88,7 +88,23 @@ class Prometheus:
             if last is not None and predicate(last):
                 return last
             time.sleep(0.5)
-        raise AssertionError(f"{promql!r} never satisfied the check; last value {last}")
+        raise AssertionError(
+            f"{promql!r} never satisfied the check; last value {last}; {self.targets()}"
+        )
+
+    def targets(self) -> str:
+        """Each scrape target's health and last error: whether a missing series is the
+        exporter's absence or the series' (for a failure's message)."""
+        try:
+            r = httpx.get(f"{self.url}/api/v1/targets", timeout=10).json()
+            active = r["data"]["activeTargets"]
+        except (httpx.HTTPError, KeyError, ValueError) as e:
+            return f"targets unknown ({e!r})"
+        return "targets: " + "; ".join(
+            f"{t['scrapeUrl']} {t['health']} (last scrape {t['lastScrape']}, error "
+            f"{t['lastError']!r}, {t['lastScrapeDuration']:.3f} s)"
+            for t in active
+        )
 
     def stop(self) -> None:
         self.proc.terminate()

@@ -101,11 +101,15 @@ def test_speculation_metrics_reach_prometheus(served, spec_served) -> None:
     try:
         prom.wait_ready()
         sel = f'{{replica="{spec_served["replica"]}"}}'
-        prom.wait_for(
-            f"sum(ray_sessionserve_spec_accepted_tokens_total{sel})",
-            lambda v: v == spec_served["accepted"],
-            timeout_s=60,
-        )
+        try:
+            prom.wait_for(
+                f"sum(ray_sessionserve_spec_accepted_tokens_total{sel})",
+                lambda v: v == spec_served["accepted"],
+                timeout_s=60,
+            )
+        except AssertionError as e:  # say which replicas' counters did arrive
+            seen = prom.query("sum by (replica) (ray_sessionserve_memory_checks_total)")
+            raise AssertionError(f"{e}; replicas exporting: {seen}") from None
         drafted = prom.value(f"sum(ray_sessionserve_spec_drafted_tokens_total{sel})")
         assert drafted == spec_served["drafted"]
         steps = prom.value(f"sum(ray_sessionserve_spec_accept_length_count{sel})")

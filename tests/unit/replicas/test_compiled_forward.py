@@ -11,6 +11,7 @@ of `compile: auto` are checked on top."""
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import threading
 from pathlib import Path
@@ -168,6 +169,34 @@ def test_a_failed_build_leaves_an_eager_engine_and_says_why(tmp_path, monkeypatc
     greedy = SamplingParams(max_tokens=8, temperature=0)
     (r,) = engine.generate([[4, 5, 6]], greedy)
     assert r.output_ids == hf_greedy(model, [4, 5, 6], 8)[: len(r.output_ids)]
+
+
+def test_a_build_removes_what_killed_builds_left_and_nothing_else(tmp_path) -> None:
+    """Build files name the host and process that wrote them: a dead process's on this host
+    go (gigabytes of model copies otherwise stay forever), a live one's, another host's (a
+    shared cache directory) and an older release's stay; the package's own always go."""
+    import socket
+    import subprocess
+    import sys
+
+    finished = subprocess.Popen([sys.executable, "-c", "pass"])
+    finished.wait()
+    host = socket.gethostname().replace(".", "_")
+    package = tmp_path / "k0.pt2"
+    names = {
+        f"k1.{host}-{finished.pid}.model.pt": False,  # killed on this host: removed
+        f"k2.{host}-{finished.pid}.partial.pt2": False,
+        f"k3.{host}-{os.getpid()}.model.pt": True,  # a build still running: kept
+        f"k4.other-node-{finished.pid}.model.pt": True,  # another host's: kept
+        "k5.4242.model.pt": True,  # no host in the name: kept
+        "k0.4242.model.pt": False,  # the package's own, under its lock: removed
+        f"k0.{host}-{os.getpid()}.partial.pt2": False,
+        "k6.pt2": True,  # a package
+    }
+    for name in names:
+        (tmp_path / name).write_bytes(b"x")
+    compiled_forward.remove_stale_build_files(package)
+    assert {p.name for p in tmp_path.iterdir()} == {n for n, kept in names.items() if kept}
 
 
 def test_auto_skips_tiny_models_and_builds_big_ones_in_the_background(
