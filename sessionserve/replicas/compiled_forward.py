@@ -41,6 +41,7 @@ from sessionserve.replicas.attention import install
 from sessionserve.replicas.attention.base import ForwardMeta
 from sessionserve.replicas.attention.paged_op import forward_context
 from sessionserve.replicas.hidden_states import decoder_features
+from sessionserve.replicas.loader import cache_root
 
 log = logging.getLogger(__name__)
 AUTO_MIN_PARAMS = 50_000_000  # `compile: auto` skips smaller models (tests' tiny ones): a
@@ -51,8 +52,7 @@ PACKAGE_FORMAT = 1  # bump when what is exported changes (_DecoderAndHead, the a
 
 def default_cache_dir() -> Path:
     """`$SESSIONSERVE_CACHE/compiled`, else `~/.cache/sessionserve/compiled`."""
-    root = os.environ.get("SESSIONSERVE_CACHE") or Path.home() / ".cache" / "sessionserve"
-    return Path(root) / "compiled"
+    return cache_root() / "compiled"
 
 
 class _DecoderAndHead(torch.nn.Module):

