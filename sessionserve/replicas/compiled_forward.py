@@ -125,14 +125,22 @@ def package_key(model: Any, max_tokens: int, feature_layers: tuple[int, ...] | N
 
 
 def build_package(
-    model: Any, path: Path, max_tokens: int, feature_layers: tuple[int, ...] | None = None
+    model: Any,
+    path: Path,
+    max_tokens: int,
+    feature_layers: tuple[int, ...] | None = None,
+    *,
+    example_tokens: int = 2,
+    autotune: bool = True,
 ) -> None:
     """Export and compile (minutes on a small CPU; a heartbeat logs progress), writing the
     package atomically to `path`. `model` must not run forwards meanwhile: export swaps its
-    parameters for fake ones while it traces (callers pass a copy)."""
+    parameters for fake ones while it traces (callers pass a copy). The GEMMs are autotuned
+    for `example_tokens` rows (2: decode steps; benchmarks/prefill_package.py tries more)."""
     tokens = torch.export.Dim("tokens", min=1, max=max_tokens)
     rows = torch.export.Dim("rows", min=1, max=max_tokens)
-    example = (torch.zeros(2, dtype=torch.int64), torch.arange(2), torch.arange(2))
+    n = example_tokens  # rows of logits: the last two (one would specialize to a constant)
+    example = (torch.zeros(n, dtype=torch.int64), torch.arange(n), torch.arange(n - 2, n))
     device = next(model.parameters()).device
     example = tuple(t.to(device) for t in example)
     install(model)  # whatever it came with, the package runs our paged attention
@@ -150,7 +158,11 @@ def build_package(
                 program,
                 package_path=str(partial),
                 # in-process compiles: no worker pool left behind a replica that stops
-                inductor_configs={"freezing": True, "max_autotune": True, "compile_threads": 1},
+                inductor_configs={
+                    "freezing": True,
+                    "max_autotune": autotune,
+                    "compile_threads": 1,
+                },
             )
             os.replace(partial, path)
         finally:
