@@ -261,7 +261,7 @@ def _idle_priority() -> str:
     then runs only on CPU time nothing else wants. `nice 19` alone is not enough beside a
     Ray replica, which Ray starts at nice 15: CFS still gives the build ~30% of a core both
     want (weights 15 vs 36), slowing the requests it is meant to speed up (the end-to-end
-    tests, whose `serve run`s each start a build: 228 s at nice 19, 185 s idle, 2 cores)."""
+    tests, whose `serve run`s each start a build: one run each, 228 s at nice 19, 185 s idle)."""
     try:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         return "idle (SCHED_IDLE)"

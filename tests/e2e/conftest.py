@@ -89,10 +89,19 @@ def _stop_group(proc: subprocess.Popen, grace_s: float = 60) -> None:
         deadline = time.monotonic() + grace_s
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(grace_s)  # reaped, or the group would never look empty
-        while time.monotonic() < deadline:
-            try:
-                os.killpg(proc.pid, 0)
-            except ProcessLookupError:
-                return
-            time.sleep(0.2)
+        if group_gone(proc.pid, deadline - time.monotonic()):
+            return
         grace_s = 10
+
+
+def group_gone(pgid: int, timeout_s: float) -> bool:
+    """Whether every process of group `pgid` (Ray's own included) is gone within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.2)
