@@ -239,6 +239,17 @@ class EngineConfig(_Strict):
         description="Where compiled packages are kept; default $SESSIONSERVE_CACHE/compiled, "
         "else ~/.cache/sessionserve/compiled.",
     )
+    overlap_schedule: bool = Field(
+        False,
+        description="Schedule step N+1 and process step N's results while step N's forward "
+        "runs (on a forward thread; SGLang's overlap scheduler, vLLM's async scheduling), so "
+        "host work hides behind the device's. A decode is scheduled before its previous token "
+        "is known and the forward reads that token when it starts; steps that need what the "
+        "running one produces (a retraction, KV too short) wait for it first, as do requests "
+        "with a grammar or sampling penalties. Not with speculative decoding yet. Worth it "
+        "where the forward runs on a GPU; on a CPU the forward's threads take the cores the "
+        "host work would use (docs/benchmarks.md).",
+    )
     memory_check: Literal["every_step", "periodic", "off"] = Field(
         "periodic",
         description="When the step loop checks the KV memory invariant (a broken one raises, and "
@@ -254,6 +265,11 @@ class EngineConfig(_Strict):
     def _check(self) -> EngineConfig:
         if self.cache.num_slots < self.cache.page_size:
             raise ValueError("cache.num_slots must hold at least one page")
+        if self.overlap_schedule and self.spec.enabled:
+            raise ValueError(
+                "engine.overlap_schedule does not combine with speculative decoding yet: "
+                "turn off spec.drafter_path and spec.history_drafts, or overlap_schedule"
+            )
         return self
 
 

@@ -74,6 +74,16 @@ REPLICA_METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "sessionserve_memory_checks": ("counter", "Memory invariant checks run", ()),
     "sessionserve_memory_check_failures": ("counter", "Memory invariant checks that failed", ()),
     "sessionserve_retractions": ("counter", "Decode requests retracted for KV", ()),
+    "sessionserve_overlapped_steps": (
+        "counter",
+        "Steps scheduled while the previous one ran (engine.overlap_schedule)",
+        (),
+    ),
+    "sessionserve_overlap_waits": (
+        "counter",
+        "Steps that waited for the previous one's results first (KV short, grammar, penalties)",
+        (),
+    ),
     "sessionserve_session_evictions": ("counter", "Idle sessions whose KV was evicted", ()),
     "sessionserve_aborts": ("counter", "Requests aborted, by phase", ("phase",)),
     "sessionserve_requests": ("counter", "Requests finished (aborts included)", ()),

@@ -149,6 +149,7 @@ def tiny_engine(
     sliding_slots: int | None = None,
     compile: bool | str = False,
     compile_cache_dir: str | None = None,
+    overlap: bool = False,
     metrics=None,
     reclaim_sessions_at_limit: bool = False,
     **session_kw,
@@ -158,7 +159,8 @@ def tiny_engine(
     for the copied model (e.g. `mimic_drafter`), to speculate (`tree_topk` > 1: trees of
     `tree_budget` drafts). `history_drafts`: draft from
     each sequence's own history too; `adaptive`: the online drafting policy (off here, so a
-    test's drafts do not depend on timing). `metrics`, `reclaim_sessions_at_limit`: as
+    test's drafts do not depend on timing). `overlap`: `engine.overlap_schedule`.
+    `metrics`, `reclaim_sessions_at_limit`: as
     `Engine` takes them (a served replica's exporter; its session reclaiming)."""
     device = device or engine_device()
     model = copy.deepcopy(model) if model is not None else tiny_model()
@@ -192,6 +194,7 @@ def tiny_engine(
         memory_check_period_s=memory_check_period_s,
         compile=compile,
         compile_cache_dir=compile_cache_dir,
+        overlap_schedule=overlap,
     )
     tokenizer = tokenizer or word_tokenizer()
     loaded = LoadedModel(model, tokenizer, "tiny", "tests")

@@ -8,7 +8,7 @@ drafter's KV for free, and freeing a slot frees it in both pools.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,6 +69,10 @@ class KVPool:
             (len(sliding), sliding_slots, *heads), dtype=dtype, device=device
         )
         self.sliding_v = torch.zeros_like(self.sliding_k)
+        # waits for forwards that may still be writing this pool (an overlapped step runs on
+        # another thread): a copy into the pool from the host calls it first, so a slot freed
+        # while such a forward wrote it cannot be overwritten by that forward after the copy
+        self.fence: Callable[[], None] = _no_writers
 
     @property
     def pool_slots(self) -> int:
@@ -107,8 +111,13 @@ class KVPool:
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy every full-attention layer's K/V at `src` to `dst` (a verified tree's kept
         path moving to its sequence's positions; all rows are read before any is written)."""
+        self.fence()
         if self.has_sliding:
             raise NotImplementedError("moving KV rows kept in sliding slots")
         src, dst = src.to(self.k.device), dst.to(self.k.device)
         self.k[:, dst] = self.k[:, src]
         self.v[:, dst] = self.v[:, src]
+
+
+def _no_writers() -> None:
+    """`KVPool.fence` when only the caller's own thread runs forwards."""

@@ -131,6 +131,8 @@ def scatter(
     check_compatible(pools, snap)
     if slots.numel() != end - start:
         raise ValueError(f"{slots.numel()} slots for positions [{start}, {end})")
+    for pool in pools:
+        pool.fence()
     for pool, t in zip(pools, snap.kv, strict=True):
         _copy_in(pool.k, pool.v, t[:, :, start:end], slots, page_size)
     if window is None or not snap.sliding_kv:

@@ -10,6 +10,12 @@
     speculative.finish_step(batch, output)       # the step's cost and yield, for the policy
     -> events to listeners (outputs.py); the memory check per the `memory_check` policy
 
+With `engine.overlap_schedule` the same parts run in another order: step N+1 is scheduled and
+prepared, then submitted to the forward thread (forward_thread.py) behind step N, and only
+then are step N's results processed, while N+1 computes. A step that cannot be scheduled
+before N's results are known (`OverlapStall`, or a request with a grammar or penalties)
+processes N first.
+
 Thread model: every public method takes `self.lock`, so in-process callers may call `submit`,
 `abort` and the session calls from one thread while another runs `step()`; KV state is only
 ever touched under the lock. The served replica (server.py) goes further: only its engine
@@ -23,7 +29,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -31,15 +37,16 @@ from sessionserve.cache import CheckSchedule, MemoryChecker, MemoryTerms
 from sessionserve.cache.request_kv import RequestKV
 from sessionserve.cache.session_cache import TurnMode
 from sessionserve.config import EngineConfig
-from sessionserve.errors import InvalidRequestError
+from sessionserve.errors import InvalidConfigError, InvalidRequestError
 from sessionserve.metrics import EngineMetrics
 from sessionserve.replicas.assembly import build_cache, build_runner, context_limit
+from sessionserve.replicas.forward_thread import ForwardThread
 from sessionserve.replicas.gauges import export_gauges
 from sessionserve.replicas.grammar import Grammars
 from sessionserve.replicas.loader import LoadedModel, eos_token_ids, load_model
 from sessionserve.replicas.outputs import Listener, OutputProcessor, StepEvent
 from sessionserve.replicas.request import Request, RequestResult, check_context, check_prompt_ids
-from sessionserve.replicas.scheduler import Scheduler
+from sessionserve.replicas.scheduler import OverlapStall, Scheduler
 from sessionserve.replicas.sessions import (
     SessionController,
     SessionExport,
@@ -48,8 +55,12 @@ from sessionserve.replicas.sessions import (
 )
 from sessionserve.replicas.speculative.drafter import DraftHead
 from sessionserve.replicas.speculative.stats import SpecStats
+from sessionserve.replicas.step import ScheduledBatch, StepOutput
 from sessionserve.replicas.stopping import StopChecker
 from sessionserve.wire import SamplingParams
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future
 
 _rid_counter = itertools.count(1)
 
@@ -99,6 +110,18 @@ class Engine:
         self.generator = torch.Generator().manual_seed(0)
         self.lock = threading.RLock()
         self._grammars: Grammars | None = None
+        self.forwards: ForwardThread | None = None  # overlap scheduling's forward thread
+        self._in_flight: tuple[ScheduledBatch, Future[StepOutput]] | None = None
+        # steps scheduled while the previous one ran / that waited for it first
+        self.overlap_totals = {"overlapped_steps": 0, "overlap_waits": 0}
+        if cfg.overlap_schedule:
+            if self.speculative is not None:
+                raise InvalidConfigError(
+                    "engine.overlap_schedule does not combine with speculative decoding yet "
+                    "(this engine was given a drafter): turn one of them off"
+                )
+            self.forwards = ForwardThread(self.runner)
+            self.runner.kv_pool.fence = self.forwards.wait
 
     def grammars(self) -> Grammars:
         """The JSON-schema compiler, built by the first constrained request (reading the
@@ -226,6 +249,8 @@ class Engine:
 
     # ---- the loop ----
     def step(self) -> list[StepEvent]:
+        if self.forwards is not None:
+            return self._step_overlapped()
         with self.lock:
             self.reap_expired_sessions()
             batch = self.scheduler.schedule()
@@ -250,6 +275,61 @@ class Engine:
         self.outputs.dispatch(events)
         return events
 
+    def _step_overlapped(self) -> list[StepEvent]:
+        """Schedule and submit the next step, then process the one in flight (its events are
+        what this call returns). One step is in flight between calls."""
+        assert self.forwards is not None
+        events: list[StepEvent] = []
+        with self.lock:
+            self.reap_expired_sessions()
+            running, self._in_flight = self._in_flight, None
+            totals = self.overlap_totals
+            if running is not None and not self._overlappable():
+                events += self._land(*running)
+                running = None
+                totals["overlap_waits"] += 1
+            try:
+                batch = self.scheduler.schedule(overlap=running is not None)
+            except OverlapStall:
+                events += self._land(*running)  # type: ignore[misc]  (it raises only then)
+                running = None
+                totals["overlap_waits"] += 1
+                batch = self.scheduler.schedule()
+            if batch:
+                fb, layout = self.runner.prepare(batch, {}, want_hidden=False)
+                self._in_flight = (batch, self.forwards.submit(batch, fb, layout))
+            if running is not None:
+                totals["overlapped_steps"] += bool(batch)
+                events += self._land(*running)
+            if self.check_schedule.due():
+                self.check_memory()
+            if self.metrics.gauges_due():
+                self.report_gauges()
+        self.outputs.dispatch(events)
+        return events
+
+    def _land(self, batch: ScheduledBatch, result: Future[StepOutput]) -> list[StepEvent]:
+        """Process a step the forward thread ran (waiting for it if it still runs)."""
+        updates = self.scheduler.process(batch, result.result())
+        return self.outputs.events(self.scheduler.finish(updates))
+
+    def _overlappable(self) -> bool:
+        """Every request's next step can be scheduled before its last token is known."""
+        s = self.scheduler
+        return all(r.overlappable for r in s.running) and all(r.overlappable for r in s.waiting)
+
+    def close(self) -> None:
+        """Process the step in flight and stop the forward thread (overlap scheduling)."""
+        if self.forwards is None:
+            return
+        events: list[StepEvent] = []
+        with self.lock:
+            if self._in_flight is not None:
+                events = self._land(*self._in_flight)
+                self._in_flight = None
+        self.outputs.dispatch(events)
+        self.forwards.close()
+
     def reap_expired_sessions(self) -> None:
         """Close sessions idle past their TTL (throttled: every step calls it, and so does the
         served replica's engine thread while it has no work)."""
@@ -269,11 +349,14 @@ class Engine:
         any `memory_check` mode: a broken one raises here)."""
         with self.lock:
             terms = self.check_memory()
-            export_gauges(self.metrics, terms, self.scheduler, self.checker, self.spec_stats)
+            overlap = self.overlap_totals if self.forwards is not None else None
+            export_gauges(
+                self.metrics, terms, self.scheduler, self.checker, self.spec_stats, overlap
+            )
 
     def has_work(self) -> bool:
         with self.lock:
-            return self.scheduler.has_work()
+            return self.scheduler.has_work() or self._in_flight is not None
 
     def run_until_idle(self, max_steps: int = 1_000_000) -> None:
         for _ in range(max_steps):

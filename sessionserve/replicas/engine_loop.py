@@ -76,6 +76,7 @@ class EngineLoop(threading.Thread):
                     self._publish(force=True)
                 self.wake.clear()
             self._drain()
+            self.engine.close()  # the step in flight (overlap scheduling), the forward thread
         except BaseException as e:  # the replica reports it through check_health
             self.error = e
             log.exception("engine loop died")

@@ -18,8 +18,10 @@ def export_gauges(
     scheduler: Scheduler,
     checker: MemoryChecker,
     spec: SpecStats,
+    overlap_totals: dict[str, int] | None = None,
 ) -> None:
-    """Export the memory checker's `terms`, the queue figures and the running totals."""
+    """Export the memory checker's `terms`, the queue figures and the running totals
+    (`overlap_totals`: the engine's overlapped_steps and overlap_waits)."""
     cache = scheduler.cache
     tier = cache.host_tier
     while tier is not None and tier.restore_seconds:
@@ -41,5 +43,6 @@ def export_gauges(
             "spec_drafted_tokens": spec.drafted,
             "spec_accepted_tokens": spec.accepted,
             **(tier.totals() if tier is not None else {}),
+            **(overlap_totals or {}),
         },
     )

@@ -57,6 +57,8 @@ class ModelRunner:
         # indices, concatenated (an EAGLE-3 head's three layers)
         self.feature_layers: tuple[int, ...] | None = None
         self.compiling: threading.Thread | None = None  # a background build, while it runs
+        self.last_sampled: dict[str, int] = {}  # the last step's token per request id: what
+        # the next step's pending positions read (overlap scheduling)
         install(model)
 
     def run(
@@ -65,11 +67,22 @@ class ModelRunner:
         """Prepare, forward, and sample one token for each sequence that samples without
         drafts (a verify's rows are the speculative decoder's)."""
         fb, layout = self.prepare(batch, drafts, want_hidden)
+        return self.run_prepared(batch, fb, layout)
+
+    def run_prepared(
+        self, batch: ScheduledBatch, fb: ForwardBatch, layout: dict[str, SeqLayout]
+    ) -> StepOutput:
+        """`run` after `prepare` (under overlap scheduling, on the forward thread: the tokens
+        the previous step sampled are filled in first; it ran before this one)."""
+        if fb.pending:
+            index, rids = zip(*fb.pending, strict=True)
+            fb.input_ids[list(index)] = torch.tensor([self.last_sampled.get(r, 0) for r in rids])
         logits, hidden = self.forward(fb)
         out = StepOutput(logits, hidden, layout)
         plain = [s for s in batch.seqs if s.samples and s.num_drafts == 0]
         if plain:
             self._sample(plain, out)
+        self.last_sampled = {rid: tokens[-1] for rid, (tokens, _) in out.emitted.items()}
         return out
 
     def prepare(
@@ -78,12 +91,16 @@ class ModelRunner:
         """The flat forward (drafts after their sequence's pending token), and where each
         sequence sits in it."""
         ids, pos, out_slots, seqs, logit_idx, layout, n = [], [], [], [], [], {}, 0
+        pending: list[tuple[int, str]] = []
         sliding = self.cache.allocator.sliding if self.kv_pool.has_sliding else None
         for s in batch.seqs:
             kv, chain = s.req.kv, drafts.get(s.req.rid)
             extra = chain.tokens if chain else []
             end = s.end + len(extra)
-            ids.extend(s.req.token_slice(s.start, s.end))
+            ids.extend(s.req.token_slice(s.start, s.end - s.pending))
+            for _ in range(s.pending):  # sampled by the step in flight: read at the start
+                pending.append((len(ids), s.req.rid))
+                ids.append(0)
             ids.extend(extra)
             pos.extend(range(s.start, s.end))
             tree = None
@@ -111,6 +128,7 @@ class ModelRunner:
             torch.tensor(logit_idx, dtype=torch.int64),
             want_hidden=want_hidden,
             sliding_out_slots=sliding.lookup(out) if sliding is not None else None,
+            pending=pending,
         )
         return fb, layout
 

@@ -74,6 +74,11 @@ class Request:
     drafting: Drafting = field(default_factory=Drafting)  # draft sources, history log
     spec: SpecStats = field(default_factory=SpecStats)
     grammar: Any = None  # the JSON schema's matcher (replicas/grammar.py): masks each sample
+    # overlap scheduling (the scheduler's): the latest scheduled step not yet processed that
+    # computes for this request, the end of what it computes, and whether it samples a token
+    inflight_step: int | None = None
+    inflight_end: int = 0
+    inflight_samples: bool = False
 
     @property
     def session_id(self) -> str | None:
@@ -98,6 +103,17 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def pending_tokens(self) -> int:
+        """Tokens a step in flight samples for it that are not appended yet (0 or 1)."""
+        return int(self.inflight_step is not None and self.inflight_samples)
+
+    @property
+    def overlappable(self) -> bool:
+        """Its next step can be scheduled before its last token is known: sampling reads no
+        history (penalties) and no grammar state the pending token would change."""
+        return self.grammar is None and not self.sampling.has_penalties
 
 
 @dataclass(frozen=True)

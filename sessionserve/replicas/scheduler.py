@@ -9,6 +9,13 @@ its KV goes back to the cache (a session turn's is parked in its slot) and it wa
 re-admitted ahead of new requests. After the forward, `process` commits each sequence's KV,
 appends its tokens and checks stops, and `finish` ends what is done: besides admission, the
 only code that changes a request's KV (a verify's commit is the speculative decoder's).
+
+Under overlap scheduling (`schedule(overlap=True)`) the previous step is still running: a
+request it samples for decodes from that pending token (its position allocated now, the token
+read by the forward when it starts), a request whose pending token ends it (max_tokens, the
+context) is left out, and a chunked prefill continues where the running chunk ends. What
+would need a retraction raises `OverlapStall` instead: the engine processes the running step
+first and schedules again, so a request is never retracted while a step computes for it.
 """
 
 from __future__ import annotations
@@ -24,6 +31,11 @@ from sessionserve.errors import KVCacheFullError
 from sessionserve.replicas.request import Request, TokenLogprob
 from sessionserve.replicas.step import ScheduledBatch, ScheduledSeq, SeqUpdate, StepOutput
 from sessionserve.replicas.stopping import StopChecker
+
+
+class OverlapStall(Exception):
+    """The next step needs what the step in flight produces (KV its finishing requests free,
+    or a retraction): process that step first, then schedule without overlap."""
 
 
 class Scheduler:
@@ -70,26 +82,55 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # ---- one step ----
-    def schedule(self) -> ScheduledBatch:
-        batch = ScheduledBatch()
-        self._schedule_decodes(batch)
+    def schedule(self, overlap: bool = False) -> ScheduledBatch:
+        """The next step. `overlap`: the previous one is still running (see the module doc);
+        raises OverlapStall, retracting nothing, where it would have to wait for it."""
+        self.steps += 1
+        try:
+            return self._schedule(ScheduledBatch(step=self.steps), overlap)
+        except OverlapStall:
+            self.steps -= 1  # the step is scheduled again once the running one is processed
+            raise
+
+    def _schedule(self, batch: ScheduledBatch, overlap: bool) -> ScheduledBatch:
+        self._schedule_decodes(batch, overlap)
         budget = self.config.max_prefill_tokens
-        for req in [r for r in self.running if not r.sampled]:  # chunked prefills under way
-            budget = self._schedule_prefill(req, budget, batch)
+        for req in [r for r in self.running if not self._decodes(r)]:  # chunked prefills
+            budget = self._schedule_prefill(req, budget, batch, overlap)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
             req = self.waiting[0]
             if not self._admit(req, budget):
                 break
             self.waiting.popleft()
             self.running.append(req)
-            budget = self._schedule_prefill(req, budget, batch)
+            budget = self._schedule_prefill(req, budget, batch, overlap)
+        for s in batch.seqs:
+            req = s.req
+            req.inflight_step, req.inflight_end, req.inflight_samples = batch.step, s.end, s.samples
         return batch
 
-    def _schedule_decodes(self, batch: ScheduledBatch) -> None:
-        decodes = sorted((r for r in self.running if r.sampled), key=lambda r: r.timings.arrival)
-        self.steps += 1
+    @staticmethod
+    def _decodes(req: Request) -> bool:
+        """Its input is computed (or will be, by the step in flight): it decodes next."""
+        return req.sampled or req.pending_tokens > 0
+
+    def _ends_with_pending(self, req: Request) -> bool:
+        """The token the step in flight samples for `req` ends it whatever it is (max_tokens or
+        the context reached): nothing to schedule after it."""
+        if not req.pending_tokens:
+            return False
+        n = len(req.output_ids) + 1
+        return n >= req.sampling.max_tokens or req.num_tokens + 1 >= self.stopper.max_context_len
+
+    def _schedule_decodes(self, batch: ScheduledBatch, overlap: bool) -> None:
+        decodes = sorted(
+            (r for r in self.running if self._decodes(r) and not self._ends_with_pending(r)),
+            key=lambda r: r.timings.arrival,
+        )
         every = self.config.force_retract_every
         if every and decodes and self.steps % every == 0:
+            if overlap:
+                raise OverlapStall("a forced retraction")
             self._retract(decodes.pop(), batch)
         i, drafts = 0, []
         while i < len(decodes):
@@ -102,28 +143,35 @@ class Scheduler:
                     k = 0
                     self._allocate_decode(req, k)
                 except KVCacheFullError:
+                    if overlap:
+                        raise OverlapStall("no KV for a decode") from None
                     self._retract(decodes.pop(), batch)  # the youngest; maybe `req` itself
                     continue
             drafts.append(k)
             i += 1
-        batch.seqs.extend(
-            ScheduledSeq(r, r.num_tokens - 1, r.num_tokens, k)
-            for r, k in zip(decodes, drafts, strict=True)
-        )
+        for r, k in zip(decodes, drafts, strict=True):
+            n, pending = r.num_tokens + r.pending_tokens, r.pending_tokens
+            batch.seqs.append(ScheduledSeq(r, n - 1, n, k, pending=pending))
 
     def _allocate_decode(self, req: Request, num_drafts: int) -> None:
         """Slots for the pending token and its drafts; the pending token's is the 'bonus slot',
         claimed before the step. Drafts a failed verify leaves over are freed by the engine."""
-        self.cache.allocate(req.kv, req.num_tokens + num_drafts)
+        self.cache.allocate(req.kv, req.num_tokens + req.pending_tokens + num_drafts)
 
-    def _schedule_prefill(self, req: Request, budget: int, batch: ScheduledBatch) -> int:
+    def _schedule_prefill(
+        self, req: Request, budget: int, batch: ScheduledBatch, overlap: bool
+    ) -> int:
         if budget <= 0:
             return budget
-        start = req.kv.committed_len
+        start = req.inflight_end if req.inflight_step is not None else req.kv.committed_len
         end = min(req.num_tokens, start + budget)
+        if end <= start:  # (a prefill whose last chunk is in flight: it decodes after that)
+            return budget
         try:
             self.cache.allocate(req.kv, end)
         except KVCacheFullError:
+            if overlap:
+                raise OverlapStall("no KV for a prefill chunk") from None
             self._retract(req, batch)
             return 0
         batch.seqs.append(ScheduledSeq(req, start, end))
@@ -161,17 +209,27 @@ class Scheduler:
         own sampling or stop check raised ends alone (KV given back); the batch goes on.
         `finish` then ends what is done (after the drafter's catch-up, which reads the KV of
         requests that finish this step)."""
-        for s in batch.seqs:  # a verify committed only what it accepted
+        seqs = [s for s in batch.seqs if self._landed(s.req, batch.step)]
+        for s in seqs:  # a verify committed only what it accepted
             if not s.num_drafts:
                 self.cache.commit(s.req.kv, s.end)
         updates, now = [], time.monotonic()
-        for s in batch.seqs:
+        for s in seqs:
             req = s.req
             if req.rid in out.errors:
                 updates.append(self._fail(req, out.errors[req.rid]))
             elif req.rid in out.emitted:  # (a prefill chunk samples nothing)
                 updates.append(self._append(req, *out.emitted[req.rid], now))
         return updates
+
+    @staticmethod
+    def _landed(req: Request, step: int) -> bool:
+        """Whether step `step`'s results still concern `req`, and clear its in-flight mark.
+        Under overlap a request can end (stop, abort, failure) while a later step computes for
+        it: that step's token is dropped, and its slot was given back when it ended."""
+        if req.inflight_step == step:
+            req.inflight_step = None
+        return not req.finished and req.kv.is_live
 
     def finish(self, updates: list[SeqUpdate]) -> list[SeqUpdate]:
         """End the requests `process` found finished (a failed finish ends that one alone)."""

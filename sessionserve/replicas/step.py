@@ -24,17 +24,20 @@ class ScheduledSeq:
     start: int  # positions [start, end) of req.tokens are computed this step
     end: int
     num_drafts: int = 0  # speculative tokens verified after `end` (their slots are allocated)
+    pending: int = 0  # of [start, end), the last tokens a step in flight is still sampling
+    # (overlap scheduling): the forward reads them when it starts
+    samples: bool = field(init=False)  # the whole input is computed after this step: a
+    # token is sampled from its logits (fixed when scheduled: tokens get appended meanwhile)
 
-    @property
-    def samples(self) -> bool:
-        """The whole input is computed after this step: a token is sampled from its logits."""
-        return self.end == self.req.num_tokens
+    def __post_init__(self) -> None:
+        self.samples = self.end == self.req.num_tokens + self.pending
 
 
 @dataclass
 class ScheduledBatch:
     seqs: list[ScheduledSeq] = field(default_factory=list)
     retracted: list[Request] = field(default_factory=list)
+    step: int = 0  # the scheduler's step number (what `Request.inflight_step` names)
 
     def __bool__(self) -> bool:
         return bool(self.seqs)
@@ -105,6 +108,8 @@ class ForwardBatch:
     logit_idx: torch.Tensor  # [N] flat token indices whose logits are needed
     want_hidden: bool = False  # also return every token's last hidden state (for EAGLE)
     sliding_out_slots: torch.Tensor | None = None  # [T] with sliding layers' KV kept apart
+    pending: list[tuple[int, str]] = field(default_factory=list)  # (index in input_ids,
+    # request id): tokens the previous step samples, filled in when the forward starts
 
     @property
     def is_decode(self) -> bool:

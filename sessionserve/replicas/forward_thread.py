@@ -1,0 +1,60 @@
+"""Where overlapped steps run: one thread that runs prepared steps in the order they were
+submitted, as a device stream runs its kernels (overlap scheduling, `engine.overlap_schedule`).
+
+The engine thread schedules and prepares step N+1 and processes step N-1's results while this
+thread runs step N's forward and sampling. Order is what makes that safe: step N+1 starts
+after step N has sampled, so it reads N's tokens (`ModelRunner.last_sampled`), and every KV
+write of step N lands before any of N+1's. A copy into the pool from the engine thread (a
+parked session restored) is not in that order: it waits for the submitted steps first
+(`KVPool.fence`, set to `wait`).
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_for
+
+import torch
+
+from sessionserve.replicas.model_runner import ModelRunner
+from sessionserve.replicas.step import ForwardBatch, ScheduledBatch, SeqLayout, StepOutput
+
+
+class ForwardThread:
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        threads = torch.get_num_threads()  # the engine's (a new thread may not inherit them)
+        self._pool = ThreadPoolExecutor(
+            1,
+            thread_name_prefix="sessionserve-forward",
+            initializer=lambda: _start(threads, runner.device),
+        )
+        self._last: Future[StepOutput] | None = None
+
+    def submit(
+        self, batch: ScheduledBatch, fb: ForwardBatch, layout: dict[str, SeqLayout]
+    ) -> Future[StepOutput]:
+        """Run `batch` (already prepared) after every step submitted before it."""
+        self._last = self._pool.submit(self.runner.run_prepared, batch, fb, layout)
+        return self._last
+
+    def wait(self) -> None:
+        """Return once every submitted step has finished (its error, if any, stays in its
+        future for whoever processes that step)."""
+        last = self._last
+        if last is not None and threading.current_thread().name != _THREAD_NAME:
+            wait_for([last])
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+_THREAD_NAME = "sessionserve-forward"
+
+
+def _start(threads: int, device: torch.device) -> None:
+    threading.current_thread().name = _THREAD_NAME
+    torch.set_num_threads(threads)
+    if device.type == "cuda":  # the current device is per thread
+        torch.cuda.set_device(device)

@@ -1,0 +1,262 @@
+"""Overlap scheduling (`engine.overlap_schedule`): step N+1 is scheduled before step N's tokens
+are known and N's results are processed while N+1 runs on the forward thread. It must not
+change a single token, and the KV accounting must stay exact: the memory check runs after
+every step (`tiny_engine`'s default), and every test ends with the idle check. The reference
+system's overlap bugs are the scenarios: a request that ends (stop token, abort) while its
+next step is already running, retraction under KV pressure, sessions restored from the host
+tier while a step writes the pool, max_tokens reached with a step in flight."""
+
+from __future__ import annotations
+
+import random
+import threading
+from dataclasses import dataclass, field
+
+import pytest
+from pydantic import ValidationError
+
+from sessionserve.config import EngineConfig, SpecConfig
+from sessionserve.errors import InvalidConfigError
+from sessionserve.replicas.engine_loop import EngineLoop
+from sessionserve.replicas.outputs import StepEvent
+from sessionserve.wire import FinishReason, SamplingParams
+from tests.models import mimic_drafter, tiny_engine, tiny_model
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+def _ids(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(3, 250) for _ in range(n)]
+
+
+@dataclass
+class Workload:
+    """Conversations (session turns, each sent when the previous one has ended) beside plain
+    requests, submitted at fixed step numbers; what came back, by name."""
+
+    conversations: list[list[tuple[list[int], SamplingParams]]]
+    plain: dict[int, list[tuple[list[int], SamplingParams]]]  # step -> requests sent then
+    results: dict[str, list[int]] = field(default_factory=dict)
+    reasons: dict[str, FinishReason] = field(default_factory=dict)
+
+
+def _workload(seed: int, penalties: bool = False) -> Workload:
+    rng = random.Random(seed)
+
+    def sampling() -> SamplingParams:
+        kind = rng.choice(["greedy", "seeded", "stop", "eos"])
+        extra = {"repetition_penalty": 1.3} if penalties and rng.random() < 0.3 else {}
+        if kind == "seeded":
+            return SamplingParams(
+                max_tokens=rng.randrange(1, 20), temperature=0.9, seed=rng.randrange(99), **extra
+            )
+        if kind == "stop":  # stops on whichever of these comes first, or at max_tokens
+            stops = rng.sample(range(3, 250), 40)
+            return SamplingParams(max_tokens=20, temperature=0, stop_token_ids=stops, **extra)
+        ignore = kind == "greedy"
+        return SamplingParams(
+            max_tokens=rng.randrange(1, 24), temperature=0, ignore_eos=ignore, **extra
+        )
+
+    conversations = [
+        [(_ids(rng, rng.randrange(3, 70)), sampling()) for _ in range(rng.randrange(2, 5))]
+        for _ in range(5)
+    ]
+    plain = {
+        rng.randrange(0, 40): [(_ids(rng, rng.randrange(1, 90)), sampling())] for _ in range(8)
+    }
+    return Workload(conversations, plain)
+
+
+def _run(engine, work: Workload) -> Workload:
+    """Drive `work` through `engine` one step at a time (as the served engine thread does)."""
+    sids = [engine.open_session() for _ in work.conversations]
+    next_turn = [0] * len(sids)
+    active: dict[str, str] = {}  # rid -> result name
+    step = 0
+    while True:
+        for c, sid in enumerate(sids):
+            busy = any(name.startswith(f"c{c}.") for name in active.values())
+            if not busy and next_turn[c] < len(work.conversations[c]):
+                ids, sampling = work.conversations[c][next_turn[c]]
+                rid = engine.submit(ids, sampling, session_id=sid)
+                active[rid] = f"c{c}.{next_turn[c]}"
+                next_turn[c] += 1
+        for i, (ids, sampling) in enumerate(work.plain.get(step, [])):
+            active[engine.submit(ids, sampling)] = f"p{step}.{i}"
+        if not engine.has_work():
+            break
+        engine.step()
+        step += 1
+        live = set(engine.in_flight())
+        for rid in [r for r in active if r not in live]:
+            result = engine.take_result(rid)
+            work.results[active[rid]] = result.output_ids
+            work.reasons[active[rid]] = result.finish_reason
+            del active[rid]
+    for sid in sids:
+        engine.close_session(sid)
+    engine.checker.check_idle()
+    return work
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_overlap_gives_the_tokens_it_gives_without(seed: int) -> None:
+    model = tiny_model()
+    plain = _run(tiny_engine(model, prefill=24), _workload(seed))
+    overlapped = tiny_engine(model, prefill=24, overlap=True)
+    got = _run(overlapped, _workload(seed))
+    assert got.results == plain.results
+    assert got.reasons == plain.reasons
+    assert len(got.results) == sum(map(len, got.conversations)) + len(got.plain)
+    assert overlapped.overlap_totals["overlapped_steps"] > 0
+    overlapped.close()
+
+
+def test_overlap_under_kv_pressure_retracts_and_restores_from_the_host_tier() -> None:
+    """A pool too small for the load: decodes run out of KV (the overlapped schedule stalls,
+    the running step is processed, then requests are retracted) and idle sessions go to the
+    host tier and come back; each copy back into the pool waits for the forward in flight."""
+    model = tiny_model()
+    kw = {"page_size": 16, "num_slots": 384, "prefill": 32, "host_tier_bytes": 64 << 20}
+    plain = _run(tiny_engine(model, **kw), _workload(7))
+    engine = tiny_engine(model, overlap=True, **kw)
+    fenced, restores = [], []
+    wait = engine.runner.kv_pool.fence
+    engine.runner.kv_pool.fence = lambda: (fenced.append(1), wait())[1]
+    got = _run(engine, _workload(7))
+    assert got.results == plain.results
+    assert engine.scheduler.retractions_total > 0
+    assert engine.overlap_totals["overlap_waits"] > 0  # each retraction waited for a step
+    restores.append(engine.cache.host_tier.restored_total)
+    assert restores[0] > 0 and len(fenced) >= restores[0]
+    engine.close()
+
+
+def test_requests_with_penalties_take_turns_without_overlap() -> None:
+    """Penalties read the whole history, which a pending token would leave one short: a
+    running request with them makes each step wait for the one before; same tokens."""
+    model = tiny_model()
+    plain = _run(tiny_engine(model, prefill=24), _workload(3, penalties=True))
+    engine = tiny_engine(model, prefill=24, overlap=True)
+    got = _run(engine, _workload(3, penalties=True))
+    assert got.results == plain.results
+    assert engine.overlap_totals["overlap_waits"] > 0
+
+
+def test_max_tokens_reached_in_flight_costs_no_extra_step() -> None:
+    """A decode whose pending token is its last (max_tokens) is not scheduled again: the
+    overlapped engine runs as many steps as the plain one, all but the first overlapped."""
+    model = tiny_model()
+    plain, engine = tiny_engine(model), tiny_engine(model, overlap=True)
+    forwards = []
+    run = engine.runner.run_prepared
+    engine.runner.run_prepared = lambda *a: (forwards.append(1), run(*a))[1]
+    for e in (plain, engine):
+        e.generate([list(range(5, 25))], GREEDY)  # 1 prefill + 11 decode steps
+    assert len(forwards) == plain.scheduler.steps == GREEDY.max_tokens
+    assert engine.overlap_totals == {"overlapped_steps": GREEDY.max_tokens - 1, "overlap_waits": 0}
+
+
+def test_forced_retractions_under_overlap() -> None:
+    model = tiny_model()
+    rng = random.Random(5)
+    prompts = [_ids(rng, rng.randrange(5, 60)) for _ in range(6)]
+    ref = tiny_engine(model, prefill=16).generate(prompts, GREEDY)
+    engine = tiny_engine(model, prefill=16, retract_every=3, overlap=True)
+    got = engine.generate(prompts, GREEDY)
+    assert [r.output_ids for r in got] == [r.output_ids for r in ref]
+    assert sum(r.retractions for r in got) > 0
+    engine.checker.check_idle()
+
+
+@pytest.mark.parametrize("when", ["prefilling", "decoding"])
+def test_an_abort_while_its_step_runs_gives_its_kv_back(when: str) -> None:
+    model = tiny_model()
+    rng = random.Random(9)
+    keep = [_ids(rng, 20), _ids(rng, 33)]
+    doomed = _ids(rng, 120 if when == "prefilling" else 10)
+    ref = tiny_engine(model, prefill=16).generate(keep, GREEDY)
+    engine = tiny_engine(model, prefill=16, overlap=True)
+    rids = [engine.submit(ids, GREEDY) for ids in keep]
+    victim = engine.submit(doomed, GREEDY)
+    for _ in range(4):  # prefilling: its 120 tokens take 8 steps of 16
+        engine.step()
+    assert engine._in_flight is not None
+    batch, _ = engine._in_flight
+    assert victim in {s.req.rid for s in batch.seqs}  # a step computing for it is running
+    assert engine.abort(victim)
+    engine.run_until_idle()
+    assert engine.take_result(victim).finish_reason is FinishReason.ABORT
+    assert [engine.take_result(r).output_ids for r in rids] == [r.output_ids for r in ref]
+    engine.checker.check_idle()
+
+
+def test_a_stop_token_ends_the_answer_while_the_next_step_runs() -> None:
+    """The step after the stop token is already running when the stop is seen: its token is
+    dropped and the slot it wrote is given back (the every-step check sees the pool)."""
+    model = tiny_model()
+    prompt = list(range(5, 25))
+    (free,) = tiny_engine(model).generate([prompt], GREEDY)
+    stop = SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[free.output_ids[4]])
+    (ref,) = tiny_engine(model).generate([prompt], stop)
+    engine = tiny_engine(model, overlap=True)
+    sid = engine.open_session()
+    (got,) = engine.generate([prompt], stop, session_id=sid)
+    assert got.output_ids == ref.output_ids == free.output_ids[: len(ref.output_ids)]
+    assert got.finish_reason is FinishReason.STOP
+    # the session holds exactly the answered history: its next turn sees nothing extra
+    (turn2,) = engine.generate([[7, 8, 9]], GREEDY, session_id=sid)
+    history = prompt + got.output_ids + [7, 8, 9]
+    (full,) = tiny_engine(model, radix=False).generate([history], GREEDY)
+    assert turn2.output_ids == full.output_ids
+    engine.close_session(sid)
+    engine.checker.check_idle()
+
+
+def test_the_served_engine_thread_runs_overlapped_steps() -> None:
+    model = tiny_model()
+    rng = random.Random(11)
+    prompts = [_ids(rng, rng.randrange(5, 40)) for _ in range(5)]
+    ref = tiny_engine(model).generate(prompts, GREEDY)
+    engine = tiny_engine(model, overlap=True)
+    loop = EngineLoop(engine)
+    loop.start()
+    done, results = threading.Semaphore(0), {}
+
+    def listener(event: StepEvent) -> None:
+        if event.result is not None:
+            results[event.rid] = event.result.output_ids
+            done.release()
+
+    submits = [loop.call(lambda p=p: engine.submit(p, GREEDY, listener=listener)) for p in prompts]
+    rids = [f.result(timeout=30) for f in submits]
+    for _ in prompts:
+        assert done.acquire(timeout=60)
+    loop.stopping = True
+    loop.wake.set()
+    loop.join(timeout=30)
+    assert [results[r] for r in rids] == [r.output_ids for r in ref]
+    assert not engine.has_work()
+    engine.checker.check_idle()
+    engine.close()
+
+
+@pytest.mark.gpu
+def test_overlap_on_cuda_with_graphs_gives_the_same_tokens() -> None:
+    """On a GPU the forward thread replays the decode graphs and the extend graphs."""
+    model = tiny_model()
+    plain = _run(tiny_engine(model, device="cuda", prefill=24), _workload(4))
+    engine = tiny_engine(model, device="cuda", prefill=24, overlap=True)
+    got = _run(engine, _workload(4))
+    assert got.results == plain.results
+    assert engine.runner.graphs is not None and engine.runner.graphs.replays > 0
+    assert engine.overlap_totals["overlapped_steps"] > 0
+    engine.close()
+
+
+def test_overlap_refuses_speculative_decoding() -> None:
+    with pytest.raises(ValidationError, match="overlap_schedule does not combine"):
+        EngineConfig(overlap_schedule=True, spec=SpecConfig(history_drafts=True))
+    with pytest.raises(InvalidConfigError, match="overlap_schedule does not combine"):
+        tiny_engine(tiny_model(num_hidden_layers=1), drafter=mimic_drafter, overlap=True)
