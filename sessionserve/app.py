@@ -12,7 +12,7 @@ from ray import serve
 from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 
 from sessionserve.api.ingress import Ingress
-from sessionserve.config import AppConfig
+from sessionserve.config import REPLICA_ENV_DEFAULTS, AppConfig
 from sessionserve.replicas.server import ReplicaServer
 from sessionserve.router.session_router import SessionAffinityRouter
 
@@ -63,8 +63,8 @@ def replica_options(cfg: AppConfig) -> dict[str, Any]:
             request_routing_stats_timeout_s=max(5.0, 2 * r.routing_stats_period_s),
         ),
     }
-    if r.env_vars:
-        opts["ray_actor_options"]["runtime_env"] = {"env_vars": dict(r.env_vars)}
+    env = REPLICA_ENV_DEFAULTS | r.env_vars
+    opts["ray_actor_options"]["runtime_env"] = {"env_vars": env}
     if r.max_replicas_per_node is not None:
         opts["max_replicas_per_node"] = r.max_replicas_per_node
     if r.autoscaling is not None:

@@ -295,6 +295,11 @@ class AutoscalingConfig(_Strict):
     target_ongoing_requests: float = Field(16, gt=0, description="Per-replica load target.")
 
 
+# What every model replica's environment holds unless `replica.env_vars` says otherwise (see
+# its description; measured in docs/benchmarks.md, "The engine thread and OpenMP")
+REPLICA_ENV_DEFAULTS = {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "300000"}
+
+
 class ReplicaDeploymentConfig(_Strict):
     num_replicas: int = Field(2, ge=1, description="Model replicas (ignored with autoscaling).")
     num_cpus: float = Field(0.5, ge=0, description="CPUs per replica (fractional on laptops).")
@@ -326,7 +331,13 @@ class ReplicaDeploymentConfig(_Strict):
     )
     env_vars: dict[str, str] = Field(
         default_factory=dict,
-        description="Environment variables of the replica processes (Ray runtime_env).",
+        description="Environment variables of the replica processes (Ray runtime_env), on top "
+        "of REPLICA_ENV_DEFAULTS (OMP_WAIT_POLICY=ACTIVE, GOMP_SPINCOUNT=300000), which they "
+        "override key by key: a replica's forward runs on its engine thread, not the process's "
+        "first thread, and libgomp then counts more threads than cores when the torch threads "
+        "fill the machine and spins only 100 times before sleeping between parallel regions "
+        "(each region then waits on a wake-up). ACTIVE raises that to 1,000; the spin count "
+        "keeps libgomp's usual 300,000 elsewhere, so idle threads still sleep.",
     )
     max_replicas_per_node: int | None = Field(
         None, ge=1, description="Spread replicas: at most this many on one node (None: any)."
