@@ -11,7 +11,9 @@ At c = 32 (or the largest c below it): the step-time split (schedule, batch buil
 sampling; with a device sync after the forward, in a separate run) and the GPU-busy share
 (kernel time / step time, from torch.profiler). Roofline: weight bytes / measured device copy
 bandwidth (read + write counted) bounds a decode step from below. Sessions: TTFT of a turn with
-`--held` tokens already held vs the same request stateless (radix off).
+`--held` tokens already held vs the same request stateless (radix off). Overlap scheduling
+(`engine.overlap_schedule`): the best configuration at each c again with overlap on
+(`overlap_ms`, `overlap_speedup_<c>`; `--no-overlap` skips it).
 
     python -m benchmarks.gpu                       # an H100: the figures
     python -m benchmarks.gpu --tiny --device cpu   # a smoke run of the script itself on CPU
@@ -71,6 +73,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--backends", nargs="+", default=["torch", "flashinfer"])
     ap.add_argument("--skip-hf-static", action="store_true", help="no compiled HF baseline")
     ap.add_argument("--held", type=int, default=8000, help="session history for the TTFT test")
+    ap.add_argument("--no-overlap", action="store_true", help="skip the overlap-scheduling runs")
     ap.add_argument("--profile-steps", type=int, default=20)
     ap.add_argument("--log-dir", default=None, help="write the profiler tables here")
     return ap.parse_args()
@@ -141,7 +144,14 @@ def hf_step_ms(model, c: int, args: argparse.Namespace, static: bool) -> float:
 
 # ---- our engine ----
 def make_engine(
-    model, backend: str, graphs: bool, c: int, args, sessions: bool = True, extend: bool = True
+    model,
+    backend: str,
+    graphs: bool,
+    c: int,
+    args,
+    sessions: bool = True,
+    extend: bool = True,
+    overlap: bool = False,
 ):
     held = args.held + 256
     slots = max(c * (args.prompt + args.output) * 2, 2 * held + 4096)
@@ -158,6 +168,7 @@ def make_engine(
         attention_backend=backend,
         cuda_graphs=graphs,
         cuda_graph_max_extend=256 if extend else 0,
+        overlap_schedule=overlap,
     )
     return Engine(cfg, LoadedModel(model, None, "random-llama", "benchmarks.gpu"))
 
@@ -391,6 +402,18 @@ def main() -> None:
     def best(c: int) -> tuple[tuple[str, bool], float]:
         return min(((k, v[c]) for k, v in ours.items()), key=lambda kv: kv[1])
 
+    overlapped: dict[int, float] = {}  # the best configuration again, with overlap on
+    for c in [] if args.no_overlap else args.concurrency:
+        (b, g), plain_ms = best(c)
+        eng = make_engine(model, b, g, c, args, overlap=True)
+        overlapped[c] = engine_step_ms(eng, c, args)
+        eng.close()
+        print(
+            f"c={c:3d} engine {b:10s} graphs={g!s:5s} overlap {overlapped[c]:.2f} ms/step "
+            f"({plain_ms / overlapped[c]:.2f}x without)",
+            flush=True,
+        )
+
     c_mid = max((c for c in args.concurrency if c <= 32), default=args.concurrency[0])
     c_top = max(args.concurrency)
     (b_mid, g_mid), _ = best(c_mid)
@@ -426,6 +449,12 @@ def main() -> None:
             "hf_eager_ms": hf["eager"],
             "hf_static_ms": hf["static"],
             "engine_ms": {f"{b}{'+graphs' if g else ''}": v for (b, g), v in ours.items()},
+            "overlap_ms": overlapped,
+            **{f"overlap_speedup_{c}": round(best(c)[1] / ms, 3) for c, ms in overlapped.items()},
+            **{  # the best configuration, overlap included
+                f"ms_per_step_{c}": round(min(best(c)[1], overlapped.get(c, float("inf"))), 3)
+                for c in args.concurrency
+            },
             "step_split_ms": {k: round(v, 3) for k, v in split.items()},
             "ratio_vs_hf_static_1": ratio(hf["static"], 1),
             "ratio_vs_hf_static_32": ratio(hf["static"], c_mid),

@@ -11,6 +11,8 @@ parked session restored) is not in that order: it waits for the submitted steps 
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for
@@ -20,11 +22,22 @@ import torch
 from sessionserve.replicas.model_runner import ModelRunner
 from sessionserve.replicas.step import ForwardBatch, ScheduledBatch, SeqLayout, StepOutput
 
+log = logging.getLogger(__name__)
+
 
 class ForwardThread:
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
         threads = torch.get_num_threads()  # the engine's (a new thread may not inherit them)
+        # libgomp counts both threads' teams; more threads than cores: it barely spins
+        if 2 * threads > (os.cpu_count() or 1) and "OMP_WAIT_POLICY" not in os.environ:
+            log.warning(
+                "overlap scheduling runs forwards on a second thread; with %d torch threads on "
+                "%s cores, OpenMP then sleeps between parallel regions: start Python with "
+                "OMP_WAIT_POLICY=ACTIVE GOMP_SPINCOUNT=300000 (served replicas get them)",
+                threads,
+                os.cpu_count(),
+            )
         self._pool = ThreadPoolExecutor(
             1,
             thread_name_prefix="sessionserve-forward",
