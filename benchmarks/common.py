@@ -30,6 +30,25 @@ def setup_threads(threads: int) -> None:
     logging.getLogger("sessionserve").setLevel(logging.INFO)
 
 
+class ForwardTimer:
+    """Sums the seconds `eng`'s model forwards take (`seconds`) until `restore()`: the share of
+    a step that is not host work."""
+
+    def __init__(self, eng: Engine) -> None:
+        self.eng, self.inner, self.seconds = eng, eng.runner.forward, 0.0
+        eng.runner.forward = self._timed
+
+    def _timed(self, batch: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return self.inner(batch)
+        finally:
+            self.seconds += time.perf_counter() - started
+
+    def restore(self) -> None:
+        self.eng.runner.forward = self.inner
+
+
 def load(path: str = "default") -> LoadedModel:
     return load_model(path, torch.float32)
 

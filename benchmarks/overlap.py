@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from benchmarks.common import emit, load, machine, median, setup_threads
+from benchmarks.common import ForwardTimer, emit, load, machine, median, setup_threads
 from benchmarks.throughput import workload
 from sessionserve.config import CacheConfig, EngineConfig, SchedulerConfig, SessionConfig
 from sessionserve.replicas.engine import Engine
@@ -37,17 +37,8 @@ def build(loaded, concurrency: int, compile: bool, overlap: bool) -> Engine:
 def serve(eng: Engine, reqs) -> tuple[float, list[list[int]], float, float]:
     """Wall seconds, outputs, host ms per step outside the forward (plain engine) and ms per
     step spent waiting for the forward thread (overlapped engine)."""
-    forward_s, wait_s, steps = 0.0, 0.0, 0
-    inner = eng.runner.forward
-
-    def timed_forward(batch):
-        nonlocal forward_s
-        t = time.perf_counter()
-        out = inner(batch)
-        forward_s += time.perf_counter() - t
-        return out
-
-    eng.runner.forward = timed_forward
+    wait_s, steps = 0.0, 0
+    forwards = ForwardTimer(eng)
     if eng.forwards is not None:
         land = eng._land
 
@@ -69,10 +60,10 @@ def serve(eng: Engine, reqs) -> tuple[float, list[list[int]], float, float]:
         steps += 1
     wall = time.perf_counter() - started
     outputs = [eng.take_result(r).output_ids for r in rids]
-    eng.runner.forward = inner
+    forwards.restore()
     if eng.forwards is not None:
         del eng._land  # the class's again
-    host_ms = (wall - forward_s) / steps * 1000 if eng.forwards is None else float("nan")
+    host_ms = (wall - forwards.seconds) / steps * 1000 if eng.forwards is None else float("nan")
     return wall, outputs, host_ms, wait_s / steps * 1000
 
 

@@ -25,6 +25,7 @@ import time
 import torch
 
 from benchmarks.common import (
+    ForwardTimer,
     alternate_decode_steps,
     emit,
     engine,
@@ -79,29 +80,20 @@ def decode_step_ms(eng, batch: int, rounds: int = 3, steps: int = 8) -> tuple[fl
 
 
 def run_engine(eng, reqs) -> tuple[float, float]:
-    forward_s, step_s = 0.0, 0.0
-    inner = eng.runner.forward
-
-    def timed_forward(batch):
-        nonlocal forward_s
-        t = time.perf_counter()
-        out = inner(batch)
-        forward_s += time.perf_counter() - t
-        return out
-
-    eng.runner.forward = timed_forward
+    step_s = 0.0
+    forwards = ForwardTimer(eng)
     t0 = time.perf_counter()
     for ids, n_out in reqs:
         eng.submit(ids, SamplingParams(max_tokens=n_out, temperature=0, ignore_eos=True))
     decode_forward, decode_step = 0.0, 0.0
     while eng.has_work():
-        before_f, t = forward_s, time.perf_counter()
+        before_f, t = forwards.seconds, time.perf_counter()
         is_decode_only = not eng.scheduler.waiting and all(r.sampled for r in eng.scheduler.running)
         eng.step()
         dt = time.perf_counter() - t
         step_s += dt
         if is_decode_only and eng.scheduler.running:
-            decode_forward += forward_s - before_f
+            decode_forward += forwards.seconds - before_f
             decode_step += dt
     wall = time.perf_counter() - t0
     overhead = 1 - decode_forward / decode_step if decode_step else float("nan")

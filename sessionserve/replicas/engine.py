@@ -268,12 +268,16 @@ class Engine:
                 events = self.outputs.events(self.scheduler.finish(updates))
                 if spec:
                     spec.finish_step(batch, output)
-            if self.check_schedule.due():
-                self.check_memory()
-            if self.metrics.gauges_due():
-                self.report_gauges()
+            self._checks_due()
         self.outputs.dispatch(events)
         return events
+
+    def _checks_due(self) -> None:
+        """After a step: the memory check and the gauges, when their periods say so."""
+        if self.check_schedule.due():
+            self.check_memory()
+        if self.metrics.gauges_due():
+            self.report_gauges()
 
     def _step_overlapped(self) -> list[StepEvent]:
         """Schedule and submit the next step, then process the one in flight (its events are
@@ -301,10 +305,7 @@ class Engine:
             if running is not None:
                 totals["overlapped_steps"] += bool(batch)
                 events += self._land(*running)
-            if self.check_schedule.due():
-                self.check_memory()
-            if self.metrics.gauges_due():
-                self.report_gauges()
+            self._checks_due()
         self.outputs.dispatch(events)
         return events
 
