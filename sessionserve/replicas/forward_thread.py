@@ -38,12 +38,19 @@ class ForwardThread:
                 threads,
                 os.cpu_count(),
             )
+        self._thread: threading.Thread | None = None  # the executor's one thread, once started
         self._pool = ThreadPoolExecutor(
             1,
             thread_name_prefix="sessionserve-forward",
-            initializer=lambda: _start(threads, runner.device),
+            initializer=lambda: self._start(threads, runner.device),
         )
         self._last: Future[StepOutput] | None = None
+
+    def _start(self, threads: int, device: torch.device) -> None:
+        self._thread = threading.current_thread()
+        torch.set_num_threads(threads)
+        if device.type == "cuda":  # the current device is per thread
+            torch.cuda.set_device(device)
 
     def submit(
         self, batch: ScheduledBatch, fb: ForwardBatch, layout: dict[str, SeqLayout]
@@ -56,18 +63,8 @@ class ForwardThread:
         """Return once every submitted step has finished (its error, if any, stays in its
         future for whoever processes that step)."""
         last = self._last
-        if last is not None and threading.current_thread().name != _THREAD_NAME:
+        if last is not None and threading.current_thread() is not self._thread:
             wait_for([last])
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
-
-
-_THREAD_NAME = "sessionserve-forward"
-
-
-def _start(threads: int, device: torch.device) -> None:
-    threading.current_thread().name = _THREAD_NAME
-    torch.set_num_threads(threads)
-    if device.type == "cuda":  # the current device is per thread
-        torch.cuda.set_device(device)
