@@ -333,11 +333,13 @@ class ReplicaDeploymentConfig(_Strict):
         default_factory=dict,
         description="Environment variables of the replica processes (Ray runtime_env), on top "
         "of REPLICA_ENV_DEFAULTS (OMP_WAIT_POLICY=ACTIVE, GOMP_SPINCOUNT=300000), which they "
-        "override key by key: a replica's forward runs on its engine thread, not the process's "
-        "first thread, and libgomp then counts more threads than cores when the torch threads "
-        "fill the machine and spins only 100 times before sleeping between parallel regions "
-        "(each region then waits on a wake-up). ACTIVE raises that to 1,000; the spin count "
-        "keeps libgomp's usual 300,000 elsewhere, so idle threads still sleep.",
+        "override key by key. A replica builds its engine on a thread that exits, so the "
+        "engine thread's OpenMP team is normally the only one; while a second exists (a "
+        "compiled forward building in the background, overlap scheduling's forward thread) "
+        "libgomp counts more threads than cores when the torch threads fill the machine and "
+        "spins only 100 times before sleeping between parallel regions (each region then "
+        "waits on a wake-up). ACTIVE raises that to 1,000; the spin count keeps libgomp's "
+        "usual 300,000 elsewhere, so idle threads still sleep.",
     )
     max_replicas_per_node: int | None = Field(
         None, ge=1, description="Spread replicas: at most this many on one node (None: any)."

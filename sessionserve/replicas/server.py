@@ -32,6 +32,7 @@ from sessionserve.replicas import client_error_logs
 from sessionserve.replicas.engine import Engine
 from sessionserve.replicas.engine_loop import EngineLoop
 from sessionserve.replicas.migration import SessionMover
+from sessionserve.replicas.openmp import run_on_passing_thread
 from sessionserve.replicas.outputs import StepEvent
 from sessionserve.replicas.prompts import chat_input_ids, prompt_ids
 from sessionserve.replicas.sessions import SessionExport, SessionSeed
@@ -82,7 +83,11 @@ class ReplicaServer:
         metrics = (
             RayEngineMetrics(self.replica_id, served_model_name(cfg.model)) if served else None
         )
-        return Engine(cfg, metrics=metrics, reclaim_sessions_at_limit=True)
+        # on a thread that exits: its OpenMP team must not outlive the build (replicas/openmp.py)
+        return run_on_passing_thread(
+            lambda: Engine(cfg, metrics=metrics, reclaim_sessions_at_limit=True),
+            "sessionserve-build",
+        )
 
     # ---- generation ----
     async def generate(self, call: GenerateCall) -> AsyncIterator[TurnDelta | TurnResult]:
