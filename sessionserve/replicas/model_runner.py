@@ -24,6 +24,7 @@ from sessionserve.replicas.attention.base import to_device
 from sessionserve.replicas.compiled_forward import CompiledForward
 from sessionserve.replicas.grammar import apply_masks, consume
 from sessionserve.replicas.hidden_states import decoder_features
+from sessionserve.replicas.logits_head import head_logits
 from sessionserve.replicas.sampling import SampleOutput, sample
 from sessionserve.replicas.step import (
     Drafts,
@@ -196,10 +197,11 @@ class ModelRunner:
         )
         compiled = self.compiled
         if compiled is not None and compiled.accepts(n, len(batch.logit_idx)):
-            logits, hidden = compiled.run(ids, pos, logit_idx, meta)
+            rows, hidden = compiled.run(ids, pos, logit_idx, meta)
         else:
             last, hidden = self.decode_hidden(ids, pos, meta)
-            logits = self.lm_head(last[logit_idx])
+            rows = last[logit_idx]
+        logits = head_logits(self.lm_head, rows)  # oneDNN on CPU (replicas/logits_head.py)
         return logits, hidden if batch.want_hidden else None
 
     def decode_hidden(

@@ -24,6 +24,8 @@ from transformers.models.llama.modeling_llama import (
     LlamaRotaryEmbedding,
 )
 
+from sessionserve.replicas.logits_head import vocab_linear
+
 
 class DraftHead(nn.Module):
     """What the proposer and the trainer need of a draft head, whatever its layout.
@@ -159,7 +161,7 @@ class EagleDrafter(DraftHead):
 
     def draft_logits(self, features: torch.Tensor) -> torch.Tensor:
         """Logits over the draft vocabulary ([..., Vd]); map choices back with `to_target`."""
-        return torch.nn.functional.linear(features, self.head_weight())
+        return vocab_linear(features, self.head_weight())
 
 
 def drafter_config(target_config: Any, **overrides: Any) -> LlamaConfig:

@@ -26,6 +26,7 @@ from transformers.models.llama.modeling_llama import (
     LlamaRotaryEmbedding,
 )
 
+from sessionserve.replicas.logits_head import head_logits
 from sessionserve.replicas.speculative.drafter import DraftHead
 
 
@@ -122,4 +123,4 @@ class Eagle3Drafter(DraftHead):
     def draft_logits(self, features: torch.Tensor) -> torch.Tensor:
         x = self.norm(features)
         head = self.lm_head if self.lm_head is not None else self._borrowed()[1]
-        return head(x)
+        return head_logits(head, x)
