@@ -6,7 +6,10 @@ EOS ignored, at most c requests in flight, `max(2c, 4)` requests). Outputs are c
 between the two engines (greedy). `host_ms_per_step_off`: the plain engine's step time outside
 the model forward (scheduling, batch building, sampling, bookkeeping): what overlap can hide
 at best. `wait_ms_per_step_on`: how long the overlapped engine's thread waited for the forward
-thread per step (its host work ran while the forward did).
+thread per step (its host work ran while the forward did). Each round builds its engine, runs
+and closes it on a thread of its own that then exits, and the model is loaded on one too: so
+the only OpenMP team alive while a round runs is the one doing its forwards (two teams on 2
+cores made libgomp sleep between parallel regions in both arms, replicas/openmp.py).
 
     .venv/bin/python -m benchmarks.overlap [--concurrency 1 8 32] [--rounds 2] [--no-compile]
 """
@@ -14,12 +17,14 @@ thread per step (its host work ran while the forward did).
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 
 from benchmarks.common import ForwardTimer, emit, load, machine, median, setup_threads
 from benchmarks.throughput import workload
 from sessionserve.config import CacheConfig, EngineConfig, SchedulerConfig, SessionConfig
 from sessionserve.replicas.engine import Engine
+from sessionserve.replicas.openmp import run_on_passing_thread
 from sessionserve.wire import SamplingParams
 
 
@@ -31,7 +36,21 @@ def build(loaded, concurrency: int, compile: bool, overlap: bool) -> Engine:
         compile=compile,
         overlap_schedule=overlap,
     )
-    return Engine(cfg, loaded)
+    eng = Engine(cfg, loaded)
+    if eng.runner.compiling is not None:
+        eng.runner.compiling.join()
+    return eng
+
+
+def one_round(loaded, concurrency: int, compile: bool, overlap: bool, reqs):
+    """A fresh engine (built on a thread of its own: building runs parallel regions) warmed
+    up on two requests, then `serve` of `reqs`; closed after."""
+    eng = run_on_passing_thread(lambda: build(loaded, concurrency, compile, overlap), "build")
+    try:
+        serve(eng, reqs[:2])  # warm-up
+        return serve(eng, reqs)
+    finally:
+        eng.close()
 
 
 def serve(eng: Engine, reqs) -> tuple[float, list[list[int]], float, float]:
@@ -75,21 +94,20 @@ def main() -> None:
     ap.add_argument("--no-compile", action="store_true", help="eager forwards on both sides")
     args = ap.parse_args()
     setup_threads(args.threads)
-    loaded = load()
+    loaded = run_on_passing_thread(load, "load")
     vocab = loaded.model.config.vocab_size
     compile = not args.no_compile
     summary: dict = {"benchmark": "overlap", "machine": machine(), "compile": compile}
     for c in args.concurrency:
         reqs = workload(max(2 * c, 4), vocab, seed=c)
         tokens = sum(n for _, n in reqs)
-        engines = {"off": build(loaded, c, compile, False), "on": build(loaded, c, compile, True)}
-        serve(engines["off"], reqs[:2])  # warm-up (a compiled package loads on first use)
-        serve(engines["on"], reqs[:2])
         walls: dict[str, list[float]] = {"off": [], "on": []}
         outputs, host_ms, wait_ms = {}, [], []
         for r in range(args.rounds):
             for name in ("off", "on") if r % 2 == 0 else ("on", "off"):
-                wall, out, host, wait = serve(engines[name], reqs)
+                wall, out, host, wait = run_on_passing_thread(
+                    functools.partial(one_round, loaded, c, compile, name == "on", reqs), name
+                )
                 walls[name].append(wall)
                 outputs[name] = out
                 (host_ms if name == "off" else wait_ms).append(host if name == "off" else wait)
@@ -108,7 +126,6 @@ def main() -> None:
         summary[f"speedup_{c}"] = round(off / on, 3)
         summary[f"host_ms_per_step_off_{c}"] = round(median(host_ms), 2)
         summary[f"wait_ms_per_step_on_{c}"] = round(median(wait_ms), 2)
-        engines["on"].close()
     emit(summary)
 
 
