@@ -2,7 +2,7 @@
 
 A decode step's logits are a few rows times a weight the size of the vocabulary (SmolLM2:
 49,152 x 576, 113 MB in fp32). torch sends that fp32 GEMM to MKL, which on the AMD EPYC we
-measured took 2-3x longer than oneDNN for 1-32 rows: the LM head was a third of a compiled
+measured took 1.85-3.4x longer than oneDNN for 1-32 rows: the LM head was ~40% of a compiled
 batch-1 decode step (`benchmarks/logits_head.py`). oneDNN, bundled with x86 torch builds,
 reads the model's own weight as it is, so nothing is copied, and the model's `lm_head` module is
 left unchanged: only who computes its product changes. Where oneDNN does not apply (not CPU,

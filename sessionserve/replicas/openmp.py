@@ -7,7 +7,7 @@ parallel region of the forward then waits on a wake-up. Loading a model runs par
 so a replica that loaded on a long-lived thread (Serve calls the constructor on one) and decodes
 on its engine thread holds two teams with torch threads filling the cores. Built on a thread
 that exits, the loader's team is gone before the first step and the engine thread's team is
-the only one (docs/benchmarks.md, "The engine thread and OpenMP").
+the only one (docs/benchmarks.md, "The loader's OpenMP team").
 """
 
 from __future__ import annotations
