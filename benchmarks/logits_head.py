@@ -1,7 +1,8 @@
 """The logits GEMM on oneDNN (replicas/logits_head.py) against torch's default (`F.linear`,
 MKL for fp32 on x86): first the default model's LM head alone for 1-32 rows, then whole decode
-steps of the engine (compiled forward, 2 torch threads) at batch 1 and 8 with each, the two
-alternating on the same running requests (`benchmarks.common.alternate_decode_steps`).
+steps of the engine's eager forward (2 torch threads; where the logits take this path: the
+compiled forward keeps its own head GEMM) at batch 1 and 8 with each, the two alternating on
+the same running requests (`benchmarks.common.alternate_decode_steps`).
 
     .venv/bin/python -m benchmarks.logits_head [--rounds 3] [--steps 16]
 
@@ -62,7 +63,9 @@ def main() -> None:
         print(f"{rows:>3} rows: torch {base:6.2f} ms, oneDNN {ours:6.2f} ms, {base / ours:.2f}x")
         summary[f"gemm_ratio_{rows}"] = round(base / ours, 2)
     # an engine thread that did not load the model: one OpenMP team (replicas/openmp.py)
-    eng = run_on_passing_thread(lambda: _compiled_engine(loaded), "build")
+    eng = run_on_passing_thread(
+        lambda: engine(loaded, sessions=False, max_running=8, compile=False), "build"
+    )
     variants = {
         "torch": lambda: setattr(model_runner, "head_logits", lambda head, h: head(h)),
         "onednn": lambda: setattr(model_runner, "head_logits", head_logits),
@@ -90,13 +93,6 @@ def main() -> None:
         summary[f"step_ratio_{batch}"] = round(ratio, 2)
     model_runner.head_logits = head_logits
     emit(summary)
-
-
-def _compiled_engine(loaded):
-    eng = engine(loaded, sessions=False, max_running=8, compile=True)
-    if eng.runner.compiling is not None:
-        eng.runner.compiling.join()
-    return eng
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 AUTO_MIN_PARAMS = 50_000_000  # `compile: auto` skips smaller models (tests' tiny ones): a
 # build costs minutes, and a forward that small is bound by Python, not by weight reads
 HEARTBEAT_S = 30.0
-PACKAGE_FORMAT = 2  # bump when what is exported changes (_Decoder, the attention op)
+PACKAGE_FORMAT = 1  # bump when what is exported changes (_DecoderAndHead, the attention op)
 
 
 def default_cache_dir() -> Path:
@@ -55,29 +55,27 @@ def default_cache_dir() -> Path:
     return cache_root() / "compiled"
 
 
-class _Decoder(torch.nn.Module):
-    """What is exported: token ids and positions [T], the rows wanted [N] -> those rows' last
-    hidden states after the final norm [N, H] (what the LM head reads; the runner computes the
-    logits, on oneDNN on CPU: replicas/logits_head.py) and the drafter's features [T, F] (the
-    last hidden states, or the `feature_layers` concatenated: what an EAGLE / EAGLE-3 head
-    reads)."""
+class _DecoderAndHead(torch.nn.Module):
+    """What is exported: token ids and positions [T], the rows wanted [N] -> logits [N, V]
+    and the drafter's features [T, F] (the last hidden states after the final norm, or the
+    `feature_layers` concatenated: what an EAGLE / EAGLE-3 head reads)."""
 
     def __init__(self, model: Any, feature_layers: tuple[int, ...] | None = None) -> None:
         super().__init__()
         self.decoder = model.get_decoder()
+        self.lm_head = model.get_output_embeddings()
         self.feature_layers = feature_layers
 
     def forward(
         self, ids: torch.Tensor, positions: torch.Tensor, logit_idx: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         last, features = decoder_features(self.decoder, ids, positions, self.feature_layers)
-        return last[logit_idx], features
+        return self.lm_head(last[logit_idx]), features
 
 
 class CompiledForward:
-    """A loaded package: `run(ids, positions, logit_idx, meta)` -> the rows' normed hidden
-    states and the features, as `ModelRunner.forward`'s eager path computes them, for steps of
-    at most `max_tokens` tokens that want logits."""
+    """A loaded package: `run(ids, positions, logit_idx, meta)` as `ModelRunner.forward`'s
+    eager path computes it, for steps of at most `max_tokens` tokens that want logits."""
 
     def __init__(self, package: Path, max_tokens: int) -> None:
         self.package = package
@@ -146,7 +144,7 @@ def build_package(
     device = next(model.parameters()).device
     example = tuple(t.to(device) for t in example)
     install(model)  # whatever it came with, the package runs our paged attention
-    module = _Decoder(model, feature_layers).eval()
+    module = _DecoderAndHead(model, feature_layers).eval()
     started = time.monotonic()
     with torch.inference_mode(), _heartbeat(path, started):
         program = torch.export.export(

@@ -1,12 +1,14 @@
 """Logits GEMMs (a few rows times a vocabulary-sized weight) run by oneDNN on CPU.
 
 A decode step's logits are a few rows times a weight the size of the vocabulary (SmolLM2:
-49,152 x 576, 113 MB in fp32). torch sends that fp32 GEMM to MKL, which on the AMD EPYC we
-measured took 1.85-3.4x longer than oneDNN for 1-32 rows: the LM head was ~40% of a compiled
-batch-1 decode step (`benchmarks/logits_head.py`). oneDNN, bundled with x86 torch builds,
-reads the model's own weight as it is, so nothing is copied, and the model's `lm_head` module is
-left unchanged: only who computes its product changes. Where oneDNN does not apply (not CPU,
-not fp32, autograd, a head that is not a plain linear layer) the usual path runs.
+49,152 x 576, 113 MB in fp32). Eager torch sends that fp32 GEMM (`F.linear`) to MKL, which on
+the AMD EPYC we measured took 1.85-3.4x longer than oneDNN for 1-32 rows
+(`benchmarks/logits_head.py`). So the eager forward's LM head and the EAGLE heads' draft
+logits run here; the compiled forward keeps its own head GEMM, which inductor lays out so that
+it was not slow (the same ms per token either way, measured). oneDNN, bundled with x86 torch
+builds, reads the model's own weight as it is, so nothing is copied, and the model's `lm_head`
+module is left unchanged: only who computes its product changes. Where oneDNN does not apply
+(not CPU, not fp32, autograd, a head that is not a plain linear layer) the usual path runs.
 """
 
 from __future__ import annotations

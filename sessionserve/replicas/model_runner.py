@@ -197,11 +197,10 @@ class ModelRunner:
         )
         compiled = self.compiled
         if compiled is not None and compiled.accepts(n, len(batch.logit_idx)):
-            rows, hidden = compiled.run(ids, pos, logit_idx, meta)
+            logits, hidden = compiled.run(ids, pos, logit_idx, meta)  # its own LM head GEMM
         else:
             last, hidden = self.decode_hidden(ids, pos, meta)
-            rows = last[logit_idx]
-        logits = head_logits(self.lm_head, rows)  # oneDNN on CPU (replicas/logits_head.py)
+            logits = head_logits(self.lm_head, last[logit_idx])  # oneDNN on CPU
         return logits, hidden if batch.want_hidden else None
 
     def decode_hidden(

@@ -235,7 +235,7 @@ def test_eagle3_heads_that_do_not_fit_say_what_does_not_match(tmp_path) -> None:
 
 
 def test_the_exported_forward_returns_the_heads_layers(tmp_path) -> None:
-    """What `engine.compile` packages (`_Decoder` through `torch.export`; AOTInductor
+    """What `engine.compile` packages (`_DecoderAndHead` through `torch.export`; AOTInductor
     then compiles that program) returns the three layers' states too: run as the engine's
     forward, it gives the eager engine's proposals and tokens. (The AOTInductor build itself
     is exercised for plain heads in test_compiled_forward.py; ~45 s per build on 2 cores.)"""
@@ -254,11 +254,11 @@ def test_the_exported_forward_returns_the_heads_layers(tmp_path) -> None:
 
 
 def exported_forward(runner, calls: list):
-    """`_Decoder` through `torch.export`, standing in for its compiled package (each
+    """`_DecoderAndHead` through `torch.export`, standing in for its compiled package (each
     call counted in `calls`)."""
     from sessionserve.replicas import compiled_forward
 
-    module = compiled_forward._Decoder(runner.model, runner.feature_layers).eval()
+    module = compiled_forward._DecoderAndHead(runner.model, runner.feature_layers).eval()
     tokens = torch.export.Dim("tokens", min=1, max=64)
     rows = torch.export.Dim("rows", min=1, max=64)
     example = (torch.zeros(2, dtype=torch.int64), torch.arange(2), torch.arange(2))
