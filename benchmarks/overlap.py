@@ -36,10 +36,7 @@ def build(loaded, concurrency: int, compile: bool, overlap: bool) -> Engine:
         compile=compile,
         overlap_schedule=overlap,
     )
-    eng = Engine(cfg, loaded)
-    if eng.runner.compiling is not None:
-        eng.runner.compiling.join()
-    return eng
+    return Engine(cfg, loaded)  # compile=True loads or builds before returning
 
 
 def one_round(loaded, concurrency: int, compile: bool, overlap: bool, reqs):
