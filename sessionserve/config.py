@@ -230,9 +230,21 @@ class EngineConfig(_Strict):
         ge=1,
         le=4096,
         description="Largest step (in tokens) the compiled forward runs: decode batches, short "
-        "turns, verifies. Longer steps run eagerly: the compiled GEMMs are tuned for few rows "
-        "and lose from ~50 tokens on (SmolLM2, 2 cores: 1.22x at 32, 0.95x at 64, 0.67x at "
-        "256).",
+        "turns, verifies. Longer steps run through the prefill package (compile_prefill) or "
+        "eagerly: this package's GEMMs are tuned for few rows and lose from ~50 tokens on "
+        "(SmolLM2, 2 AVX2 cores: 1.22x at 32, 0.95x at 64, 0.67x at 256).",
+    )
+    compile_prefill: bool | Literal["auto"] = Field(
+        "auto",
+        description="With the compiled forward on, a second package for the steps above "
+        "compile_max_tokens (prefill chunks, session turns, long verifies), up to "
+        "scheduler.max_prefill_tokens + scheduler.max_running_requests tokens, its GEMMs laid "
+        "out for 256 rows (inductor keeps oneDNN GEMMs on weights it prepacks; elementwise "
+        "chains fused). It holds a second copy of the weights. true: build (or load) and use "
+        "it. auto: for models of 50M+ parameters on CPU, build it, time one 256-token prefill "
+        "through it and eagerly (once; the verdict is kept beside the package) and use it only "
+        "where it is 1.05x faster or more (SmolLM2, 2 cores: 1.22-1.55x on an AMD EPYC with "
+        "AVX-512, slower from 128 tokens on an AVX2 CPU). false: those steps run eagerly.",
     )
     compile_cache_dir: str | None = Field(
         None,

@@ -148,6 +148,7 @@ def tiny_engine(
     sliding_window_kv: bool = True,
     sliding_slots: int | None = None,
     compile: bool | str = False,
+    compile_prefill: bool | str = "auto",
     compile_cache_dir: str | None = None,
     overlap: bool = False,
     metrics=None,
@@ -193,6 +194,7 @@ def tiny_engine(
         memory_check=memory_check,
         memory_check_period_s=memory_check_period_s,
         compile=compile,
+        compile_prefill=compile_prefill,
         compile_cache_dir=compile_cache_dir,
         overlap_schedule=overlap,
     )

@@ -23,7 +23,11 @@ from sessionserve.replicas.attention import (
     sliding_windows,
 )
 from sessionserve.replicas.attention.torch_backend import TorchPagedBackend
-from sessionserve.replicas.compiled_forward import plan_compile, start_compile
+from sessionserve.replicas.compiled_forward import (
+    plan_compile,
+    plan_prefill_compile,
+    start_compile,
+)
 from sessionserve.replicas.cuda_graphs import DecodeGraphs, ExtendGraphs, buckets_up_to
 from sessionserve.replicas.model_runner import ModelRunner
 from sessionserve.replicas.speculative.checkpoint import load_drafter
@@ -84,19 +88,31 @@ def build_runner(
         if not isinstance(backend, TorchPagedBackend):
             backend = TorchPagedBackend(cfg.cache.max_context_len, sliding_windows(model.config))
         runner.extend_graphs = ExtendGraphs(runner, backend, cfg.cuda_graph_max_extend)
-    plan = plan_compile(
-        cfg.compile, model, cfg.compile_max_tokens, cfg.compile_cache_dir, runner.feature_layers
-    )
-    if plan.enabled:
-        install = lambda compiled: setattr(runner, "compiled", compiled)  # noqa: E731
-        runner.compiling = start_compile(plan, model, install, background=cfg.compile == "auto")
-    else:
-        log.debug("compile: the forward runs eagerly (%s)", plan.reason)
+    compile_forwards(cfg, model, runner)
     eagle = speculative.eagle if speculative else None
     pools = [runner.kv_pool] + ([eagle.pool] if eagle else [])
     s = cfg.sessions
     cache.attach_kv(pools, HostTier(s.host_tier_bytes) if s.host_tier_bytes else None)
     return runner, speculative
+
+
+def compile_forwards(cfg: EngineConfig, model: Any, runner: ModelRunner) -> None:
+    """Install the compiled forward (`engine.compile`) and the prefill package
+    (`engine.compile_prefill`) that the config asks for, at once or from a background build."""
+    plan = plan_compile(
+        cfg.compile, model, cfg.compile_max_tokens, cfg.compile_cache_dir, runner.feature_layers
+    )
+    if not plan.enabled:
+        log.debug("compile: the forward runs eagerly (%s)", plan.reason)
+        return
+    longest = cfg.scheduler.max_prefill_tokens + cfg.scheduler.max_running_requests
+    prefill = plan_prefill_compile(cfg.compile_prefill, plan, model, longest)
+    plans = [(plan, lambda compiled: setattr(runner, "compiled", compiled))]
+    if prefill.enabled:
+        plans.append((prefill, lambda compiled: setattr(runner, "compiled_prefill", compiled)))
+    else:
+        log.debug("compile: longer steps run eagerly (%s)", prefill.reason)
+    runner.compiling = start_compile(plans, model, background=cfg.compile == "auto")
 
 
 def build_speculative(

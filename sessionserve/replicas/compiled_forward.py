@@ -11,8 +11,13 @@ bypass inductor's FX graph cache), so every start would pay minutes; an AOTInduc
 is built once per model, thread count and CPU, and loads in seconds after.
 
 One package serves every step of 1..max_tokens tokens (one dynamic dimension for the tokens,
-one for the rows whose logits are wanted); longer steps run eagerly: the package's GEMMs are
-autotuned for a few rows, and from ~50 rows on eager MKL is faster (docs/benchmarks.md).
+one for the rows whose logits are wanted): its GEMMs are autotuned for a few rows, and from
+~50 rows on they lose to eager MKL. Longer steps (prefill chunks, long verifies) run eagerly
+or, with `engine.compile_prefill`, through a second package exported for 256 rows without
+autotuning (inductor then keeps oneDNN GEMMs on weights it prepacks, and still fuses what is
+around them): on an AMD EPYC with AVX-512 that one is 1.2-1.5x faster than eager, on an AVX2
+CPU 0.73-0.92x slower from 128 tokens on (docs/benchmarks.md), so `auto` times it once on the
+machine (prefill_choice.py) and keeps it only where it pays.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from typing import Any
 import torch
 
 import sessionserve
+from sessionserve.replicas import prefill_choice
 from sessionserve.replicas.attention import install
 from sessionserve.replicas.attention.base import ForwardMeta
 from sessionserve.replicas.attention.paged_op import forward_context
@@ -48,6 +54,8 @@ AUTO_MIN_PARAMS = 50_000_000  # `compile: auto` skips smaller models (tests' tin
 # build costs minutes, and a forward that small is bound by Python, not by weight reads
 HEARTBEAT_S = 30.0
 PACKAGE_FORMAT = 1  # bump when what is exported changes (_DecoderAndHead, the attention op)
+DECODE_EXAMPLE_TOKENS = 2  # the decode package's export example: its GEMMs' tuning shape
+PREFILL_EXAMPLE_TOKENS = 256  # the prefill package's (at most its largest step)
 
 
 def default_cache_dir() -> Path:
@@ -75,15 +83,16 @@ class _DecoderAndHead(torch.nn.Module):
 
 class CompiledForward:
     """A loaded package: `run(ids, positions, logit_idx, meta)` as `ModelRunner.forward`'s
-    eager path computes it, for steps of at most `max_tokens` tokens that want logits."""
+    eager path computes it, for steps of `min_tokens..max_tokens` tokens."""
 
-    def __init__(self, package: Path, max_tokens: int) -> None:
+    def __init__(self, package: Path, max_tokens: int, min_tokens: int = 1) -> None:
         self.package = package
         self.max_tokens = max_tokens
+        self.min_tokens = min_tokens
         self._fn = torch._inductor.aoti_load_package(str(package))
 
-    def accepts(self, num_tokens: int, num_logits: int) -> bool:
-        return 1 <= num_logits and num_tokens <= self.max_tokens
+    def accepts(self, num_tokens: int) -> bool:
+        return self.min_tokens <= num_tokens <= self.max_tokens
 
     def run(
         self,
@@ -92,14 +101,26 @@ class CompiledForward:
         logit_idx: torch.Tensor,
         meta: ForwardMeta,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits [N, V] and features [T, F]. A step that wants no logits (a prefill chunk
+        before the prompt's last) computes one row, dropped: the package's logits dimension
+        starts at 1."""
+        wanted = logit_idx if logit_idx.numel() else logit_idx.new_zeros(1)
         with forward_context(meta):
-            return self._fn(ids, positions, logit_idx)
+            logits, features = self._fn(ids, positions, wanted)
+        return (logits if logit_idx.numel() else logits[:0]), features
 
 
-def package_key(model: Any, max_tokens: int, feature_layers: tuple[int, ...] | None = None) -> str:
+def package_key(
+    model: Any,
+    max_tokens: int,
+    feature_layers: tuple[int, ...] | None = None,
+    example_tokens: int = DECODE_EXAMPLE_TOKENS,
+    autotune: bool = True,
+) -> str:
     """What a package's code and constants depend on: the weights (hashed), the model config,
-    dtype and device, the token limit, the hidden states it returns, the thread count and CPU
-    ISA the kernels were tuned for, and the torch, transformers and sessionserve versions."""
+    dtype and device, the token limit, the hidden states it returns, the shape its GEMMs are
+    laid out for and whether they were autotuned, the thread count and CPU ISA the kernels
+    were tuned for, and the torch, transformers and sessionserve versions."""
     import transformers
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
@@ -120,6 +141,8 @@ def package_key(model: Any, max_tokens: int, feature_layers: tuple[int, ...] | N
     }
     if feature_layers is not None:  # only then: packages built before stay valid
         facts["feature_layers"] = list(feature_layers)
+    if (example_tokens, autotune) != (DECODE_EXAMPLE_TOKENS, True):  # likewise
+        facts["example_tokens"], facts["autotune"] = example_tokens, autotune
     digest.update(json.dumps(facts, sort_keys=True).encode())
     return digest.hexdigest()
 
@@ -130,13 +153,14 @@ def build_package(
     max_tokens: int,
     feature_layers: tuple[int, ...] | None = None,
     *,
-    example_tokens: int = 2,
+    example_tokens: int = DECODE_EXAMPLE_TOKENS,
     autotune: bool = True,
 ) -> None:
     """Export and compile (minutes on a small CPU; a heartbeat logs progress), writing the
     package atomically to `path`. `model` must not run forwards meanwhile: export swaps its
-    parameters for fake ones while it traces (callers pass a copy). The GEMMs are autotuned
-    for `example_tokens` rows (2: decode steps; benchmarks/prefill_package.py tries more)."""
+    parameters for fake ones while it traces (callers pass a copy). The GEMMs are laid out
+    (with `autotune`, autotuned) for `example_tokens` rows (2: decode steps; 256: the prefill
+    package)."""
     tokens = torch.export.Dim("tokens", min=1, max=max_tokens)
     rows = torch.export.Dim("rows", min=1, max=max_tokens)
     n = example_tokens  # rows of logits: the last two (one would specialize to a constant)
@@ -189,13 +213,22 @@ def _heartbeat(path: Path, started: float) -> Iterator[None]:
 
 @dataclass(frozen=True)
 class CompilePlan:
-    """What `engine.compile` resolved to for this model: whether to compile, and where."""
+    """What `engine.compile` (or `engine.compile_prefill`) resolved to for this model: whether
+    to compile, where the package is kept, and which steps it runs."""
 
     enabled: bool
     reason: str
     package: Path | None = None
     max_tokens: int = 0
     feature_layers: tuple[int, ...] | None = None  # what the drafter reads (model_runner.py)
+    min_tokens: int = 1
+    example_tokens: int = DECODE_EXAMPLE_TOKENS
+    autotune: bool = True
+    only_if_faster: bool = False  # `compile_prefill: auto`: timed against eager first
+
+    @property
+    def role(self) -> str:
+        return "prefill package" if self.min_tokens > 1 else "forward"
 
 
 def plan_compile(
@@ -222,19 +255,69 @@ def plan_compile(
     return CompilePlan(True, "engine.compile", package, max_tokens, feature_layers)
 
 
-def build_in_subprocess(
-    model: Any, path: Path, max_tokens: int, feature_layers: tuple[int, ...] | None = None
-) -> None:
+def plan_prefill_compile(
+    mode: bool | str, forward: CompilePlan, model: Any, max_tokens: int
+) -> CompilePlan:
+    """Resolve `engine.compile_prefill` (auto | true | false) beside the compiled forward
+    `forward`: a package for the steps of `forward.max_tokens + 1 .. max_tokens` tokens, its
+    GEMMs laid out for PREFILL_EXAMPLE_TOKENS rows and not autotuned (as fast here, and built
+    in less time). auto: for models of AUTO_MIN_PARAMS+ parameters on CPU, kept only where
+    it is timed faster than the eager forward (prefill_choice.py)."""
+    device = next(model.parameters()).device
+    if not forward.enabled or mode is False:
+        return CompilePlan(False, "engine.compile_prefill is false or the forward is not compiled")
+    if max_tokens <= forward.max_tokens:
+        return CompilePlan(False, "no step is longer than engine.compile_max_tokens")
+    if mode == "auto":
+        params = sum(p.numel() for p in model.parameters())
+        if device.type != "cpu":
+            return CompilePlan(False, f"auto on {device.type}: not measured there")
+        if params < AUTO_MIN_PARAMS:
+            return CompilePlan(False, f"auto: a {params:,}-parameter model is not worth it")
+    assert forward.package is not None
+    example = min(PREFILL_EXAMPLE_TOKENS, max_tokens)
+    key = package_key(model, max_tokens, forward.feature_layers, example, autotune=False)
+    return CompilePlan(
+        True,
+        "engine.compile_prefill",
+        forward.package.parent / f"{key}.pt2",
+        max_tokens,
+        forward.feature_layers,
+        min_tokens=forward.max_tokens + 1,
+        example_tokens=example,
+        autotune=False,
+        only_if_faster=mode == "auto",
+    )
+
+
+def build_in_process(model: Any, plan: CompilePlan) -> None:
+    """`build_package` for `plan` in this process, on a copy of the model."""
+    assert plan.package is not None
+    build_package(
+        copy.deepcopy(model),
+        plan.package,
+        plan.max_tokens,
+        plan.feature_layers,
+        example_tokens=plan.example_tokens,
+        autotune=plan.autotune,
+    )
+
+
+def build_in_subprocess(model: Any, plan: CompilePlan) -> None:
     """`build_package` in a child process at the lowest CPU priority: inductor's lowering is
     Python, and in a thread beside a serving engine it held the GIL enough to make requests
     ~3x slower while it ran (measured: the end-to-end suite took 5:20 instead of 3:04). The
     model travels as a `torch.save` file next to the package; the child logs to our stderr."""
+    path = plan.package
+    assert path is not None
     path.parent.mkdir(parents=True, exist_ok=True)
     model_file = path.with_suffix(f".{_builder()}.model.pt")
+    layers = plan.feature_layers
     try:
         torch.save(model, model_file)
-        argv = [str(model_file), str(path), str(max_tokens), str(torch.get_num_threads())]
-        argv.append(",".join(map(str, feature_layers)) if feature_layers is not None else "-")
+        argv = [str(model_file), str(path), str(plan.max_tokens), str(torch.get_num_threads())]
+        argv.append(",".join(map(str, layers)) if layers is not None else "-")
+        argv += [str(plan.example_tokens), str(int(plan.autotune))]
         # `nice`, not a preexec_fn: forking a threaded process must not run Python in the child
         command = [sys.executable, "-m", __name__, *argv]
         if shutil.which("nice"):
@@ -246,14 +329,29 @@ def build_in_subprocess(
         raise RuntimeError(f"the build process exited with {child.returncode} (its log says why)")
 
 
-def _child_main(model_file: str, path: str, max_tokens: str, threads: str, layers: str) -> None:
+def _child_main(
+    model_file: str,
+    path: str,
+    max_tokens: str,
+    threads: str,
+    layers: str,
+    example_tokens: str,
+    autotune: str,
+) -> None:
     logging.basicConfig(format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("sessionserve").setLevel(logging.INFO)
     log.info("compile: the build process runs at %s CPU priority", _idle_priority())
     torch.set_num_threads(int(threads))  # the kernels are tuned for the parent's threads
     model = torch.load(model_file, weights_only=False)
     feature_layers = None if layers == "-" else tuple(int(i) for i in layers.split(","))
-    build_package(model, Path(path), int(max_tokens), feature_layers)
+    build_package(
+        model,
+        Path(path),
+        int(max_tokens),
+        feature_layers,
+        example_tokens=int(example_tokens),
+        autotune=autotune == "1",
+    )
 
 
 def _idle_priority() -> str:
@@ -309,12 +407,11 @@ def _process_alive(pid: str) -> bool:
 def load_or_build(
     plan: CompilePlan,
     model: Any,
-    build: Callable[[Any, Path, int, tuple[int, ...] | None], None] | None = None,
+    build: Callable[[Any, CompilePlan], None] = build_in_process,
 ) -> CompiledForward | None:
     """The compiled forward for `plan`: loaded from the cache, or built first by `build`
-    (default: in this process, on a copy of the model) while others wait on a file lock, then
-    load its package. None, with a warning that says why, when building or loading fails:
-    the engine then stays eager."""
+    while others wait on a file lock, then load its package. None, with a warning that says
+    why, when building or loading fails: those steps then stay eager."""
     from filelock import FileLock
 
     assert plan.package is not None
@@ -325,46 +422,65 @@ def load_or_build(
                 remove_stale_build_files(plan.package)
                 if not plan.package.exists():
                     log.info(
-                        "compile: building the forward for steps of up to %d tokens "
-                        "(first start with this model, threads and CPU; cached at %s)",
+                        "compile: building the %s for steps of %d-%d tokens (first start with "
+                        "this model, threads and CPU; cached at %s)",
+                        plan.role,
+                        plan.min_tokens,
                         plan.max_tokens,
                         plan.package,
                     )
-                    if build is None:
-                        build = lambda m, *args: build_package(copy.deepcopy(m), *args)  # noqa: E731
-                    build(model, plan.package, plan.max_tokens, plan.feature_layers)
+                    build(model, plan)
         started = time.monotonic()
-        compiled = CompiledForward(plan.package, plan.max_tokens)
+        compiled = CompiledForward(plan.package, plan.max_tokens, plan.min_tokens)
         log.info("compile: loaded %s in %.1f s", plan.package, time.monotonic() - started)
         return compiled
     except Exception as e:  # noqa: BLE001 - any failure leaves a working eager engine
-        log.warning("compile: the forward stays eager, because compiling failed: %r", e)
+        log.warning("compile: the %s stays eager, because compiling failed: %r", plan.role, e)
         return None
+
+
+Install = Callable[[CompiledForward], None]
 
 
 def start_compile(
-    plan: CompilePlan,
-    model: Any,
-    install: Callable[[CompiledForward], None],
-    background: bool,
+    plans: list[tuple[CompilePlan, Install]], model: Any, background: bool
 ) -> threading.Thread | None:
-    """Load or build `plan`'s package and `install` it. A cached package loads at once; a
-    build blocks unless `background` (then a daemon thread waits for a build process at the
-    lowest CPU priority, `build_in_subprocess`, the replica serving eagerly meanwhile, and
-    installs the package when it is done: the next step runs compiled). Returns that thread,
-    or None."""
-    assert plan.package is not None
-    if not background or plan.package.exists():
-        compiled = load_or_build(plan, model)
-        if compiled is not None:
-            install(compiled)
+    """Load or build each plan's package in turn and `install` it (a prefill package with
+    `only_if_faster` only where prefill_choice.py times it faster than eager). Cached
+    packages load at once; a build blocks unless `background` (then a daemon thread waits
+    for build processes at the lowest CPU priority, `build_in_subprocess`, the replica
+    serving eagerly meanwhile, and installs each package when it is done: the next step
+    runs compiled). Returns that thread, or None."""
+
+    def load(plan: CompilePlan, put: Install, build: Callable[[Any, CompilePlan], None]):
+        assert plan.package is not None
+        if plan.only_if_faster and prefill_choice.known_slower(plan.package):
+            return
+        compiled = load_or_build(plan, model, build)
+        if compiled is None or (
+            plan.only_if_faster
+            and not prefill_choice.pays(model, plan.package, compiled.run, plan.max_tokens)
+        ):
+            return
+        put(compiled)
+        if build is build_in_subprocess:
+            log.info(
+                "compile: steps of %d-%d tokens now run compiled", plan.min_tokens, plan.max_tokens
+            )
+
+    later = []
+    for plan, put in plans:
+        assert plan.package is not None
+        if background and not plan.package.exists():
+            later.append((plan, put))
+        else:
+            load(plan, put, build_in_process)
+    if not later:
         return None
 
     def work() -> None:
-        compiled = load_or_build(plan, model, build_in_subprocess)
-        if compiled is not None:
-            install(compiled)
-            log.info("compile: steps of up to %d tokens now run compiled", plan.max_tokens)
+        for plan, put in later:
+            load(plan, put, build_in_subprocess)
 
     thread = threading.Thread(target=work, name="compile-forward", daemon=True)
     thread.start()

@@ -7,7 +7,8 @@ KV goes to, and one `SeqSpec` per sequence (its new-token count and context slot
 goes to the device in one copy. Pure-decode batches replay a CUDA graph when `graphs` is set,
 short single-sequence extends when `extend_graphs` is (see cuda_graphs.py); other steps of up
 to `engine.compile_max_tokens` tokens run the compiled forward when one is installed
-(compiled_forward.py); the rest run eagerly.
+(compiled_forward.py), longer ones the prefill package when `engine.compile_prefill` installed
+one; the rest run eagerly.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None  # set by assembly.py on CUDA
         self.extend_graphs: ExtendGraphs | None = None
         self.compiled: CompiledForward | None = None  # installed by compiled_forward.py
+        self.compiled_prefill: CompiledForward | None = None  # the longer steps' package
         # which target hidden states the drafter reads (set by assembly.py before graphs are
         # captured): None = the last, after the final norm; else `output_hidden_states`
         # indices, concatenated (an EAGLE-3 head's three layers)
@@ -195,13 +197,20 @@ class ModelRunner:
             self.backend.prepare(batch.seqs, self.device),
             window[0] if window else None,
         )
-        compiled = self.compiled
-        if compiled is not None and compiled.accepts(n, len(batch.logit_idx)):
+        compiled = self.compiled_for(n)
+        if compiled is not None:
             logits, hidden = compiled.run(ids, pos, logit_idx, meta)  # its own LM head GEMM
         else:
             last, hidden = self.decode_hidden(ids, pos, meta)
             logits = head_logits(self.lm_head, last[logit_idx])  # oneDNN on CPU
         return logits, hidden if batch.want_hidden else None
+
+    def compiled_for(self, num_tokens: int) -> CompiledForward | None:
+        """The installed package that runs a step of `num_tokens` tokens (None: eager)."""
+        for compiled in (self.compiled, self.compiled_prefill):
+            if compiled is not None and compiled.accepts(num_tokens):
+                return compiled
+        return None
 
     def decode_hidden(
         self, ids: torch.Tensor, positions: torch.Tensor, meta: ForwardMeta

@@ -6,10 +6,12 @@ biases) and Mistral with a sliding window (its KV kept apart). Packages are buil
 architecture into a directory shared by this module (a real build: ~25-45 s each on 2
 cores; qwen2's by a build process, as `compile: auto` builds) and loaded from there by each
 engine; the cache, the eager fallback and the background build
-of `compile: auto` are checked on top."""
+of `compile: auto` are checked on top; so is the prefill package (`compile_prefill`), which
+runs the steps above compile_max_tokens, and `auto`'s timed choice of it (prefill_choice.py)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -76,7 +78,8 @@ def test_a_build_process_makes_the_package_the_engine_loads(cache_dir, capfd) ->
     model = model_for("qwen2")
     max_tokens = EngineConfig().compile_max_tokens
     package = Path(cache_dir) / f"{compiled_forward.package_key(model, max_tokens)}.pt2"
-    compiled_forward.build_in_subprocess(model, package, max_tokens)
+    plan = compiled_forward.CompilePlan(True, "test", package, max_tokens)
+    compiled_forward.build_in_subprocess(model, plan)
     assert package.exists()
     assert not [
         p for p in package.parent.iterdir() if p.name.endswith((".model.pt", ".partial.pt2"))
@@ -214,14 +217,17 @@ def test_auto_skips_tiny_models_and_builds_big_ones_in_the_background(
     built = compiled_engine(model, cache_dir).runner.compiled.package
     release = threading.Event()
 
-    def build_when_released(model, path, max_tokens, feature_layers):
-        assert feature_layers is None  # no EAGLE-3 head: the last hidden state only
+    def build_when_released(model, plan):
+        assert plan.feature_layers is None  # no EAGLE-3 head: the last hidden state only
+        assert plan.min_tokens == 1  # the forward's package (compile_prefill: false)
         assert release.wait(60)
-        shutil.copy(built, path)
+        shutil.copy(built, plan.package)
 
     monkeypatch.setattr(compiled_forward, "AUTO_MIN_PARAMS", 0)
     monkeypatch.setattr(compiled_forward, "build_in_subprocess", build_when_released)
-    engine = tiny_engine(model, compile="auto", compile_cache_dir=str(tmp_path))
+    engine = tiny_engine(
+        model, compile="auto", compile_prefill=False, compile_cache_dir=str(tmp_path)
+    )
     assert engine.runner.compiling is not None and engine.runner.compiled is None
     greedy = SamplingParams(max_tokens=10, temperature=0)
     (before,) = engine.generate([[7, 8, 9, 10]], greedy)  # served eagerly meanwhile
@@ -231,3 +237,153 @@ def test_auto_skips_tiny_models_and_builds_big_ones_in_the_background(
     steps = count_compiled_steps(engine)
     (after,) = engine.generate([[7, 8, 9, 10]], greedy)
     assert after.output_ids == before.output_ids and steps[0] > 0
+
+
+PREFILL_CHUNK = 40  # the prefill package's tests: chunks above compile_max_tokens (32)
+
+
+def prefill_engine(model, cache_dir: str, **kw):
+    """An engine with both packages installed (built on first use, shared by the tests)."""
+    engine = compiled_engine(model, cache_dir, prefill=PREFILL_CHUNK, compile_prefill=True, **kw)
+    assert engine.runner.compiled_prefill is not None, "the prefill package did not install"
+    return engine
+
+
+def test_the_prefill_package_runs_the_long_steps_as_eager_and_transformers(cache_dir) -> None:
+    """Steps above compile_max_tokens (prefill chunks of 40, the middle ones wanting no
+    logits) run through the prefill package, decode steps through the forward's package; the
+    tokens are the eager engine's and transformers', logprobs within LOGPROB_ATOL; a session
+    turn (a 40-token extend over a held history) and seeded samples agree too."""
+    model = model_for("llama")
+    compiled = prefill_engine(model, cache_dir)
+    runner = compiled.runner
+    assert runner.compiled_prefill.min_tokens == runner.compiled.max_tokens + 1
+    long_steps, no_logits = [0], [0]
+    inner = runner.compiled_prefill.run
+
+    def counted(ids, positions, logit_idx, meta):
+        long_steps[0] += 1
+        no_logits[0] += logit_idx.numel() == 0
+        return inner(ids, positions, logit_idx, meta)
+
+    runner.compiled_prefill.run = counted
+    eager = tiny_engine(model, prefill=PREFILL_CHUNK)
+    greedy = SamplingParams(max_tokens=16, temperature=0, logprobs=True)
+    inputs = prompts(model.config.vocab_size)
+    got = compiled.generate(inputs, greedy)
+    want = eager.generate(inputs, greedy)
+    for g, w, prompt in zip(got, want, inputs, strict=True):
+        assert g.output_ids == w.output_ids
+        assert g.output_ids == hf_greedy(model, prompt, len(g.output_ids))[: len(g.output_ids)]
+        for a, b in zip(g.logprobs, w.logprobs, strict=True):
+            assert a.logprob == pytest.approx(b.logprob, abs=LOGPROB_ATOL)
+    assert long_steps[0] >= 4
+    # alone, a 130-token prompt's first three chunks want no logits (no decode rides along)
+    solo = torch.randint(3, model.config.vocab_size, (130,), generator=torch.Generator()).tolist()
+    (g,) = compiled.generate([solo], greedy)
+    (w,) = eager.generate([solo], greedy)
+    assert g.output_ids == w.output_ids and no_logits[0] == 3
+    compiled.check_memory()
+    sampled = SamplingParams(max_tokens=10, temperature=0.8, seed=5)
+    g = torch.Generator().manual_seed(9)
+    turns = [
+        torch.randint(3, model.config.vocab_size, (n,), generator=g).tolist() for n in (60, 40)
+    ]
+    results = {}
+    for name, engine in (("compiled", compiled), ("eager", eager)):
+        sid, history, outs = engine.open_session(), [], []
+        for turn in turns:
+            history += turn
+            (r,) = engine.generate([history], sampled, session_id=sid)
+            history += r.output_ids
+            outs.append((r.output_ids, r.cached_tokens))
+            engine.check_memory()
+        results[name] = outs
+    assert results["compiled"] == results["eager"]
+    assert results["compiled"][-1][1] > 0
+
+
+def test_auto_keeps_the_prefill_package_only_where_it_was_timed_faster(
+    cache_dir, monkeypatch, caplog
+) -> None:
+    """`compile_prefill: auto` times the package once (`prefill_choice.measure`, faked here:
+    tests do not time things) and keeps the verdict beside it: a package timed slower is not
+    installed, nor loaded again by the next engine (which does not time it again); one
+    recorded faster is installed."""
+    from sessionserve.replicas import prefill_choice
+
+    model = model_for("llama")
+    package = prefill_engine(model, cache_dir).runner.compiled_prefill.package  # built once
+    record = prefill_choice.timing_file(package)
+    record.unlink(missing_ok=True)
+    monkeypatch.setattr(compiled_forward, "AUTO_MIN_PARAMS", 0)
+    timed = []
+
+    def slower(model, run_package, tokens):
+        timed.append(tokens)
+        return prefill_choice.PrefillTiming(tokens, eager_ms=100.0, package_ms=99.0)
+
+    monkeypatch.setattr(prefill_choice, "measure", slower)
+    auto = {"prefill": PREFILL_CHUNK, "compile_prefill": "auto"}
+    assert compiled_engine(model, cache_dir, **auto).runner.compiled_prefill is None
+    assert timed == [min(prefill_choice.TIMED_TOKENS, PREFILL_CHUNK + 64)]
+    assert prefill_choice.recorded(package) == prefill_choice.PrefillTiming(timed[0], 100.0, 99.0)
+    loads = []
+    monkeypatch.setattr(compiled_forward, "CompiledForward", _counting(loads))
+    with caplog.at_level(logging.INFO, logger=prefill_choice.__name__):
+        again = compiled_engine(model, cache_dir, **auto)
+    assert again.runner.compiled_prefill is None and len(timed) == 1
+    assert [p for p in loads if p == package] == []  # a package that lost is not loaded
+    assert any("prefill steps stay eager" in r.getMessage() for r in caplog.records)
+    record.write_text(json.dumps({"tokens": 104, "eager_ms": 120.0, "package_ms": 100.0}))
+    faster = compiled_engine(model, cache_dir, **auto)
+    assert faster.runner.compiled_prefill is not None and len(timed) == 1
+    record.unlink()
+
+
+def _counting(loads: list):
+    real = compiled_forward.CompiledForward
+
+    def load(package, *args):
+        loads.append(package)
+        return real(package, *args)
+
+    return load
+
+
+def test_the_timing_runs_a_real_prefill_through_both_forwards(cache_dir) -> None:
+    """What `prefill_choice.measure` times is a prefill: over its scratch pool the package's
+    last-row logits are transformers' own for those tokens (what it returns is only timings,
+    not asserted: tests do not time things)."""
+    from sessionserve.replicas import prefill_choice
+
+    model = model_for("llama")
+    package = prefill_engine(model, cache_dir).runner.compiled_prefill
+    seen = []
+
+    def run(ids, positions, logit_idx, meta):
+        logits, features = package.run(ids, positions, logit_idx, meta)
+        seen.append((ids.clone(), logits))
+        return logits, features
+
+    ours = tiny_engine(model).runner.model  # with our paged attention installed, as served
+    timing = prefill_choice.measure(ours, run, 48)
+    assert timing.tokens == 48 and len(seen) == prefill_choice.ROUNDS + 1
+    ids, logits = seen[-1]
+    with torch.inference_mode():
+        want = model(ids[None]).logits[0, -1:]  # transformers' own attention
+    torch.testing.assert_close(logits, want, atol=LOGPROB_ATOL, rtol=0)
+
+
+def test_plan_prefill_compile_resolves_the_config(cache_dir) -> None:
+    model = model_for("llama")
+    forward = compiled_forward.plan_compile(True, model, 32, cache_dir)
+    plan = compiled_forward.plan_prefill_compile(True, forward, model, 576)
+    assert (plan.enabled, plan.min_tokens, plan.max_tokens) == (True, 33, 576)
+    assert (plan.example_tokens, plan.autotune, plan.only_if_faster) == (256, False, False)
+    assert plan.package != forward.package and plan.package.parent == forward.package.parent
+    assert compiled_forward.plan_prefill_compile("auto", forward, model, 576).enabled is False
+    assert compiled_forward.plan_prefill_compile(False, forward, model, 576).enabled is False
+    assert compiled_forward.plan_prefill_compile(True, forward, model, 32).enabled is False
+    off = compiled_forward.plan_compile(False, model, 32, cache_dir)
+    assert compiled_forward.plan_prefill_compile(True, off, model, 576).enabled is False

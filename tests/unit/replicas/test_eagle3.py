@@ -268,7 +268,7 @@ def exported_forward(runner, calls: list):
         )
     fn = program.module()
     forward = compiled_forward.CompiledForward.__new__(compiled_forward.CompiledForward)
-    forward.package, forward.max_tokens = None, 64
+    forward.package, forward.max_tokens, forward.min_tokens = None, 64, 1
     forward._fn = lambda *args: (calls.append(1), fn(*args))[1]
     return forward
 

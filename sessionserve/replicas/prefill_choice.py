@@ -1,0 +1,141 @@
+"""Whether the prefill package (`engine.compile_prefill: auto`) pays on this machine: one
+prefill timed through it and through the eager forward, once, the verdict kept beside the
+package.
+
+Why time it rather than decide from the CPU's name: the same package (inductor's code with
+oneDNN GEMMs on weights it prepacks) was 1.22-1.55x faster than the eager forward on an AMD
+EPYC with AVX-512 and 0.73-0.92x, slower, from 128 tokens on, on an AVX2 CPU whose eager
+GEMMs (MKL) were faster (docs/benchmarks.md); which GEMM library wins at a few hundred rows
+depends on the CPU. The timing runs one fresh sequence over a scratch KV pool of its own (a
+background build installs while the engine serves: its pool is not ours to write), the two
+forwards alternating, and `<package>.timing.json` keeps the verdict: later starts read it and
+do not even load a package that lost (it would hold a second copy of the weights for nothing).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sessionserve.cache import KVPool, KVShape
+from sessionserve.replicas.attention import sliding_windows
+from sessionserve.replicas.attention.base import ForwardMeta, SeqSpec
+from sessionserve.replicas.attention.torch_backend import TorchPagedBackend
+from sessionserve.replicas.hidden_states import decoder_features
+from sessionserve.replicas.logits_head import head_logits
+
+log = logging.getLogger(__name__)
+TIMED_TOKENS = 256  # one prefill chunk of this many tokens (at most the package's largest)
+ROUNDS = 3  # alternating pairs after one warm-up each; medians compared
+MARGIN = 1.05  # the package must be this much faster: a tie does not pay a second weight copy
+
+# a loaded package's forward: (ids [T], positions [T], logit rows [N], meta) -> (logits, features)
+RunPackage = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, ForwardMeta], tuple[torch.Tensor, torch.Tensor]
+]
+
+
+@dataclass(frozen=True)
+class PrefillTiming:
+    tokens: int
+    eager_ms: float
+    package_ms: float
+
+    @property
+    def speedup(self) -> float:
+        return self.eager_ms / self.package_ms
+
+    @property
+    def pays(self) -> bool:
+        return self.speedup >= MARGIN
+
+
+def timing_file(package: Path) -> Path:
+    return package.with_suffix(".timing.json")
+
+
+def recorded(package: Path) -> PrefillTiming | None:
+    """The verdict an earlier start wrote for `package` (None: none, or unreadable)."""
+    try:
+        return PrefillTiming(**json.loads(timing_file(package).read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def known_slower(package: Path) -> bool:
+    """Whether an earlier start timed `package` and found it not worth loading."""
+    timing = recorded(package)
+    if timing is not None and not timing.pays:
+        log.info(_verdict(timing, "recorded"))
+        return True
+    return False
+
+
+def pays(model: Any, package: Path, run_package: RunPackage, max_tokens: int) -> bool:
+    """Whether `package` (loaded as `run_package`) is faster than `model`'s eager forward
+    on a prefill: the recorded verdict, else timed now and recorded."""
+    timing = recorded(package)
+    if timing is None:
+        timing = measure(model, run_package, min(TIMED_TOKENS, max_tokens))
+        try:
+            timing_file(package).write_text(json.dumps(asdict(timing)))
+        except OSError as e:  # a read-only cache: time again next start
+            log.warning("compile: could not record the prefill timing: %r", e)
+        log.info(_verdict(timing, "timed"))
+    return timing.pays
+
+
+def _verdict(timing: PrefillTiming, how: str) -> str:
+    choice = "prefill steps run compiled" if timing.pays else "prefill steps stay eager"
+    return (
+        f"compile: the prefill package {how} on this machine: {timing.tokens} tokens in "
+        f"{timing.package_ms:.0f} ms vs {timing.eager_ms:.0f} ms eager "
+        f"({timing.speedup:.2f}x, needs {MARGIN:.2f}x): {choice}"
+    )
+
+
+@torch.inference_mode()
+def measure(model: Any, run_package: RunPackage, tokens: int) -> PrefillTiming:
+    """Median ms of a `tokens`-token prefill (one fresh sequence, its last row's logits)
+    through the eager forward and through the package, alternating `ROUNDS` times."""
+    param = next(model.parameters())
+    pool = KVPool(KVShape.from_hf_config(model.config), tokens + 1, param.dtype, param.device)
+    backend = TorchPagedBackend(tokens, sliding_windows(model.config))
+    slots = torch.arange(1, tokens + 1, device=param.device)  # slot 0: reserved, as in ours
+    meta = ForwardMeta(
+        backend, pool, slots, backend.prepare([SeqSpec(tokens, slots.cpu())], param.device)
+    )
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (tokens,), generator=g).to(param.device)
+    positions = torch.arange(tokens, device=param.device)
+    last = positions[-1:]
+    decoder, head = model.get_decoder(), model.get_output_embeddings()
+
+    def eager() -> None:
+        hidden, _ = decoder_features(decoder, ids, positions, None, paged_meta=meta)
+        head_logits(head, hidden[last])
+
+    def compiled() -> None:
+        run_package(ids, positions, last, meta)
+
+    times: dict[str, list[float]] = {"eager": [], "package": []}
+    for _ in range(ROUNDS):
+        for name, forward in (("eager", eager), ("package", compiled)):
+            if len(times[name]) == 0:
+                forward()  # warm-up: first calls allocate and load
+            started = time.perf_counter()
+            forward()
+            times[name].append(1000 * (time.perf_counter() - started))
+    return PrefillTiming(
+        tokens,
+        round(statistics.median(times["eager"]), 1),
+        round(statistics.median(times["package"]), 1),
+    )
