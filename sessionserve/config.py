@@ -335,6 +335,17 @@ class ReplicaDeploymentConfig(_Strict):
         "one per token. The first token always goes at once; 0: every engine step's tokens go "
         "as they come. (On a 2-core CPU, ~30 ms a step, 50 and 0 measured the same.)",
     )
+    stream_messages_per_s: float = Field(
+        50.0,
+        ge=0,
+        description="The replica's streams together send about this many messages a second at "
+        "most: with N streams live each sends at most every max(stream_interval_ms, "
+        "N / stream_messages_per_s), so 1-2 streams keep stream_interval_ms and 8 send every "
+        "160 ms. Each message costs CPU in the replica, the ingress and the proxy, taken from "
+        "the forward's cores on a small machine (2 cores, 8 streams: 71 -> 83 output tok/s "
+        "with 200 ms instead of 50, docs/benchmarks.md). Raise it on machines with cores to "
+        "spare; 0: no budget.",
+    )
     graceful_shutdown_timeout_s: float = Field(
         30.0,
         gt=0,

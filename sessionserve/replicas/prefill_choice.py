@@ -83,20 +83,22 @@ def pays(model: Any, package: Path, run_package: RunPackage, max_tokens: int) ->
     """Whether `package` (loaded as `run_package`) is faster than `model`'s eager forward
     on a prefill: the recorded verdict, else timed now and recorded."""
     timing = recorded(package)
-    if timing is None:
-        timing = measure(model, run_package, min(TIMED_TOKENS, max_tokens))
-        try:
-            timing_file(package).write_text(json.dumps(asdict(timing)))
-        except OSError as e:  # a read-only cache: time again next start
-            log.warning("compile: could not record the prefill timing: %r", e)
-        log.info(_verdict(timing, "timed"))
+    if timing is not None:
+        log.info(_verdict(timing, "recorded"))
+        return timing.pays
+    timing = measure(model, run_package, min(TIMED_TOKENS, max_tokens))
+    try:
+        timing_file(package).write_text(json.dumps(asdict(timing)))
+    except OSError as e:  # a read-only cache: time again next start
+        log.warning("compile: could not record the prefill timing: %r", e)
+    log.info(_verdict(timing, "timed"))
     return timing.pays
 
 
 def _verdict(timing: PrefillTiming, how: str) -> str:
     choice = "prefill steps run compiled" if timing.pays else "prefill steps stay eager"
     return (
-        f"compile: the prefill package {how} on this machine: {timing.tokens} tokens in "
+        f"compile: the prefill package ({how} on this machine): {timing.tokens} tokens in "
         f"{timing.package_ms:.0f} ms vs {timing.eager_ms:.0f} ms eager "
         f"({timing.speedup:.2f}x, needs {MARGIN:.2f}x): {choice}"
     )

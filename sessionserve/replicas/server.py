@@ -56,13 +56,16 @@ class ReplicaServer:
         engine: Engine | None = None,
         directory_shards: int = 1,
         stream_interval_ms: float = 0.0,
+        stream_messages_per_s: float = 0.0,
     ) -> None:
         """`engine`: one built by the caller (tests, scripts), used as it is; else one from
         `engine_config`, exporting its metrics when in Serve. `directory_shards`: the app's
         `directory.shards` (a migration re-pins there). `stream_interval_ms`: the app's
-        `replica.stream_interval_ms` (how often a stream sends after its first token)."""
+        `replica.stream_interval_ms` (how often a stream sends after its first token) and
+        `replica.stream_messages_per_s` (what all streams together send at most)."""
         self.directory_shards = directory_shards
         self.stream_interval_s = stream_interval_ms / 1000
+        self.stream_messages_per_s = stream_messages_per_s
         self.replica_id, self.app_name, self.deployment = _serve_identity()
         client_error_logs.show_our_logs()  # before the engine: its build logs progress
         if self.app_name is not None:
@@ -127,7 +130,10 @@ class ReplicaServer:
             while not output.done:
                 batch = [await events.get()]
                 if sent_at is not None:  # the first token goes alone, at once; then batched
-                    wait = sent_at + self.stream_interval_s - aio.time()
+                    interval = stream_interval(
+                        self.stream_interval_s, len(self.streams), self.stream_messages_per_s
+                    )
+                    wait = sent_at + interval - aio.time()
                     if wait > 0 and not ended.is_set():
                         with contextlib.suppress(TimeoutError):
                             await asyncio.wait_for(ended.wait(), wait)
@@ -320,6 +326,16 @@ class ReplicaServer:
                 self.engine.abort(rid, message)
             except RuntimeError:  # the replica's event loop is already closed
                 pass
+
+
+def stream_interval(base_s: float, live_streams: int, messages_per_s: float) -> float:
+    """How long a stream waits between messages after its first: `base_s`, stretched so that
+    `live_streams` streams send about `messages_per_s` messages a second together (0: no
+    budget). Why: each message is work for the replica, the ingress and the proxy, which on
+    a small machine share the forward's cores (docs/benchmarks.md)."""
+    if messages_per_s <= 0:
+        return base_s
+    return max(base_s, live_streams / messages_per_s)
 
 
 def _serve_identity() -> tuple[str, str | None, str | None]:

@@ -66,6 +66,26 @@ def test_a_batched_stream_sends_the_first_token_at_once_and_the_same_answer(serv
     assert final.output_ids == plain[-1].output_ids
 
 
+def test_the_message_budget_stretches_the_interval_with_the_live_streams() -> None:
+    from sessionserve.replicas.server import stream_interval
+
+    assert stream_interval(0.05, 1, 50.0) == 0.05  # few streams: the configured interval
+    assert stream_interval(0.05, 2, 50.0) == 0.05
+    assert stream_interval(0.05, 8, 50.0) == pytest.approx(0.16)  # 8 x 6.25 a second
+    assert stream_interval(0.05, 32, 50.0) == pytest.approx(0.64)
+    assert stream_interval(0.05, 32, 0.0) == 0.05  # no budget
+    assert stream_interval(0.0, 1, 50.0) == pytest.approx(0.02)
+
+
+def test_the_app_hands_the_replica_its_stream_budget() -> None:
+    from sessionserve.app import build_app
+
+    app = build_app({"replica": {"stream_interval_ms": 30, "stream_messages_per_s": 20}})
+    replica = app._bound_deployment.init_args[0]._bound_deployment  # Ingress(replica, config)
+    assert replica.init_kwargs["stream_interval_ms"] == 30
+    assert replica.init_kwargs["stream_messages_per_s"] == 20
+
+
 def test_a_request_that_fails_alone_raises_a_typed_500_for_its_caller(server, monkeypatch):
     from sessionserve.errors import RequestFailedError
     from sessionserve.replicas.stopping import StopChecker
