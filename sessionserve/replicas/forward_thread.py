@@ -33,7 +33,10 @@ class ForwardThread:
         if 2 * threads > (os.cpu_count() or 1) and "OMP_WAIT_POLICY" not in os.environ:
             log.warning(
                 "overlap scheduling runs forwards on a second thread; with %d torch threads on "
-                "%s cores, OpenMP then sleeps between parallel regions: start Python with "
+                "%s cores, OpenMP then sleeps between parallel regions while another thread's "
+                "team is alive: build the engine on a thread that exits "
+                "(sessionserve.replicas.openmp.run_on_passing_thread, as served replicas do), "
+                "run no large torch op on the thread that steps it, and start Python with "
                 "OMP_WAIT_POLICY=ACTIVE GOMP_SPINCOUNT=300000 (served replicas get them)",
                 threads,
                 os.cpu_count(),
