@@ -238,7 +238,8 @@ class EngineConfig(_Strict):
         "auto",
         description="With the compiled forward on, a second package for the steps above "
         "compile_max_tokens (prefill chunks, session turns, long verifies), up to "
-        "scheduler.max_prefill_tokens + scheduler.max_running_requests tokens, its GEMMs laid "
+        "scheduler.max_prefill_tokens + scheduler.max_running_requests tokens (rounded up to a "
+        "power of two), its GEMMs laid "
         "out for 256 rows (inductor keeps oneDNN GEMMs on weights it prepacks; elementwise "
         "chains fused). It holds a second copy of the weights. true: build (or load) and use "
         "it. auto: for models of 50M+ parameters on CPU, build it, time one 256-token prefill "

@@ -105,8 +105,12 @@ def compile_forwards(cfg: EngineConfig, model: Any, runner: ModelRunner) -> None
     if not plan.enabled:
         log.debug("compile: the forward runs eagerly (%s)", plan.reason)
         return
+    # the longest step (a full prefill chunk beside a decode row per request), rounded up to
+    # a power of two so that configs differing a little share one package (each is a build)
     longest = cfg.scheduler.max_prefill_tokens + cfg.scheduler.max_running_requests
-    prefill = plan_prefill_compile(cfg.compile_prefill, plan, model, longest)
+    prefill = plan_prefill_compile(
+        cfg.compile_prefill, plan, model, 1 << (longest - 1).bit_length()
+    )
     plans = [(plan, lambda compiled: setattr(runner, "compiled", compiled))]
     if prefill.enabled:
         plans.append((prefill, lambda compiled: setattr(runner, "compiled_prefill", compiled)))

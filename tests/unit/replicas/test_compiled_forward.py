@@ -326,7 +326,7 @@ def test_auto_keeps_the_prefill_package_only_where_it_was_timed_faster(
     monkeypatch.setattr(prefill_choice, "measure", slower)
     auto = {"prefill": PREFILL_CHUNK, "compile_prefill": "auto"}
     assert compiled_engine(model, cache_dir, **auto).runner.compiled_prefill is None
-    assert timed == [min(prefill_choice.TIMED_TOKENS, PREFILL_CHUNK + 64)]
+    assert timed == [min(prefill_choice.TIMED_TOKENS, 128)]  # 40 + 64 rows, to a power of 2
     assert prefill_choice.recorded(package) == prefill_choice.PrefillTiming(timed[0], 100.0, 99.0)
     loads = []
     monkeypatch.setattr(compiled_forward, "CompiledForward", _counting(loads))
