@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import logging
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -34,7 +33,8 @@ from sessionserve.replicas.logits_head import head_logits
 
 log = logging.getLogger(__name__)
 TIMED_TOKENS = 256  # one prefill chunk of this many tokens (at most the package's largest)
-ROUNDS = 3  # alternating pairs after one warm-up each; medians compared
+ROUNDS = 3  # alternating pairs after one warm-up each; the best of each compared (a
+# background build installs while requests may run: interference only ever adds time)
 MARGIN = 1.05  # the package must be this much faster: a tie does not pay a second weight copy
 
 # a loaded package's forward: (ids [T], positions [T], logit rows [N], meta) -> (logits, features)
@@ -106,7 +106,7 @@ def _verdict(timing: PrefillTiming, how: str) -> str:
 
 @torch.inference_mode()
 def measure(model: Any, run_package: RunPackage, tokens: int) -> PrefillTiming:
-    """Median ms of a `tokens`-token prefill (one fresh sequence, its last row's logits)
+    """The best ms of a `tokens`-token prefill (one fresh sequence, its last row's logits)
     through the eager forward and through the package, alternating `ROUNDS` times."""
     param = next(model.parameters())
     pool = KVPool(KVShape.from_hf_config(model.config), tokens + 1, param.dtype, param.device)
@@ -136,8 +136,4 @@ def measure(model: Any, run_package: RunPackage, tokens: int) -> PrefillTiming:
             started = time.perf_counter()
             forward()
             times[name].append(1000 * (time.perf_counter() - started))
-    return PrefillTiming(
-        tokens,
-        round(statistics.median(times["eager"]), 1),
-        round(statistics.median(times["package"]), 1),
-    )
+    return PrefillTiming(tokens, round(min(times["eager"]), 1), round(min(times["package"]), 1))
