@@ -110,24 +110,34 @@ class CompiledForward:
         return (logits if logit_idx.numel() else logits[:0]), features
 
 
+def weights_digest(model: Any) -> str:
+    """A hash of every parameter and buffer (names and bytes): reading them all takes about a
+    second per few hundred MB, so a start hashes them once for both packages' keys."""
+    digest = hashlib.blake2b(digest_size=16)
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
 def package_key(
     model: Any,
     max_tokens: int,
     feature_layers: tuple[int, ...] | None = None,
     example_tokens: int = DECODE_EXAMPLE_TOKENS,
     autotune: bool = True,
+    weights: str | None = None,
 ) -> str:
-    """What a package's code and constants depend on: the weights (hashed), the model config,
-    dtype and device, the token limit, the hidden states it returns, the shape its GEMMs are
-    laid out for and whether they were autotuned, the thread count and CPU ISA the kernels
-    were tuned for, and the torch, transformers and sessionserve versions."""
+    """What a package's code and constants depend on: the weights (`weights_digest`, unless
+    given), the model config, dtype and device, the token limit, the hidden states it
+    returns, the shape its GEMMs are laid out for and whether they were autotuned, the thread
+    count and CPU ISA the kernels were tuned for, and the torch, transformers and
+    sessionserve versions."""
     import transformers
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
     digest = hashlib.blake2b(digest_size=16)
-    for name, tensor in sorted(model.state_dict().items()):
-        digest.update(name.encode())
-        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    digest.update((weights or weights_digest(model)).encode())
     param = next(model.parameters())
     facts = {
         "config": model.config.to_json_string(use_diff=False),
@@ -225,6 +235,7 @@ class CompilePlan:
     example_tokens: int = DECODE_EXAMPLE_TOKENS
     autotune: bool = True
     only_if_faster: bool = False  # `compile_prefill: auto`: timed against eager first
+    weights: str | None = None  # `weights_digest` of the model, for the next plan's key
 
     @property
     def role(self) -> str:
@@ -241,18 +252,26 @@ def plan_compile(
     """Resolve `engine.compile` (auto | true | false) for `model`: auto compiles on CPU for a
     model of at least AUTO_MIN_PARAMS parameters; on CUDA it leaves the forward to CUDA
     graphs (a compiled forward inside them has not been measured on a GPU yet)."""
-    device = next(model.parameters()).device
     if mode is False:
         return CompilePlan(False, "engine.compile is false")
-    if mode == "auto":
-        params = sum(p.numel() for p in model.parameters())
-        if device.type != "cpu":
-            return CompilePlan(False, f"auto on {device.type}: CUDA graphs run the forward")
-        if params < AUTO_MIN_PARAMS:
-            return CompilePlan(False, f"auto: a {params:,}-parameter model is not worth it")
+    if mode == "auto" and (why := _auto_declines(model, "CUDA graphs run the forward")):
+        return CompilePlan(False, why)
     root = Path(cache_dir) if cache_dir else default_cache_dir()
-    package = root / f"{package_key(model, max_tokens, feature_layers)}.pt2"
-    return CompilePlan(True, "engine.compile", package, max_tokens, feature_layers)
+    weights = weights_digest(model)
+    package = root / f"{package_key(model, max_tokens, feature_layers, weights=weights)}.pt2"
+    return CompilePlan(True, "engine.compile", package, max_tokens, feature_layers, weights=weights)
+
+
+def _auto_declines(model: Any, off_cpu: str) -> str | None:
+    """Why `auto` does not compile `model` (None: it does): only on CPU, only for models of
+    AUTO_MIN_PARAMS+ parameters."""
+    device = next(model.parameters()).device
+    if device.type != "cpu":
+        return f"auto on {device.type}: {off_cpu}"
+    params = sum(p.numel() for p in model.parameters())
+    if params < AUTO_MIN_PARAMS:
+        return f"auto: a {params:,}-parameter model is not worth it"
+    return None
 
 
 def plan_prefill_compile(
@@ -263,20 +282,17 @@ def plan_prefill_compile(
     GEMMs laid out for PREFILL_EXAMPLE_TOKENS rows and not autotuned (as fast here, and built
     in less time). auto: for models of AUTO_MIN_PARAMS+ parameters on CPU, kept only where
     it is timed faster than the eager forward (prefill_choice.py)."""
-    device = next(model.parameters()).device
     if not forward.enabled or mode is False:
         return CompilePlan(False, "engine.compile_prefill is false or the forward is not compiled")
     if max_tokens <= forward.max_tokens:
         return CompilePlan(False, "no step is longer than engine.compile_max_tokens")
-    if mode == "auto":
-        params = sum(p.numel() for p in model.parameters())
-        if device.type != "cpu":
-            return CompilePlan(False, f"auto on {device.type}: not measured there")
-        if params < AUTO_MIN_PARAMS:
-            return CompilePlan(False, f"auto: a {params:,}-parameter model is not worth it")
+    if mode == "auto" and (why := _auto_declines(model, "not measured there")):
+        return CompilePlan(False, why)
     assert forward.package is not None
     example = min(PREFILL_EXAMPLE_TOKENS, max_tokens)
-    key = package_key(model, max_tokens, forward.feature_layers, example, autotune=False)
+    key = package_key(
+        model, max_tokens, forward.feature_layers, example, autotune=False, weights=forward.weights
+    )
     return CompilePlan(
         True,
         "engine.compile_prefill",

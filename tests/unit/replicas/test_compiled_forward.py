@@ -94,6 +94,16 @@ def test_a_build_process_makes_the_package_the_engine_loads(cache_dir, capfd) ->
     assert got.output_ids == want.output_ids and steps[0] >= len(got.output_ids) - 1
 
 
+def assert_same_answers(got, want, inputs, model) -> None:
+    """Greedy tokens equal the eager engine's and transformers' `generate`'s, logprobs
+    within LOGPROB_ATOL of the eager engine's."""
+    for g, w, prompt in zip(got, want, inputs, strict=True):
+        assert g.output_ids == w.output_ids
+        assert g.output_ids == hf_greedy(model, prompt, len(g.output_ids))[: len(g.output_ids)]
+        for a, b in zip(g.logprobs, w.logprobs, strict=True):
+            assert a.logprob == pytest.approx(b.logprob, abs=LOGPROB_ATOL)
+
+
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_compiled_batches_match_eager_and_transformers(arch, cache_dir) -> None:
     model = model_for(arch)
@@ -103,15 +113,23 @@ def test_compiled_batches_match_eager_and_transformers(arch, cache_dir) -> None:
     greedy = SamplingParams(max_tokens=24, temperature=0, logprobs=True)
     inputs = prompts(model.config.vocab_size)
     got = compiled.generate(inputs, greedy)
-    want = eager.generate(inputs, greedy)
-    for g, w, prompt in zip(got, want, inputs, strict=True):
-        assert g.output_ids == w.output_ids
-        assert g.output_ids == hf_greedy(model, prompt, len(g.output_ids))[: len(g.output_ids)]
-        for a, b in zip(g.logprobs, w.logprobs, strict=True):
-            assert a.logprob == pytest.approx(b.logprob, abs=LOGPROB_ATOL)
+    assert_same_answers(got, eager.generate(inputs, greedy), inputs, model)
     # every decode step (at most 3 rows) ran compiled: one per token after the first, at least
     assert steps[0] >= max(len(g.output_ids) for g in got) - 1
     compiled.check_memory()
+
+
+def session_turns(engine, turns: list[list[int]], sampled: SamplingParams) -> list[tuple]:
+    """One session's turns through `engine` (the strict memory check after each): each
+    turn's (output ids, cached tokens)."""
+    sid, history, outs = engine.open_session(), [], []
+    for turn in turns:
+        history += turn
+        (r,) = engine.generate([history], sampled, session_id=sid)
+        history += r.output_ids
+        outs.append((r.output_ids, r.cached_tokens))
+        engine.check_memory()
+    return outs
 
 
 def test_compiled_session_turns_and_seeded_samples_match_eager(cache_dir) -> None:
@@ -122,16 +140,10 @@ def test_compiled_session_turns_and_seeded_samples_match_eager(cache_dir) -> Non
     g = torch.Generator().manual_seed(3)
     turns = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (30, 9, 70)]
     sampled = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=11)
-    results = {}
-    for name, engine in (("compiled", compiled), ("eager", eager)):
-        sid, history, outs = engine.open_session(), [], []
-        for turn in turns:
-            history += turn
-            (r,) = engine.generate([history], sampled, session_id=sid)
-            history += r.output_ids
-            outs.append((r.output_ids, r.cached_tokens))
-            engine.check_memory()
-        results[name] = outs
+    results = {
+        name: session_turns(e, turns, sampled)
+        for name, e in (("compiled", compiled), ("eager", eager))
+    }
     assert results["compiled"] == results["eager"]
     assert results["compiled"][-1][1] > 0  # the last turn reused the session's KV
 
@@ -273,12 +285,7 @@ def test_the_prefill_package_runs_the_long_steps_as_eager_and_transformers(arch,
     greedy = SamplingParams(max_tokens=16, temperature=0, logprobs=True)
     inputs = prompts(model.config.vocab_size)
     got = compiled.generate(inputs, greedy)
-    want = eager.generate(inputs, greedy)
-    for g, w, prompt in zip(got, want, inputs, strict=True):
-        assert g.output_ids == w.output_ids
-        assert g.output_ids == hf_greedy(model, prompt, len(g.output_ids))[: len(g.output_ids)]
-        for a, b in zip(g.logprobs, w.logprobs, strict=True):
-            assert a.logprob == pytest.approx(b.logprob, abs=LOGPROB_ATOL)
+    assert_same_answers(got, eager.generate(inputs, greedy), inputs, model)
     assert long_steps[0] >= 4
     # alone, a 130-token prompt's first three chunks want no logits (no decode rides along)
     solo = torch.randint(3, model.config.vocab_size, (130,), generator=torch.Generator()).tolist()
@@ -291,16 +298,10 @@ def test_the_prefill_package_runs_the_long_steps_as_eager_and_transformers(arch,
     turns = [
         torch.randint(3, model.config.vocab_size, (n,), generator=g).tolist() for n in (60, 40)
     ]
-    results = {}
-    for name, engine in (("compiled", compiled), ("eager", eager)):
-        sid, history, outs = engine.open_session(), [], []
-        for turn in turns:
-            history += turn
-            (r,) = engine.generate([history], sampled, session_id=sid)
-            history += r.output_ids
-            outs.append((r.output_ids, r.cached_tokens))
-            engine.check_memory()
-        results[name] = outs
+    results = {
+        name: session_turns(e, turns, sampled)
+        for name, e in (("compiled", compiled), ("eager", eager))
+    }
     assert results["compiled"] == results["eager"]
     assert results["compiled"][-1][1] > 0
 
