@@ -247,6 +247,16 @@ class EngineConfig(_Strict):
         "where it is 1.05x faster or more (SmolLM2, 2 cores: 1.22-1.55x on an AMD EPYC with "
         "AVX-512, slower from 128 tokens on an AVX2 CPU). false: those steps run eagerly.",
     )
+    compile_prefill_min_tokens: int = Field(
+        6,
+        ge=1,
+        le=4097,
+        description="Steps of at least this many tokens (and at most compile_max_tokens + 1) run "
+        "through the prefill package when one is installed; the compiled forward keeps the "
+        "shorter ones. SmolLM2, 2 cores of an AMD EPYC with AVX-512, decode steps of B "
+        "requests, the prefill package's speed over the forward's (benchmarks/package_split.py): "
+        "B = 1 0.73x, 2 0.65x, 4 0.84x, 6 1.10x, 8 1.12x, 16 1.37x.",
+    )
     compile_cache_dir: str | None = Field(
         None,
         description="Where compiled packages are kept; default $SESSIONSERVE_CACHE/compiled, "

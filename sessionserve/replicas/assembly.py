@@ -109,7 +109,11 @@ def compile_forwards(cfg: EngineConfig, model: Any, runner: ModelRunner) -> None
     # a power of two so that configs differing a little share one package (each is a build)
     longest = cfg.scheduler.max_prefill_tokens + cfg.scheduler.max_running_requests
     prefill = plan_prefill_compile(
-        cfg.compile_prefill, plan, model, 1 << (longest - 1).bit_length()
+        cfg.compile_prefill,
+        plan,
+        model,
+        1 << (longest - 1).bit_length(),
+        cfg.compile_prefill_min_tokens,
     )
     plans = [(plan, lambda compiled: setattr(runner, "compiled", compiled))]
     if prefill.enabled:

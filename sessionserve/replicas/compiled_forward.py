@@ -275,10 +275,11 @@ def _auto_declines(model: Any, off_cpu: str) -> str | None:
 
 
 def plan_prefill_compile(
-    mode: bool | str, forward: CompilePlan, model: Any, max_tokens: int
+    mode: bool | str, forward: CompilePlan, model: Any, max_tokens: int, min_tokens: int
 ) -> CompilePlan:
     """Resolve `engine.compile_prefill` (auto | true | false) beside the compiled forward
-    `forward`: a package for the steps of `forward.max_tokens + 1 .. max_tokens` tokens, its
+    `forward`: a package for the steps of `min_tokens .. max_tokens` tokens (the forward's
+    package keeps the shorter ones: `min_tokens` is at most one past its limit), its
     GEMMs laid out for PREFILL_EXAMPLE_TOKENS rows and not autotuned (as fast here, and built
     in less time). auto: for models of AUTO_MIN_PARAMS+ parameters on CPU, kept only where
     it is timed faster than the eager forward (prefill_choice.py)."""
@@ -299,7 +300,7 @@ def plan_prefill_compile(
         forward.package.parent / f"{key}.pt2",
         max_tokens,
         forward.feature_layers,
-        min_tokens=forward.max_tokens + 1,
+        min_tokens=min(min_tokens, forward.max_tokens + 1),
         example_tokens=example,
         autotune=False,
         only_if_faster=mode == "auto",

@@ -206,8 +206,9 @@ class ModelRunner:
         return logits, hidden if batch.want_hidden else None
 
     def compiled_for(self, num_tokens: int) -> CompiledForward | None:
-        """The installed package that runs a step of `num_tokens` tokens (None: eager)."""
-        for compiled in (self.compiled, self.compiled_prefill):
+        """The installed package that runs a step of `num_tokens` tokens (None: eager): the
+        prefill package from its `min_tokens` on, else the forward's package."""
+        for compiled in (self.compiled_prefill, self.compiled):
             if compiled is not None and compiled.accepts(num_tokens):
                 return compiled
         return None

@@ -271,7 +271,7 @@ def test_the_prefill_package_runs_the_long_steps_as_eager_and_transformers(arch,
     model = model_for(arch)
     compiled = prefill_engine(model, cache_dir)
     runner = compiled.runner
-    assert runner.compiled_prefill.min_tokens == runner.compiled.max_tokens + 1
+    assert runner.compiled_prefill.min_tokens == EngineConfig().compile_prefill_min_tokens
     long_steps, no_logits = [0], [0]
     inner = runner.compiled_prefill.run
 
@@ -381,12 +381,14 @@ def test_the_timing_runs_a_real_prefill_through_both_forwards(cache_dir) -> None
 def test_plan_prefill_compile_resolves_the_config(cache_dir) -> None:
     model = model_for("llama")
     forward = compiled_forward.plan_compile(True, model, 32, cache_dir)
-    plan = compiled_forward.plan_prefill_compile(True, forward, model, 576)
-    assert (plan.enabled, plan.min_tokens, plan.max_tokens) == (True, 33, 576)
+    plan = compiled_forward.plan_prefill_compile(True, forward, model, 576, 64)
+    assert (plan.enabled, plan.min_tokens, plan.max_tokens) == (True, 33, 576)  # at most 33
+    plan = compiled_forward.plan_prefill_compile(True, forward, model, 576, 8)
+    assert (plan.enabled, plan.min_tokens, plan.max_tokens) == (True, 8, 576)
     assert (plan.example_tokens, plan.autotune, plan.only_if_faster) == (256, False, False)
     assert plan.package != forward.package and plan.package.parent == forward.package.parent
-    assert compiled_forward.plan_prefill_compile("auto", forward, model, 576).enabled is False
-    assert compiled_forward.plan_prefill_compile(False, forward, model, 576).enabled is False
-    assert compiled_forward.plan_prefill_compile(True, forward, model, 32).enabled is False
+    assert compiled_forward.plan_prefill_compile("auto", forward, model, 576, 8).enabled is False
+    assert compiled_forward.plan_prefill_compile(False, forward, model, 576, 8).enabled is False
+    assert compiled_forward.plan_prefill_compile(True, forward, model, 32, 8).enabled is False
     off = compiled_forward.plan_compile(False, model, 32, cache_dir)
-    assert compiled_forward.plan_prefill_compile(True, off, model, 576).enabled is False
+    assert compiled_forward.plan_prefill_compile(True, off, model, 576, 8).enabled is False
