@@ -236,10 +236,7 @@ class CompilePlan:
     autotune: bool = True
     only_if_faster: bool = False  # `compile_prefill: auto`: timed against eager first
     weights: str | None = None  # `weights_digest` of the model, for the next plan's key
-
-    @property
-    def role(self) -> str:
-        return "prefill package" if self.min_tokens > 1 else "forward"
+    role: str = "forward"  # what the log calls it ("prefill package": compile_prefill's)
 
 
 def plan_compile(
@@ -304,6 +301,7 @@ def plan_prefill_compile(
         example_tokens=example,
         autotune=False,
         only_if_faster=mode == "auto",
+        role="prefill package",
     )
 
 
