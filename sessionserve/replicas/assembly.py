@@ -23,6 +23,7 @@ from sessionserve.replicas.attention import (
     sliding_windows,
 )
 from sessionserve.replicas.attention.torch_backend import TorchPagedBackend
+from sessionserve.replicas.compiled_attention import HeadLayout, load_decode_kernel
 from sessionserve.replicas.compiled_forward import (
     plan_compile,
     plan_prefill_compile,
@@ -105,6 +106,16 @@ def compile_forwards(cfg: EngineConfig, model: Any, runner: ModelRunner) -> None
     if not plan.enabled:
         log.debug("compile: the forward runs eagerly (%s)", plan.reason)
         return
+    assert plan.package is not None
+    if runner.device.type == "cpu" and isinstance(runner.backend, TorchPagedBackend):
+        shape = KVShape.from_hf_config(model.config)
+        layout = HeadLayout(
+            model.config.num_attention_heads,
+            shape.num_kv_heads,
+            shape.head_dim,
+            str(runner.kv_pool.dtype),
+        )
+        runner.backend.decode_kernel = load_decode_kernel(layout, plan.package.parent)
     # the longest step (a full prefill chunk beside a decode row per request), rounded up to
     # a power of two so that configs differing a little share one package (each is a build)
     longest = cfg.scheduler.max_prefill_tokens + cfg.scheduler.max_running_requests

@@ -186,7 +186,7 @@ def build_package(
         )
         log.info("compile: exported in %.1f s; compiling (AOTInductor)", time.monotonic() - started)
         path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(f".{_builder()}.partial.pt2")
+        partial = path.with_suffix(f".{builder_tag()}.partial.pt2")
         try:
             torch._inductor.aoti_compile_and_package(
                 program,
@@ -326,7 +326,7 @@ def build_in_subprocess(model: Any, plan: CompilePlan) -> None:
     path = plan.package
     assert path is not None
     path.parent.mkdir(parents=True, exist_ok=True)
-    model_file = path.with_suffix(f".{_builder()}.model.pt")
+    model_file = path.with_suffix(f".{builder_tag()}.model.pt")
     layers = plan.feature_layers
     try:
         torch.save(model, model_file)
@@ -385,7 +385,7 @@ def _idle_priority() -> str:
 BUILD_FILES = ("*.partial.pt2", "*.model.pt")  # what a build leaves if it is killed
 
 
-def _builder() -> str:
+def builder_tag() -> str:
     """Who writes a build file, in its name (host and process): see remove_stale_build_files."""
     return f"{_host()}-{os.getpid()}"
 

@@ -12,6 +12,10 @@ slots when the cache keeps their KV apart (`SeqSpec.sliding_slots`), else from t
 
 Metadata is built on the host with whole-tensor ops and copied to the device once per group
 (no per-sequence device writes, no device-to-host reads inside the layers).
+
+Where the compiled forward runs (CPU), decode groups (one new token per row) instead call a
+compiled kernel that reads the pool in place (`decode_kernel`, attention/inplace_decode.py):
+no gathered copy of their K/V.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
 from sessionserve.replicas.attention.base import AttentionBackend, ForwardMeta, SeqSpec, to_device
+from sessionserve.replicas.attention.inplace_decode import DecodeKernel
 
 MIN_STATIC_CTX = 64  # smallest context bucket of a static decode plan
 
@@ -40,6 +45,10 @@ class _Group:
     windowed: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     # per sliding window: its layers' context slots [B, Wmax] and mask [B, 1, q, Wmax] (absent:
     # they read `ctx_slots` with `mask`, the window covering every context)
+    decode: dict[int | None, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # decode groups (q 1, no tree) where `decode_kernel` is installed: for the full layers (key
+    # None) and each window in `windowed`, the slots [B, W] (W a multiple of the kernel's
+    # chunks) and per row how many of them it reads [B]
 
 
 def window_columns(seqs: list[SeqSpec], q: int, window: int) -> list[torch.Tensor]:
@@ -71,6 +80,9 @@ class TorchPagedBackend(AttentionBackend):
     def __init__(self, max_context_len: int | None = None, windows: tuple[int, ...] = ()) -> None:
         self.max_context_len = max_context_len  # the largest static context bucket
         self.windows = windows  # the model's sliding windows (attention.sliding_windows)
+        # set where the compiled forward is installed (assembly.compile_forwards): decode
+        # groups attend over the pool in place (`inplace_decode.decode_attention`'s signature)
+        self.decode_kernel: DecodeKernel | None = None
 
     def prepare(self, seqs: list[SeqSpec], device: torch.device) -> list[_Group]:
         starts, pos = [], 0
@@ -109,12 +121,17 @@ class TorchPagedBackend(AttentionBackend):
                     mask[b, :, s.ctx_len - q : s.ctx_len] = s.tree_mask
             mask = to_device(mask[:, None], device)
         group = _Group(to_device(token_idx, device), to_device(ctx_slots, device), mask)
+        kernel = self.decode_kernel
+        if kernel is not None and q == 1 and all(s.tree_mask is None for s in seqs):
+            group.decode[None] = _kernel_slots(ctx_slots, lens, kernel.chunks, device)
         for w in windows:
             cols = window_columns(seqs, q, w)
             narrow = pad_sequence(cols, batch_first=True)
             lens_w = torch.tensor([c.numel() for c in cols])
             mask_w = context_mask(lens_w, q, narrow.shape[1], w)[:, None]
             group.windowed[w] = (to_device(narrow, device), to_device(mask_w, device))
+            if group.decode:  # a decode row sees all of its last `window` positions
+                group.decode[w] = _kernel_slots(narrow, lens_w, kernel.chunks, device)
         return group
 
     # ---- static decode (CUDA graphs) ----
@@ -215,11 +232,17 @@ class TorchPagedBackend(AttentionBackend):
                 )  # [1, H, q, D]
                 out[s:e] = o[0].transpose(0, 1)
                 continue
-            slots, mask = g.ctx_slots, g.mask
+            slots, mask, key = g.ctx_slots, g.mask, None
             if window is not None and window in g.windowed:
-                slots, mask = g.windowed[window]
+                (slots, mask), key = g.windowed[window], window
             elif apart:
                 raise RuntimeError(f"layer {layer} reads sliding slots this plan did not map")
+            if self.decode_kernel is not None and key in g.decode:
+                rows = g.token_idx[:, 0]
+                out[rows] = self.decode_kernel(
+                    q_tokens[rows].float() * scaling, k_pool, v_pool, *g.decode[key]
+                )
+                continue
             qg = q_tokens[g.token_idx].transpose(1, 2)  # [B, H, q, D]
             kg = gather_rows(k_pool, slots).transpose(1, 2).to(q.dtype)  # [B, KVH, Lmax, D]
             vg = gather_rows(v_pool, slots).transpose(1, 2).to(q.dtype)
@@ -236,6 +259,14 @@ def gather_rows(pool: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     slowly enough on CPU to cost decode steps 5-19% (benchmarks/paged_gather.py)."""
     rows = pool.index_select(0, index.reshape(-1))
     return rows.view(*index.shape, *pool.shape[1:])
+
+
+def _kernel_slots(
+    slots: torch.Tensor, lens: torch.Tensor, chunks: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`slots` padded (with slot 0) to a width that is a multiple of `chunks`, and `lens`."""
+    padded = F.pad(slots, (0, -slots.shape[1] % chunks))
+    return to_device(padded, device), to_device(lens, device)
 
 
 def _static_window(

@@ -1,0 +1,115 @@
+"""The in-place decode attention kernel (attention/inplace_decode.py), compiled ahead of time.
+
+One AOTInductor package per head layout, dtypes, thread count and CPU ISA, generic in the
+batch, the context width and the pool size (exported with those dimensions dynamic, so no
+shape ever recompiles), built in seconds on first use and cached beside the compiled
+forward's packages. It is installed on the torch backend where the compiled forward is
+(CPU): decode rows then attend over the pool without copying their K/V out of it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+import sessionserve
+from sessionserve.replicas.attention.inplace_decode import DecodeAttention, DecodeKernel
+from sessionserve.replicas.compiled_forward import builder_tag, remove_stale_build_files
+
+log = logging.getLogger(__name__)
+KERNEL_FORMAT = 2  # bump when inplace_decode.decode_attention changes
+CHUNKS_PER_THREAD = 4  # the context's parts per thread (decode_attention's `chunks`)
+
+
+@dataclass(frozen=True)
+class HeadLayout:
+    """What the kernel's code depends on besides the machine."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str  # the pool's ("torch.float32"); the query is always fp32
+
+
+def kernel_path(cache_dir: Path, layout: HeadLayout) -> Path:
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    facts = {
+        **asdict(layout),
+        "threads": torch.get_num_threads(),
+        "isa": str(pick_vec_isa()),
+        "versions": [torch.__version__, sessionserve.__version__],
+        "format": KERNEL_FORMAT,
+    }
+    key = hashlib.blake2b(json.dumps(facts, sort_keys=True).encode(), digest_size=16)
+    return cache_dir / f"decode-attention-{key.hexdigest()}.pt2"
+
+
+def kernel_chunks() -> int:
+    return CHUNKS_PER_THREAD * torch.get_num_threads()
+
+
+def build_kernel(path: Path, layout: HeadLayout) -> None:
+    """Export `decode_attention` with the batch, context width (a multiple of
+    `kernel_chunks()`) and pool size dynamic, and compile it into a package written
+    atomically to `path`."""
+    dtype, chunks = getattr(torch, layout.dtype.removeprefix("torch.")), kernel_chunks()
+    heads, kv_heads, dim = layout.num_heads, layout.num_kv_heads, layout.head_dim
+    pool = torch.zeros(64, kv_heads, dim, dtype=dtype)
+    example = (  # two rows of two slots a part: sizes 0 and 1 would be specialized
+        torch.zeros(2, heads, dim),
+        pool,
+        pool.clone(),
+        torch.zeros(2, 2 * chunks, dtype=torch.int64),
+        torch.full((2,), 2 * chunks, dtype=torch.int64),
+    )
+    rows, slots = torch.export.Dim("rows", min=1), torch.export.Dim("pool_slots", min=2)
+    width = chunks * torch.export.Dim("chunk_width", min=1)
+    program = torch.export.export(
+        DecodeAttention(chunks),
+        example,
+        dynamic_shapes=({0: rows}, {0: slots}, {0: slots}, {0: rows, 1: width}, {0: rows}),
+    )
+    partial = path.with_suffix(f".{builder_tag()}.partial.pt2")
+    try:
+        torch._inductor.aoti_compile_and_package(
+            program, package_path=str(partial), inductor_configs={"compile_threads": 1}
+        )
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+def load_decode_kernel(layout: HeadLayout, cache_dir: Path) -> DecodeKernel | None:
+    """The kernel for `layout`, built first (under a file lock, others wait) if the cache
+    lacks it. None, with a warning that says why, when building or loading fails: decode
+    rows then copy their K/V out of the pool as before."""
+    from filelock import FileLock
+
+    path = kernel_path(cache_dir, layout)
+    try:
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with FileLock(str(path) + ".lock"):
+                remove_stale_build_files(path)
+                if not path.exists():
+                    started = time.monotonic()
+                    log.info(
+                        "compile: building the in-place decode attention for %s (first start "
+                        "with this head layout, threads and CPU; cached at %s)",
+                        layout,
+                        path,
+                    )
+                    build_kernel(path, layout)
+                    log.info("compile: built it in %.0f s", time.monotonic() - started)
+        return DecodeKernel(torch._inductor.aoti_load_package(str(path)), kernel_chunks())
+    except Exception as e:  # noqa: BLE001 - any failure leaves the copying path working
+        log.warning("compile: decode attention keeps copying K/V, because compiling failed: %r", e)
+        return None
