@@ -193,20 +193,24 @@ async def main_async(args) -> None:
                 results[url][key] = s
                 print(f"{key:>12} {url}: {s}", flush=True)
     summary: dict = {"benchmark": "serving", "targets": args.target, "results": results}
-    if args.against:  # a run saved earlier (another server, started alone on these cores)
-        with open(args.against) as f:
-            results.update(json.load(f)["results"])
-    if args.save:
+    if args.save:  # this run only, before anything is compared with it
         with open(args.save, "w") as f:
             json.dump(summary, f)
-    if len(results) == 2:
-        a, b = results.values()
-        for key in a:
+    pair = list(results.values())
+    if args.against:  # a run saved earlier (another server, started alone on these cores; or
+        # the same URL before a change): kept apart, so it never replaces this run's figures
+        with open(args.against) as f:
+            saved = json.load(f)["results"]
+        summary["against"] = saved
+        pair = [pair[0], next(iter(saved.values()))]
+    if len(pair) == 2:
+        this, that = pair
+        for key in this.keys() & that.keys():
             summary[f"tok_s_ratio_{key}"] = round(
-                a[key]["output_tok_s"] / b[key]["output_tok_s"], 2
+                this[key]["output_tok_s"] / that[key]["output_tok_s"], 2
             )
             summary[f"ttft_ratio_{key}"] = round(
-                a[key]["ttft_median_s"] / b[key]["ttft_median_s"], 2
+                this[key]["ttft_median_s"] / that[key]["ttft_median_s"], 2
             )
     emit(summary)
 
@@ -222,7 +226,10 @@ def main() -> None:
     ap.add_argument("--pressure-concurrency", type=int, default=4)
     ap.add_argument("--api-key", default="unused")
     ap.add_argument("--save", help="also write this run's JSON here")
-    ap.add_argument("--against", help="compare with a run saved by --save (ratios: this/that)")
+    ap.add_argument(
+        "--against",
+        help="compare with a run saved by --save (ratios: this run's first target / that run's)",
+    )
     asyncio.run(main_async(ap.parse_args()))
 
 

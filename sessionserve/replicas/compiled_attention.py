@@ -109,7 +109,9 @@ def load_decode_kernel(layout: HeadLayout, cache_dir: Path) -> DecodeKernel | No
                     )
                     build_kernel(path, layout)
                     log.info("compile: built it in %.0f s", time.monotonic() - started)
-        return DecodeKernel(torch._inductor.aoti_load_package(str(path)), kernel_chunks())
+        kernel = DecodeKernel(torch._inductor.aoti_load_package(str(path)), kernel_chunks())
+        log.info("compile: decode rows attend over the KV pool in place (%s)", path.name)
+        return kernel
     except Exception as e:  # noqa: BLE001 - any failure leaves the copying path working
         log.warning("compile: decode attention keeps copying K/V, because compiling failed: %r", e)
         return None
