@@ -114,6 +114,7 @@ def compile_forwards(cfg: EngineConfig, model: Any, runner: ModelRunner) -> None
             shape.num_kv_heads,
             shape.head_dim,
             str(runner.kv_pool.dtype),
+            attention_scale(model, shape.head_dim),
         )
         runner.backend.decode_kernel = load_decode_kernel(layout, plan.package.parent)
     # the longest step (a full prefill chunk beside a decode row per request), rounded up to

@@ -24,7 +24,7 @@ from sessionserve.replicas.attention.inplace_decode import DecodeAttention, Deco
 from sessionserve.replicas.compiled_forward import builder_tag, remove_stale_build_files
 
 log = logging.getLogger(__name__)
-KERNEL_FORMAT = 2  # bump when inplace_decode.decode_attention changes
+KERNEL_FORMAT = 3  # bump when inplace_decode.decode_attention changes
 CHUNKS_PER_THREAD = 4  # the context's parts per thread (decode_attention's `chunks`)
 
 
@@ -35,7 +35,8 @@ class HeadLayout:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    dtype: str  # the pool's ("torch.float32"); the query is always fp32
+    dtype: str  # the query's and the pool's ("torch.float32")
+    scale: float  # the layers' softmax scale (attention.attention_scale)
 
 
 def kernel_path(cache_dir: Path, layout: HeadLayout) -> Path:
@@ -64,7 +65,7 @@ def build_kernel(path: Path, layout: HeadLayout) -> None:
     heads, kv_heads, dim = layout.num_heads, layout.num_kv_heads, layout.head_dim
     pool = torch.zeros(64, kv_heads, dim, dtype=dtype)
     example = (  # two rows of two slots a part: sizes 0 and 1 would be specialized
-        torch.zeros(2, heads, dim),
+        torch.zeros(2, heads, dim, dtype=dtype),
         pool,
         pool.clone(),
         torch.zeros(2, 2 * chunks, dtype=torch.int64),
@@ -73,7 +74,7 @@ def build_kernel(path: Path, layout: HeadLayout) -> None:
     rows, slots = torch.export.Dim("rows", min=1), torch.export.Dim("pool_slots", min=2)
     width = chunks * torch.export.Dim("chunk_width", min=1)
     program = torch.export.export(
-        DecodeAttention(chunks),
+        DecodeAttention(chunks, layout.scale),
         example,
         dynamic_shapes=({0: rows}, {0: slots}, {0: slots}, {0: rows, 1: width}, {0: rows}),
     )
@@ -109,7 +110,8 @@ def load_decode_kernel(layout: HeadLayout, cache_dir: Path) -> DecodeKernel | No
                     )
                     build_kernel(path, layout)
                     log.info("compile: built it in %.0f s", time.monotonic() - started)
-        kernel = DecodeKernel(torch._inductor.aoti_load_package(str(path)), kernel_chunks())
+        package = torch._inductor.aoti_load_package(str(path))
+        kernel = DecodeKernel(package, kernel_chunks(), layout.scale)
         log.info("compile: decode rows attend over the KV pool in place (%s)", path.name)
         return kernel
     except Exception as e:  # noqa: BLE001 - any failure leaves the copying path working

@@ -26,10 +26,11 @@ def decode_attention(
     slots: torch.Tensor,
     lens: torch.Tensor,
     chunks: int = 1,
+    scale: float = 1.0,
 ) -> torch.Tensor:
-    """One new token per row. `query` [B, H, D], already multiplied by the softmax scale
-    (fp32, whatever the pool's dtype: scaling a bf16 query would round it once more);
-    `k_pool`, `v_pool` [S, KVH, D] (KVH divides H; query head h reads KV head h // (H/KVH));
+    """One new token per row. `query` [B, H, D] (multiplied by the softmax `scale` here, in
+    fp32: scaling a bf16 query first would round it once more); `k_pool`, `v_pool`
+    [S, KVH, D] (KVH divides H; query head h reads KV head h // (H/KVH));
     `slots` [B, L] pool rows, of which row b reads its first `lens[b]` (1..L; the rest is
     padding, any valid slot), L a multiple of `chunks`: the context is attended in that many
     parts, each with its own softmax maximum and sum, merged at the end (flash-decoding), so
@@ -38,7 +39,7 @@ def decode_attention(
     batch, width = slots.shape
     kv_heads, head_dim = k_pool.shape[1], k_pool.shape[2]
     parts = slots.view(batch, chunks, -1).transpose(0, 1)  # [C, B, L/C]
-    q = query.float().view(1, batch, 1, kv_heads, -1, head_dim)  # [1, B, 1, KVH, G, D]
+    q = (query.float() * scale).view(1, batch, 1, kv_heads, -1, head_dim)  # [1,B,1,KVH,G,D]
     keys = k_pool[parts].float()  # [C, B, L/C, KVH, D]: indexing a compiler fuses into loads
     scores = (q * keys[..., None, :]).sum(-1)  # [C, B, L/C, KVH, G]
     position = torch.arange(width, device=slots.device).view(chunks, 1, -1)
@@ -57,11 +58,12 @@ def decode_attention(
 
 
 class DecodeAttention(torch.nn.Module):
-    """`decode_attention` with a fixed number of parts, as a module for `torch.export`."""
+    """`decode_attention` with a fixed number of parts and scale, as a module for
+    `torch.export`."""
 
-    def __init__(self, chunks: int) -> None:
+    def __init__(self, chunks: int, scale: float) -> None:
         super().__init__()
-        self.chunks = chunks
+        self.chunks, self.scale = chunks, scale
 
     def forward(
         self,
@@ -71,16 +73,17 @@ class DecodeAttention(torch.nn.Module):
         slots: torch.Tensor,
         lens: torch.Tensor,
     ) -> torch.Tensor:
-        return decode_attention(query, k_pool, v_pool, slots, lens, self.chunks)
+        return decode_attention(query, k_pool, v_pool, slots, lens, self.chunks, self.scale)
 
 
 @dataclass
 class DecodeKernel:
-    """A compiled `DecodeAttention`: called as `decode_attention` without `chunks` (the slots'
-    width a multiple of `chunks`)."""
+    """A compiled `DecodeAttention`: called as `decode_attention` without `chunks` and `scale`
+    (the slots' width a multiple of `chunks`; only for layers whose softmax scale is `scale`)."""
 
     run: Callable[..., torch.Tensor]
     chunks: int
+    scale: float
 
     def __call__(
         self,

@@ -49,6 +49,9 @@ class _Group:
     # decode groups (q 1, no tree) where `decode_kernel` is installed: for the full layers (key
     # None) and each window in `windowed`, the slots [B, W] (W a multiple of the kernel's
     # chunks) and per row how many of them it reads [B]
+    rows: tuple[int, int] | None = None  # a decode group's rows when they are one range of
+    # the flat batch [start, end) (they are: the scheduler puts decodes first): sliced, not
+    # indexed
 
 
 def window_columns(seqs: list[SeqSpec], q: int, window: int) -> list[torch.Tensor]:
@@ -124,6 +127,8 @@ class TorchPagedBackend(AttentionBackend):
         kernel = self.decode_kernel
         if kernel is not None and q == 1 and all(s.tree_mask is None for s in seqs):
             group.decode[None] = _kernel_slots(ctx_slots, lens, kernel.chunks, device)
+            if starts == list(range(starts[0], starts[0] + len(starts))):
+                group.rows = (starts[0], starts[0] + len(starts))
         for w in windows:
             cols = window_columns(seqs, q, w)
             narrow = pad_sequence(cols, batch_first=True)
@@ -237,11 +242,14 @@ class TorchPagedBackend(AttentionBackend):
                 (slots, mask), key = g.windowed[window], window
             elif apart:
                 raise RuntimeError(f"layer {layer} reads sliding slots this plan did not map")
-            if self.decode_kernel is not None and key in g.decode:
-                rows = g.token_idx[:, 0]
-                out[rows] = self.decode_kernel(
-                    q_tokens[rows].float() * scaling, k_pool, v_pool, *g.decode[key]
-                )
+            kernel = self.decode_kernel
+            if kernel is not None and key in g.decode and kernel.scale == scaling:
+                if g.rows is not None:
+                    s, e = g.rows
+                    out[s:e] = kernel(q_tokens[s:e].contiguous(), k_pool, v_pool, *g.decode[key])
+                else:
+                    rows = g.token_idx[:, 0]
+                    out[rows] = kernel(q_tokens[rows], k_pool, v_pool, *g.decode[key])
                 continue
             qg = q_tokens[g.token_idx].transpose(1, 2)  # [B, H, q, D]
             kg = gather_rows(k_pool, slots).transpose(1, 2).to(q.dtype)  # [B, KVH, Lmax, D]

@@ -16,23 +16,25 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from sessionserve.cache import KVShape
 from sessionserve.replicas import compiled_attention
+from sessionserve.replicas.attention import attention_scale
 from sessionserve.replicas.attention.inplace_decode import DecodeKernel, decode_attention
 from sessionserve.replicas.attention.torch_backend import gather_rows
 from sessionserve.wire import SamplingParams
 from tests.models import hf_greedy, tiny_engine, tiny_model
 
-LAYOUT = compiled_attention.HeadLayout(4, 2, 16, "torch.float32")  # the tiny models'
+LAYOUT = compiled_attention.HeadLayout(4, 2, 16, "torch.float32", 0.25)  # the tiny models'
 
 
-def sdpa_reference(query, k_pool, v_pool, slots, lens) -> torch.Tensor:
+def sdpa_reference(query, k_pool, v_pool, slots, lens, scale: float = 1.0) -> torch.Tensor:
     """What the torch backend's copying path computes for decode rows."""
     width = slots.shape[1]
     keys = gather_rows(k_pool, slots).transpose(1, 2).float()
     values = gather_rows(v_pool, slots).transpose(1, 2).float()
     mask = (torch.arange(width)[None, :] < lens[:, None])[:, None, None, :]
     out = F.scaled_dot_product_attention(
-        query.float()[:, :, None], keys, values, attn_mask=mask, scale=1.0, enable_gqa=True
+        query.float()[:, :, None], keys, values, attn_mask=mask, scale=scale, enable_gqa=True
     )
     return out[:, :, 0]
 
@@ -41,7 +43,7 @@ def random_case(batch, width, heads, kv_heads, dim=16, pool_slots=300, dtype=tor
     g = torch.Generator().manual_seed(batch * 1000 + width * 10 + heads + kv_heads)
     k_pool = torch.randn(pool_slots, kv_heads, dim, generator=g).to(dtype)
     v_pool = torch.randn(pool_slots, kv_heads, dim, generator=g).to(dtype)
-    query = torch.randn(batch, heads, dim, generator=g) * dim**-0.5
+    query = torch.randn(batch, heads, dim, generator=g).to(dtype)
     slots = torch.randint(0, pool_slots, (batch, width), generator=g)
     lens = torch.randint(1, width + 1, (batch,), generator=g)
     lens[0] = width  # one row without padding, the others with some
@@ -53,9 +55,9 @@ def random_case(batch, width, heads, kv_heads, dim=16, pool_slots=300, dtype=tor
 @pytest.mark.parametrize("batch,width", [(1, 8), (3, 24), (5, 64)])
 def test_the_formula_equals_sdpa_over_gathered_kv(heads, kv_heads, chunks, batch, width):
     case = random_case(batch, width, heads, kv_heads)
-    got = decode_attention(*case, chunks=chunks)
+    got = decode_attention(*case, chunks=chunks, scale=0.3)
     assert got.shape == case[0].shape
-    torch.testing.assert_close(got, sdpa_reference(*case), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, sdpa_reference(*case, scale=0.3), atol=1e-5, rtol=1e-5)
 
 
 def test_parts_with_nothing_to_see_weigh_nothing() -> None:
@@ -71,11 +73,13 @@ def test_parts_with_nothing_to_see_weigh_nothing() -> None:
     torch.testing.assert_close(got[0], want)
 
 
-def test_a_bf16_pool_is_read_in_fp32() -> None:
+def test_bf16_is_computed_in_fp32() -> None:
+    """A bf16 query is scaled after its conversion to fp32, and the answer rounded once."""
     query, k_pool, v_pool, slots, lens = random_case(2, 16, 4, 2, dtype=torch.bfloat16)
-    got = decode_attention(query, k_pool, v_pool, slots, lens, chunks=2)
-    assert got.dtype == torch.float32  # the query's
-    torch.testing.assert_close(got, sdpa_reference(query, k_pool, v_pool, slots, lens))
+    got = decode_attention(query, k_pool, v_pool, slots, lens, chunks=2, scale=0.25)
+    assert got.dtype == torch.bfloat16  # the query's
+    want = sdpa_reference(query, k_pool, v_pool, slots, lens, scale=0.25)
+    torch.testing.assert_close(got, want.to(torch.bfloat16), atol=0, rtol=0)
 
 
 @pytest.fixture(scope="module")
@@ -96,9 +100,10 @@ def test_the_compiled_kernel_equals_the_formula_at_any_shape(kernel, batch, part
     width = parts * kernel.chunks
     query, k_pool, v_pool, slots, lens = random_case(batch, width, 4, 2, pool_slots=700)
     got = kernel(query, k_pool, v_pool, slots, lens)
-    want = decode_attention(query, k_pool, v_pool, slots, lens, chunks=kernel.chunks)
+    want = decode_attention(query, k_pool, v_pool, slots, lens, kernel.chunks, LAYOUT.scale)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(got, sdpa_reference(query, k_pool, v_pool, slots, lens))
+    reference = sdpa_reference(query, k_pool, v_pool, slots, lens, LAYOUT.scale)
+    torch.testing.assert_close(got, reference)
 
 
 def test_the_kernel_loads_from_the_cache_and_a_failed_build_says_why(
@@ -111,9 +116,12 @@ def test_the_kernel_loads_from_the_cache_and_a_failed_build_says_why(
         again = compiled_attention.load_decode_kernel(LAYOUT, kernel_dir)
     assert again is not None and path.stat().st_mtime_ns == built_at
     assert not any("building" in r.getMessage() for r in caplog.records)
-    # another layout is another package
-    other = compiled_attention.HeadLayout(4, 4, 16, "torch.float32")
-    assert compiled_attention.kernel_path(kernel_dir, other) != path
+    # another layout (or scale) is another package
+    for other in (
+        compiled_attention.HeadLayout(4, 4, 16, "torch.float32", 0.25),
+        compiled_attention.HeadLayout(4, 2, 16, "torch.float32", 0.125),
+    ):
+        assert compiled_attention.kernel_path(kernel_dir, other) != path
 
     def broken(*args, **kwargs):
         raise RuntimeError("no C++ compiler here")
@@ -136,12 +144,15 @@ def with_kernel(engine, kernel: DecodeKernel) -> list[int]:
         calls[0] += 1
         return kernel(*args)
 
-    engine.runner.backend.decode_kernel = DecodeKernel(counted, kernel.chunks)
+    engine.runner.backend.decode_kernel = DecodeKernel(counted, kernel.chunks, kernel.scale)
     return calls
 
 
-def formula_kernel(chunks: int) -> DecodeKernel:
-    return DecodeKernel(functools.partial(decode_attention, chunks=chunks), chunks)
+def formula_kernel(model, chunks: int) -> DecodeKernel:
+    """The eager formula as the kernel, with `model`'s softmax scale."""
+    scale = attention_scale(model, KVShape.from_hf_config(model.config).head_dim)
+    run = functools.partial(decode_attention, chunks=chunks, scale=scale)
+    return DecodeKernel(run, chunks, scale)
 
 
 @pytest.mark.parametrize(
@@ -181,7 +192,7 @@ def test_verify_rows_keep_the_copying_path() -> None:
     tokens a row) that happened still answer as transformers with the kernel installed."""
     model = tiny_model("llama", seed=6)
     engine = tiny_engine(model, history_drafts=True)
-    with_kernel(engine, formula_kernel(4))
+    with_kernel(engine, formula_kernel(model, 4))
     prompt = [5, 6, 7, 8] * 6
     (r,) = engine.generate([prompt], SamplingParams(max_tokens=16, temperature=0))
     assert r.output_ids == hf_greedy(model, prompt, 16)[: len(r.output_ids)]
@@ -195,9 +206,23 @@ def test_the_formula_as_the_kernel_over_a_window_kept_apart() -> None:
     with its window's KV apart decodes past the window as transformers does."""
     model = tiny_model("mistral", seed=2, sliding_window=8)
     engine = tiny_engine(model)
-    calls = with_kernel(engine, formula_kernel(3))
+    calls = with_kernel(engine, formula_kernel(model, 3))
     prompt = list(range(10, 31))
     (r,) = engine.generate([prompt], SamplingParams(max_tokens=14, temperature=0))
     assert r.output_ids == hf_greedy(model, prompt, 14)[: len(r.output_ids)]
     assert calls[0] >= 13 * model.config.num_hidden_layers
     engine.check_memory()
+
+
+def test_a_kernel_for_another_scale_is_not_used() -> None:
+    """The kernel's softmax scale is compiled in: layers with another scale keep copying."""
+    model = tiny_model("llama", seed=6)
+    engine = tiny_engine(model)
+    right = formula_kernel(model, 4)
+    wrong = DecodeKernel(
+        functools.partial(decode_attention, chunks=4, scale=2 * right.scale), 4, 2 * right.scale
+    )
+    calls = with_kernel(engine, wrong)
+    (r,) = engine.generate([[4, 5, 6, 7]], SamplingParams(max_tokens=8, temperature=0))
+    assert r.output_ids == hf_greedy(model, [4, 5, 6, 7], 8)[: len(r.output_ids)]
+    assert calls[0] == 0
