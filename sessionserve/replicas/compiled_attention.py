@@ -1,10 +1,11 @@
 """The in-place decode attention kernel (attention/inplace_decode.py), compiled ahead of time.
 
-One AOTInductor package per head layout, dtypes, thread count and CPU ISA, generic in the
-batch, the context width and the pool size (exported with those dimensions dynamic, so no
-shape ever recompiles), built in seconds on first use and cached beside the compiled
-forward's packages. It is installed on the torch backend where the compiled forward is
-(CPU): decode rows then attend over the pool without copying their K/V out of it.
+One AOTInductor package per head layout (heads, head size, dtype, softmax scale), thread
+count and CPU ISA, generic in the batch, the context width and the pool size (exported with
+those dimensions dynamic, so no shape ever recompiles), built in seconds on first use and
+cached beside the compiled forward's packages. It is installed on the torch backend where
+the compiled forward is (CPU): decode rows then attend over the pool without copying their
+K/V out of it.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 
 import sessionserve
 from sessionserve.replicas.attention.inplace_decode import DecodeAttention, DecodeKernel
-from sessionserve.replicas.compiled_forward import builder_tag, remove_stale_build_files
+from sessionserve.replicas.compiled_forward import build_once, builder_tag
 
 log = logging.getLogger(__name__)
 KERNEL_FORMAT = 3  # bump when inplace_decode.decode_attention changes
@@ -73,6 +74,7 @@ def build_kernel(path: Path, layout: HeadLayout) -> None:
     )
     rows, slots = torch.export.Dim("rows", min=1), torch.export.Dim("pool_slots", min=2)
     width = chunks * torch.export.Dim("chunk_width", min=1)
+    started = time.monotonic()
     program = torch.export.export(
         DecodeAttention(chunks, layout.scale),
         example,
@@ -86,30 +88,22 @@ def build_kernel(path: Path, layout: HeadLayout) -> None:
         os.replace(partial, path)
     finally:
         partial.unlink(missing_ok=True)
+    log.info("compile: built %s in %.0f s", path.name, time.monotonic() - started)
 
 
 def load_decode_kernel(layout: HeadLayout, cache_dir: Path) -> DecodeKernel | None:
     """The kernel for `layout`, built first (under a file lock, others wait) if the cache
     lacks it. None, with a warning that says why, when building or loading fails: decode
     rows then copy their K/V out of the pool as before."""
-    from filelock import FileLock
-
     path = kernel_path(cache_dir, layout)
     try:
-        if not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with FileLock(str(path) + ".lock"):
-                remove_stale_build_files(path)
-                if not path.exists():
-                    started = time.monotonic()
-                    log.info(
-                        "compile: building the in-place decode attention for %s (first start "
-                        "with this head layout, threads and CPU; cached at %s)",
-                        layout,
-                        path,
-                    )
-                    build_kernel(path, layout)
-                    log.info("compile: built it in %.0f s", time.monotonic() - started)
+        build_once(
+            path,
+            lambda: build_kernel(path, layout),
+            f"compile: building the in-place decode attention for {layout} (first start with "
+            f"this head layout, threads and CPU; cached at {path})",
+            log,
+        )
         package = torch._inductor.aoti_load_package(str(path))
         kernel = DecodeKernel(package, kernel_chunks(), layout.scale)
         log.info("compile: decode rows attend over the KV pool in place (%s)", path.name)

@@ -419,6 +419,24 @@ def _process_alive(pid: str) -> bool:
     return True
 
 
+def build_once(
+    package: Path, build: Callable[[], None], announce: str, logger: logging.Logger = log
+) -> None:
+    """Run `build`, which writes `package`, unless the package exists: under the package's
+    file lock, so that replicas sharing a cache build it once (the others wait, then find it),
+    after removing what killed builds left. `announce` goes to `logger` when a build starts."""
+    from filelock import FileLock
+
+    if package.exists():
+        return
+    package.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(package) + ".lock"):
+        remove_stale_build_files(package)
+        if not package.exists():
+            logger.info("%s", announce)
+            build()
+
+
 def load_or_build(
     plan: CompilePlan,
     model: Any,
@@ -427,24 +445,15 @@ def load_or_build(
     """The compiled forward for `plan`: loaded from the cache, or built first by `build`
     while others wait on a file lock, then load its package. None, with a warning that says
     why, when building or loading fails: those steps then stay eager."""
-    from filelock import FileLock
-
     assert plan.package is not None
     try:
-        if not plan.package.exists():
-            plan.package.parent.mkdir(parents=True, exist_ok=True)
-            with FileLock(str(plan.package) + ".lock"):
-                remove_stale_build_files(plan.package)
-                if not plan.package.exists():
-                    log.info(
-                        "compile: building the %s for steps of %d-%d tokens (first start with "
-                        "this model, threads and CPU; cached at %s)",
-                        plan.role,
-                        plan.min_tokens,
-                        plan.max_tokens,
-                        plan.package,
-                    )
-                    build(model, plan)
+        build_once(
+            plan.package,
+            lambda: build(model, plan),
+            f"compile: building the {plan.role} for steps of {plan.min_tokens}-"
+            f"{plan.max_tokens} tokens (first start with this model, threads and CPU; cached "
+            f"at {plan.package})",
+        )
         started = time.monotonic()
         compiled = CompiledForward(plan.package, plan.max_tokens, plan.min_tokens)
         log.info("compile: loaded %s in %.1f s", plan.package, time.monotonic() - started)
