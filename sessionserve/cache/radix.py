@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import torch
 
-from sessionserve.cache.allocator import PagedAllocator, floor_align
+from sessionserve.cache.allocator import PagedAllocator, ceil_align, floor_align
 from sessionserve.errors import DoubleFreeError
 
 _clock = itertools.count(1)
@@ -122,16 +122,25 @@ class RadixCache:
     def evict(self, num_tokens: int) -> int:
         """Free at least `num_tokens` from unlocked leaves, least recently used first.
 
-        Returns the tokens actually freed (whole nodes, so possibly more; less if too little is
-        evictable). Evicting 0 is always safe.
+        A leaf longer than what is still needed gives up only its last pages: a conversation
+        the tree holds loses its end first and keeps its beginning for a returning turn (a
+        prefix cache that frees blocks tail first does the same). Not with sliding-window
+        layers kept apart: a cut prefix's window would be gone, so there whole leaves go.
+        Returns the tokens actually freed (page-aligned, so possibly more; less if too little
+        is evictable). Evicting 0 is always safe.
         """
         if num_tokens <= 0:
             return 0
         heap = [n for n in self._iter_nodes() if not n.children and n.lock_ref == 0]
         heapq.heapify(heap)
         freed = 0
+        trim = self.allocator.sliding is None
         while heap and freed < num_tokens:
             leaf = heapq.heappop(heap)
+            short = ceil_align(num_tokens - freed, self.page_size)
+            if trim and short < len(leaf.key):
+                freed += self._trim_leaf(leaf, len(leaf.key) - short)
+                break
             freed += self._delete_leaf(leaf)
             parent = leaf.parent
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
@@ -187,6 +196,14 @@ class RadixCache:
         child.key, child.slots, child.parent = child.key[at:], child.slots[at:], head
         head.children[self._child_key(child.key)] = child
         return head
+
+    def _trim_leaf(self, leaf: RadixNode, keep: int) -> int:
+        """Free a leaf's slots past `keep` (page-aligned, > 0); the leaf stays, shorter."""
+        self.allocator.free(leaf.slots[keep:])
+        cut = len(leaf.key) - keep
+        leaf.key, leaf.slots = leaf.key[:keep], leaf.slots[:keep]
+        self._evictable -= cut
+        return cut
 
     def _delete_leaf(self, leaf: RadixNode) -> int:
         self.allocator.free(leaf.slots)

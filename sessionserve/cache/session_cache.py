@@ -13,9 +13,10 @@ system had:
 - Append mode is append-only (AppendOnlyViolationError); chat mode may rewind to the divergence.
   A rewind of MIN_BRANCH_TOKENS or more (an edited history, a fork) moves the branch it leaves
   into the radix tree, so that going back to it reuses it (until the tree evicts it).
-- Idle sessions are evicted LRU under pressure: KV freed, `history` kept for re-prefill.
-  With a host tier attached, the KV is first copied there (`park`), and the next turn copies
-  it back (`cached_source == "host"`) instead of re-prefilling it.
+- Idle sessions are evicted LRU under pressure: the KV's whole pages go to the radix tree
+  (evictable, ends first), the rest is freed, `history` is kept; the next turn reuses what the
+  tree still holds and re-prefills the rest. With a host tier attached, the KV is first copied
+  there, and the next turn copies back what the tree lost (`cached_source == "host"`).
 - A session moves between replicas as its history plus a snapshot of its KV: `export_session`
   on the source (which keeps it until the move commits), `adopt` on the target.
 """
@@ -326,10 +327,24 @@ class SessionCache(RequestCache):
         if victim is None:
             return False
         self._spill(victim)
+        self._hand_to_tree(victim)
         self._release_slot_kv(victim)
         victim.evictions += 1
         self.evicted_sessions_total += 1
         return True
+
+    def _hand_to_tree(self, slot: SessionSlot) -> None:
+        """An evicted slot's committed whole pages go to the radix tree, unlocked, instead of
+        being freed: the tree gives up their ends first (`RadixCache.evict`), so a session
+        that comes back under pressure still reuses its beginning (`cached_source ==
+        "radix"`) rather than re-prefilling all of it, and a parked copy restores only what
+        the tree no longer holds. With sliding-window layers kept apart, only a prefix whose
+        window is still resident is worth keeping (the slot holds just its last window)."""
+        length = floor_align(slot.committed_len, self.page_size)
+        sliding = self.allocator.sliding
+        if sliding is not None:
+            length = sliding.longest_usable(self.rows.read(slot.row, 0, length), self.page_size)
+        self._insert_prefix(slot, slot.kv_tokens, length)
 
     def _spill(self, slot: SessionSlot) -> bool:
         """Copy an idle slot's committed KV into the host tier (before it is freed)."""

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from sessionserve.cache import PagedAllocator, RadixCache
+from sessionserve.cache.sliding import SlidingSlots
 from sessionserve.errors import DoubleFreeError
 
 
@@ -76,6 +77,33 @@ def test_eviction_is_least_recently_used_first() -> None:
     assert radix.evict(8) == 8
     assert radix.match_prefix(old).length == 8
     assert radix.match_prefix(new).length == 0
+
+
+def test_eviction_takes_a_leaf_s_end_first_and_keeps_its_beginning() -> None:
+    radix = _cache(4)
+    system, older, newer = [1] * 8, list(range(10, 18)), list(range(20, 32))
+    _insert(radix, system + older)
+    _insert(radix, system + newer)
+    free = radix.allocator.available_size()
+    assert radix.evict(5) == 8  # two pages: the fewest that cover 5
+    assert radix.allocator.available_size() == free + 8
+    assert radix.match_prefix(system + older).length == 8  # the older branch's end went
+    assert radix.match_prefix(system + newer).length == 20  # untouched
+    assert radix.evict(4) == 4  # the older branch is used up: the next leaf's last page
+    assert radix.match_prefix(system + newer).length == 16
+    assert radix.evictable_size() == 16 and radix.total_size() == 16
+    assert radix.flush() == 16
+    assert radix.allocator.available_size() == radix.allocator.num_slots
+
+
+def test_with_sliding_layers_kept_apart_whole_leaves_go() -> None:
+    """A cut prefix would end where no sliding KV is resident: useless, so not kept."""
+    allocator = PagedAllocator(256, 4)
+    allocator.sliding = SlidingSlots(256, allocator.pool_slots, window=8)
+    radix = RadixCache(allocator)
+    _insert(radix, list(range(1, 25)))
+    assert radix.evict(5) == 24
+    assert radix.total_size() == 0
 
 
 def test_disabled_tree_caches_nothing() -> None:

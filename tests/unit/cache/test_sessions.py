@@ -339,6 +339,41 @@ def test_idle_sessions_are_evicted_lru_and_reprefill(make_rig) -> None:
     r.all_free()
 
 
+@pytest.mark.parametrize("sliding_window", [None, 8])
+def test_an_evicted_session_goes_to_the_tree_which_gives_up_its_end_first(
+    make_rig, sliding_window: int | None
+) -> None:
+    """Eviction hands the session's whole pages to the radix tree instead of freeing them;
+    the pressure that caused it takes only the pages it needs, from the end, so the returning
+    turn reuses the beginning (content verified by the driver). With sliding layers kept
+    apart only a prefix whose window is resident could be kept: the slot holds just its last
+    window, so the turn goes on from at most what is usable, its window checked."""
+    page = 4
+    r = make_rig(page=page, num_slots=160, sliding_window=sliding_window)
+    r.cache.open_session("a")
+    a1 = r.turn("a", "a1", _prompt(40, base=5))
+    r.drive.run_turn(a1, 30)  # 69 committed: 40 shared with the tree, 32 held
+    slot = r.cache.session("a")
+    assert (slot.committed_len, r.check.check_idle().free) == (69, 160 - 72)
+    big = r.turn(None, "big", _prompt(100, base=1))
+    r.drive.admit(big)
+    r.drive.prefill(big)  # 100 slots, 88 free: a is evicted, then 12 more are needed
+    assert slot.evictions == 1 and not slot.holds_kv
+    terms = r.busy(big)
+    nxt = r.turn("a", "a2", a1.tokens + [7, 8])
+    if sliding_window is None:
+        # 68 whole pages into the tree, the partial one (4 slots) freed, 8 more cut off the end
+        assert terms.evictable == 60 and r.cache.radix.match_prefix(a1.tokens).length == 60
+        assert r.drive.admit(nxt) == 60 and nxt.req.cached_source == "radix"
+    else:
+        cached = r.drive.admit(nxt)  # the driver checks the window it goes on from
+        assert cached % page == 0 and cached <= 40
+    r.drive.sample(big)
+    r.cache.finish(big.req, big.tokens)
+    r.drive.complete(nxt)
+    r.all_free()
+
+
 def test_borrowed_slot_is_never_evicted_and_full_pool_is_clean_error(make_rig) -> None:
     r = make_rig(page=4, num_slots=4 * 20)
     r.cache.open_session("a")

@@ -111,8 +111,9 @@ def test_seeded_sampling_in_a_session_equals_non_session() -> None:
 
 
 def test_evicted_session_reprefills_from_its_token_log() -> None:
-    """Under pressure an idle session's KV is evicted; its next turn re-prefills from the
-    token log and still equals the full-history request."""
+    """Under pressure an idle session's KV is evicted into the radix tree, which gives up its
+    end to the big request; the next turn reuses the beginning the tree kept, re-prefills the
+    rest from the token log, and still equals the full-history request."""
     model = tiny_model()
     engine = tiny_engine(model, page_size=4, num_slots=4 * 40, max_rows=8, max_context_len=150)
     reference = tiny_engine(model, radix=False)
@@ -123,7 +124,8 @@ def test_evicted_session_reprefills_from_its_token_log() -> None:
     assert engine.cache.session(a).evictions == 1 and engine.session_info(a).held_tokens == 0
     (r2,) = engine.generate([_new_input(1, 5)], params, session_id=a)
     full = _new_input(0, 40) + r1.output_ids + _new_input(1, 5)
-    assert r2.prompt_tokens == len(full) and r2.cached_source != "session"
+    assert r2.prompt_tokens == len(full) and r2.cached_source == "radix"
+    assert 0 < r2.cached_tokens < len(_new_input(0, 40)) + len(r1.output_ids) - 4
     assert r2.output_ids == reference.generate([full], params)[0].output_ids
     engine.close_session(a)
     engine.checker.check_idle()
