@@ -79,7 +79,8 @@ def free_port() -> int:
 def app_args(model_dir: str) -> dict:
     return {
         "engine": {
-            "model": {"path": model_dir, "torch_threads": 1},
+            # fp32 whatever `auto` picks on this CPU: the tests compare tokens exactly
+            "model": {"path": model_dir, "torch_threads": 1, "dtype": "float32"},
             "cache": {"page_size": 4, "num_slots": 8192, "max_rows": 64, "max_context_len": 2048},
             "sessions": {"implicit_open": False, "default_ttl_s": 600},
             "scheduler": {"max_prefill_tokens": 64},

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sessionserve.config import CacheConfig, EngineConfig
+from sessionserve.config import CacheConfig, EngineConfig, ModelConfig
 from sessionserve.replicas.engine import Engine
 from sessionserve.wire import FinishReason, SamplingParams
 from tests.markers import needs_default_model
@@ -19,6 +19,7 @@ def _chat_ids(tokenizer, messages: list[dict]) -> list[int]:
 
 
 def test_two_turn_chat_about_a_fact_reuses_the_session() -> None:
+    """In the dtype `auto` picks here: bf16 on a CPU with native bf16, else fp32."""
     engine = Engine(
         EngineConfig(
             cache=CacheConfig(num_slots=4096, max_rows=16), memory_check="every_step", compile=False
@@ -52,7 +53,10 @@ def test_speculative_greedy_equals_plain_on_the_default_model() -> None:
     from sessionserve.training.drafter import initial_drafter
 
     cfg = EngineConfig(
-        cache=CacheConfig(num_slots=4096, max_rows=16), memory_check="every_step", compile=False
+        model=ModelConfig(dtype="float32"),  # exact equality: not bf16's shape-dependent sums
+        cache=CacheConfig(num_slots=4096, max_rows=16),
+        memory_check="every_step",
+        compile=False,
     )
     plain = Engine(cfg)
     model = plain.loaded.model

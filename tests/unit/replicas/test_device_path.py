@@ -94,8 +94,15 @@ def test_auto_falls_back_to_torch_with_the_reason(monkeypatch, caplog) -> None:
         select_backend("flashinfer", cuda, dtype=torch.float32, head_dim=64)
 
 
-def test_dtype_auto_is_bf16_on_cuda_and_fp32_on_cpu() -> None:
-    assert ModelConfig().torch_dtype() is torch.float32
+@pytest.mark.parametrize("native_bf16", [False, True])
+def test_dtype_auto_is_bf16_on_cuda_and_on_cpus_with_native_bf16(
+    monkeypatch, native_bf16: bool
+) -> None:
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: native_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    cpu = torch.bfloat16 if native_bf16 else torch.float32
+    assert ModelConfig().torch_dtype() is cpu
+    assert ModelConfig(dtype="float32").torch_dtype() is torch.float32
     assert ModelConfig(device="cuda").torch_dtype() is torch.bfloat16
     assert ModelConfig(device="cuda:1", dtype="float16").torch_dtype() is torch.float16
 

@@ -116,7 +116,7 @@ def test_cli_trains_and_the_engine_serves_with_the_result(target_dir, tmp_path, 
     assert "wrote the EAGLE head" in capsys.readouterr().out
     assert "d2t" not in load_file(str(out / "model.safetensors"))  # full vocabulary
     cfg = EngineConfig(
-        model=ModelConfig(path=str(target_dir)),
+        model=ModelConfig(path=str(target_dir), dtype="float32"),  # as trained: exact tokens
         cache=CacheConfig(num_slots=2048, max_context_len=512),
         spec=SpecConfig(drafter_path=str(out), num_drafts=3, adaptive=False),
         memory_check="every_step",
