@@ -31,9 +31,9 @@ class ModelConfig(_Strict):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto",
         description="Weights and KV dtype. auto = bfloat16 on CUDA and on CPUs with native "
-        "bf16 dot products (AVX512-BF16 or AMX: 1.4-1.8x faster than float32 on an AMD EPYC "
-        "Zen 4, docs/benchmarks.md), float32 on other CPUs (where bf16 matmuls are emulated "
-        "and slow).",
+        "bf16 dot products (AVX512-BF16 or AMX: the compiled forward 1.5-1.7x faster than in "
+        "float32 on an AMD EPYC Zen 4, docs/benchmarks.md), float32 on other CPUs (where bf16 "
+        "matmuls are emulated and slow).",
     )
     device: str = Field("cpu", description='torch device, e.g. "cpu" or "cuda".')
     torch_threads: int | None = Field(
