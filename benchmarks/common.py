@@ -49,8 +49,8 @@ class ForwardTimer:
         self.eng.runner.forward = self.inner
 
 
-def load(path: str = "default") -> LoadedModel:
-    return load_model(path, torch.float32)
+def load(path: str = "default", dtype: torch.dtype = torch.float32) -> LoadedModel:
+    return load_model(path, dtype)
 
 
 def engine(

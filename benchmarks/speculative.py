@@ -19,6 +19,7 @@ the measured pass, as a serving replica long has (--cold measures its first pass
     .venv/bin/sessionserve train-drafter            # once: writes drafters/default
     .venv/bin/python -m benchmarks.speculative [--drafter drafters/default] [--num-drafts 4]
         [--tree-topk 2 --tree-budget 8]    # EAGLE-2 trees from the head (greedy requests)
+        [--dtype bfloat16]                 # weights and KV in bf16 (default float32)
 
 Last line: JSON with accept_len (mean tokens per verify step, EAGLE's tau, head, chat, first
 concurrency), speedup_1/_8/_32 (head, chat: decode tokens/s with / without speculation),
@@ -33,6 +34,8 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 from benchmarks.common import emit, load, machine, setup_threads
 from sessionserve.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
@@ -309,6 +312,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=1, help="plain/speculative pairs per point")
     ap.add_argument("--only", nargs="*", help="run only these points (e.g. agent_1 8 32)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--no-compile", dest="compile", action="store_false")
     ap.add_argument("--no-adaptive", dest="adaptive", action="store_false")
     ap.add_argument(
@@ -333,7 +337,7 @@ def main() -> int:
     prompts = shipped_prompts()[: len(EVAL_PROMPTS)] if args.seen_prompts else EVAL_PROMPTS
     chat = Workload("chat", [(Turn(p), Turn(FOLLOW_UP)) for p in prompts])
     setup_threads(args.threads)
-    loaded = load()
+    loaded = load(dtype=getattr(torch, args.dtype))
     tree = f" tree {args.tree_topk}/{args.tree_budget}" if args.tree_topk > 1 else ""
     print(f"machine: {machine()}  drafter: {args.drafter}  k={args.num_drafts}{tree}")
     summary: dict = {
