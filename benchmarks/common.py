@@ -84,6 +84,13 @@ def engine(
     return Engine(cfg, loaded)
 
 
+def finish_prefills(eng: Engine) -> None:
+    """Step `eng` until every request it holds is decoding (prompts computed, a token sampled):
+    what is timed after this is decode steps only."""
+    while eng.scheduler.waiting or not all(r.sampled for r in eng.scheduler.running):
+        eng.step()
+
+
 def alternate_decode_steps(
     eng: Engine, variants: dict[str, Callable[[], None]], rounds: int, steps: int
 ) -> dict[str, float]:
@@ -91,8 +98,7 @@ def alternate_decode_steps(
     that switches the engine to it), prefills first done, variants alternating `rounds` times
     so drift on a shared machine falls on all of them; the first step after a switch is not
     timed."""
-    while eng.scheduler.waiting or not all(r.sampled for r in eng.scheduler.running):
-        eng.step()
+    finish_prefills(eng)
     times: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(rounds):
         for name, switch in variants.items():

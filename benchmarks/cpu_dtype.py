@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from benchmarks.common import emit, engine, machine, median, setup_threads
+from benchmarks.common import emit, engine, finish_prefills, machine, median, setup_threads
 from sessionserve.config import cpu_has_native_bf16
 from sessionserve.replicas.engine import Engine
 from sessionserve.replicas.loader import load_model
@@ -47,8 +47,7 @@ def decode_ms(eng: Engine, rng: random.Random, batch: int, steps: int) -> float:
     params = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)
     for i in range(batch):
         eng.submit([i + 3] + prompt(rng, eng.tokenizer, 200), params)
-    while eng.scheduler.waiting or not all(r.sampled for r in eng.scheduler.running):
-        eng.step()  # prefills done: what is timed is decode steps only
+    finish_prefills(eng)
     eng.step()
     started = time.perf_counter()
     for _ in range(steps):
