@@ -25,8 +25,15 @@ from sessionserve.replicas.attention.inplace_decode import DecodeAttention, Deco
 from sessionserve.replicas.compiled_forward import build_once, builder_tag
 
 log = logging.getLogger(__name__)
-KERNEL_FORMAT = 3  # bump when inplace_decode.decode_attention changes
+KERNEL_FORMAT = 4  # bump when inplace_decode.decode_attention or the export example changes
 CHUNKS_PER_THREAD = 4  # the context's parts per thread (decode_attention's `chunks`)
+# The export example: inductor decides which loops run on every thread from these sizes, and
+# from a toy example (2 rows of 2 slots a part, as before) it ran the softmax's loops on one
+# thread and split the scores only over rows (one thread for one row). A decode batch of 16
+# over 96 slots a part is a size it sees in service. Sizes 0 and 1 would be specialized.
+EXAMPLE_ROWS = 16
+EXAMPLE_PART_WIDTH = 96
+EXAMPLE_POOL_SLOTS = 4096
 
 
 @dataclass(frozen=True)
@@ -58,25 +65,32 @@ def kernel_chunks() -> int:
     return CHUNKS_PER_THREAD * torch.get_num_threads()
 
 
-def build_kernel(path: Path, layout: HeadLayout) -> None:
-    """Export `decode_attention` with the batch, context width (a multiple of
-    `kernel_chunks()`) and pool size dynamic, and compile it into a package written
-    atomically to `path`."""
+def build_kernel(
+    path: Path,
+    layout: HeadLayout,
+    module: torch.nn.Module | None = None,
+    example_rows: int = EXAMPLE_ROWS,
+    example_part_width: int = EXAMPLE_PART_WIDTH,
+) -> None:
+    """Export `decode_attention` (or `module`, called the same way: benchmarks compare
+    formulations) with the batch, context width (a multiple of `kernel_chunks()`) and pool size
+    dynamic, and compile it into a package written atomically to `path`."""
     dtype, chunks = getattr(torch, layout.dtype.removeprefix("torch.")), kernel_chunks()
     heads, kv_heads, dim = layout.num_heads, layout.num_kv_heads, layout.head_dim
-    pool = torch.zeros(64, kv_heads, dim, dtype=dtype)
-    example = (  # two rows of two slots a part: sizes 0 and 1 would be specialized
-        torch.zeros(2, heads, dim, dtype=dtype),
+    pool = torch.zeros(EXAMPLE_POOL_SLOTS, kv_heads, dim, dtype=dtype)
+    example_width = example_part_width * chunks
+    example = (  # the shapes inductor sizes its loops' threading for (all stay dynamic)
+        torch.zeros(example_rows, heads, dim, dtype=dtype),
         pool,
         pool.clone(),
-        torch.zeros(2, 2 * chunks, dtype=torch.int64),
-        torch.full((2,), 2 * chunks, dtype=torch.int64),
+        torch.zeros(example_rows, example_width, dtype=torch.int64),
+        torch.full((example_rows,), example_width, dtype=torch.int64),
     )
     rows, slots = torch.export.Dim("rows", min=1), torch.export.Dim("pool_slots", min=2)
     width = chunks * torch.export.Dim("chunk_width", min=1)
     started = time.monotonic()
     program = torch.export.export(
-        DecodeAttention(chunks, layout.scale),
+        module or DecodeAttention(chunks, layout.scale),
         example,
         dynamic_shapes=({0: rows}, {0: slots}, {0: slots}, {0: rows, 1: width}, {0: rows}),
     )

@@ -40,8 +40,12 @@ def decode_attention(
     kv_heads, head_dim = k_pool.shape[1], k_pool.shape[2]
     parts = slots.view(batch, chunks, -1).transpose(0, 1)  # [C, B, L/C]
     q = (query.float() * scale).view(1, batch, 1, kv_heads, -1, head_dim)  # [1,B,1,KVH,G,D]
+    group = q.shape[4]  # query heads per KV head
     keys = k_pool[parts].float()  # [C, B, L/C, KVH, D]: indexing a compiler fuses into loads
-    scores = (q * keys[..., None, :]).sum(-1)  # [C, B, L/C, KVH, G]
+    # One reduction per query head of the group, stacked (not one broadcast over the group):
+    # inductor then fuses them into one loop that loads and converts each K row once, not
+    # once per query head (1.2-1.9x the kernel on an AVX-512 CPU, benchmarks/decode_attention.py)
+    scores = torch.stack([(q[..., g, :] * keys).sum(-1) for g in range(group)], -1)
     position = torch.arange(width, device=slots.device).view(chunks, 1, -1)
     seen = position < lens[None, :, None]  # [C, B, L/C]
     scores = scores.masked_fill(~seen[..., None, None], float("-inf"))
@@ -49,7 +53,8 @@ def decode_attention(
     top = scores.amax(2, keepdim=True).clamp(min=torch.finfo(torch.float32).min)
     weights = torch.exp(scores - top)
     values = v_pool[parts].float()
-    partial = (weights[..., None] * values[..., None, :]).sum(2)  # [C, B, KVH, G, D]
+    # [C, B, KVH, G, D], likewise one V row load for the whole group
+    partial = torch.stack([(weights[..., g, None] * values).sum(2) for g in range(group)], 3)
     top = top[:, :, 0]  # [C, B, KVH, G]
     rescale = torch.exp(top - top.amax(0))
     total = (weights.sum(2) * rescale).sum(0)  # [B, KVH, G]

@@ -1,0 +1,207 @@
+"""The in-place decode attention kernel alone: today's formulation against the one before it.
+
+`replicas/compiled_attention.py` compiles `decode_attention` (`attention/inplace_decode.py`)
+with AOTInductor. Until 2026-11-25 it was exported from a toy example (2 rows of 2 slots a
+part), from which inductor split the scores' loop over rows only and ran the softmax's loops
+on one thread, and its scores broadcast the query over the group of query heads sharing a KV
+head, which inductor compiled into a loop that loads and converts each K row once per query
+head. This builds both kernels in this run (seconds each, in a temporary directory), calls
+them on the same pool (random 16-slot pages) and rows, rounds alternating, and checks that
+they agree.
+
+With `--engine-points`, the same two kernels also take turns inside the engine (the default
+model, compiled forward, in the same dtype): ms per decode step of B requests over L-token
+contexts, alternating rounds on the same requests (what a served decode step gains).
+
+    .venv/bin/python -m benchmarks.decode_attention [--points 1x300 8x300 1x2000 8x2000]
+        [--engine-points 1x300 8x300 4x1000]
+
+Defaults: SmolLM2-135M's head layout (9 query heads, 3 KV heads, 64 wide) in bf16.
+Last line: JSON with `us_now_{B}x{L}`, `us_before_{B}x{L}` and `speedup_{B}x{L}` (the kernel
+alone), and `step_ms_now_{B}x{L}`, `step_ms_before_{B}x{L}`, `step_speedup_{B}x{L}`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import (
+    alternate_decode_steps,
+    emit,
+    engine,
+    load,
+    machine,
+    median,
+    setup_threads,
+)
+from sessionserve.replicas.attention.inplace_decode import DecodeKernel
+from sessionserve.replicas.compiled_attention import HeadLayout, build_kernel, kernel_chunks
+from sessionserve.wire import SamplingParams
+
+PAGE = 16
+
+
+class BroadcastGroup(torch.nn.Module):
+    """The formulation before 2026-11-25: the group's query heads broadcast against each K
+    and V row (the rest as `decode_attention`)."""
+
+    def __init__(self, chunks: int, scale: float) -> None:
+        super().__init__()
+        self.chunks, self.scale = chunks, scale
+
+    def forward(self, query, k_pool, v_pool, slots, lens):  # noqa: ANN001, ANN201 - as the kernel
+        batch, width = slots.shape
+        kv_heads, head_dim = k_pool.shape[1], k_pool.shape[2]
+        parts = slots.view(batch, self.chunks, -1).transpose(0, 1)
+        q = (query.float() * self.scale).view(1, batch, 1, kv_heads, -1, head_dim)
+        scores = (q * k_pool[parts].float()[..., None, :]).sum(-1)
+        position = torch.arange(width, device=slots.device).view(self.chunks, 1, -1)
+        seen = position < lens[None, :, None]
+        scores = scores.masked_fill(~seen[..., None, None], float("-inf"))
+        top = scores.amax(2, keepdim=True).clamp(min=torch.finfo(torch.float32).min)
+        weights = torch.exp(scores - top)
+        partial = (weights[..., None] * v_pool[parts].float()[..., None, :]).sum(2)
+        top = top[:, :, 0]
+        rescale = torch.exp(top - top.amax(0))
+        total = (weights.sum(2) * rescale).sum(0)
+        out = (partial * rescale[..., None]).sum(0) / total[..., None]
+        return out.reshape(query.shape).to(query.dtype)
+
+
+def build_both(layout: HeadLayout, where: Path) -> dict[str, object]:
+    started = time.monotonic()
+    now_path, before_path = where / "now.pt2", where / "before.pt2"
+    build_kernel(now_path, layout)
+    baseline = BroadcastGroup(kernel_chunks(), layout.scale)
+    build_kernel(before_path, layout, baseline, example_rows=2, example_part_width=2)
+    print(f"built both kernels in {time.monotonic() - started:.0f} s", flush=True)
+    load = torch._inductor.aoti_load_package
+    return {"now": load(str(now_path)), "before": load(str(before_path))}
+
+
+def inputs(layout: HeadLayout, batch: int, context: int, pool_slots: int, seed: int):
+    """A query, the pools, and each row's slots: `context` tokens on random pages, padded to
+    a multiple of the kernel's parts."""
+    gen = torch.Generator().manual_seed(seed)
+    dtype = getattr(torch, layout.dtype.removeprefix("torch."))
+    shape = (pool_slots, layout.num_kv_heads, layout.head_dim)
+    k_pool = torch.randn(shape, generator=gen).to(dtype)
+    v_pool = torch.randn(shape, generator=gen).to(dtype)
+    query = torch.randn(batch, layout.num_heads, layout.head_dim, generator=gen).to(dtype)
+    chunks = kernel_chunks()
+    width = -(-context // chunks) * chunks
+    pages_each = -(-width // PAGE)
+    pages = torch.randperm(pool_slots // PAGE, generator=gen)[: batch * pages_each]
+    slots = (pages.view(batch, pages_each, 1) * PAGE + torch.arange(PAGE)).view(batch, -1)
+    lens = torch.full((batch,), context, dtype=torch.int64)
+    return query, k_pool, v_pool, slots[:, :width].contiguous(), lens
+
+
+def time_point(kernels: dict, args_: tuple, rounds: int, calls: int) -> dict[str, float]:
+    """Median us per call of each kernel over `rounds` alternating rounds of `calls` calls."""
+    times: dict[str, list[float]] = {name: [] for name in kernels}
+    for _ in range(rounds):
+        for name, kernel in kernels.items():
+            kernel(*args_)
+            started = time.perf_counter()
+            for _ in range(calls):
+                kernel(*args_)
+            times[name].append((time.perf_counter() - started) / calls * 1e6)
+    return {name: median(ts) for name, ts in times.items()}
+
+
+def engine_step_ms(
+    loaded, kernels: dict, scale: float, batch: int, context: int, rounds: int, steps: int
+) -> dict[str, float]:
+    """Median ms per decode step of the compiled engine with each kernel installed."""
+    tokens = rounds * len(kernels) * (steps + 1) + 8
+    eng = engine(
+        loaded,
+        sessions=False,
+        radix=False,
+        compile=True,
+        max_running=batch,
+        num_slots=batch * (context + tokens + 16) + 256,
+        prefill=2048,
+    )
+    if eng.runner.compiling is not None:
+        eng.runner.compiling.join()
+    backend = eng.runner.backend
+    if backend.decode_kernel is None:
+        raise SystemExit("the in-place decode kernel did not install (see the log above)")
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    for b in range(batch):
+        eng.submit([100 + (b * 7 + i) % 9000 for i in range(context)], params)
+    installed = {
+        name: DecodeKernel(kernel, kernel_chunks(), scale) for name, kernel in kernels.items()
+    }
+    variants = {
+        name: (lambda k=k: setattr(backend, "decode_kernel", k)) for name, k in installed.items()
+    }
+    ms = alternate_decode_steps(eng, variants, rounds, steps)
+    eng.close()
+    return ms
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--points", nargs="+", default=["1x300", "1x2000", "4x1000", "8x300", "8x2000"])
+    ap.add_argument("--engine-points", nargs="*", default=[])
+    ap.add_argument("--engine-rounds", type=int, default=4)
+    ap.add_argument("--engine-steps", type=int, default=8)
+    ap.add_argument("--heads", type=int, default=9)
+    ap.add_argument("--kv-heads", type=int, default=3)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    ap.add_argument("--pool-slots", type=int, default=65536)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--calls", type=int, default=50)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    setup_threads(args.threads)
+    layout = HeadLayout(
+        args.heads, args.kv_heads, args.head_dim, f"torch.{args.dtype}", args.head_dim**-0.5
+    )
+    summary = {"benchmark": "decode_attention", "machine": machine(), "dtype": args.dtype}
+    with tempfile.TemporaryDirectory() as tmp, torch.inference_mode():
+        kernels = build_both(layout, Path(tmp))
+        header = ("batch x context", "now us", "before us", "speedup", "max diff")
+        print("{:>16} {:>8} {:>10} {:>8} {:>9}".format(*header))
+        for i, point in enumerate(args.points):
+            batch, context = (int(x) for x in point.split("x"))
+            args_ = inputs(layout, batch, context, args.pool_slots, seed=i)
+            diff = (kernels["now"](*args_).float() - kernels["before"](*args_).float()).abs()
+            us = time_point(kernels, args_, args.rounds, args.calls)
+            ratio = us["before"] / us["now"]
+            print(
+                f"{point:>16} {us['now']:>8.0f} {us['before']:>10.0f} {ratio:>7.2f}x "
+                f"{diff.max().item():>9.1e}",
+                flush=True,
+            )
+            summary[f"us_now_{point}"] = round(us["now"], 1)
+            summary[f"us_before_{point}"] = round(us["before"], 1)
+            summary[f"speedup_{point}"] = round(ratio, 3)
+            summary[f"max_diff_{point}"] = diff.max().item()
+        if args.engine_points:
+            loaded = load("default", getattr(torch, args.dtype))
+            print(f"{'engine B x L':>16} {'now ms':>8} {'before ms':>10} {'speedup':>8}")
+        for point in args.engine_points:
+            batch, context = (int(x) for x in point.split("x"))
+            ms = engine_step_ms(
+                loaded, kernels, layout.scale, batch, context, args.engine_rounds, args.engine_steps
+            )
+            ratio = ms["before"] / ms["now"]
+            print(f"{point:>16} {ms['now']:>8.1f} {ms['before']:>10.1f} {ratio:>7.2f}x", flush=True)
+            summary[f"step_ms_now_{point}"] = round(ms["now"], 2)
+            summary[f"step_ms_before_{point}"] = round(ms["before"], 2)
+            summary[f"step_speedup_{point}"] = round(ratio, 3)
+    emit(summary)
+
+
+if __name__ == "__main__":
+    main()
