@@ -22,7 +22,7 @@ import torch
 
 import sessionserve
 from sessionserve.replicas.attention.inplace_decode import DecodeAttention, DecodeKernel
-from sessionserve.replicas.compiled_forward import build_once, builder_tag
+from sessionserve.replicas.compiled_forward import build_once, builder_tag, load_flat
 
 log = logging.getLogger(__name__)
 KERNEL_FORMAT = 4  # bump when inplace_decode.decode_attention or the export example changes
@@ -118,8 +118,8 @@ def load_decode_kernel(layout: HeadLayout, cache_dir: Path) -> DecodeKernel | No
             f"this head layout, threads and CPU; cached at {path})",
             log,
         )
-        package = torch._inductor.aoti_load_package(str(path))
-        kernel = DecodeKernel(package, kernel_chunks(), layout.scale)
+        package = load_flat(path)
+        kernel = DecodeKernel(lambda *args: package(*args)[0], kernel_chunks(), layout.scale)
         log.info("compile: decode rows attend over the KV pool in place (%s)", path.name)
         return kernel
     except Exception as e:  # noqa: BLE001 - any failure leaves the copying path working

@@ -106,6 +106,31 @@ def test_the_compiled_kernel_equals_the_formula_at_any_shape(kernel, batch, part
     torch.testing.assert_close(got, reference)
 
 
+def test_the_flat_call_equals_the_packaged_models_own_call(kernel, kernel_dir, monkeypatch) -> None:
+    """`load_flat` calls the package's runner without its pytree wrapper; a torch whose loaded
+    package has no runner to reach gets the plain call, with the same flat outputs."""
+    from sessionserve.replicas.compiled_forward import load_flat
+
+    path = compiled_attention.kernel_path(kernel_dir, LAYOUT)
+    case = random_case(3, 2 * kernel.chunks, 4, 2)
+    model = torch._inductor.aoti_load_package(str(path))
+    want = model(*case)
+    (got,) = load_flat(path)(*case)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+    class Wrapped:  # what another torch's loader might hand back: callable, nothing else
+        def __init__(self, inner) -> None:
+            self.inner = inner
+
+        def __call__(self, *args):
+            return self.inner(*args)
+
+    real_load = torch._inductor.aoti_load_package
+    monkeypatch.setattr(torch._inductor, "aoti_load_package", lambda p: Wrapped(real_load(p)))
+    (plain,) = load_flat(path)(*case)
+    torch.testing.assert_close(plain, want, atol=0, rtol=0)
+
+
 def test_the_kernel_loads_from_the_cache_and_a_failed_build_says_why(
     kernel, kernel_dir, tmp_path, monkeypatch, caplog
 ) -> None:
