@@ -11,6 +11,7 @@ through each package, alternating; median ms a step and the ratio forward's / pr
 (above 1: the prefill package is faster).
 
     .venv/bin/python -m benchmarks.package_split [--batches 1 2 4 8 16] [--threads 2]
+        [--dtype float32|bfloat16]
 """
 
 from __future__ import annotations
@@ -34,17 +35,18 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = ap.parse_args()
     setup_threads(args.threads)
     chunk = 512
     cfg = EngineConfig(
-        model=ModelConfig(path="default", torch_threads=args.threads),
+        model=ModelConfig(path="default", torch_threads=args.threads, dtype=args.dtype),
         cache=CacheConfig(num_slots=23296, max_rows=96, max_context_len=4096),
         scheduler=SchedulerConfig(max_running_requests=32, max_prefill_tokens=chunk),
         compile=True,
         compile_prefill=True,
     )
-    eng = Engine(cfg, load("default"))
+    eng = Engine(cfg, load("default", cfg.model.torch_dtype()))
     runner = eng.runner
     forward, prefill = runner.compiled, runner.compiled_prefill
     if forward is None or prefill is None:
@@ -55,7 +57,7 @@ def main() -> None:
     def route(name: str) -> None:  # every decode step through `name`'s package
         prefill.min_tokens = 1 if name == "prefill" else forward.max_tokens + 1
 
-    summary: dict = {"machine": machine(), "prompt": args.prompt}
+    summary: dict = {"machine": machine(), "prompt": args.prompt, "dtype": args.dtype}
     for batch in args.batches:
         route("forward")
         params = SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True)

@@ -259,15 +259,16 @@ class EngineConfig(_Strict):
         "where it is 1.05x faster or more (SmolLM2, 2 cores: 1.22-1.55x on an AMD EPYC with "
         "AVX-512, slower from 128 tokens on an AVX2 CPU). false: those steps run eagerly.",
     )
-    compile_prefill_min_tokens: int = Field(
-        6,
+    compile_prefill_min_tokens: int | None = Field(
+        None,
         ge=1,
         le=4097,
         description="Steps of at least this many tokens (and at most compile_max_tokens + 1) run "
         "through the prefill package when one is installed; the compiled forward keeps the "
-        "shorter ones. SmolLM2, 2 cores of an AMD EPYC with AVX-512, decode steps of B "
-        "requests, the prefill package's speed over the forward's (benchmarks/package_split.py): "
-        "B = 1 0.73x, 2 0.65x, 4 0.84x, 6 1.10x, 8 1.12x, 16 1.37x.",
+        "shorter ones. Default: 5 for a bf16 model, 6 otherwise. SmolLM2, 2 cores of an AMD "
+        "EPYC with AVX-512, decode steps of B requests, the prefill package's speed over the "
+        "forward's (benchmarks/package_split.py): fp32 B = 1 0.73x, 2 0.65x, 4 0.84x, 6 1.10x, "
+        "8 1.12x, 16 1.37x; bf16 B = 4 0.77x, 5 1.19x, 6 1.47x, 8 1.85x, 16 2.37x.",
     )
     compile_cache_dir: str | None = Field(
         None,
@@ -295,6 +296,14 @@ class EngineConfig(_Strict):
     memory_check_period_s: float = Field(
         10.0, gt=0, description="Seconds between checks under memory_check: periodic."
     )
+
+    def prefill_package_min_tokens(self) -> int:
+        """`compile_prefill_min_tokens`, or its default for this model's dtype: the forward's
+        package has its GEMMs tuned for 2 rows, and in bf16 they fall behind the prefill
+        package's oneDNN ones from 5 rows on, in fp32 from 6 (benchmarks/package_split.py)."""
+        if self.compile_prefill_min_tokens is not None:
+            return self.compile_prefill_min_tokens
+        return 5 if str(self.model.torch_dtype()) == "torch.bfloat16" else 6
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:
