@@ -297,13 +297,14 @@ class EngineConfig(_Strict):
         10.0, gt=0, description="Seconds between checks under memory_check: periodic."
     )
 
-    def prefill_package_min_tokens(self) -> int:
-        """`compile_prefill_min_tokens`, or its default for this model's dtype: the forward's
-        package has its GEMMs tuned for 2 rows, and in bf16 they fall behind the prefill
-        package's oneDNN ones from 5 rows on, in fp32 from 6 (benchmarks/package_split.py)."""
+    def prefill_package_min_tokens(self, dtype: torch.dtype) -> int:
+        """`compile_prefill_min_tokens`, or its default for a model loaded in `dtype`: the
+        forward's package has its GEMMs tuned for 2 rows, and in bf16 they fall behind the
+        prefill package's oneDNN ones from 5 rows on, in fp32 from 6
+        (benchmarks/package_split.py)."""
         if self.compile_prefill_min_tokens is not None:
             return self.compile_prefill_min_tokens
-        return 5 if str(self.model.torch_dtype()) == "torch.bfloat16" else 6
+        return 5 if str(dtype) == "torch.bfloat16" else 6
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:

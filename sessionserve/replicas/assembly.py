@@ -125,7 +125,7 @@ def compile_forwards(cfg: EngineConfig, model: Any, runner: ModelRunner) -> None
         plan,
         model,
         1 << (longest - 1).bit_length(),
-        cfg.prefill_package_min_tokens(),
+        cfg.prefill_package_min_tokens(next(model.parameters()).dtype),
     )
     plans = [(plan, lambda compiled: setattr(runner, "compiled", compiled))]
     if prefill.enabled:

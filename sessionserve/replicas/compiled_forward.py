@@ -172,6 +172,8 @@ def package_key(
         facts["feature_layers"] = list(feature_layers)
     if (example_tokens, autotune) != (DECODE_EXAMPLE_TOKENS, True):  # likewise
         facts["example_tokens"], facts["autotune"] = example_tokens, autotune
+    if not autotune:  # such packages merge the GEMMs that share an input (build_package)
+        facts["concat_linear"] = True
     digest.update(json.dumps(facts, sort_keys=True).encode())
     return digest.hexdigest()
 
@@ -215,6 +217,11 @@ def build_package(
                     "freezing": True,
                     "max_autotune": autotune,
                     "compile_threads": 1,
+                    # without autotuning (the prefill package: oneDNN GEMMs, ~10 us of
+                    # overhead a call) q/k/v and gate/up become one GEMM each: 121 calls a
+                    # step, not 211, 1.05x a decode step of 8 or 16 rows in bf16 (ad hoc);
+                    # the autotuned package's templates lost with it (0.87-0.93x)
+                    "cpp.enable_concat_linear": not autotune,
                 },
             )
             os.replace(partial, path)
