@@ -33,12 +33,12 @@ import torch
 from benchmarks.common import (
     alternate_decode_steps,
     emit,
-    engine,
     load,
     machine,
     median,
     setup_threads,
 )
+from benchmarks.paged_gather import compiled_engine
 from sessionserve.replicas.attention.inplace_decode import DecodeKernel
 from sessionserve.replicas.compiled_attention import HeadLayout, build_kernel, kernel_chunks
 from sessionserve.replicas.compiled_forward import load_flat
@@ -125,20 +125,10 @@ def engine_step_ms(
 ) -> dict[str, float]:
     """Median ms per decode step of the compiled engine with each kernel installed."""
     tokens = rounds * len(kernels) * (steps + 1) + 8
-    eng = engine(
-        loaded,
-        sessions=False,
-        radix=False,
-        compile=True,
-        max_running=batch,
-        num_slots=batch * (context + tokens + 16) + 256,
-        prefill=2048,
+    eng = compiled_engine(
+        loaded, max_running=batch, num_slots=batch * (context + tokens + 16) + 256, prefill=2048
     )
-    if eng.runner.compiling is not None:
-        eng.runner.compiling.join()
     backend = eng.runner.backend
-    if backend.decode_kernel is None:
-        raise SystemExit("the in-place decode kernel did not install (see the log above)")
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
     for b in range(batch):
         eng.submit([100 + (b * 7 + i) % 9000 for i in range(context)], params)
