@@ -302,9 +302,11 @@ class EngineConfig(_Strict):
         forward's package has its GEMMs tuned for 2 rows, and in bf16 they fall behind the
         prefill package's oneDNN ones from 5 rows on, in fp32 from 6
         (benchmarks/package_split.py)."""
+        import torch
+
         if self.compile_prefill_min_tokens is not None:
             return self.compile_prefill_min_tokens
-        return 5 if str(dtype) == "torch.bfloat16" else 6
+        return 5 if dtype == torch.bfloat16 else 6
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:

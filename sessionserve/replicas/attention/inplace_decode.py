@@ -44,7 +44,8 @@ def decode_attention(
     keys = k_pool[parts].float()  # [C, B, L/C, KVH, D]: indexing a compiler fuses into loads
     # One reduction per query head of the group, stacked (not one broadcast over the group):
     # inductor then fuses them into one loop that loads and converts each K row once, not
-    # once per query head (1.2-1.9x the kernel on an AVX-512 CPU, benchmarks/decode_attention.py)
+    # once per query head (with compiled_attention's export sizes, the kernel is 1.4-2.1x the
+    # broadcast form's on an AVX-512 CPU: benchmarks/decode_attention.py)
     scores = torch.stack([(q[..., g, :] * keys).sum(-1) for g in range(group)], -1)
     position = torch.arange(width, device=slots.device).view(chunks, 1, -1)
     seen = position < lens[None, :, None]  # [C, B, L/C]
