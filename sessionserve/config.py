@@ -282,7 +282,9 @@ class EngineConfig(_Strict):
         "host work hides behind the device's. A decode is scheduled before its previous token "
         "is known and the forward reads that token when it starts; steps that need what the "
         "running one produces (a retraction, KV too short) wait for it first, as do requests "
-        "with a grammar or sampling penalties. Not with speculative decoding yet. Worth it "
+        "with a grammar or sampling penalties. With speculative decoding, a step that verifies "
+        "drafts runs with nothing in flight (its drafts follow the previous token, and what it "
+        "accepts decides where the next step starts); steps without drafts overlap. Worth it "
         "where the forward runs on a GPU; on a CPU the forward's threads take the cores the "
         "host work would use (docs/benchmarks.md).",
     )
@@ -312,11 +314,6 @@ class EngineConfig(_Strict):
     def _check(self) -> EngineConfig:
         if self.cache.num_slots < self.cache.page_size:
             raise ValueError("cache.num_slots must hold at least one page")
-        if self.overlap_schedule and self.spec.enabled:
-            raise ValueError(
-                "engine.overlap_schedule does not combine with speculative decoding yet: "
-                "turn off spec.drafter_path and spec.history_drafts, or overlap_schedule"
-            )
         return self
 
 

@@ -12,9 +12,11 @@
 
 With `engine.overlap_schedule` the same parts run in another order: step N+1 is scheduled and
 prepared, then submitted to the forward thread (forward_thread.py) behind step N, and only
-then are step N's results processed, while N+1 computes. A step that cannot be scheduled
-before N's results are known (`OverlapStall`, or a request with a grammar or penalties)
-processes N first.
+then are step N's results processed (verify has nothing to do: such a step has no drafts),
+while N+1 computes. A step that cannot be scheduled before N's results are known
+(`OverlapStall`: a retraction, a decode that drafts; or a request with a grammar or
+penalties) processes N first; a step with drafts then runs on the forward thread with nothing
+else in flight and is processed at once.
 
 Thread model: every public method takes `self.lock`, so in-process callers may call `submit`,
 `abort` and the session calls from one thread while another runs `step()`; KV state is only
@@ -37,7 +39,7 @@ from sessionserve.cache import CheckSchedule, MemoryChecker, MemoryTerms
 from sessionserve.cache.request_kv import RequestKV
 from sessionserve.cache.session_cache import TurnMode
 from sessionserve.config import EngineConfig
-from sessionserve.errors import InvalidConfigError, InvalidRequestError
+from sessionserve.errors import InvalidRequestError
 from sessionserve.metrics import EngineMetrics
 from sessionserve.replicas.assembly import build_cache, build_runner, context_limit
 from sessionserve.replicas.forward_thread import ForwardThread
@@ -55,7 +57,7 @@ from sessionserve.replicas.sessions import (
 )
 from sessionserve.replicas.speculative.drafter import DraftHead
 from sessionserve.replicas.speculative.stats import SpecStats
-from sessionserve.replicas.step import ScheduledBatch, StepOutput
+from sessionserve.replicas.step import Drafts, ForwardBatch, ScheduledBatch, SeqLayout, StepOutput
 from sessionserve.replicas.stopping import StopChecker
 from sessionserve.wire import SamplingParams
 
@@ -115,11 +117,6 @@ class Engine:
         # steps scheduled while the previous one ran / that waited for it first
         self.overlap_totals = {"overlapped_steps": 0, "overlap_waits": 0}
         if cfg.overlap_schedule:
-            if self.speculative is not None:
-                raise InvalidConfigError(
-                    "engine.overlap_schedule does not combine with speculative decoding yet "
-                    "(this engine was given a drafter): turn one of them off"
-                )
             self.forwards = ForwardThread(self.runner)
             self.runner.kv_pool.fence = self.forwards.wait
 
@@ -254,22 +251,43 @@ class Engine:
         with self.lock:
             self.reap_expired_sessions()
             batch = self.scheduler.schedule()
-            events = []
-            if batch:
-                spec = self.speculative
-                drafts = spec.propose(batch) if spec else {}
-                hidden = spec is not None and spec.wants_hidden
-                output = self.runner.run(batch, drafts, want_hidden=hidden)
-                if spec:
-                    spec.verify(batch, drafts, output)
-                updates = self.scheduler.process(batch, output)
-                if spec:
-                    spec.catch_up(batch, output, updates)
-                events = self.outputs.events(self.scheduler.finish(updates))
-                if spec:
-                    spec.finish_step(batch, output)
+            events = self._run_step(batch) if batch else []
             self._checks_due()
         self.outputs.dispatch(events)
+        return events
+
+    def _run_step(self, batch: ScheduledBatch) -> list[StepEvent]:
+        """Propose, run and process `batch` now (on the forward thread if there is one)."""
+        drafts, (fb, layout) = self._prepare(batch)
+        if self.forwards is not None:
+            output = self.forwards.submit(batch, fb, layout).result()
+        else:
+            output = self.runner.run_prepared(batch, fb, layout)
+        return self._complete(batch, drafts, output)
+
+    def _prepare(
+        self, batch: ScheduledBatch
+    ) -> tuple[dict[str, Drafts], tuple[ForwardBatch, dict[str, SeqLayout]]]:
+        """The step's drafts and its flat forward."""
+        spec = self.speculative
+        drafts = spec.propose(batch) if spec else {}
+        hidden = spec is not None and spec.wants_hidden
+        return drafts, self.runner.prepare(batch, drafts, want_hidden=hidden)
+
+    def _complete(
+        self, batch: ScheduledBatch, drafts: dict[str, Drafts], output: StepOutput
+    ) -> list[StepEvent]:
+        """Everything after a step's forward: verify, commit and append, the drafter's
+        catch-up, finishing, the policy's figures."""
+        spec = self.speculative
+        if spec:
+            spec.verify(batch, drafts, output)
+        updates = self.scheduler.process(batch, output)
+        if spec:
+            spec.catch_up(batch, output, updates)
+        events = self.outputs.events(self.scheduler.finish(updates))
+        if spec:
+            spec.finish_step(batch, output)
         return events
 
     def _checks_due(self) -> None:
@@ -299,8 +317,11 @@ class Engine:
                 running = None
                 totals["overlap_waits"] += 1
                 batch = self.scheduler.schedule()
-            if batch:
-                fb, layout = self.runner.prepare(batch, {}, want_hidden=False)
+            if batch and any(s.num_drafts for s in batch.seqs):  # scheduled with none in flight
+                events += self._run_step(batch)
+            elif batch:
+                drafts, (fb, layout) = self._prepare(batch)
+                assert not drafts  # (a decode that drafts stalls an overlapped schedule)
                 self._in_flight = (batch, self.forwards.submit(batch, fb, layout))
             if running is not None:
                 totals["overlapped_steps"] += bool(batch)
@@ -311,8 +332,7 @@ class Engine:
 
     def _land(self, batch: ScheduledBatch, result: Future[StepOutput]) -> list[StepEvent]:
         """Process a step the forward thread ran (waiting for it if it still runs)."""
-        updates = self.scheduler.process(batch, result.result())
-        return self.outputs.events(self.scheduler.finish(updates))
+        return self._complete(batch, {}, result.result())
 
     def _overlappable(self) -> bool:
         """Every request's next step can be scheduled before its last token is known."""

@@ -6,7 +6,9 @@ thread runs step N's forward and sampling. Order is what makes that safe: step N
 after step N has sampled, so it reads N's tokens (`ModelRunner.last_sampled`), and every KV
 write of step N lands before any of N+1's. A copy into the pool from the engine thread (a
 parked session restored) is not in that order: it waits for the submitted steps first
-(`KVPool.fence`, set to `wait`).
+(`KVPool.fence`, set to `wait`). A step that verifies drafts runs here too, with nothing
+before it, and the engine waits for it (every target forward runs on this thread); the EAGLE
+head's catch-up runs on the engine thread, over its own KV pool.
 """
 
 from __future__ import annotations
@@ -59,8 +61,16 @@ class ForwardThread:
         self, batch: ScheduledBatch, fb: ForwardBatch, layout: dict[str, SeqLayout]
     ) -> Future[StepOutput]:
         """Run `batch` (already prepared) after every step submitted before it."""
-        self._last = self._pool.submit(self.runner.run_prepared, batch, fb, layout)
+        self._last = self._pool.submit(self._run, batch, fb, layout)
         return self._last
+
+    def _run(
+        self, batch: ScheduledBatch, fb: ForwardBatch, layout: dict[str, SeqLayout]
+    ) -> StepOutput:
+        out = self.runner.run_prepared(batch, fb, layout)
+        if out.hidden is not None:  # (the drafter's) a decode graph's buffer: the next step's
+            out.hidden = out.hidden.clone()  # replay may overwrite it before this one lands
+        return out
 
     def wait(self) -> None:
         """Return once every submitted step has finished (its error, if any, stays in its

@@ -15,7 +15,10 @@ request it samples for decodes from that pending token (its position allocated n
 read by the forward when it starts), a request whose pending token ends it (max_tokens, the
 context) is left out, and a chunked prefill continues where the running chunk ends. What
 would need a retraction raises `OverlapStall` instead: the engine processes the running step
-first and schedules again, so a request is never retracted while a step computes for it.
+first and schedules again, so a request is never retracted while a step computes for it. So
+does a decode that would draft: its drafts follow the token the running step samples, and how
+many of them a verify keeps decides where the next step starts, so a step that verifies runs
+with nothing in flight (speculation's accounting is the plain engine's by construction).
 """
 
 from __future__ import annotations
@@ -132,10 +135,12 @@ class Scheduler:
             if overlap:
                 raise OverlapStall("a forced retraction")
             self._retract(decodes.pop(), batch)
+        wanted = [self.draft_len(r) if self.draft_len else 0 for r in decodes]
+        if overlap and any(wanted):
+            raise OverlapStall("a decode drafts")
         i, drafts = 0, []
         while i < len(decodes):
-            req = decodes[i]
-            k = self.draft_len(req) if self.draft_len else 0
+            req, k = decodes[i], wanted[i]
             try:
                 self._allocate_decode(req, k)
             except KVCacheFullError:
@@ -146,6 +151,7 @@ class Scheduler:
                     if overlap:
                         raise OverlapStall("no KV for a decode") from None
                     self._retract(decodes.pop(), batch)  # the youngest; maybe `req` itself
+                    wanted.pop()
                     continue
             drafts.append(k)
             i += 1

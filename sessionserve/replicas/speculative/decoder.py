@@ -11,6 +11,11 @@ before the forward, verify after it, catch the EAGLE head up on what was committ
     speculative.finish_step(batch, out)       # the step's cost and yield -> the policy
 
 The engine makes every call but `draft_len`, which the scheduler makes while it allocates.
+Under overlap scheduling (`engine.overlap_schedule`) a step without drafts is proposed for
+(nothing), submitted, and completed (catch-up, finish_step) when it lands, after the next step
+was scheduled; a step with drafts runs with nothing in flight (the scheduler stalls for it).
+So the policy's choice made when step N lands applies to the first step scheduled after it,
+and a step scheduled before that choice does not make a new one when it lands.
 
 Drafts come from an EAGLE head (proposer.py), from the sequence's own history (history.py), or
 from either, per request and step: the source whose recent acceptance promises more tokens.
@@ -58,6 +63,17 @@ from sessionserve.replicas.step import (
 MAX_DEFERRED = 512
 
 
+@dataclass
+class StepMark:
+    """What the decoder notes about a step from its proposal to its end: the policy choice it
+    was scheduled under, when its timing started (decode-only steps, with a policy), and
+    whether its catch-up paid for positions of earlier steps."""
+
+    choice: int
+    started: float | None
+    caught_up_deferred: bool = False
+
+
 @dataclass(frozen=True)
 class TreeShape:
     """EAGLE-2 trees: `topk` branches per expanded node, at most `budget` drafts verified;
@@ -94,9 +110,9 @@ class SpeculativeDecoder:
         self.stats = SpecStats()
         self.by_source: dict[str, SpecStats] = {}
         self.drafting = True  # the policy's choice for the coming step
-        self._step_started: float | None = None
-        self._caught_up_deferred = False  # this step paid for positions of earlier steps
-        # (both reset by `propose`, at the start of every step)
+        self.choices = 0  # how many choices the policy made (a step's mark names the last)
+        self._marks: dict[int, StepMark] = {}  # by step number, from propose to finish_step
+        self._last_end: float | None = None  # when the last step ended (with a policy)
 
     @property
     def wants_hidden(self) -> bool:
@@ -161,12 +177,14 @@ class SpeculativeDecoder:
         return int(record.run) + 1
 
     def propose(self, batch: ScheduledBatch) -> dict[str, Drafts]:
-        """Drafts (chains, or trees) for the decodes that speculate this step (by request id)."""
-        self._step_started, self._caught_up_deferred = None, False
+        """Drafts (chains, or trees) for the decodes that speculate this step (by request id);
+        called for every step, with drafts or not, once it is scheduled."""
+        started = None
         if self.policy is not None and all(  # a decode-only step: timed for the policy
             s.end - s.start == 1 and s.samples for s in batch.seqs
         ):
-            self._step_started = self.policy.clock()
+            started = self.policy.clock()
+        self._marks[batch.step] = StepMark(self.choices, started)
         seqs = [s for s in batch.seqs if s.num_drafts]
         chains: dict[str, Drafts] = {}
         for s in seqs:
@@ -251,18 +269,21 @@ class SpeculativeDecoder:
         Requests that go on decoding get a guess when the next step drafts from the head; when
         it does not (the policy turned drafting off, the request copies its history, or it
         cannot draft), their pass waits (with the hidden states) until a guess is wanted or
-        the request ends, so the head costs nothing on steps that do not use it. Failed
-        requests (their KV is gone) are skipped."""
+        the request ends, so the head costs nothing on steps that do not use it. Skipped:
+        failed requests, and (overlap scheduling) requests that ended while this step ran:
+        their KV is gone, and its slots may be another request's."""
         skip = {u.req.rid for u in updates if u.error}
         decoding = {u.req.rid for u in updates if not (u.error or u.finished)}
-        if self.policy is not None:
+        mark = self._marks.get(batch.step)
+        if self.policy is not None and (mark is None or mark.choice == self.choices):
             self.drafting = self.policy.choose(len(decoding))
+            self.choices += 1
         if self.eagle is None or out.hidden is None:
             return
         entries = []
         for s in batch.seqs:
             req, d = s.req, s.req.drafting
-            if req.rid in skip:
+            if req.rid in skip or not req.kv.is_live:
                 d.drop_deferred()
                 continue
             first, end = out.layout[req.rid].flat_start, req.kv.committed_len
@@ -276,18 +297,27 @@ class SpeculativeDecoder:
                 req.draft = None
                 continue
             start, hidden = d.take_deferred(s.start, hidden)
-            self._caught_up_deferred |= start < s.start
+            if mark is not None:
+                mark.caught_up_deferred |= start < s.start
             entries.append(CatchUp(req, start, end, hidden, wants))
         self.eagle.catch_up(entries)
 
     def finish_step(self, batch: ScheduledBatch, out: StepOutput) -> None:
-        """Tell the policy what a decode-only step cost and yielded. Not counted: steps with
-        prefill chunks (other work), and steps whose catch-up included positions deferred from
-        earlier steps: that work is owed whichever way this step went, and a re-check that
-        paid for a whole prompt would make drafting look several times dearer than it is."""
-        started, self._step_started = self._step_started, None
-        if self.policy is None or started is None or self._caught_up_deferred:
+        """Tell the policy what a decode-only step cost and yielded: from its proposal, or
+        from the end of the step before it if that was later (under overlap scheduling a step
+        is proposed while the previous one computes: what it adds is the time between their
+        ends), to now. Not counted: steps with prefill chunks (other work), and steps whose
+        catch-up included positions deferred from earlier steps: that work is owed whichever
+        way this step went, and a re-check that paid for a whole prompt would make drafting
+        look several times dearer than it is."""
+        mark = self._marks.pop(batch.step, None)
+        if self.policy is None or mark is None:
             return
+        now, last_end = self.policy.clock(), self._last_end
+        self._last_end = now
+        if mark.started is None or mark.caught_up_deferred:
+            return
+        started = mark.started if last_end is None else max(mark.started, last_end)
         tokens = sum(len(emitted[0]) for emitted in out.emitted.values())
         speculated = any(s.num_drafts for s in batch.seqs)
-        self.policy.observe(len(batch.seqs), speculated, tokens, self.policy.clock() - started)
+        self.policy.observe(len(batch.seqs), speculated, tokens, now - started)

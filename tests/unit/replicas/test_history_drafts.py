@@ -50,11 +50,13 @@ def _loops(model, n: int = 6) -> list[list[int]]:
     return [torch.randint(5, 250, (12 + 7 * i,), generator=gen).tolist() for i in range(n)]
 
 
-@pytest.mark.parametrize("page_size", [1, 16])
-def test_history_drafts_alone_equal_generate(page_size: int) -> None:
+@pytest.mark.parametrize(("page_size", "overlap"), [(1, False), (16, False), (16, True)])
+def test_history_drafts_alone_equal_generate(page_size: int, overlap: bool) -> None:
     model = tiny_model(num_hidden_layers=1, seed=3)
     prompts = _loops(model)
-    engine = tiny_engine(model, history_drafts=True, page_size=page_size, prefill=24)
+    engine = tiny_engine(
+        model, history_drafts=True, page_size=page_size, prefill=24, overlap=overlap
+    )
     assert engine.speculative.eagle is None and not engine.speculative.wants_hidden
     results = engine.generate(prompts, GREEDY)
     for prompt, r in zip(prompts, results, strict=True):

@@ -13,10 +13,7 @@ import threading
 from dataclasses import dataclass, field
 
 import pytest
-from pydantic import ValidationError
 
-from sessionserve.config import EngineConfig, SpecConfig
-from sessionserve.errors import InvalidConfigError
 from sessionserve.replicas.engine_loop import EngineLoop
 from sessionserve.replicas.outputs import StepEvent
 from sessionserve.wire import FinishReason, SamplingParams
@@ -40,11 +37,14 @@ class Workload:
     reasons: dict[str, FinishReason] = field(default_factory=dict)
 
 
-def _workload(seed: int, penalties: bool = False) -> Workload:
+def _workload(seed: int, penalties: bool = False, sampled: bool = True) -> Workload:
+    """`sampled`: some requests sample (seeded); else every one is greedy."""
     rng = random.Random(seed)
 
     def sampling() -> SamplingParams:
-        kind = rng.choice(["greedy", "seeded", "stop", "eos"])
+        kind = rng.choice(
+            ["greedy", "seeded", "stop", "eos"] if sampled else ["greedy", "stop", "eos"]
+        )
         extra = {"repetition_penalty": 1.3} if penalties and rng.random() < 0.3 else {}
         if kind == "seeded":
             return SamplingParams(
@@ -259,8 +259,62 @@ def test_overlap_on_cuda_with_graphs_gives_the_same_tokens() -> None:
     engine.close()
 
 
-def test_overlap_refuses_speculative_decoding() -> None:
-    with pytest.raises(ValidationError, match="overlap_schedule does not combine"):
-        EngineConfig(overlap_schedule=True, spec=SpecConfig(history_drafts=True))
-    with pytest.raises(InvalidConfigError, match="overlap_schedule does not combine"):
-        tiny_engine(tiny_model(num_hidden_layers=1), drafter=mimic_drafter, overlap=True)
+@pytest.mark.gpu
+def test_speculation_under_overlap_on_cuda_with_graphs() -> None:
+    """A landed step's hidden states are read after the next step's decode graph may have
+    replayed into the same buffer (the forward thread hands out a copy)."""
+    model = tiny_model(num_hidden_layers=1, seed=3)
+    plain = _run(tiny_engine(model, device="cuda", prefill=24), _workload(1, sampled=False))
+    engine = tiny_engine(model, device="cuda", drafter=mimic_drafter, prefill=24, overlap=True)
+    got = _run(engine, _workload(1, sampled=False))
+    assert got.results == plain.results
+    assert engine.runner.graphs is not None and engine.runner.graphs.replays > 0
+    assert engine.spec_stats.steps > 0 and engine.overlap_totals["overlapped_steps"] > 0
+    engine.close()
+
+
+@pytest.mark.parametrize("seed", [0, 5])
+def test_speculation_under_overlap_gives_the_plain_engines_tokens(seed: int) -> None:
+    """EAGLE and history drafts with overlap scheduling, over sessions and plain requests
+    with stops, EOS and max_tokens landing inside verified runs: greedy answers are the
+    plain engine's (no speculation, no overlap), with the every-step memory check. Steps
+    without drafts overlapped; each verify waited for the step before it."""
+    model = tiny_model(num_hidden_layers=1, seed=3)
+    plain = _run(tiny_engine(model, prefill=24), _workload(seed, sampled=False))
+    engine = tiny_engine(
+        model, drafter=mimic_drafter, history_drafts=True, prefill=24, overlap=True
+    )
+    got = _run(engine, _workload(seed, sampled=False))
+    assert got.results == plain.results
+    assert got.reasons == plain.reasons
+    stats = engine.spec_stats
+    assert stats.steps > 0 and stats.accepted > 0
+    assert set(engine.speculative.by_source) == {"eagle", "history"}
+    assert engine.overlap_totals["overlapped_steps"] > 0
+    assert engine.overlap_totals["overlap_waits"] > 0
+    engine.close()
+
+
+def test_sampled_requests_speculate_under_overlap_and_keep_their_lengths() -> None:
+    """Seeded sampled requests beside greedy ones (the acceptance test is the plain
+    engine's: test_speculative_sampling.py checks its distribution): every request ends as it
+    should (max_tokens, or a stop or EOS it sampled) and the memory check holds."""
+    model = tiny_model(num_hidden_layers=1, seed=3)
+    work = _workload(2)
+    engine = tiny_engine(model, drafter=mimic_drafter, prefill=24, overlap=True)
+    got = _run(engine, work)
+    params = {}
+    for c, turns in enumerate(work.conversations):
+        params.update((f"c{c}.{t}", p) for t, (_, p) in enumerate(turns))
+    for step, reqs in work.plain.items():
+        params.update((f"p{step}.{i}", p) for i, (_, p) in enumerate(reqs))
+    assert set(got.results) == set(params)
+    for name, ids in got.results.items():
+        p = params[name]
+        if got.reasons[name] is FinishReason.LENGTH:
+            assert len(ids) == p.max_tokens
+        else:
+            assert got.reasons[name] is FinishReason.STOP and len(ids) <= p.max_tokens
+    assert any(not p.is_greedy for p in params.values())
+    assert engine.spec_stats.steps > 0
+    engine.close()

@@ -5,6 +5,8 @@ forward advances it by a cost the test sets, so a verify can be made cheap or de
 
 from __future__ import annotations
 
+from concurrent.futures import Future
+
 import pytest
 import torch
 
@@ -59,18 +61,31 @@ def test_a_recheck_in_long_steps_comes_more_rarely() -> None:
 
 
 class FakeClock:
-    """Advanced by the engine's forward: `plain` per step without drafts, `verify` with."""
+    """Advanced by the engine's forward: `plain` per step without drafts, `verify` with.
+    Under overlap scheduling each step runs when it is submitted (still landing after the next
+    one is scheduled), so the clock moves in one thread's order, the same in every run."""
 
     def __init__(self, engine, plain: float, verify: float) -> None:
         self.now = 0.0
-        run = engine.runner.run
+        run = engine.runner.run_prepared
+        if engine.forwards is not None:
+            engine.forwards.submit = _run_at_once(engine.runner)
 
-        def timed(batch, drafts, **kw):
-            self.now += verify if drafts else plain
-            return run(batch, drafts, **kw)
+        def timed(batch, fb, layout):
+            self.now += verify if any(s.num_drafts for s in batch.seqs) else plain
+            return run(batch, fb, layout)
 
-        engine.runner.run = timed
+        engine.runner.run_prepared = timed
         engine.speculative.policy.clock = lambda: self.now
+
+
+def _run_at_once(runner):
+    def submit(batch, fb, layout) -> Future:
+        done: Future = Future()
+        done.set_result(runner.run_prepared(batch, fb, layout))
+        return done
+
+    return submit
 
 
 def _prompts(n: int) -> list[list[int]]:
@@ -78,14 +93,18 @@ def _prompts(n: int) -> list[list[int]]:
     return [torch.randint(5, 250, (12 + 7 * i,), generator=gen).tolist() for i in range(n)]
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("verify_cost", [8.0, 1.2])
-def test_the_engine_drafts_only_where_it_pays(verify_cost: float) -> None:
+def test_the_engine_drafts_only_where_it_pays(verify_cost: float, overlap: bool) -> None:
     """A verify costing 8 plain steps never pays (a whole chain yields 5 tokens): after the
     warm-up, only the re-checks draft. At 1.2 it pays: nearly every step drafts. Greedy
-    output equals transformers' either way."""
+    output equals transformers' either way. Under overlap scheduling the plain steps overlap
+    (and are timed between their ends), and a re-check chosen while a step was in flight
+    still drafts on the step after it."""
     model = tiny_model(num_hidden_layers=1, seed=3)
-    engine = tiny_engine(model, drafter=mimic_drafter, adaptive=True)
+    engine = tiny_engine(model, drafter=mimic_drafter, adaptive=True, overlap=overlap)
     FakeClock(engine, plain=1.0, verify=verify_cost)
+    engine.speculative.policy.max_explore_every = 16  # a few re-checks within the answer
     (prompt,) = _prompts(1)
     params = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)
     (r,) = engine.generate([prompt], params)
@@ -94,8 +113,10 @@ def test_the_engine_drafts_only_where_it_pays(verify_cost: float) -> None:
     decode_steps = arms["spec_steps"] + arms["plain_steps"]
     if verify_cost > 5:
         assert arms["spec_tokens_per_s"] < arms["plain_tokens_per_s"]
-        # 2 warm-up steps, then at most every 16th decision
-        assert arms["spec_steps"] <= 2 + decode_steps // 16 + 1
+        # 2 warm-up steps, then at most every 16th decision; and re-checks did draft
+        assert 4 <= arms["spec_steps"] <= 2 + decode_steps // 16 + 1
+        if overlap:
+            assert engine.overlap_totals["overlapped_steps"] > arms["plain_steps"] // 2
     else:
         assert arms["spec_tokens_per_s"] > arms["plain_tokens_per_s"]
         assert arms["plain_steps"] <= 2 + decode_steps // 16 + 1
