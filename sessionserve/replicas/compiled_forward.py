@@ -88,6 +88,7 @@ def load_flat(package: Path) -> Callable[..., list[torch.Tensor]]:
     project's CPU, 30 times per decode step for the attention kernel); our packages take
     positional tensors and return tensors, so calling the loader's `boxed_run` is the same
     call without that."""
+    remove_stale_extractions()
     model = torch._inductor.aoti_load_package(str(package))
     loader = getattr(model, "loader", None)
     if loader is None or not hasattr(loader, "boxed_run"):  # another torch: the plain call
@@ -443,6 +444,76 @@ def _process_alive(pid: str) -> bool:
     except (PermissionError, ValueError):  # someone else's process, or not a pid
         return True
     return True
+
+
+EXTRACTION_PREFIX = "aotinductor_"  # torch's package loader unpacks each load to such a dir
+STALE_EXTRACTION_S = 600.0  # an extraction younger than this may still be being unpacked
+
+
+def remove_stale_extractions(root: Path | None = None) -> int:
+    """Remove the package extractions killed processes left in the temp directory `root`
+    (default: the system's); returns the bytes freed. torch's loader unpacks the whole package
+    (hundreds of MB) for every load and removes it when the loader is destroyed, which a
+    killed process (a replica Ray stops, a test run cut short) never does: each replica start
+    left ~0.6 GB behind, until /tmp filled. Removed: this user's `aotinductor_*` directories
+    older than STALE_EXTRACTION_S in which no process maps a file (a live loader maps its
+    library from there). Linux only (/proc); elsewhere nothing is removed."""
+    import shutil
+    import tempfile
+    import time
+
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return 0
+    root = root or Path(tempfile.gettempdir())
+    now, uid = time.time(), os.getuid()
+    stale = []
+    for path in root.glob(EXTRACTION_PREFIX + "*"):
+        try:
+            info = path.stat()
+        except OSError:
+            continue
+        if path.is_dir() and info.st_uid == uid and now - info.st_mtime > STALE_EXTRACTION_S:
+            stale.append(path)
+    if not stale:
+        return 0
+    in_use = _mapped_dirs(proc, root)
+    freed = 0
+    for path in stale:
+        if path.name in in_use:
+            continue
+        freed += sum(_size(f) for f in path.rglob("*"))
+        shutil.rmtree(path, ignore_errors=True)
+    if freed:
+        log.info(
+            "compile: removed %.1f GB of package extractions killed processes left in %s",
+            freed / 1e9,
+            root,
+        )
+    return freed
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size if path.is_file() else 0
+    except OSError:
+        return 0
+
+
+def _mapped_dirs(proc: Path, root: Path) -> set[str]:
+    """Names of the extraction directories under `root` some process maps a file from."""
+    prefix = f"{root}/{EXTRACTION_PREFIX}"
+    names = set()
+    for maps in proc.glob("[0-9]*/maps"):
+        try:
+            text = maps.read_text()
+        except OSError:  # gone, or another user's
+            continue
+        for line in text.splitlines():
+            at = line.find(prefix)
+            if at >= 0:
+                names.add(line[at + len(str(root)) + 1 :].split("/", 1)[0])
+    return names
 
 
 def build_once(

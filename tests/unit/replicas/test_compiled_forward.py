@@ -217,6 +217,39 @@ def test_a_build_removes_what_killed_builds_left_and_nothing_else(tmp_path) -> N
     assert {p.name for p in tmp_path.iterdir()} == {n for n, kept in names.items() if kept}
 
 
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc")
+def test_loading_removes_the_extractions_killed_processes_left(tmp_path) -> None:
+    """torch's loader unpacks each package it loads into the temp directory and removes it
+    only when the loader is destroyed: a killed process leaves it. Removed: an old extraction
+    no process maps; kept: a fresh one (maybe still being unpacked), an old one a live
+    process maps a file from, and anything not named like an extraction."""
+    import mmap
+    import time
+
+    old = time.time() - 2 * compiled_forward.STALE_EXTRACTION_S
+    dirs = {}
+    for name in ("aotinductor_dead", "aotinductor_fresh", "aotinductor_live", "other_dir"):
+        path = tmp_path / name / "pkg.vm-1.partial" / "data"
+        path.mkdir(parents=True)
+        (path / "model.so").write_bytes(b"x" * 4096)
+        dirs[name] = path.parents[1]
+    for name, path in dirs.items():
+        if name != "aotinductor_fresh":
+            os.utime(path, (old, old))
+    with open(dirs["aotinductor_live"] / "pkg.vm-1.partial" / "data" / "model.so", "rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        try:
+            freed = compiled_forward.remove_stale_extractions(tmp_path)
+        finally:
+            mapped.close()
+    assert freed == 4096
+    assert {p.name for p in tmp_path.iterdir()} == {
+        "aotinductor_fresh",
+        "aotinductor_live",
+        "other_dir",
+    }
+
+
 def test_auto_skips_tiny_models_and_builds_big_ones_in_the_background(
     cache_dir, tmp_path, monkeypatch
 ) -> None:
