@@ -7,7 +7,7 @@ import torch
 
 from sessionserve.errors import InvalidConfigError
 from sessionserve.replicas.attention import select_backend
-from sessionserve.replicas.attention.torch_backend import TorchPagedBackend
+from sessionserve.replicas.attention.torch_backend import TorchPagedBackend, grouped_attention
 from sessionserve.replicas.loader import ModelNotFoundError, default_gguf_path, load_model
 from tests.markers import needs_default_model
 from tests.models import tiny_model, word_tokenizer
@@ -154,3 +154,36 @@ def test_tie_aware_comparison_rejects_a_clear_mismatch() -> None:
     )
     with pytest.raises(AssertionError, match="clear top-1"):
         assert_tie_aware_equal([result([1, 2], [1, 2.0])], [result([1, 4], [1, 1])])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (4, 2), (9, 3)])
+@pytest.mark.parametrize(("rows", "q_len", "masked"), [(3, 1, False), (3, 1, True), (2, 5, True)])
+def test_stacking_a_groups_query_heads_changes_no_bit(
+    dtype: torch.dtype, heads: int, kv_heads: int, rows: int, q_len: int, masked: bool
+) -> None:
+    """The gathered path's attention with a group's query heads stacked as rows of one query
+    equals SDPA with `enable_gqa`: padded rows of different lengths, a tree-shaped mask in one
+    row, decode rows with no mask. Exactly in bf16 and for several new tokens; a single fp32
+    row's GEMM sums in another order (within 1e-6)."""
+    import torch.nn.functional as F
+
+    gen = torch.Generator().manual_seed(heads + q_len)
+    width, dim = 37, 16
+    q = torch.randn(rows, q_len, heads, dim, generator=gen).to(dtype).transpose(1, 2)
+    k, v = (torch.randn(rows, kv_heads, width, dim, generator=gen).to(dtype) for _ in range(2))
+    mask = None
+    if masked:
+        lens = torch.tensor([width - 9 * i for i in range(rows)])
+        last = (lens - q_len)[:, None, None] + torch.arange(q_len)[None, :, None]
+        mask = (torch.arange(width)[None, None, :] <= last)[:, None]
+        if q_len > 1:  # a tree: the last draft does not see the one before it
+            mask[0, 0, -1, lens[0] - 2] = False
+    want = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, scale=0.3, enable_gqa=heads != kv_heads
+    )
+    got = grouped_attention(q, k, v, mask, 0.3)
+    if dtype == torch.float32 and q_len == 1:
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+    else:
+        assert torch.equal(got, want)
