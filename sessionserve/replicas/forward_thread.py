@@ -68,8 +68,9 @@ class ForwardThread:
         self, batch: ScheduledBatch, fb: ForwardBatch, layout: dict[str, SeqLayout]
     ) -> StepOutput:
         out = self.runner.run_prepared(batch, fb, layout)
-        if out.hidden is not None:  # (the drafter's) a decode graph's buffer: the next step's
-            out.hidden = out.hidden.clone()  # replay may overwrite it before this one lands
+        if out.hidden is not None:  # the drafter's features may sit in a decode graph's
+            out.hidden = out.hidden.clone()  # buffer, which the next replay overwrites, maybe
+            # before this step lands
         return out
 
     def wait(self) -> None:
