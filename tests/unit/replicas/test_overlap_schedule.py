@@ -218,12 +218,16 @@ def test_a_stop_token_ends_the_answer_while_the_next_step_runs() -> None:
     engine.checker.check_idle()
 
 
-def test_the_served_engine_thread_runs_overlapped_steps() -> None:
-    model = tiny_model()
+@pytest.mark.parametrize("speculate", [False, True])
+def test_the_served_engine_thread_runs_overlapped_steps(speculate: bool) -> None:
+    """Also with history and EAGLE drafts: verify steps run between the overlapped ones
+    while submits arrive as commands."""
+    model = tiny_model(num_hidden_layers=1, seed=3) if speculate else tiny_model()
     rng = random.Random(11)
     prompts = [_ids(rng, rng.randrange(5, 40)) for _ in range(5)]
     ref = tiny_engine(model).generate(prompts, GREEDY)
-    engine = tiny_engine(model, overlap=True)
+    spec = {"drafter": mimic_drafter, "history_drafts": True} if speculate else {}
+    engine = tiny_engine(model, overlap=True, **spec)
     loop = EngineLoop(engine)
     loop.start()
     done, results = threading.Semaphore(0), {}
@@ -242,6 +246,8 @@ def test_the_served_engine_thread_runs_overlapped_steps() -> None:
     loop.join(timeout=30)
     assert [results[r] for r in rids] == [r.output_ids for r in ref]
     assert not engine.has_work()
+    assert engine.overlap_totals["overlapped_steps"] > 0
+    assert (engine.spec_stats.steps > 0) == speculate
     engine.checker.check_idle()
     engine.close()
 
