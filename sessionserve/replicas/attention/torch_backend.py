@@ -269,10 +269,12 @@ def grouped_attention(
     in another order, within 1e-6), but torch's CPU kernel then runs fewer, larger blocks,
     and its cost at these sizes is the per-block GEMM calls:
     3 prefills of 116 tokens over 356 cached ones 1.1x, 8 decode rows over 400 6x (SmolLM2's
-    3 heads a group, bf16, 2 cores; docs/benchmarks.md)."""
+    3 heads a group, bf16, 2 cores; docs/benchmarks.md). A lone sequence of several tokens
+    (a verify at concurrency 1) keeps one block per head: stacked, its few blocks left a
+    thread idle (0.90x)."""
     b, heads, q_len, d = q.shape
     group = heads // k.shape[1]
-    if group == 1 or q.device.type != "cpu":
+    if group == 1 or q.device.type != "cpu" or (b == 1 and q_len > 1):
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, scale=scale, enable_gqa=group > 1
         )

@@ -158,7 +158,9 @@ def test_tie_aware_comparison_rejects_a_clear_mismatch() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (4, 2), (9, 3)])
-@pytest.mark.parametrize(("rows", "q_len", "masked"), [(3, 1, False), (3, 1, True), (2, 5, True)])
+@pytest.mark.parametrize(
+    ("rows", "q_len", "masked"), [(3, 1, False), (3, 1, True), (2, 5, True), (1, 5, True)]
+)
 def test_stacking_a_groups_query_heads_changes_no_bit(
     dtype: torch.dtype, heads: int, kv_heads: int, rows: int, q_len: int, masked: bool
 ) -> None:
