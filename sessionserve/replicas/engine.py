@@ -2,7 +2,7 @@
 
     batch = scheduler.schedule()                 # admission, chunked prefill, retraction
     drafts = speculative.propose(batch)          # EAGLE / history drafts (when speculating)
-    output = runner.run(batch, drafts)           # inputs, forward, sampling
+    output = runner.run_prepared(batch, *runner.prepare(batch, drafts))  # forward, sampling
     speculative.verify(batch, drafts, output)    # accepted drafts, their KV committed
     updates = scheduler.process(batch, output)   # commit, append, stop checks
     speculative.catch_up(batch, output, updates) # the EAGLE head over what was committed

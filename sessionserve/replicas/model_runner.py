@@ -1,7 +1,8 @@
-"""Runs one step's forward: `run(batch) -> StepOutput` prepares the inputs, runs the model
-over the paged KV pool, and samples the sequences that end their input this step.
+"""Runs one step's forward: `prepare(batch, drafts)` builds the flat inputs, then
+`run_prepared` runs the model over the paged KV pool and samples the sequences that end their
+input this step (-> StepOutput); under overlap scheduling the two run on different threads.
 
-`run` reads the scheduled sequences' tokens and slot tables (never writes KV bookkeeping: the
+`prepare` reads the scheduled sequences' tokens and slot tables (never writes KV bookkeeping: the
 scheduler commits). `forward` sees only tensors: token ids, positions, the slot each new token's
 KV goes to, and one `SeqSpec` per sequence (its new-token count and context slots). The batch
 goes to the device in one copy. Pure-decode batches replay a CUDA graph when `graphs` is set,
@@ -64,19 +65,13 @@ class ModelRunner:
         # the next step's pending positions read (overlap scheduling)
         install(model)
 
-    def run(
-        self, batch: ScheduledBatch, drafts: dict[str, Drafts], want_hidden: bool = False
-    ) -> StepOutput:
-        """Prepare, forward, and sample one token for each sequence that samples without
-        drafts (a verify's rows are the speculative decoder's)."""
-        fb, layout = self.prepare(batch, drafts, want_hidden)
-        return self.run_prepared(batch, fb, layout)
-
     def run_prepared(
         self, batch: ScheduledBatch, fb: ForwardBatch, layout: dict[str, SeqLayout]
     ) -> StepOutput:
-        """`run` after `prepare` (under overlap scheduling, on the forward thread: the tokens
-        the previous step sampled are filled in first; it ran before this one)."""
+        """Forward `prepare`'s batch and sample one token for each sequence that samples
+        without drafts (a verify's rows are the speculative decoder's). Under overlap
+        scheduling, on the forward thread: the tokens the previous step sampled are filled in
+        first; it ran before this one."""
         if fb.pending:
             index, rids = zip(*fb.pending, strict=True)
             fb.input_ids[list(index)] = torch.tensor([self.last_sampled.get(r, 0) for r in rids])

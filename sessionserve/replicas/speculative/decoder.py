@@ -3,7 +3,7 @@ before the forward, verify after it, catch the EAGLE head up on what was committ
 
     k = speculative.draft_len(req)            # the scheduler allocates k draft slots
     drafts = speculative.propose(batch)       # chains/trees for the decodes that speculate
-    out = runner.run(batch, drafts)           # one target forward over inputs and drafts
+    out = runner.run_prepared(...)            # one target forward over inputs and drafts
     speculative.verify(batch, drafts, out)    # accepted runs into `out`, their KV committed
     updates = scheduler.process(batch, out)   # commits, appends, stop checks
     speculative.catch_up(batch, out, updates) # the EAGLE head over the committed positions
