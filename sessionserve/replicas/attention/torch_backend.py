@@ -52,6 +52,9 @@ class _Group:
     rows: tuple[int, int] | None = None  # a decode group's rows when they are one range of
     # the flat batch [start, end) (they are: the scheduler puts decodes first): sliced, not
     # indexed
+    stacked_masks: dict | None = field(default_factory=dict)  # `grouped_attention`'s masks,
+    # built at the forward's first layer and reused by the others (per window key); None for
+    # the static groups of CUDA graphs, whose masks are refilled in place between replays
 
 
 def window_columns(seqs: list[SeqSpec], q: int, window: int) -> list[torch.Tensor]:
@@ -154,6 +157,7 @@ class TorchPagedBackend(AttentionBackend):
             token_idx=torch.arange(batch_size, device=device)[:, None],
             ctx_slots=torch.zeros(batch_size, key, dtype=torch.int64, device=device),
             mask=torch.zeros(batch_size, 1, 1, key, dtype=torch.bool, device=device),
+            stacked_masks=None,
         )
         group.windowed = {
             w: _static_window(batch_size, 1, min(key, w), device) for w in self.windows
@@ -182,6 +186,7 @@ class TorchPagedBackend(AttentionBackend):
             token_idx=torch.arange(q_len, device=device)[None],
             ctx_slots=torch.zeros(1, width, dtype=torch.int64, device=device),
             mask=torch.zeros(1, 1, q_len, width, dtype=torch.bool, device=device),
+            stacked_masks=None,
         )
         group.windowed = {
             w: _static_window(1, q_len, min(width, w - 1 + q_len), device) for w in self.windows
@@ -254,33 +259,44 @@ class TorchPagedBackend(AttentionBackend):
             qg = q_tokens[g.token_idx].transpose(1, 2)  # [B, H, q, D]
             kg = gather_rows(k_pool, slots).transpose(1, 2).to(q.dtype)  # [B, KVH, Lmax, D]
             vg = gather_rows(v_pool, slots).transpose(1, 2).to(q.dtype)
-            o = grouped_attention(qg, kg, vg, mask, scaling)  # [B, H, q, D]
+            masks = g.stacked_masks.setdefault(key, {}) if g.stacked_masks is not None else None
+            o = grouped_attention(qg, kg, vg, mask, scaling, masks)  # [B, H, q, D]
             out[g.token_idx.reshape(-1)] = o.transpose(1, 2).reshape(-1, n_heads, head_dim)
         return out.unsqueeze(0)
 
 
 def grouped_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    masks: dict | None = None,
 ) -> torch.Tensor:
     """`scaled_dot_product_attention(q, k, v, mask, enable_gqa=True)` for q [B, H, q, D]
-    over k, v [B, KVH, L, D]. On a CPU the query heads that share a K/V head are stacked as
-    the rows of one query ([B, KVH, G * q, D], the mask repeated for each): every row's sums
-    are the same (rows are independent: bit-identical in bf16; a single fp32 row's GEMM sums
-    in another order, within 1e-6), but torch's CPU kernel then runs fewer, larger blocks,
-    and its cost at these sizes is the per-block GEMM calls:
-    3 prefills of 116 tokens over 356 cached ones 1.1x, 8 decode rows over 400 6x (SmolLM2's
-    3 heads a group, bf16, 2 cores; docs/benchmarks.md). A lone sequence of several tokens
-    (a verify at concurrency 1) keeps one block per head: stacked, its few blocks left a
-    thread idle (0.90x)."""
+    over k, v [B, KVH, L, D], `mask` boolean [B, 1, q, L] or None. On a CPU the query heads
+    that share a K/V head are stacked as the rows of one query ([B, KVH, G * q, D], the mask
+    repeated for each): every row's sums are the same (rows are independent: bit-identical in
+    bf16; a single fp32 row's GEMM sums in another order, within 1e-6), but torch's CPU kernel
+    then runs fewer, larger blocks, and its cost at these sizes is the per-block GEMM calls.
+    The stacked mask is additive (0 / -inf in the query's dtype, what SDPA turns a boolean
+    mask into on every call) and built once into `masks` when given: a forward's layers share
+    it. docs/benchmarks.md has the speedups (SmolLM2's 3 heads a group, bf16, 2 cores)."""
     b, heads, q_len, d = q.shape
     group = heads // k.shape[1]
-    if group == 1 or q.device.type != "cpu" or (b == 1 and q_len > 1):
+    if group == 1 or q.device.type != "cpu":
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, scale=scale, enable_gqa=group > 1
         )
     stacked = q.reshape(b, k.shape[1], group * q_len, d)
     if mask is not None:
-        mask = mask.expand(b, 1, q_len, mask.shape[-1]).repeat(1, 1, group, 1)
+        built = masks.get(q.dtype) if masks is not None else None
+        if built is None:
+            rows = mask.expand(b, 1, q_len, mask.shape[-1]).repeat(1, 1, group, 1)
+            built = torch.zeros(rows.shape, dtype=q.dtype).masked_fill_(~rows, float("-inf"))
+            if masks is not None:
+                masks[q.dtype] = built
+        mask = built
     o = F.scaled_dot_product_attention(stacked, k, v, attn_mask=mask, scale=scale)
     return o.view(b, heads, q_len, d)
 

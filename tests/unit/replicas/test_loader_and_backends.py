@@ -159,15 +159,18 @@ def test_tie_aware_comparison_rejects_a_clear_mismatch() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (4, 2), (9, 3)])
 @pytest.mark.parametrize(
-    ("rows", "q_len", "masked"), [(3, 1, False), (3, 1, True), (2, 5, True), (1, 5, True)]
+    ("rows", "q_len", "masked"),
+    [(3, 1, False), (3, 1, True), (2, 5, True), (1, 5, True), (1, 20, True)],
 )
 def test_stacking_a_groups_query_heads_changes_no_bit(
     dtype: torch.dtype, heads: int, kv_heads: int, rows: int, q_len: int, masked: bool
 ) -> None:
     """The gathered path's attention with a group's query heads stacked as rows of one query
     equals SDPA with `enable_gqa`: padded rows of different lengths, a tree-shaped mask in one
-    row, decode rows with no mask. Exactly in bf16 and for several new tokens; a single fp32
-    row's GEMM sums in another order (within 1e-6)."""
+    row, decode rows with no mask, a lone sequence's new tokens over its cached ones. Exactly
+    in bf16 and for several new tokens; a single fp32 row's GEMM sums in another order (within
+    1e-6). The stacked mask kept in `masks` for the next layers gives the same result again
+    (static groups, refilled between replays, keep none: test_device_path's static tests)."""
     import torch.nn.functional as F
 
     gen = torch.Generator().manual_seed(heads + q_len)
@@ -184,8 +187,11 @@ def test_stacking_a_groups_query_heads_changes_no_bit(
     want = F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, scale=0.3, enable_gqa=heads != kv_heads
     )
-    got = grouped_attention(q, k, v, mask, 0.3)
+    masks: dict = {}
+    got = grouped_attention(q, k, v, mask, 0.3, masks)
     if dtype == torch.float32 and q_len == 1:
         torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
     else:
         assert torch.equal(got, want)
+    assert len(masks) == (1 if masked and heads != kv_heads else 0)
+    assert torch.equal(grouped_attention(q, k, v, mask, 0.3, masks), got)  # the kept mask
