@@ -66,6 +66,7 @@ def engine(
     sliding_window_kv: bool = True,
     sliding_slots: int | None = None,
     compile: bool = False,
+    prefill_batch_tokens: int | str | None = "auto",
 ) -> Engine:
     cfg = EngineConfig(
         cache=CacheConfig(
@@ -78,7 +79,11 @@ def engine(
             sliding_slots=sliding_slots,
         ),
         sessions=SessionConfig(enabled=sessions, host_tier_bytes=host_tier_bytes),
-        scheduler=SchedulerConfig(max_running_requests=max_running, max_prefill_tokens=prefill),
+        scheduler=SchedulerConfig(
+            max_running_requests=max_running,
+            max_prefill_tokens=prefill,
+            prefill_batch_tokens=prefill_batch_tokens,
+        ),
         compile=compile,
     )
     return Engine(cfg, loaded)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 if TYPE_CHECKING:
     import torch
@@ -127,9 +127,29 @@ class SchedulerConfig(_Strict):
     max_prefill_tokens: int = Field(
         512, ge=1, description="Prefill tokens per step (chunked prefill budget)."
     )
+    prefill_batch_tokens: int | Literal["auto"] | None = Field(
+        "auto",
+        description="A step starts a waiting request's prompt only while the prompts it already "
+        "computes hold fewer tokens than this; prompts this long are computed one after "
+        "another (a prompt under way keeps its place first). A prompt that joins a step "
+        "delays every prompt already in it by its own compute and saves itself one step's "
+        "fixed cost; on a CPU, whose steps cost what their tokens cost, that pays only for "
+        "short prompts, so a burst's prompts run one after another and the first ones "
+        "answer steps sooner for the same work (docs/benchmarks.md). auto: 64 on a CPU, no "
+        "limit on a GPU (where batching prompts reads the weights once for all); null: no "
+        "limit (as many as max_prefill_tokens holds).",
+    )
     decode_reserve_tokens: int = Field(
         16, ge=0, description="KV kept free per running request when admitting new ones."
     )
+
+    @field_validator("prefill_batch_tokens")
+    @classmethod
+    def _positive(cls, v: int | str | None) -> int | str | None:
+        if isinstance(v, int) and v < 1:
+            raise ValueError("scheduler.prefill_batch_tokens must be at least 1 (or auto, null)")
+        return v
+
     force_retract_every: int | None = Field(
         None, ge=1, description="Testing knob: retract the youngest decode every N steps."
     )
@@ -298,6 +318,13 @@ class EngineConfig(_Strict):
     memory_check_period_s: float = Field(
         10.0, gt=0, description="Seconds between checks under memory_check: periodic."
     )
+
+    def prefill_batch_limit(self) -> int | None:
+        """`scheduler.prefill_batch_tokens` resolved for `model.device` (None: no limit)."""
+        limit = self.scheduler.prefill_batch_tokens
+        if limit == "auto":
+            return 64 if self.model.device.split(":")[0] == "cpu" else None
+        return limit
 
     def prefill_package_min_tokens(self, dtype: torch.dtype) -> int:
         """`compile_prefill_min_tokens`, or its default for a model loaded in `dtype`: the

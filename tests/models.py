@@ -130,6 +130,7 @@ def tiny_engine(
     max_rows: int = 32,
     max_context_len: int = 1024,
     prefill: int = 512,
+    prefill_batch_tokens: int | str | None = "auto",
     retract_every: int | None = None,
     radix: bool = True,
     backend: str = "torch",
@@ -179,7 +180,11 @@ def tiny_engine(
             sliding_window_kv=sliding_window_kv,
             sliding_slots=sliding_slots,
         ),
-        scheduler=SchedulerConfig(max_prefill_tokens=prefill, force_retract_every=retract_every),
+        scheduler=SchedulerConfig(
+            max_prefill_tokens=prefill,
+            force_retract_every=retract_every,
+            prefill_batch_tokens=prefill_batch_tokens,
+        ),
         sessions=SessionConfig(**session_kw),
         spec=SpecConfig(
             num_drafts=num_drafts,

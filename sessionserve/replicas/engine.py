@@ -98,7 +98,11 @@ class Engine:
         self.stopper = StopChecker(self.tokenizer, cfg.cache.max_context_len)
         spec = self.speculative
         self.scheduler = Scheduler(
-            self.cache, cfg.scheduler, self.stopper, spec.draft_len if spec else None
+            self.cache,
+            cfg.scheduler,
+            self.stopper,
+            spec.draft_len if spec else None,
+            cfg.prefill_batch_limit(),
         )
         self.sessions = SessionController(
             self.cache, cfg.sessions, self._decode_verbatim(), reclaim_sessions_at_limit

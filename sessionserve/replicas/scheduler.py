@@ -4,8 +4,10 @@ next forward (`schedule`), and what their results do to KV and requests (`proces
 One step holds every running decode (one token each) and then prefill chunks up to the
 `max_prefill_tokens` budget: first requests whose prefill is already under way, then new ones in
 arrival order while KV allows (free + evictable radix pages + idle sessions, minus a reserve for
-the running decodes). When a decode cannot get a slot, the youngest decode request is retracted:
-its KV goes back to the cache (a session turn's is parked in its slot) and it waits to be
+the running decodes) and the step's prompts hold fewer than `prefill_batch_tokens` (on a CPU,
+where a step costs what its tokens cost, a burst's prompts then run one after another and the
+first ones answer sooner). When a decode cannot get a slot, the youngest decode request is
+retracted: its KV goes back to the cache (a session turn's is parked in its slot) and it waits to be
 re-admitted ahead of new requests. After the forward, `process` commits each sequence's KV,
 appends its tokens and checks stops, and `finish` ends what is done: besides admission, the
 only code that changes a request's KV (a verify's commit is the speculative decoder's).
@@ -48,11 +50,14 @@ class Scheduler:
         config: SchedulerConfig,
         stopper: StopChecker,
         draft_len: Callable[[Request], int] | None = None,
+        prefill_batch_limit: int | None = None,
     ) -> None:
         """`draft_len`: the draft slots a decode needs this step (the speculative decoder's
-        choice; None: no speculation)."""
+        choice; None: no speculation). `prefill_batch_limit`: `EngineConfig.prefill_batch_limit`
+        (a step starts no further prompt once its prompts hold this many tokens; None: no limit)."""
         self.cache = cache
         self.config = config
+        self.prefill_batch_limit = prefill_batch_limit
         self.stopper = stopper
         self.draft_len = draft_len
         self.waiting: deque[Request] = deque()
@@ -100,7 +105,12 @@ class Scheduler:
         budget = self.config.max_prefill_tokens
         for req in [r for r in self.running if not self._decodes(r)]:  # chunked prefills
             budget = self._schedule_prefill(req, budget, batch, overlap)
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
+        while (
+            self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_running_requests
+            and self._starts_another_prompt(budget)
+        ):
             req = self.waiting[0]
             if not self._admit(req, budget):
                 break
@@ -111,6 +121,13 @@ class Scheduler:
             req = s.req
             req.inflight_step, req.inflight_end, req.inflight_samples = batch.step, s.end, s.samples
         return batch
+
+    def _starts_another_prompt(self, budget: int) -> bool:
+        """Below `prefill_batch_limit` prompt tokens this step, a waiting prompt may join."""
+        return (
+            self.prefill_batch_limit is None
+            or self.config.max_prefill_tokens - budget < self.prefill_batch_limit
+        )
 
     @staticmethod
     def _decodes(req: Request) -> bool:

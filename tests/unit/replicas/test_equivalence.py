@@ -61,3 +61,62 @@ def test_requests_joining_mid_flight_do_not_change_outputs() -> None:
         rids.append(engine.submit(p, params))
     engine.run_until_idle()
     assert [engine.take_result(r).output_ids for r in rids] == want
+
+
+def _submit_and_step(engine, prompts, params, steps: int) -> tuple[list[str], list[bool]]:
+    """Submit `prompts`, run `steps` steps: their ids, and which have sampled a token."""
+    rids = [engine.submit(p, params) for p in prompts]
+    for _ in range(steps):
+        engine.step()
+    sampled = {r.rid for r in engine.scheduler.running if r.sampled}
+    return rids, [rid in sampled for rid in rids]
+
+
+def test_a_burst_of_long_prompts_is_computed_one_after_another() -> None:
+    """`prefill_batch_tokens` (64 on a CPU by default): prompts of 300 tokens arriving together
+    start one a step, the first answering after one step instead of all after one long one;
+    with no limit, the step computes all three. Either way the answers are transformers'."""
+    model = tiny_model()
+    prompts = [[2 + (i * 37 + j * 11) % 250 for j in range(300)] for i in range(3)]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    want = [hf_greedy(model, p, 8) for p in prompts]
+    for limit, first_step in (("auto", [True, False, False]), (None, [True] * 3)):
+        engine = tiny_engine(model, prefill=1024, prefill_batch_tokens=limit)
+        assert engine.scheduler.prefill_batch_limit == (64 if limit == "auto" else None)
+        rids, sampled = _submit_and_step(engine, prompts, params, 1)
+        assert sampled == first_step
+        if limit == "auto":
+            engine.step()
+            assert [r.rid for r in engine.scheduler.running if r.sampled] == rids[:2]
+        engine.run_until_idle()
+        assert [engine.take_result(r).output_ids for r in rids] == want
+        engine.checker.check_idle()
+
+
+def test_short_prompts_share_a_step_until_the_limit() -> None:
+    """Prompts shorter than the limit join one step until it holds the limit: 20-token prompts
+    with a limit of 128 start seven in the first step (120 tokens before the seventh), then
+    the rest; no limit takes all ten."""
+    model = tiny_model()
+    prompts = [[3 + (i * 13 + j * 7) % 250 for j in range(20)] for i in range(10)]
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    for limit, started in ((128, 7), (None, 10)):
+        engine = tiny_engine(model, prefill_batch_tokens=limit)
+        rids, sampled = _submit_and_step(engine, prompts, params, 1)
+        assert sum(sampled) == started and all(sampled[:started])
+        engine.run_until_idle()
+        assert all(len(engine.take_result(r).output_ids) == 4 for r in rids)
+        engine.checker.check_idle()
+
+
+def test_prefill_batch_tokens_is_checked_and_resolved_per_device() -> None:
+    from pydantic import ValidationError
+
+    from sessionserve.config import EngineConfig, ModelConfig, SchedulerConfig
+
+    with pytest.raises(ValidationError, match="at least 1"):
+        SchedulerConfig(prefill_batch_tokens=0)
+    cpu, gpu = (EngineConfig(model=ModelConfig(device=d)) for d in ("cpu", "cuda:0"))
+    assert (cpu.prefill_batch_limit(), gpu.prefill_batch_limit()) == (64, None)
+    pinned = EngineConfig(scheduler=SchedulerConfig(prefill_batch_tokens=300))
+    assert pinned.prefill_batch_limit() == 300
