@@ -7,9 +7,9 @@ takes `EngineConfig` directly. `sessionserve config-schema` prints the JSON sche
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 if TYPE_CHECKING:
     import torch
@@ -127,7 +127,7 @@ class SchedulerConfig(_Strict):
     max_prefill_tokens: int = Field(
         512, ge=1, description="Prefill tokens per step (chunked prefill budget)."
     )
-    prefill_batch_tokens: int | Literal["auto"] | None = Field(
+    prefill_batch_tokens: Annotated[int, Field(ge=1)] | Literal["auto"] | None = Field(
         "auto",
         description="A step starts a waiting request's prompt only while the prompts it already "
         "computes hold fewer tokens than this; prompts this long are computed one after "
@@ -142,13 +142,6 @@ class SchedulerConfig(_Strict):
     decode_reserve_tokens: int = Field(
         16, ge=0, description="KV kept free per running request when admitting new ones."
     )
-
-    @field_validator("prefill_batch_tokens")
-    @classmethod
-    def _positive(cls, v: int | str | None) -> int | str | None:
-        if isinstance(v, int) and v < 1:
-            raise ValueError("scheduler.prefill_batch_tokens must be at least 1 (or auto, null)")
-        return v
 
     force_retract_every: int | None = Field(
         None, ge=1, description="Testing knob: retract the youngest decode every N steps."

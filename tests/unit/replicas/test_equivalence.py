@@ -114,8 +114,10 @@ def test_prefill_batch_tokens_is_checked_and_resolved_per_device() -> None:
 
     from sessionserve.config import EngineConfig, ModelConfig, SchedulerConfig
 
-    with pytest.raises(ValidationError, match="at least 1"):
+    with pytest.raises(ValidationError, match="greater than or equal to 1"):
         SchedulerConfig(prefill_batch_tokens=0)
+    with pytest.raises(ValidationError):
+        SchedulerConfig(prefill_batch_tokens="fast")
     cpu, gpu = (EngineConfig(model=ModelConfig(device=d)) for d in ("cpu", "cuda:0"))
     assert (cpu.prefill_batch_limit(), gpu.prefill_batch_limit()) == (64, None)
     pinned = EngineConfig(scheduler=SchedulerConfig(prefill_batch_tokens=300))
