@@ -33,24 +33,28 @@ def drive(eng: Engine, pending: list[list[int]], params: SamplingParams, concurr
     pending = list(pending)
     started = time.perf_counter()
     while pending or eng.has_work():
-        while pending and len(rids) - len(first) < concurrency and _live(eng) < concurrency:
+        while pending and _live(eng) < concurrency:
             rid = eng.submit(pending.pop(0), params)
             submitted[rid] = time.perf_counter()
             rids.append(rid)
-        eng.step()
-        now = time.perf_counter()
-        for r in eng.scheduler.running:
-            if r.sampled and r.rid not in first:
-                first[r.rid] = now
+        _step(eng, first)
     wall = time.perf_counter() - started
     tokens = sum(len(eng.take_result(r).output_ids) for r in rids)
-    for r in rids:  # a one-token answer ends in its first step: not seen running
-        first.setdefault(r, now)
     return tokens / wall, statistics.median(first[r] - submitted[r] for r in rids)
 
 
 def _live(eng: Engine) -> int:
     return len(eng.scheduler.running) + len(eng.scheduler.waiting)
+
+
+def _step(eng: Engine, first: dict[str, float]) -> None:
+    """One engine step; notes when each request still running has its first token (every
+    workload here asks for several tokens, so a request is running when it gets its first)."""
+    eng.step()
+    now = time.perf_counter()
+    for r in eng.scheduler.running:
+        if r.sampled and r.rid not in first:
+            first[r.rid] = now
 
 
 def turns(eng: Engine, gen: torch.Generator, vocab: int) -> tuple[float, float]:
@@ -66,11 +70,7 @@ def turns(eng: Engine, gen: torch.Generator, vocab: int) -> tuple[float, float]:
             rids.append(rid)
             submitted[rid] = time.perf_counter()
         while eng.has_work():
-            eng.step()
-            now = time.perf_counter()
-            for r in eng.scheduler.running:
-                if r.sampled and r.rid not in first:
-                    first[r.rid] = now
+            _step(eng, first)
         ttfts += [first[r] - submitted[r] for r in rids]
         tokens += sum(len(eng.take_result(r).output_ids) for r in rids)
     for sid in sids:
