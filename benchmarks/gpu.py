@@ -7,6 +7,11 @@ EOS ignored, at each concurrency c: decode tokens/s of
     requests in flight; the median decode-only step),
   - HF `generate` eager (sdpa) and HF `generate(cache_implementation="static")` (compiled),
     as (time for `output` tokens - time for 1 token) / (output - 1) per step, batch c.
+With `--compile` (default `both` on CUDA): the engine with CUDA graphs again over the
+compiled forward (`engine.compile: true`: an AOTInductor package of the unmodified model,
+our attention an opaque op, captured in the graphs; its build time is printed), so
+`compile_speedup_<c>` compares graphs over the compiled forward with graphs over the eager
+model, same backend, same run.
 At c = 32 (or the largest c below it): the step-time split (schedule, batch building, forward,
 sampling; with a device sync after the forward, in a separate run) and the GPU-busy share
 (kernel time / step time, from torch.profiler). Roofline: weight bytes / measured device copy
@@ -16,6 +21,8 @@ bandwidth (read + write counted) bounds a decode step from below. Sessions: TTFT
 (`overlap_ms`, `overlap_speedup_<c>`; `--no-overlap` skips it).
 
     python -m benchmarks.gpu                       # an H100: the issue's figures
+    python -m benchmarks.gpu --concurrency 1 32 64 --backends flashinfer --graph-modes on \
+        --hf-static-concurrency 32                 # the short run: graphs, compiled or not
     python -m benchmarks.gpu --tiny --device cpu   # a smoke run of the script itself on CPU
 
 Last line: one JSON object (ratios vs the baselines measured in the same run).
@@ -24,6 +31,7 @@ Last line: one JSON object (ratios vs the baselines measured in the same run).
 from __future__ import annotations
 
 import argparse
+import logging
 import statistics
 import time
 from collections.abc import Callable
@@ -35,6 +43,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from benchmarks.common import emit, machine
 from sessionserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from sessionserve.replicas import compiled_forward
 from sessionserve.replicas import model_runner as runner_module
 from sessionserve.replicas.attention import flashinfer_unsupported
 from sessionserve.replicas.cuda_graphs import bucket_for
@@ -72,6 +81,28 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
     ap.add_argument("--backends", nargs="+", default=["torch", "flashinfer"])
     ap.add_argument("--skip-hf-static", action="store_true", help="no compiled HF baseline")
+    ap.add_argument("--skip-hf", action="store_true", help="no transformers baselines at all")
+    ap.add_argument(
+        "--hf-static-concurrency",
+        type=int,
+        nargs="+",
+        default=None,
+        help="measure HF static+compile only at these c (each c compiles again; default: all)",
+    )
+    ap.add_argument(
+        "--graph-modes",
+        nargs="+",
+        choices=["off", "on"],
+        default=None,
+        help="CUDA graphs off and/or on (default: both on CUDA, off elsewhere)",
+    )
+    ap.add_argument(
+        "--compile",
+        choices=["off", "on", "both"],
+        default="both",
+        help="measure the engine over the compiled forward (with graphs where they are on)",
+    )
+    ap.add_argument("--compile-cache-dir", default=None, help="where the package is kept")
     ap.add_argument("--held", type=int, default=8000, help="session history for the TTFT test")
     ap.add_argument("--no-overlap", action="store_true", help="skip the overlap-scheduling runs")
     ap.add_argument("--profile-steps", type=int, default=20)
@@ -152,6 +183,7 @@ def make_engine(
     sessions: bool = True,
     extend: bool = True,
     overlap: bool = False,
+    compiled: bool = False,
 ):
     held = args.held + 256
     slots = max(c * (args.prompt + args.output) * 2, 2 * held + 4096)
@@ -169,8 +201,21 @@ def make_engine(
         cuda_graphs=graphs,
         cuda_graph_max_extend=256 if extend else 0,
         overlap_schedule=overlap,
+        compile=compiled,
+        compile_cache_dir=args.compile_cache_dir,
     )
-    return Engine(cfg, LoadedModel(model, None, "random-llama", "benchmarks.gpu"))
+    eng = Engine(cfg, LoadedModel(model, None, "random-llama", "benchmarks.gpu"))
+    if compiled and eng.runner.compiled is None:
+        raise RuntimeError("the compiled forward did not install (the log above says why)")
+    return eng
+
+
+Config = tuple[str, bool, bool]  # attention backend, CUDA graphs, compiled forward
+
+
+def label(config: Config) -> str:
+    b, g, k = config
+    return f"{b}{'+graphs' if g else ''}{'+compile' if k else ''}"
 
 
 def submit_round(eng: Engine, c: int, args, seed: int) -> None:
@@ -351,6 +396,21 @@ def session_ttft(model, backend: str, args) -> dict[str, float]:
     return out
 
 
+def hash_weights_once(model) -> None:
+    """The package key hashes the model's weights (2.5 GB: seconds) for every engine built;
+    this script never changes them, so each engine reuses the first hash."""
+    digest, hash_all = None, compiled_forward.weights_digest
+
+    def once(m) -> str:
+        nonlocal digest
+        if m is not model:
+            return hash_all(m)
+        digest = digest or hash_all(m)
+        return digest
+
+    compiled_forward.weights_digest = once
+
+
 def main() -> None:
     args = parse()
     device = torch.device(args.device)
@@ -359,6 +419,8 @@ def main() -> None:
     )
     if args.tiny:
         args.held = min(args.held, 1000)
+    logging.basicConfig(format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("sessionserve.replicas.compiled_forward").setLevel(logging.INFO)
     model = build_model(args, device, dtype)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     bw = copy_bandwidth(device)
@@ -373,13 +435,18 @@ def main() -> None:
         why = flashinfer_unsupported(device, dtype, model.config.head_dim) if b != "torch" else None
         print(f"backend {b}: skipped, {why}" if why else f"backend {b}: measured", flush=True)
         backends += [] if why else [b]
-    graph_modes = [False, True] if device.type == "cuda" else [False]
+    modes = args.graph_modes or (["off", "on"] if device.type == "cuda" else ["off"])
+    graph_modes = [m == "on" for m in modes]
+    if device.type != "cuda" and any(graph_modes):
+        raise SystemExit("--graph-modes on needs CUDA")
+    compile_modes = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
+    static_at = args.hf_static_concurrency or args.concurrency
 
     hf: dict[str, dict[int, float]] = {"eager": {}, "static": {}}
-    for c in args.concurrency:  # the baselines first: the engine re-wires the attention
+    for c in [] if args.skip_hf else args.concurrency:  # first: the engine re-wires attention
         model.set_attn_implementation("sdpa")
         hf["eager"][c] = hf_step_ms(model, c, args, static=False)
-        if not args.skip_hf_static:
+        if not args.skip_hf_static and c in static_at:
             hf["static"][c] = hf_step_ms(model, c, args, static=True)
         print(
             f"c={c:3d} HF eager {hf['eager'][c]:.2f} ms/step, static "
@@ -387,46 +454,72 @@ def main() -> None:
             flush=True,
         )
 
-    ours: dict[tuple[str, bool], dict[int, float]] = {}
+    hash_weights_once(model)
+    ours: dict[Config, dict[int, float]] = {}
+    kept: dict[tuple[Config, int], Engine] = {}  # c_mid's engines, for the step split
+    c_mid = max((c for c in args.concurrency if c <= 32), default=args.concurrency[0])
+    build_s = None
     for backend in backends:
         for graphs in graph_modes:
-            ms = ours.setdefault((backend, graphs), {})
-            for c in args.concurrency:
-                ms[c] = engine_step_ms(make_engine(model, backend, graphs, c, args), c, args)
-                print(
-                    f"c={c:3d} engine {backend:10s} graphs={graphs!s:5s} {ms[c]:.2f} ms/step "
-                    f"({c / ms[c] * 1000:.0f} tok/s)",
-                    flush=True,
-                )
+            for compiled in compile_modes:
+                ms = ours.setdefault((backend, graphs, compiled), {})
+                for c in args.concurrency:
+                    started = time.perf_counter()
+                    eng = make_engine(model, backend, graphs, c, args, compiled=compiled)
+                    if compiled and build_s is None:  # the first builds the package
+                        build_s = time.perf_counter() - started
+                        print(f"compiled forward built and loaded in {build_s:.0f} s", flush=True)
+                    ms[c] = engine_step_ms(eng, c, args)
+                    if c == c_mid:
+                        kept[((backend, graphs, compiled), c)] = eng
+                    else:
+                        eng.close()
+                    print(
+                        f"c={c:3d} engine {label((backend, graphs, compiled)):26s} "
+                        f"{ms[c]:.2f} ms/step ({c / ms[c] * 1000:.0f} tok/s)",
+                        flush=True,
+                    )
 
-    def best(c: int) -> tuple[tuple[str, bool], float]:
+    def best(c: int) -> tuple[Config, float]:
         return min(((k, v[c]) for k, v in ours.items()), key=lambda kv: kv[1])
+
+    def engine_for(config: Config, c: int, **kw: Any) -> Engine:
+        b, g, k = config
+        return make_engine(model, b, g, c, args, compiled=k, **kw)
+
+    def compile_speedup(c: int) -> float | None:
+        """The best configuration's backend and graphs: the eager model's step over the
+        compiled forward's."""
+        (b, g, _), _ = best(c)
+        on, off = ours.get((b, g, True)), ours.get((b, g, False))
+        return round(off[c] / on[c], 3) if on and off else None
 
     overlapped: dict[int, float] = {}  # the best configuration again, with overlap on
     for c in [] if args.no_overlap else args.concurrency:
-        (b, g), plain_ms = best(c)
-        eng = make_engine(model, b, g, c, args, overlap=True)
+        config, plain_ms = best(c)
+        eng = engine_for(config, c, overlap=True)
         overlapped[c] = engine_step_ms(eng, c, args)
         eng.close()
         print(
-            f"c={c:3d} engine {b:10s} graphs={g!s:5s} overlap {overlapped[c]:.2f} ms/step "
+            f"c={c:3d} engine {label(config):26s} overlap {overlapped[c]:.2f} ms/step "
             f"({plain_ms / overlapped[c]:.2f}x without)",
             flush=True,
         )
 
-    c_mid = max((c for c in args.concurrency if c <= 32), default=args.concurrency[0])
     c_top = max(args.concurrency)
-    (b_mid, g_mid), _ = best(c_mid)
-    split = step_split(make_engine(model, b_mid, g_mid, c_mid, args), c_mid, args)
-    busy, busy_profiler = gpu_busy(make_engine(model, b_mid, g_mid, c_mid, args), c_mid, args)
+    mid, _ = best(c_mid)
+    split = step_split(kept[(mid, c_mid)], c_mid, args)  # idle after its rounds
+    busy, busy_profiler = gpu_busy(kept[(mid, c_mid)], c_mid, args)
+    for eng in kept.values():
+        eng.close()
     print(
-        f"c={c_mid} {b_mid} graphs={g_mid}: step split (ms) "
+        f"c={c_mid} {label(mid)}: step split (ms) "
         + ", ".join(f"{k} {v:.2f}" for k, v in split.items())
         + (f"; GPU busy {busy:.0%} (graph replay time / step)" if busy is not None else "")
         + (f", {busy_profiler:.0%} (profiler kernels)" if busy_profiler is not None else ""),
         flush=True,
     )
-    t = session_ttft(model, best(1)[0][0], args)
+    t = session_ttft(model, best(1)[0][0], args)  # eager extends / graphs, not compiled
     print(
         f"TTFT with {args.held} tokens held: session {1000 * t['session']:.1f} ms (eager "
         f"extend {1000 * t['session_eager_extend']:.1f} ms), stateless "
@@ -448,7 +541,10 @@ def main() -> None:
             "output": args.output,
             "hf_eager_ms": hf["eager"],
             "hf_static_ms": hf["static"],
-            "engine_ms": {f"{b}{'+graphs' if g else ''}": v for (b, g), v in ours.items()},
+            "engine_ms": {label(k): v for k, v in ours.items()},
+            "best_config": {c: label(best(c)[0]) for c in args.concurrency},
+            "compile_build_s": None if build_s is None else round(build_s, 1),
+            **{f"compile_speedup_{c}": compile_speedup(c) for c in args.concurrency},
             "overlap_ms": overlapped,
             **{f"overlap_speedup_{c}": round(best(c)[1] / ms, 3) for c, ms in overlapped.items()},
             **{  # the best configuration, overlap included

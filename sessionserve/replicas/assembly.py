@@ -101,7 +101,11 @@ def compile_forwards(cfg: EngineConfig, model: Any, runner: ModelRunner) -> None
     """Install the compiled forward (`engine.compile`) and the prefill package
     (`engine.compile_prefill`) that the config asks for, at once or from a background build."""
     plan = plan_compile(
-        cfg.compile, model, cfg.compile_max_tokens, cfg.compile_cache_dir, runner.feature_layers
+        cfg.compile,
+        model,
+        compiled_max_tokens(cfg, runner),
+        cfg.compile_cache_dir,
+        runner.feature_layers,
     )
     if not plan.enabled:
         log.debug("compile: the forward runs eagerly (%s)", plan.reason)
@@ -133,6 +137,14 @@ def compile_forwards(cfg: EngineConfig, model: Any, runner: ModelRunner) -> None
     else:
         log.debug("compile: longer steps run eagerly (%s)", prefill.reason)
     runner.compiling = start_compile(plans, model, background=cfg.compile == "auto")
+
+
+def compiled_max_tokens(cfg: EngineConfig, runner: ModelRunner) -> int:
+    """The longest step the compiled forward runs: `engine.compile_max_tokens`, and on CUDA at
+    least the largest CUDA graph's step (the graphs replay the package: on a GPU its GEMMs
+    are cuBLAS's whatever the rows, so nothing is lost running larger steps through it)."""
+    graphs = [g for g in (runner.graphs, runner.extend_graphs) if g is not None]
+    return max([cfg.compile_max_tokens] + [max(g.buckets) for g in graphs])
 
 
 def build_speculative(

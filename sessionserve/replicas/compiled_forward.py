@@ -81,15 +81,24 @@ class _DecoderAndHead(torch.nn.Module):
         return self.lm_head(last[logit_idx]), features
 
 
-def load_flat(package: Path) -> Callable[..., list[torch.Tensor]]:
+def load_flat(package: Path, single_threaded: bool = False) -> Callable[..., list[torch.Tensor]]:
     """An AOTInductor package as a function of its positional tensors, returning its flat
     list of output tensors. `AOTICompiledModel.__call__` parses the package's input and
     output tree specs from JSON and flattens its arguments on every call (~12 us on this
     project's CPU, 30 times per decode step for the attention kernel); our packages take
     positional tensors and return tensors, so calling the loader's `boxed_run` is the same
-    call without that."""
+    call without that. `single_threaded`: the runner without its thread guard, which records
+    and queries a CUDA event around each run, calls a stream capture forbids (CUDA graphs
+    replay the package); the engine runs one forward at a time."""
     remove_stale_extractions()
-    model = torch._inductor.aoti_load_package(str(package))
+    try:
+        if single_threaded:
+            model = torch._inductor.aoti_load_package(str(package), run_single_threaded=True)
+        else:
+            model = torch._inductor.aoti_load_package(str(package))
+    except TypeError:  # a torch without the option: the guarded runner
+        log.warning("compile: this torch cannot load a package single-threaded")
+        model = torch._inductor.aoti_load_package(str(package))
     loader = getattr(model, "loader", None)
     if loader is None or not hasattr(loader, "boxed_run"):  # another torch: the plain call
 
@@ -105,11 +114,13 @@ class CompiledForward:
     """A loaded package: `run(ids, positions, logit_idx, meta)` as `ModelRunner.forward`'s
     eager path computes it, for steps of `min_tokens..max_tokens` tokens."""
 
-    def __init__(self, package: Path, max_tokens: int, min_tokens: int = 1) -> None:
+    def __init__(
+        self, package: Path, max_tokens: int, min_tokens: int = 1, on_cuda: bool = False
+    ) -> None:
         self.package = package
         self.max_tokens = max_tokens
         self.min_tokens = min_tokens
-        self._fn = load_flat(package)
+        self._fn = load_flat(package, single_threaded=on_cuda)  # CUDA graphs capture it
 
     def accepts(self, num_tokens: int) -> bool:
         return self.min_tokens <= num_tokens <= self.max_tokens
@@ -169,6 +180,10 @@ def package_key(
         "versions": [torch.__version__, transformers.__version__, sessionserve.__version__],
         "format": PACKAGE_FORMAT,
     }
+    if param.device.type == "cuda":  # its kernels are built for this GPU's architecture
+        facts["gpu"] = torch.cuda.get_device_name(param.device)
+        facts["capability"] = list(torch.cuda.get_device_capability(param.device))
+        facts["cuda"] = torch.version.cuda
     if feature_layers is not None:  # only then: packages built before stay valid
         facts["feature_layers"] = list(feature_layers)
     if (example_tokens, autotune) != (DECODE_EXAMPLE_TOKENS, True):  # likewise
@@ -199,6 +214,7 @@ def build_package(
     example = (torch.zeros(n, dtype=torch.int64), torch.arange(n), torch.arange(n - 2, n))
     device = next(model.parameters()).device
     example = tuple(t.to(device) for t in example)
+    on_cuda = device.type == "cuda"
     install(model)  # whatever it came with, the package runs our paged attention
     module = _DecoderAndHead(model, feature_layers).eval()
     started = time.monotonic()
@@ -217,7 +233,9 @@ def build_package(
                 inductor_configs={
                     "freezing": True,
                     "max_autotune": autotune,
-                    "compile_threads": 1,
+                    # on a GPU host Triton kernels compile in parallel workers (a pool left
+                    # in the process that built them); on CPU, in-process
+                    "compile_threads": min(16, os.cpu_count() or 1) if on_cuda else 1,
                     # without autotuning (the prefill package: oneDNN GEMMs, ~10 us of
                     # overhead a call) q/k/v and gate/up become one GEMM each: 121 calls a
                     # step, not 211, 1.05x a decode step of 8 or 16 rows in bf16 (ad hoc);
@@ -275,15 +293,26 @@ def plan_compile(
 ) -> CompilePlan:
     """Resolve `engine.compile` (auto | true | false) for `model`: auto compiles on CPU for a
     model of at least AUTO_MIN_PARAMS parameters; on CUDA it leaves the forward to CUDA
-    graphs (a compiled forward inside them has not been measured on a GPU yet)."""
+    graphs of the eager model. On CUDA a package is built without autotuning (cuBLAS GEMMs,
+    Triton kernels for what inductor fuses around them; max-autotune would add many minutes
+    per build) and the CUDA graphs replay it (cuda_graphs.py)."""
     if mode is False:
         return CompilePlan(False, "engine.compile is false")
     if mode == "auto" and (why := _auto_declines(model, "CUDA graphs run the forward")):
         return CompilePlan(False, why)
     root = Path(cache_dir) if cache_dir else default_cache_dir()
     weights = weights_digest(model)
-    package = root / f"{package_key(model, max_tokens, feature_layers, weights=weights)}.pt2"
-    return CompilePlan(True, "engine.compile", package, max_tokens, feature_layers, weights=weights)
+    autotune = next(model.parameters()).device.type == "cpu"
+    key = package_key(model, max_tokens, feature_layers, weights=weights, autotune=autotune)
+    return CompilePlan(
+        True,
+        "engine.compile",
+        root / f"{key}.pt2",
+        max_tokens,
+        feature_layers,
+        autotune=autotune,
+        weights=weights,
+    )
 
 
 def _auto_declines(model: Any, off_cpu: str) -> str | None:
@@ -552,7 +581,8 @@ def load_or_build(
             f"at {plan.package})",
         )
         started = time.monotonic()
-        compiled = CompiledForward(plan.package, plan.max_tokens, plan.min_tokens)
+        on_cuda = next(model.parameters()).device.type == "cuda"
+        compiled = CompiledForward(plan.package, plan.max_tokens, plan.min_tokens, on_cuda)
         log.info("compile: loaded %s in %.1f s", plan.package, time.monotonic() - started)
         return compiled
     except Exception as e:  # noqa: BLE001 - any failure leaves a working eager engine

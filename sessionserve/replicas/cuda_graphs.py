@@ -11,7 +11,10 @@ backend's static plan whatever the decode backend (FlashInfer reads the same poo
 
 Graphs are captured lazily, on a bucket's first use, into one shared memory pool. With
 `capture=False` the same static path runs eagerly: that is how CPU tests check the padding
-and buffer filling that a replay relies on.
+and buffer filling that a replay relies on. A graph captures the compiled forward
+(`engine.compile`, compiled_forward.py) where one runs steps of its size, else the eager
+model; a graph captured before a compiled forward was installed (a background build) is
+captured again on its next use.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import torch
 
 from sessionserve.replicas.attention.base import ForwardMeta, to_device
 from sessionserve.replicas.attention.torch_backend import TorchPagedBackend
+from sessionserve.replicas.compiled_forward import CompiledForward
 from sessionserve.replicas.model_runner import ModelRunner
 from sessionserve.replicas.step import ForwardBatch
 
@@ -52,9 +56,11 @@ class _Graph:
     out_slots: torch.Tensor
     sliding_out_slots: torch.Tensor  # (unread without sliding layers' KV kept apart)
     plan: Any  # the backend's static metadata
+    rows: torch.Tensor  # [B] 0..B-1: every row's logits (the compiled forward's argument)
     hidden: torch.Tensor | None = None  # [B, F] the drafter's features (each replay)
     logits: torch.Tensor | None = None  # [B, V]
     graph: Any = None  # torch.cuda.CUDAGraph once captured
+    compiled: CompiledForward | None = None  # the forward it captured (None: eager)
 
 
 class DecodeGraphs:
@@ -73,7 +79,9 @@ class DecodeGraphs:
         key = self.runner.backend.graph_key(batch.seqs) if size is not None else None
         if size is None or key is None:
             return None
-        g = self.graphs.get((size, key)) or self._build(size, key)
+        g = self.graphs.get((size, key))
+        if g is None or g.compiled is not self.runner.compiled_for(size):
+            g = self._build(size, key)
         self._fill(g, batch)
         if g.graph is not None:
             g.graph.replay()
@@ -94,6 +102,9 @@ class DecodeGraphs:
     def _forward(self, g: _Graph) -> None:
         r = self.runner
         meta = ForwardMeta(r.backend, r.kv_pool, g.out_slots, g.plan, g.sliding_out_slots)
+        if g.compiled is not None:
+            g.logits, g.hidden = g.compiled.run(g.ids, g.positions, g.rows, meta)
+            return
         last, g.hidden = r.decode_hidden(g.ids, g.positions, meta)
         g.logits = r.lm_head(last)
 
@@ -102,7 +113,13 @@ class DecodeGraphs:
         dev = self.runner.device
         zeros = lambda: torch.zeros(size, dtype=torch.int64, device=dev)  # noqa: E731
         g = _Graph(
-            zeros(), zeros(), zeros(), zeros(), self.runner.backend.static_decode(size, key, dev)
+            zeros(),
+            zeros(),
+            zeros(),
+            zeros(),
+            self.runner.backend.static_decode(size, key, dev),
+            torch.arange(size, device=dev),
+            compiled=self.runner.compiled_for(size),
         )
         self.graphs[(size, key)] = g
         if not self.capture:
@@ -153,6 +170,7 @@ class _ExtendGraph:
     plan: Any
     logits: torch.Tensor | None = None  # [1, V]
     graph: Any = None
+    compiled: CompiledForward | None = None  # as _Graph's
 
 
 class ExtendGraphs:
@@ -180,7 +198,9 @@ class ExtendGraphs:
         size, width = bucket_for(n, self.buckets), self.backend.graph_key([seq])
         if size is None or width is None:
             return None
-        g = self.graphs.get((size, width)) or self._build(size, width)
+        g = self.graphs.get((size, width))
+        if g is None or g.compiled is not self.runner.compiled_for(size):
+            g = self._build(size, width)
         stage(
             (g.ids, g.positions, g.out_slots, g.sliding_out_slots, g.logit_row),
             (
@@ -203,6 +223,9 @@ class ExtendGraphs:
     def _forward(self, g: _ExtendGraph) -> None:
         r = self.runner
         meta = ForwardMeta(self.backend, r.kv_pool, g.out_slots, g.plan, g.sliding_out_slots)
+        if g.compiled is not None:
+            g.logits, _ = g.compiled.run(g.ids, g.positions, g.logit_row, meta)
+            return
         last, _ = r.decode_hidden(g.ids, g.positions, meta)
         g.logits = r.lm_head(last[g.logit_row])
 
@@ -212,6 +235,7 @@ class ExtendGraphs:
         zeros = lambda n: torch.zeros(n, dtype=torch.int64, device=dev)  # noqa: E731
         plan = self.backend.static_extend(size, width, dev)
         g = _ExtendGraph(zeros(size), zeros(size), zeros(size), zeros(size), zeros(1), plan)
+        g.compiled = self.runner.compiled_for(size)
         self.graphs[(size, width)] = g
         if self.capture:
             self.backend.fill_extend(g.plan, None)  # all padding: a valid plan to capture

@@ -287,6 +287,50 @@ def test_auto_skips_tiny_models_and_builds_big_ones_in_the_background(
     assert after.output_ids == before.output_ids and steps[0] > 0
 
 
+def test_graph_paths_run_the_compiled_forward_and_capture_again_when_it_arrives(cache_dir):
+    """What CUDA graphs replay on a GPU with `engine.compile`, run eagerly (capture=False):
+    the decode and extend graphs' static paths call the compiled package, with the eager
+    engine's tokens and logprobs (within LOGPROB_ATOL) over batches and session turns. A graph
+    built before the package was installed (a background build) is built again over it."""
+    from sessionserve.replicas.cuda_graphs import DecodeGraphs, ExtendGraphs
+
+    model = model_for("llama")
+    p = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=True)
+    inputs = prompts(model.config.vocab_size)[:2]
+
+    def run(engine) -> list:
+        out = engine.generate(inputs, p)  # decode rows: the decode graphs
+        sid = engine.open_session()  # one sequence extended: the extend graphs
+        out += engine.generate([inputs[0]], p, session_id=sid)
+        out += engine.generate([out[-1].output_ids[-1:] + [9, 10, 11]], p, session_id=sid)
+        engine.close_session(sid)
+        engine.check_memory()
+        return out
+
+    eager = run(tiny_engine(model, page_size=4))
+    engine = compiled_engine(model, cache_dir, page_size=4)
+    compiled, runner = engine.runner.compiled, engine.runner
+    runner.compiled = None  # as if a background build were still running
+    runner.graphs = DecodeGraphs(runner, (1, 2, 4), capture=False)
+    runner.extend_graphs = ExtendGraphs(runner, runner.backend, 64, capture=False)
+    before = run(engine)
+    assert {g.compiled for g in runner.graphs.graphs.values()} == {None}
+    runner.compiled = compiled  # the build lands
+    steps = count_compiled_steps(engine)
+    after = run(engine)
+    decode = runner.graphs.graphs.values()
+    assert decode and all(g.compiled is runner.compiled for g in decode)
+    extend = runner.extend_graphs.graphs.values()
+    assert extend and all(g.compiled is runner.compiled for g in extend)
+    # every step but the prompts' first chunk replayed a graph over the compiled forward
+    assert steps[0] >= 2 * (p.max_tokens - 1)
+    for got in (before, after):
+        for g, w in zip(got, eager, strict=True):
+            assert g.output_ids == w.output_ids
+            for a, b in zip(g.logprobs, w.logprobs, strict=True):
+                assert a.logprob == pytest.approx(b.logprob, abs=LOGPROB_ATOL)
+
+
 PREFILL_CHUNK = 40  # the prefill package's tests: chunks above compile_max_tokens (32)
 
 
@@ -428,3 +472,44 @@ def test_plan_prefill_compile_resolves_the_config(cache_dir) -> None:
     assert compiled_forward.plan_prefill_compile(True, forward, model, 32, 8).enabled is False
     off = compiled_forward.plan_compile(False, model, 32, cache_dir)
     assert compiled_forward.plan_prefill_compile(True, off, model, 576, 8).enabled is False
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["torch", "flashinfer"])
+def test_compiled_forward_replayed_in_cuda_graphs_on_cuda(backend, cache_dir) -> None:
+    """On a GPU, `compile: true` builds a CUDA package (no autotuning) that the decode and
+    extend graphs capture: greedy answers over batches and session turns equal the eager
+    graphs' tie-aware in bf16 (fused kernels sum in another order; the bounds of the
+    SmolLM2-shaped default-config test), with every-step memory checks. One package serves
+    both backends (the attention is outside it)."""
+    if backend == "flashinfer":
+        pytest.importorskip("flashinfer")
+    from tests.unit.replicas.test_loader_and_backends import assert_tie_aware_equal
+
+    model = tiny_model(hidden_size=256, num_attention_heads=4).to("cuda", torch.bfloat16)
+    inputs = [[5 + (7 * i) % 200 for i in range(n)] for n in (3, 20, 41, 70)]
+    p = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, top_logprobs=2)
+    outs, engines = {}, {}
+    for name, compiled in (("eager", False), ("compiled", True)):
+        engine = tiny_engine(
+            model,
+            page_size=16,
+            backend=backend,
+            device="cuda",
+            compile=compiled,
+            compile_cache_dir=cache_dir,
+        )
+        outs[name] = engine.generate(inputs, p)
+        sid = engine.open_session()
+        first = engine.generate([inputs[1]], p, session_id=sid)[0]
+        outs[name] += [first, engine.generate([[9, 10, 11]], p, session_id=sid)[0]]
+        engine.close_session(sid)
+        engine.check_memory()
+        engines[name] = engine
+    runner = engines["compiled"].runner
+    assert runner.compiled is not None and runner.graphs.replays > 0
+    assert runner.extend_graphs.replays > 0
+    decode = runner.graphs.graphs.values()
+    assert decode and all(g.graph is not None and g.compiled is runner.compiled for g in decode)
+    assert all(g.compiled is runner.compiled for g in runner.extend_graphs.graphs.values())
+    assert assert_tie_aware_equal(outs["eager"], outs["compiled"], 0.5, 0.25) > 100

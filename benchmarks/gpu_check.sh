@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# One call on a lent GPU host (see ../shared/gpu/README.md): the `gpu` tests, the GPU
+# benchmark, then the engine tests on CUDA, each stage under its own time limit and all of
+# them under DEADLINE_S, logs in $OUT (default ./gpu-logs). Stages run in order of value, so a
+# call cut short still returns what ran; a stage's failure does not stop the next.
+#
+#   bash .gpu/setup.sh && export PYTHONPATH=/tmp/site:$PWD FLASHINFER_WORKSPACE_BASE=/tmp/fi \
+#       FLASHINFER_CUDA_ARCH_LIST=9.0a && bash benchmarks/gpu_check.sh
+set -u
+out="${OUT:-gpu-logs}"
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+deadline=$(( $(date +%s) + ${DEADLINE_S:-560} ))
+PYTEST=(python3 -m pytest -q -p no:cacheprovider --durations=10)
+
+stage() {  # stage NAME MAX_SECONDS COMMAND...: run under min(MAX, time left), log to $out/NAME.log
+    local name=$1 max=$2; shift 2
+    local left=$(( deadline - $(date +%s) ))
+    local limit=$(( max < left ? max : left ))
+    if (( limit < 20 )); then echo "== $name: skipped (${left}s left)"; return; fi
+    echo "== $name (limit ${limit}s) $(date +%T)"
+    local t0=$(date +%s)
+    timeout -k 10 "$limit" "$@" >"$out/$name.log" 2>&1
+    local rc=$?
+    echo "== $name: rc $rc in $(( $(date +%s) - t0 ))s"
+    grep -E "passed|failed|error|Error|ms/step|built|TTFT|step split|^\{" "$out/$name.log" | tail -25
+}
+
+{
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+    python3 -c "import torch, transformers; print(torch.__version__, torch.version.cuda, transformers.__version__)"
+    python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)"
+} 2>&1 | tee "$out/env.log"
+
+stage compile_tests 170 "${PYTEST[@]}" -m gpu tests/unit/replicas/test_compiled_forward.py
+stage benchmark 290 python3 -m benchmarks.gpu --concurrency 1 32 64 --backends flashinfer \
+    --graph-modes on --skip-hf --compile both --log-dir "$out"
+stage gpu_tests 120 "${PYTEST[@]}" -m gpu tests/unit/replicas/test_device_path.py \
+    tests/unit/replicas/test_loader_and_backends.py tests/unit/replicas/test_overlap_schedule.py
+stage cuda_suite 300 "${PYTEST[@]}" --device cuda -m "not gpu" \
+    tests/unit/replicas/test_overlap_schedule.py tests/unit/replicas/test_equivalence.py \
+    tests/unit/replicas/test_speculative_decoding.py tests/unit/replicas/test_engine_sessions.py
+echo "== done $(date +%T)"
