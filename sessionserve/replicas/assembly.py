@@ -25,6 +25,7 @@ from sessionserve.replicas.attention import (
 from sessionserve.replicas.attention.torch_backend import TorchPagedBackend
 from sessionserve.replicas.compiled_attention import HeadLayout, load_decode_kernel
 from sessionserve.replicas.compiled_forward import (
+    JitForward,
     plan_compile,
     plan_prefill_compile,
     start_compile,
@@ -110,7 +111,15 @@ def compile_forwards(cfg: EngineConfig, model: Any, runner: ModelRunner) -> None
     if not plan.enabled:
         log.debug("compile: the forward runs eagerly (%s)", plan.reason)
         return
-    assert plan.package is not None
+    if plan.package is None:  # CUDA: torch.compile, on the first steps of each shape
+        runner.compiled = JitForward(model, plan.max_tokens, plan.feature_layers)
+        log.info(
+            "compile: steps of up to %d tokens run the forward under torch.compile, compiled "
+            "on first use (about a minute per shape for a 1B model; inductor caches kernels "
+            "on disk)",
+            plan.max_tokens,
+        )
+        return
     if runner.device.type == "cpu" and isinstance(runner.backend, TorchPagedBackend):
         shape = KVShape.from_hf_config(model.config)
         layout = HeadLayout(

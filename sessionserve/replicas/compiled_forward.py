@@ -18,6 +18,12 @@ autotuning (inductor then keeps oneDNN GEMMs on weights it prepacks, and still f
 around them): on an AMD EPYC with AVX-512 that one is 1.2-1.5x faster than eager, on an AVX2
 CPU 0.73-0.92x slower from 128 tokens on (docs/benchmarks.md), so `auto` times it once on the
 machine (prefill_choice.py) and keeps it only where it pays.
+
+On CUDA the same module is compiled by `torch.compile` instead (`JitForward`: dynamo and
+inductor, Triton kernels around cuBLAS GEMMs, the attention still the opaque op) and the CUDA
+graphs replay it: a GPU needs no frozen, prepacked weights, so inductor's FX graph cache keeps
+the kernels on disk across restarts, and loading an AOTInductor CUDA package segfaulted on the
+H100 this was measured on (torch 2.11).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,24 +88,15 @@ class _DecoderAndHead(torch.nn.Module):
         return self.lm_head(last[logit_idx]), features
 
 
-def load_flat(package: Path, single_threaded: bool = False) -> Callable[..., list[torch.Tensor]]:
+def load_flat(package: Path) -> Callable[..., list[torch.Tensor]]:
     """An AOTInductor package as a function of its positional tensors, returning its flat
     list of output tensors. `AOTICompiledModel.__call__` parses the package's input and
     output tree specs from JSON and flattens its arguments on every call (~12 us on this
     project's CPU, 30 times per decode step for the attention kernel); our packages take
     positional tensors and return tensors, so calling the loader's `boxed_run` is the same
-    call without that. `single_threaded`: the runner without its thread guard, which records
-    and queries a CUDA event around each run, calls a stream capture forbids (CUDA graphs
-    replay the package); the engine runs one forward at a time."""
+    call without that."""
     remove_stale_extractions()
-    try:
-        if single_threaded:
-            model = torch._inductor.aoti_load_package(str(package), run_single_threaded=True)
-        else:
-            model = torch._inductor.aoti_load_package(str(package))
-    except TypeError:  # a torch without the option: the guarded runner
-        log.warning("compile: this torch cannot load a package single-threaded")
-        model = torch._inductor.aoti_load_package(str(package))
+    model = torch._inductor.aoti_load_package(str(package))
     loader = getattr(model, "loader", None)
     if loader is None or not hasattr(loader, "boxed_run"):  # another torch: the plain call
 
@@ -114,13 +112,11 @@ class CompiledForward:
     """A loaded package: `run(ids, positions, logit_idx, meta)` as `ModelRunner.forward`'s
     eager path computes it, for steps of `min_tokens..max_tokens` tokens."""
 
-    def __init__(
-        self, package: Path, max_tokens: int, min_tokens: int = 1, on_cuda: bool = False
-    ) -> None:
+    def __init__(self, package: Path, max_tokens: int, min_tokens: int = 1) -> None:
         self.package = package
         self.max_tokens = max_tokens
         self.min_tokens = min_tokens
-        self._fn = load_flat(package, single_threaded=on_cuda)  # CUDA graphs capture it
+        self._fn = load_flat(package)
 
     def accepts(self, num_tokens: int) -> bool:
         return self.min_tokens <= num_tokens <= self.max_tokens
@@ -139,6 +135,34 @@ class CompiledForward:
         with forward_context(meta):
             logits, features = self._fn(ids, positions, wanted)
         return (logits if logit_idx.numel() else logits[:0]), features
+
+
+class JitForward(CompiledForward):
+    """`CompiledForward` on CUDA: `_DecoderAndHead` under `torch.compile` (fullgraph, dynamic
+    shapes), compiled on its first call of each shape class (a minute or so for a 1B model on
+    an H100; the kernels then come from inductor's on-disk cache) and replayed by the CUDA
+    graphs that capture it. Engines over the same model object share one compiled function,
+    so a second engine in a process (a benchmark, a test) does not trace again."""
+
+    def __init__(
+        self, model: Any, max_tokens: int, feature_layers: tuple[int, ...] | None = None
+    ) -> None:
+        self.package = None
+        self.max_tokens = max_tokens
+        self.min_tokens = 1
+        self._fn = _jit_compiled(model, feature_layers)
+
+
+_jit: weakref.WeakKeyDictionary[Any, dict] = weakref.WeakKeyDictionary()
+
+
+def _jit_compiled(model: Any, feature_layers: tuple[int, ...] | None) -> Callable[..., Any]:
+    compiled = _jit.setdefault(model, {})
+    if feature_layers not in compiled:
+        install(model)  # the compiled trace calls our paged attention as the opaque op
+        module = _DecoderAndHead(model, feature_layers).eval()
+        compiled[feature_layers] = torch.compile(module, dynamic=True, fullgraph=True)
+    return compiled[feature_layers]
 
 
 def weights_digest(model: Any) -> str:
@@ -180,10 +204,6 @@ def package_key(
         "versions": [torch.__version__, transformers.__version__, sessionserve.__version__],
         "format": PACKAGE_FORMAT,
     }
-    if param.device.type == "cuda":  # its kernels are built for this GPU's architecture
-        facts["gpu"] = torch.cuda.get_device_name(param.device)
-        facts["capability"] = list(torch.cuda.get_device_capability(param.device))
-        facts["cuda"] = torch.version.cuda
     if feature_layers is not None:  # only then: packages built before stay valid
         facts["feature_layers"] = list(feature_layers)
     if (example_tokens, autotune) != (DECODE_EXAMPLE_TOKENS, True):  # likewise
@@ -214,7 +234,6 @@ def build_package(
     example = (torch.zeros(n, dtype=torch.int64), torch.arange(n), torch.arange(n - 2, n))
     device = next(model.parameters()).device
     example = tuple(t.to(device) for t in example)
-    on_cuda = device.type == "cuda"
     install(model)  # whatever it came with, the package runs our paged attention
     module = _DecoderAndHead(model, feature_layers).eval()
     started = time.monotonic()
@@ -233,9 +252,7 @@ def build_package(
                 inductor_configs={
                     "freezing": True,
                     "max_autotune": autotune,
-                    # on a GPU host Triton kernels compile in parallel workers (a pool left
-                    # in the process that built them); on CPU, in-process
-                    "compile_threads": min(16, os.cpu_count() or 1) if on_cuda else 1,
+                    "compile_threads": 1,
                     # without autotuning (the prefill package: oneDNN GEMMs, ~10 us of
                     # overhead a call) q/k/v and gate/up become one GEMM each: 121 calls a
                     # step, not 211, 1.05x a decode step of 8 or 16 rows in bf16 (ad hoc);
@@ -293,26 +310,19 @@ def plan_compile(
 ) -> CompilePlan:
     """Resolve `engine.compile` (auto | true | false) for `model`: auto compiles on CPU for a
     model of at least AUTO_MIN_PARAMS parameters; on CUDA it leaves the forward to CUDA
-    graphs of the eager model. On CUDA a package is built without autotuning (cuBLAS GEMMs,
-    Triton kernels for what inductor fuses around them; max-autotune would add many minutes
-    per build) and the CUDA graphs replay it (cuda_graphs.py)."""
+    graphs of the eager model. On CUDA the plan has no package: `JitForward` compiles."""
     if mode is False:
         return CompilePlan(False, "engine.compile is false")
     if mode == "auto" and (why := _auto_declines(model, "CUDA graphs run the forward")):
         return CompilePlan(False, why)
+    if next(model.parameters()).device.type == "cuda":
+        return CompilePlan(
+            True, "engine.compile (torch.compile on CUDA)", None, max_tokens, feature_layers
+        )
     root = Path(cache_dir) if cache_dir else default_cache_dir()
     weights = weights_digest(model)
-    autotune = next(model.parameters()).device.type == "cpu"
-    key = package_key(model, max_tokens, feature_layers, weights=weights, autotune=autotune)
-    return CompilePlan(
-        True,
-        "engine.compile",
-        root / f"{key}.pt2",
-        max_tokens,
-        feature_layers,
-        autotune=autotune,
-        weights=weights,
-    )
+    package = root / f"{package_key(model, max_tokens, feature_layers, weights=weights)}.pt2"
+    return CompilePlan(True, "engine.compile", package, max_tokens, feature_layers, weights=weights)
 
 
 def _auto_declines(model: Any, off_cpu: str) -> str | None:
@@ -338,6 +348,11 @@ def plan_prefill_compile(
     it is timed faster than the eager forward (prefill_choice.py)."""
     if not forward.enabled or mode is False:
         return CompilePlan(False, "engine.compile_prefill is false or the forward is not compiled")
+    if forward.package is None:
+        return CompilePlan(
+            False,
+            "on CUDA the compiled forward runs steps of any length up to engine.compile_max_tokens",
+        )
     if max_tokens <= forward.max_tokens:
         return CompilePlan(False, "no step is longer than engine.compile_max_tokens")
     if mode == "auto" and (why := _auto_declines(model, "not measured there")):
@@ -581,8 +596,7 @@ def load_or_build(
             f"at {plan.package})",
         )
         started = time.monotonic()
-        on_cuda = next(model.parameters()).device.type == "cuda"
-        compiled = CompiledForward(plan.package, plan.max_tokens, plan.min_tokens, on_cuda)
+        compiled = CompiledForward(plan.package, plan.max_tokens, plan.min_tokens)
         log.info("compile: loaded %s in %.1f s", plan.package, time.monotonic() - started)
         return compiled
     except Exception as e:  # noqa: BLE001 - any failure leaves a working eager engine

@@ -88,11 +88,11 @@ class Grammars:
 def apply_masks(logits: torch.Tensor, matchers: list[Any | None]) -> None:
     """Mask, in place, each row of `logits` [N, V] that has a matcher to the tokens its
     grammar allows next (-inf elsewhere)."""
+    rows = [i for i, m in enumerate(matchers) if m is not None]
+    if not rows:  # before the import: a step without grammars needs no grammar engine
+        return
     import llguidance.torch as lt
 
-    rows = [i for i, m in enumerate(matchers) if m is not None]
-    if not rows:
-        return
     vocab = logits.shape[-1]
     bitmask = lt.allocate_token_bitmask(len(rows), vocab)  # [R, ceil(V / 32)] int32
     for j, i in enumerate(rows):

@@ -331,6 +331,44 @@ def test_graph_paths_run_the_compiled_forward_and_capture_again_when_it_arrives(
                 assert a.logprob == pytest.approx(b.logprob, abs=LOGPROB_ATOL)
 
 
+def test_the_torch_compile_forward_gives_the_eager_tokens_through_the_graph_paths() -> None:
+    """`JitForward` (what `compile: true` installs on CUDA: torch.compile of the same module,
+    the attention the opaque op), run here by inductor's CPU backend through the decode and
+    extend graphs' static paths: the eager engine's tokens and logprobs over batches and
+    session turns; a second engine over the same model shares the compiled function."""
+    from sessionserve.replicas.compiled_forward import JitForward
+    from sessionserve.replicas.cuda_graphs import DecodeGraphs, ExtendGraphs
+
+    model = model_for("llama")
+    p = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=True)
+    inputs = prompts(model.config.vocab_size)[:2]
+
+    def run(engine) -> list:
+        out = engine.generate(inputs, p)
+        sid = engine.open_session()
+        out += engine.generate([inputs[0]], p, session_id=sid)
+        out += engine.generate([out[-1].output_ids[-1:] + [9, 10, 11]], p, session_id=sid)
+        engine.close_session(sid)
+        engine.check_memory()
+        return out
+
+    eager = run(tiny_engine(model, page_size=4))
+    engine = tiny_engine(model, page_size=4)
+    runner = engine.runner
+    runner.compiled = JitForward(runner.model, 256)
+    assert JitForward(runner.model, 256)._fn is runner.compiled._fn  # one compile per model
+    runner.graphs = DecodeGraphs(runner, (1, 2, 4), capture=False)
+    runner.extend_graphs = ExtendGraphs(runner, runner.backend, 64, capture=False)
+    got = run(engine)
+    assert runner.graphs.graphs and runner.extend_graphs.graphs
+    graphs = [*runner.graphs.graphs.values(), *runner.extend_graphs.graphs.values()]
+    assert all(g.compiled is runner.compiled for g in graphs)
+    for g, w in zip(got, eager, strict=True):
+        assert g.output_ids == w.output_ids
+        for a, b in zip(g.logprobs, w.logprobs, strict=True):
+            assert a.logprob == pytest.approx(b.logprob, abs=LOGPROB_ATOL)
+
+
 PREFILL_CHUNK = 40  # the prefill package's tests: chunks above compile_max_tokens (32)
 
 
@@ -477,11 +515,10 @@ def test_plan_prefill_compile_resolves_the_config(cache_dir) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["torch", "flashinfer"])
 def test_compiled_forward_replayed_in_cuda_graphs_on_cuda(backend, cache_dir) -> None:
-    """On a GPU, `compile: true` builds a CUDA package (no autotuning) that the decode and
-    extend graphs capture: greedy answers over batches and session turns equal the eager
-    graphs' tie-aware in bf16 (fused kernels sum in another order; the bounds of the
-    SmolLM2-shaped default-config test), with every-step memory checks. One package serves
-    both backends (the attention is outside it)."""
+    """On a GPU, `compile: true` installs the torch.compile forward (JitForward), which the
+    decode and extend graphs capture: greedy answers over batches and session turns equal the
+    eager graphs' tie-aware in bf16 (fused kernels sum in another order; the bounds of the
+    SmolLM2-shaped default-config test), with every-step memory checks."""
     if backend == "flashinfer":
         pytest.importorskip("flashinfer")
     from tests.unit.replicas.test_loader_and_backends import assert_tie_aware_equal
