@@ -245,10 +245,12 @@ class EngineConfig(_Strict):
         description="Run steps of at most compile_max_tokens tokens through the model's forward "
         "compiled ahead of time (torch.export + AOTInductor, our attention an opaque op; "
         "built once per model, thread count and CPU, cached in compile_cache_dir, loaded in "
-        "seconds after). true: build (or load) at startup, before serving. auto: on CPU for "
-        "models of 50M+ parameters, loaded if cached, else built by a background process while the "
-        "replica serves eagerly; off on CUDA (CUDA graphs) and for tiny models. A failed build "
-        "logs why and leaves the engine eager.",
+        "seconds after). true: build (or load) at startup, before serving. auto: for models of "
+        "50M+ parameters; on CPU loaded if cached, else built by a background process while the "
+        "replica serves eagerly. On CUDA the forward is compiled by torch.compile instead, on the "
+        "first steps of each shape (tens of seconds, logged; inductor caches its kernels on "
+        "disk), and the CUDA graphs replay it. A failed build logs why and leaves the engine "
+        "eager.",
     )
     compile_max_tokens: int = Field(
         32,
@@ -257,7 +259,8 @@ class EngineConfig(_Strict):
         description="Largest step (in tokens) the compiled forward runs: decode batches, short "
         "turns, verifies. Longer steps run through the prefill package (compile_prefill) or "
         "eagerly: this package's GEMMs are tuned for few rows and lose from ~50 tokens on "
-        "(SmolLM2, 2 AVX2 cores: 1.22x at 32, 0.95x at 64, 0.67x at 256).",
+        "(SmolLM2, 2 AVX2 cores: 1.22x at 32, 0.95x at 64, 0.67x at 256). On CUDA at least "
+        "the largest CUDA graph's step (the graphs replay the compiled forward).",
     )
     compile_prefill: bool | Literal["auto"] = Field(
         "auto",

@@ -72,16 +72,28 @@ class DecodeGraphs:
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.replays = 0  # steps served by a graph (or the static path when not capturing)
 
+    def _key(self, batch: ForwardBatch) -> tuple[int, Hashable] | None:
+        """The graph that runs a pure-decode `batch`: (bucket size, backend key), or None."""
+        size = bucket_for(len(batch.seqs), self.buckets)
+        key = self.runner.backend.graph_key(batch.seqs) if size is not None else None
+        return None if size is None or key is None else (size, key)
+
+    def needs_capture(self, batch: ForwardBatch) -> bool:
+        """Would `run(batch)` capture a graph first? (See `captures`.)"""
+        key = self._key(batch)
+        return self.capture and key is not None and self._stale(self.graphs.get(key), key[0])
+
+    def _stale(self, g: _Graph | _ExtendGraph | None, size: int) -> bool:
+        return g is None or g.compiled is not self.runner.compiled_for(size)
+
     def run(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """Logits (and hidden states) of a pure-decode batch, or None if no bucket fits."""
-        n = len(batch.seqs)
-        size = bucket_for(n, self.buckets)
-        key = self.runner.backend.graph_key(batch.seqs) if size is not None else None
-        if size is None or key is None:
+        n, found = len(batch.seqs), self._key(batch)
+        if found is None:
             return None
-        g = self.graphs.get((size, key))
-        if g is None or g.compiled is not self.runner.compiled_for(size):
-            g = self._build(size, key)
+        g = self.graphs.get(found)
+        if self._stale(g, found[0]):
+            g = self._build(*found)
         self._fill(g, batch)
         if g.graph is not None:
             g.graph.replay()
@@ -188,7 +200,9 @@ class ExtendGraphs:
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.replays = 0
 
-    def run(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    def _key(self, batch: ForwardBatch) -> tuple[int, int] | None:
+        """The graph that runs `batch`: (query bucket, context bucket), or None when it is no
+        single short extend."""
         if len(batch.seqs) != 1 or batch.want_hidden or len(batch.logit_idx) > 1:
             return None
         (seq,) = batch.seqs
@@ -196,11 +210,24 @@ class ExtendGraphs:
         if n < 2 or seq.tree_mask is not None or (batch.logit_idx.tolist() not in ([], [n - 1])):
             return None
         size, width = bucket_for(n, self.buckets), self.backend.graph_key([seq])
-        if size is None or width is None:
+        return None if size is None or width is None else (size, width)
+
+    def needs_capture(self, batch: ForwardBatch) -> bool:
+        """Would `run(batch)` capture a graph first? (See `captures`.)"""
+        key = self._key(batch)
+        return self.capture and key is not None and self._stale(self.graphs.get(key), key[0])
+
+    _stale = DecodeGraphs._stale
+
+    def run(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        found = self._key(batch)
+        if found is None:
             return None
-        g = self.graphs.get((size, width))
-        if g is None or g.compiled is not self.runner.compiled_for(size):
-            g = self._build(size, width)
+        (seq,) = batch.seqs
+        n = seq.q_len
+        g = self.graphs.get(found)
+        if self._stale(g, found[0]):
+            g = self._build(*found)
         stage(
             (g.ids, g.positions, g.out_slots, g.sliding_out_slots, g.logit_row),
             (

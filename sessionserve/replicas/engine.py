@@ -15,8 +15,9 @@ prepared, then submitted to the forward thread (forward_thread.py) behind step N
 then are step N's results processed (verify has nothing to do: such a step has no drafts),
 while N+1 computes. A step that cannot be scheduled before N's results are known
 (`OverlapStall`: a retraction, a decode that drafts; or a request with a grammar or
-penalties) processes N first; a step with drafts then runs on the forward thread with nothing
-else in flight and is processed at once.
+penalties) processes N first; a step with drafts, or one that captures a CUDA graph (a
+stream capture forbids device work on other threads, such as the EAGLE head's catch-up), then
+runs on the forward thread with nothing else in flight and is processed at once.
 
 Thread model: every public method takes `self.lock`, so in-process callers may call `submit`,
 `abort` and the session calls from one thread while another runs `step()`; KV state is only
@@ -326,7 +327,16 @@ class Engine:
             elif batch:
                 drafts, (fb, layout) = self._prepare(batch)
                 assert not drafts  # (a decode that drafts stalls an overlapped schedule)
-                self._in_flight = (batch, self.forwards.submit(batch, fb, layout))
+                if self.runner.captures(fb):  # a CUDA graph capture: nothing may run beside it
+                    if running is not None:
+                        events += self._land(*running)
+                        running = None
+                        totals["overlap_waits"] += 1
+                    events += self._complete(
+                        batch, drafts, self.forwards.submit(batch, fb, layout).result()
+                    )
+                else:
+                    self._in_flight = (batch, self.forwards.submit(batch, fb, layout))
             if running is not None:
                 totals["overlapped_steps"] += bool(batch)
                 events += self._land(*running)

@@ -200,6 +200,16 @@ class ModelRunner:
             logits = head_logits(self.lm_head, last[logit_idx])  # oneDNN on CPU
         return logits, hidden if batch.want_hidden else None
 
+    def captures(self, batch: ForwardBatch) -> bool:
+        """Would `forward(batch)` capture a CUDA graph first? While a stream captures, no
+        other thread may use the device (the EAGLE head's catch-up and history drafts run on
+        the engine thread), so under overlap scheduling such a step runs alone (engine.py)."""
+        if self.graphs is not None and batch.is_decode:
+            return self.graphs.needs_capture(batch)
+        if self.extend_graphs is not None:
+            return self.extend_graphs.needs_capture(batch)
+        return False
+
     def compiled_for(self, num_tokens: int) -> CompiledForward | None:
         """The installed package that runs a step of `num_tokens` tokens (None: eager): the
         prefill package from its `min_tokens` on, else the forward's package."""

@@ -287,6 +287,18 @@ def test_auto_skips_tiny_models_and_builds_big_ones_in_the_background(
     assert after.output_ids == before.output_ids and steps[0] > 0
 
 
+def batches_and_turns(engine, inputs: list[list[int]], p: SamplingParams) -> list:
+    """`inputs` as one batch (decode rows: the decode graphs), then a session of two turns
+    (one sequence extended: the extend graphs), the strict memory check after."""
+    out = engine.generate(inputs, p)
+    sid = engine.open_session()
+    out += engine.generate([inputs[0]], p, session_id=sid)
+    out += engine.generate([out[-1].output_ids[-1:] + [9, 10, 11]], p, session_id=sid)
+    engine.close_session(sid)
+    engine.check_memory()
+    return out
+
+
 def test_graph_paths_run_the_compiled_forward_and_capture_again_when_it_arrives(cache_dir):
     """What CUDA graphs replay on a GPU with `engine.compile`, run eagerly (capture=False):
     the decode and extend graphs' static paths call the compiled package, with the eager
@@ -298,26 +310,17 @@ def test_graph_paths_run_the_compiled_forward_and_capture_again_when_it_arrives(
     p = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=True)
     inputs = prompts(model.config.vocab_size)[:2]
 
-    def run(engine) -> list:
-        out = engine.generate(inputs, p)  # decode rows: the decode graphs
-        sid = engine.open_session()  # one sequence extended: the extend graphs
-        out += engine.generate([inputs[0]], p, session_id=sid)
-        out += engine.generate([out[-1].output_ids[-1:] + [9, 10, 11]], p, session_id=sid)
-        engine.close_session(sid)
-        engine.check_memory()
-        return out
-
-    eager = run(tiny_engine(model, page_size=4))
+    eager = batches_and_turns(tiny_engine(model, page_size=4), inputs, p)
     engine = compiled_engine(model, cache_dir, page_size=4)
     compiled, runner = engine.runner.compiled, engine.runner
     runner.compiled = None  # as if a background build were still running
     runner.graphs = DecodeGraphs(runner, (1, 2, 4), capture=False)
     runner.extend_graphs = ExtendGraphs(runner, runner.backend, 64, capture=False)
-    before = run(engine)
+    before = batches_and_turns(engine, inputs, p)
     assert {g.compiled for g in runner.graphs.graphs.values()} == {None}
     runner.compiled = compiled  # the build lands
     steps = count_compiled_steps(engine)
-    after = run(engine)
+    after = batches_and_turns(engine, inputs, p)
     decode = runner.graphs.graphs.values()
     assert decode and all(g.compiled is runner.compiled for g in decode)
     extend = runner.extend_graphs.graphs.values()
@@ -343,23 +346,14 @@ def test_the_torch_compile_forward_gives_the_eager_tokens_through_the_graph_path
     p = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=True)
     inputs = prompts(model.config.vocab_size)[:2]
 
-    def run(engine) -> list:
-        out = engine.generate(inputs, p)
-        sid = engine.open_session()
-        out += engine.generate([inputs[0]], p, session_id=sid)
-        out += engine.generate([out[-1].output_ids[-1:] + [9, 10, 11]], p, session_id=sid)
-        engine.close_session(sid)
-        engine.check_memory()
-        return out
-
-    eager = run(tiny_engine(model, page_size=4))
+    eager = batches_and_turns(tiny_engine(model, page_size=4), inputs, p)
     engine = tiny_engine(model, page_size=4)
     runner = engine.runner
     runner.compiled = JitForward(runner.model, 256)
     assert JitForward(runner.model, 256)._fn is runner.compiled._fn  # one compile per model
     runner.graphs = DecodeGraphs(runner, (1, 2, 4), capture=False)
     runner.extend_graphs = ExtendGraphs(runner, runner.backend, 64, capture=False)
-    got = run(engine)
+    got = batches_and_turns(engine, inputs, p)
     assert runner.graphs.graphs and runner.extend_graphs.graphs
     graphs = [*runner.graphs.graphs.values(), *runner.extend_graphs.graphs.values()]
     assert all(g.compiled is runner.compiled for g in graphs)

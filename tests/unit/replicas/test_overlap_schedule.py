@@ -16,6 +16,7 @@ import pytest
 
 from sessionserve.replicas.engine_loop import EngineLoop
 from sessionserve.replicas.outputs import StepEvent
+from sessionserve.replicas.speculative.policy import SpecPolicy
 from sessionserve.wire import FinishReason, SamplingParams
 from tests.models import mimic_drafter, tiny_engine, tiny_model
 
@@ -265,6 +266,18 @@ def test_overlap_on_cuda_with_graphs_gives_the_same_tokens() -> None:
     engine.close()
 
 
+class _Alternating(SpecPolicy):
+    """Drafts every other step, whatever the timings: with an EAGLE head every decode would
+    verify, and verifies run eagerly, so without plain steps no decode graph would replay
+    (the H100 run on 2026-11-27 saw 0 replays)."""
+
+    calls = 0
+
+    def choose(self, num_decodes: int) -> bool:
+        self.calls += 1
+        return self.calls % 2 == 0
+
+
 @pytest.mark.gpu
 def test_speculation_under_overlap_on_cuda_with_graphs() -> None:
     """A landed step's hidden states are read after the next step's decode graph may have
@@ -272,6 +285,7 @@ def test_speculation_under_overlap_on_cuda_with_graphs() -> None:
     model = tiny_model(num_hidden_layers=1, seed=3)
     plain = _run(tiny_engine(model, device="cuda", prefill=24), _workload(1, sampled=False))
     engine = tiny_engine(model, device="cuda", drafter=mimic_drafter, prefill=24, overlap=True)
+    engine.speculative.policy = _Alternating()
     got = _run(engine, _workload(1, sampled=False))
     assert got.results == plain.results
     assert engine.runner.graphs is not None and engine.runner.graphs.replays > 0
@@ -298,6 +312,66 @@ def test_speculation_under_overlap_gives_the_plain_engines_tokens(seed: int) -> 
     assert set(engine.speculative.by_source) == {"eagle", "history"}
     assert engine.overlap_totals["overlapped_steps"] > 0
     assert engine.overlap_totals["overlap_waits"] > 0
+    engine.close()
+
+
+def test_a_step_that_captures_a_graph_runs_with_nothing_beside_it() -> None:
+    """While a CUDA graph is captured no other thread may use the device, and under overlap
+    the engine thread runs the EAGLE head's catch-up for the landed step while the next step
+    computes (the CUDA version of this workload failed on an H100 once its decode graphs
+    replayed; its error was not kept, and this is the conflict it had). Here the decode
+    graphs' static path stands in for the graphs, claiming a capture on each bucket's first
+    use: every such forward starts after the catch-ups before it ended and none starts while
+    it runs; answers equal the plain engine's."""
+    from sessionserve.replicas.cuda_graphs import DecodeGraphs
+
+    model = tiny_model(num_hidden_layers=1, seed=3)
+    plain = _run(tiny_engine(model, prefill=24), _workload(1, sampled=False))
+    engine = tiny_engine(model, drafter=mimic_drafter, prefill=24, overlap=True)
+    engine.speculative.policy = _Alternating()
+    runner, spec = engine.runner, engine.speculative
+    graphs = runner.graphs = DecodeGraphs(runner, (1, 2, 4, 8, 16, 32), capture=False)
+    seen: set[int] = set()
+    log: list[tuple[str, bool]] = []  # ("forward" | "catch_up", start?) in time order
+
+    def first_of_bucket(fb) -> bool:
+        key = graphs._key(fb)
+        return key is not None and key[0] not in seen
+
+    graphs.needs_capture = first_of_bucket
+
+    def timed(name, inner, capturing=lambda *a: True):
+        def call(*args):
+            mark = capturing(*args)
+            if mark:
+                log.append((name, True))
+            try:
+                return inner(*args)
+            finally:
+                if mark:
+                    log.append((name, False))
+                    if name == "forward":
+                        seen.add(graphs._key(args[1])[0])
+
+        return call
+
+    runner.run_prepared = timed(
+        "forward", runner.run_prepared, lambda b, fb, _: runner.captures(fb)
+    )
+    spec.catch_up = timed("catch_up", spec.catch_up)
+    got = _run(engine, _workload(1, sampled=False))
+    assert got.results == plain.results
+    assert len(seen) >= 2  # buckets captured
+    open_catch_ups, capturing = 0, False
+    for name, start in log:
+        if name == "catch_up":
+            assert not capturing, "a catch-up ran while a graph was captured"
+            open_catch_ups += 1 if start else -1
+        elif start:
+            assert open_catch_ups == 0, "a graph was captured while a catch-up ran"
+            capturing = True
+        else:
+            capturing = False
     engine.close()
 
 
