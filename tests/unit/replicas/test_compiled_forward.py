@@ -504,6 +504,11 @@ def test_plan_prefill_compile_resolves_the_config(cache_dir) -> None:
     assert compiled_forward.plan_prefill_compile(True, forward, model, 32, 8).enabled is False
     off = compiled_forward.plan_compile(False, model, 32, cache_dir)
     assert compiled_forward.plan_prefill_compile(True, off, model, 576, 8).enabled is False
+    # a CUDA plan (package None: torch.compile) runs every step size itself
+    jit = compiled_forward.CompilePlan(True, "test", None, 256)
+    assert compiled_forward.plan_prefill_compile(True, jit, model, 576, 8).enabled is False
+    meta = tiny_model().to("meta")  # auto compiles on CPU and CUDA only
+    assert "not measured" in compiled_forward.plan_compile("auto", meta, 32, cache_dir).reason
 
 
 @pytest.mark.gpu
