@@ -43,7 +43,6 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from benchmarks.common import emit, machine
 from sessionserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from sessionserve.replicas import compiled_forward
 from sessionserve.replicas import model_runner as runner_module
 from sessionserve.replicas.attention import flashinfer_unsupported
 from sessionserve.replicas.cuda_graphs import bucket_for
@@ -396,21 +395,6 @@ def session_ttft(model, backend: str, args) -> dict[str, float]:
     return out
 
 
-def hash_weights_once(model) -> None:
-    """The package key hashes the model's weights (2.5 GB: seconds) for every engine built;
-    this script never changes them, so each engine reuses the first hash."""
-    digest, hash_all = None, compiled_forward.weights_digest
-
-    def once(m) -> str:
-        nonlocal digest
-        if m is not model:
-            return hash_all(m)
-        digest = digest or hash_all(m)
-        return digest
-
-    compiled_forward.weights_digest = once
-
-
 def main() -> None:
     args = parse()
     device = torch.device(args.device)
@@ -454,7 +438,6 @@ def main() -> None:
             flush=True,
         )
 
-    hash_weights_once(model)
     ours: dict[Config, dict[int, float]] = {}
     kept: dict[tuple[Config, int], Engine] = {}  # c_mid's engines, for the step split
     c_mid = max((c for c in args.concurrency if c <= 32), default=args.concurrency[0])

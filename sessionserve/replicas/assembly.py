@@ -115,7 +115,7 @@ def compile_forwards(cfg: EngineConfig, model: Any, runner: ModelRunner) -> None
         runner.compiled = JitForward(model, plan.max_tokens, plan.feature_layers)
         log.info(
             "compile: steps of up to %d tokens run the forward under torch.compile, compiled "
-            "on first use (about a minute per shape for a 1B model; inductor caches kernels "
+            "on the first steps of each shape (tens of seconds; inductor caches its kernels "
             "on disk)",
             plan.max_tokens,
         )
@@ -150,8 +150,9 @@ def compile_forwards(cfg: EngineConfig, model: Any, runner: ModelRunner) -> None
 
 def compiled_max_tokens(cfg: EngineConfig, runner: ModelRunner) -> int:
     """The longest step the compiled forward runs: `engine.compile_max_tokens`, and on CUDA at
-    least the largest CUDA graph's step (the graphs replay the package: on a GPU its GEMMs
-    are cuBLAS's whatever the rows, so nothing is lost running larger steps through it)."""
+    least the largest CUDA graph's step (the graphs replay the compiled forward; on a GPU its
+    GEMMs are cuBLAS's whatever the rows, so nothing is lost running larger steps through
+    it)."""
     graphs = [g for g in (runner.graphs, runner.extend_graphs) if g is not None]
     return max([cfg.compile_max_tokens] + [max(g.buckets) for g in graphs])
 

@@ -81,10 +81,9 @@ class DecodeGraphs:
     def needs_capture(self, batch: ForwardBatch) -> bool:
         """Would `run(batch)` capture a graph first? (See `captures`.)"""
         key = self._key(batch)
-        return self.capture and key is not None and self._stale(self.graphs.get(key), key[0])
-
-    def _stale(self, g: _Graph | _ExtendGraph | None, size: int) -> bool:
-        return g is None or g.compiled is not self.runner.compiled_for(size)
+        return (
+            self.capture and key is not None and _stale(self.graphs.get(key), self.runner, key[0])
+        )
 
     def run(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """Logits (and hidden states) of a pure-decode batch, or None if no bucket fits."""
@@ -92,7 +91,7 @@ class DecodeGraphs:
         if found is None:
             return None
         g = self.graphs.get(found)
-        if self._stale(g, found[0]):
+        if _stale(g, self.runner, found[0]):
             g = self._build(*found)
         self._fill(g, batch)
         if g.graph is not None:
@@ -215,9 +214,9 @@ class ExtendGraphs:
     def needs_capture(self, batch: ForwardBatch) -> bool:
         """Would `run(batch)` capture a graph first? (See `captures`.)"""
         key = self._key(batch)
-        return self.capture and key is not None and self._stale(self.graphs.get(key), key[0])
-
-    _stale = DecodeGraphs._stale
+        return (
+            self.capture and key is not None and _stale(self.graphs.get(key), self.runner, key[0])
+        )
 
     def run(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         found = self._key(batch)
@@ -226,7 +225,7 @@ class ExtendGraphs:
         (seq,) = batch.seqs
         n = seq.q_len
         g = self.graphs.get(found)
-        if self._stale(g, found[0]):
+        if _stale(g, self.runner, found[0]):
             g = self._build(*found)
         stage(
             (g.ids, g.positions, g.out_slots, g.sliding_out_slots, g.logit_row),
@@ -268,6 +267,12 @@ class ExtendGraphs:
             self.backend.fill_extend(g.plan, None)  # all padding: a valid plan to capture
             g.graph = capture(lambda: self._forward(g), self.pool, f"extend {size} x {width}")
         return g
+
+
+def _stale(g: _Graph | _ExtendGraph | None, runner: ModelRunner, size: int) -> bool:
+    """No graph yet, or one captured over another forward than the one that now runs steps
+    of `size` tokens (a compiled forward installed since): capture it (again)."""
+    return g is None or g.compiled is not runner.compiled_for(size)
 
 
 def _sliding_out(batch: ForwardBatch) -> torch.Tensor:
