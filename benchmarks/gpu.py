@@ -7,9 +7,10 @@ EOS ignored, at each concurrency c: decode tokens/s of
     requests in flight; the median decode-only step),
   - HF `generate` eager (sdpa) and HF `generate(cache_implementation="static")` (compiled),
     as (time for `output` tokens - time for 1 token) / (output - 1) per step, batch c.
-With `--compile` (default `both` on CUDA): the engine with CUDA graphs again over the
-compiled forward (`engine.compile: true`: an AOTInductor package of the unmodified model,
-our attention an opaque op, captured in the graphs; its build time is printed), so
+With `--compile` (default `both`): the engine again over the compiled forward
+(`engine.compile: true`: on CUDA torch.compile of the unmodified model, our attention an
+opaque op, captured in the graphs; on CPU an AOTInductor package; the first compiled
+engine's time, compiling included, is printed), so
 `compile_speedup_<c>` compares graphs over the compiled forward with graphs over the eager
 model, same backend, same run.
 At c = 32 (or the largest c below it): the step-time split (schedule, batch building, forward,

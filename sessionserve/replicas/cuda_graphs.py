@@ -63,7 +63,36 @@ class _Graph:
     compiled: CompiledForward | None = None  # the forward it captured (None: eager)
 
 
-class DecodeGraphs:
+class _GraphSet:
+    """What the decode and extend graphs share: a graph per key (its first element the step's
+    token bucket), captured on first use and again when the forward that runs that size
+    changed (a compiled forward installed since). Subclasses give `_key` and `_build`."""
+
+    runner: ModelRunner
+    capture: bool
+    graphs: dict
+
+    def _key(self, batch: ForwardBatch) -> tuple[int, Hashable] | None:
+        raise NotImplementedError
+
+    def _build(self, size: int, key: Any) -> Any:
+        raise NotImplementedError
+
+    def needs_capture(self, batch: ForwardBatch) -> bool:
+        """Would `run(batch)` capture a graph first? (See `ModelRunner.captures`.)"""
+        key = self._key(batch)
+        return self.capture and key is not None and self._stale(key)
+
+    def _stale(self, key: tuple[int, Hashable]) -> bool:
+        g = self.graphs.get(key)
+        return g is None or g.compiled is not self.runner.compiled_for(key[0])
+
+    def _graph(self, key: tuple[int, Hashable]) -> Any:
+        """The graph for `key`, captured (again) first where `_stale`."""
+        return self._build(*key) if self._stale(key) else self.graphs[key]
+
+
+class DecodeGraphs(_GraphSet):
     def __init__(self, runner: ModelRunner, buckets: Sequence[int], capture: bool = True):
         self.runner = runner
         self.buckets = tuple(sorted(buckets))
@@ -78,21 +107,12 @@ class DecodeGraphs:
         key = self.runner.backend.graph_key(batch.seqs) if size is not None else None
         return None if size is None or key is None else (size, key)
 
-    def needs_capture(self, batch: ForwardBatch) -> bool:
-        """Would `run(batch)` capture a graph first? (See `captures`.)"""
-        key = self._key(batch)
-        return (
-            self.capture and key is not None and _stale(self.graphs.get(key), self.runner, key[0])
-        )
-
     def run(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """Logits (and hidden states) of a pure-decode batch, or None if no bucket fits."""
         n, found = len(batch.seqs), self._key(batch)
         if found is None:
             return None
-        g = self.graphs.get(found)
-        if _stale(g, self.runner, found[0]):
-            g = self._build(*found)
+        g = self._graph(found)
         self._fill(g, batch)
         if g.graph is not None:
             g.graph.replay()
@@ -184,7 +204,7 @@ class _ExtendGraph:
     compiled: CompiledForward | None = None  # as _Graph's
 
 
-class ExtendGraphs:
+class ExtendGraphs(_GraphSet):
     """One sequence extended by 2..`max_tokens` new tokens, at most one sampled (a session
     turn or a short prompt; no drafter): a graph per (query bucket, context bucket). Eagerly
     such a forward is bound by launching a few hundred kernels from Python, whatever its
@@ -211,22 +231,13 @@ class ExtendGraphs:
         size, width = bucket_for(n, self.buckets), self.backend.graph_key([seq])
         return None if size is None or width is None else (size, width)
 
-    def needs_capture(self, batch: ForwardBatch) -> bool:
-        """Would `run(batch)` capture a graph first? (See `captures`.)"""
-        key = self._key(batch)
-        return (
-            self.capture and key is not None and _stale(self.graphs.get(key), self.runner, key[0])
-        )
-
     def run(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         found = self._key(batch)
         if found is None:
             return None
         (seq,) = batch.seqs
         n = seq.q_len
-        g = self.graphs.get(found)
-        if _stale(g, self.runner, found[0]):
-            g = self._build(*found)
+        g = self._graph(found)
         stage(
             (g.ids, g.positions, g.out_slots, g.sliding_out_slots, g.logit_row),
             (
@@ -267,12 +278,6 @@ class ExtendGraphs:
             self.backend.fill_extend(g.plan, None)  # all padding: a valid plan to capture
             g.graph = capture(lambda: self._forward(g), self.pool, f"extend {size} x {width}")
         return g
-
-
-def _stale(g: _Graph | _ExtendGraph | None, runner: ModelRunner, size: int) -> bool:
-    """No graph yet, or one captured over another forward than the one that now runs steps
-    of `size` tokens (a compiled forward installed since): capture it (again)."""
-    return g is None or g.compiled is not runner.compiled_for(size)
 
 
 def _sliding_out(batch: ForwardBatch) -> torch.Tensor:
