@@ -32,11 +32,13 @@ stage() {  # stage NAME MAX_SECONDS COMMAND...: run under min(MAX, time left), l
     python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)"
 } 2>&1 | tee "$out/env.log"
 
-stage compile_tests 150 "${PYTEST[@]}" -m gpu tests/unit/replicas/test_compiled_forward.py
+# overlap first: its forward thread must never wait for the GPU (never ran on one yet)
+stage overlap_tests 120 "${PYTEST[@]}" -m gpu tests/unit/replicas/test_overlap_schedule.py
 stage benchmark 250 python3 -m benchmarks.gpu --concurrency 1 32 64 --backends flashinfer \
-    --graph-modes on --skip-hf --compile both --log-dir "$out"
+    --graph-modes on --skip-hf --compile on --log-dir "$out"
 stage gpu_tests 90 "${PYTEST[@]}" -m gpu tests/unit/replicas/test_device_path.py \
-    tests/unit/replicas/test_loader_and_backends.py tests/unit/replicas/test_overlap_schedule.py
+    tests/unit/replicas/test_loader_and_backends.py
+stage compile_tests 150 "${PYTEST[@]}" -m gpu tests/unit/replicas/test_compiled_forward.py
 stage cuda_suite 300 "${PYTEST[@]}" --device cuda -m "not gpu" \
     tests/unit/replicas/test_overlap_schedule.py tests/unit/replicas/test_equivalence.py \
     tests/unit/replicas/test_speculative_decoding.py tests/unit/replicas/test_engine_sessions.py

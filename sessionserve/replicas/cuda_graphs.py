@@ -128,6 +128,7 @@ class DecodeGraphs(_GraphSet):
             (batch.input_ids, batch.positions, batch.out_slots, _sliding_out(batch)),
             self.runner.device,
         )
+        batch.device_ids(g.ids)
         self.runner.backend.fill_decode(g.plan, batch.seqs)
 
     def _forward(self, g: _Graph) -> None:
@@ -249,6 +250,7 @@ class ExtendGraphs(_GraphSet):
             ),
             self.runner.device,
         )
+        batch.device_ids(g.ids)
         self.backend.fill_extend(g.plan, seq)
         if g.graph is not None:
             g.graph.replay()

@@ -284,6 +284,7 @@ class Engine:
     ) -> list[StepEvent]:
         """Everything after a step's forward: verify, commit and append, the drafter's
         catch-up, finishing, the policy's figures."""
+        output.resolve()  # the sampled tokens to the host (waits for them under overlap)
         spec = self.speculative
         if spec:
             spec.verify(batch, drafts, output)

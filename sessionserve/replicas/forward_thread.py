@@ -3,12 +3,15 @@ submitted, as a device stream runs its kernels (overlap scheduling, `engine.over
 
 The engine thread schedules and prepares step N+1 and processes step N-1's results while this
 thread runs step N's forward and sampling. Order is what makes that safe: step N+1 starts
-after step N has sampled, so it reads N's tokens (`ModelRunner.last_sampled`), and every KV
-write of step N lands before any of N+1's. A copy into the pool from the engine thread (a
-parked session restored) is not in that order: it waits for the submitted steps first
-(`KVPool.fence`, set to `wait`). A step that verifies drafts runs here too, with nothing
-before it, and the engine waits for it (every target forward runs on this thread); the EAGLE
-head's catch-up runs on the engine thread, over its own KV pool.
+after step N has sampled, so it reads N's tokens (`ModelRunner.last_sampled`, on the device),
+and every KV write of step N lands before any of N+1's. Nothing here waits for the device: a
+step's tokens are copied to the host in the background and read when the engine thread lands it
+(`StepOutput.resolve`), so on a GPU this thread launches step N+1 while step N still runs.
+A copy into the pool from the engine thread (a parked session restored) is not in that order:
+it waits for the submitted steps first (`KVPool.fence`, set to `wait`). A step that verifies
+drafts runs here too, with nothing before it, and the engine waits for it (every target
+forward runs on this thread); the EAGLE head's catch-up runs on the engine thread, over its
+own KV pool.
 """
 
 from __future__ import annotations
@@ -67,7 +70,7 @@ class ForwardThread:
     def _run(
         self, batch: ScheduledBatch, fb: ForwardBatch, layout: dict[str, SeqLayout]
     ) -> StepOutput:
-        out = self.runner.run_prepared(batch, fb, layout)
+        out = self.runner.run_prepared(batch, fb, layout, defer=True)
         if out.hidden is not None:  # the drafter's features may sit in a decode graph's
             out.hidden = out.hidden.clone()  # buffer, which the next replay overwrites, maybe
             # before this step lands

@@ -27,10 +27,12 @@ from sessionserve.replicas.compiled_forward import CompiledForward
 from sessionserve.replicas.grammar import apply_masks, consume
 from sessionserve.replicas.hidden_states import decoder_features
 from sessionserve.replicas.logits_head import head_logits
-from sessionserve.replicas.sampling import SampleOutput, sample
+from sessionserve.replicas.sampling import DeviceSample, sample_on_device
 from sessionserve.replicas.step import (
     Drafts,
     ForwardBatch,
+    LastSampled,
+    PendingIds,
     ScheduledBatch,
     ScheduledSeq,
     SeqLayout,
@@ -61,27 +63,48 @@ class ModelRunner:
         # indices, concatenated (an EAGLE-3 head's three layers)
         self.feature_layers: tuple[int, ...] | None = None
         self.compiling: threading.Thread | None = None  # a background build, while it runs
-        self.last_sampled: dict[str, int] = {}  # the last step's token per request id: what
-        # the next step's pending positions read (overlap scheduling)
+        self.last_sampled: LastSampled | None = None  # the last step's tokens, on the
+        # device: what the next step's pending positions read (overlap scheduling)
         install(model)
 
     def run_prepared(
-        self, batch: ScheduledBatch, fb: ForwardBatch, layout: dict[str, SeqLayout]
+        self,
+        batch: ScheduledBatch,
+        fb: ForwardBatch,
+        layout: dict[str, SeqLayout],
+        defer: bool = False,
     ) -> StepOutput:
         """Forward `prepare`'s batch and sample one token for each sequence that samples
         without drafts (a verify's rows are the speculative decoder's). Under overlap
         scheduling, on the forward thread: the tokens the previous step sampled are filled in
-        first; it ran before this one."""
+        on the device first (it ran before this one), and with `defer` this step's tokens are
+        only copied towards the host: `StepOutput.resolve` (the engine thread, when the step
+        lands) waits for them, so nothing here waits for the device and the next step can
+        be launched while this one computes."""
         if fb.pending:
-            index, rids = zip(*fb.pending, strict=True)
-            fb.input_ids[list(index)] = torch.tensor([self.last_sampled.get(r, 0) for r in rids])
+            fb.pending_ids = self._pending_ids(fb.pending)
         logits, hidden = self.forward(fb)
         out = StepOutput(logits, hidden, layout)
         plain = [s for s in batch.seqs if s.samples and s.num_drafts == 0]
+        self.last_sampled = None
         if plain:
             self._sample(plain, out)
-        self.last_sampled = {rid: tokens[-1] for rid, (tokens, _) in out.emitted.items()}
+        if not defer:
+            out.resolve()
         return out
+
+    def _pending_ids(self, pending: list[tuple[int, str]]) -> PendingIds:
+        """Where the previous step's tokens go in this step's input ids, taken from that
+        step's sampled tokens on the device (a request it did not sample reads 0)."""
+        last, zero = self.last_sampled, torch.zeros(1, dtype=torch.int64, device=self.device)
+        rows = last.rows if last is not None else {}
+        source = torch.cat([last.tokens, zero]) if last is not None else zero
+        index, rids = zip(*pending, strict=True)
+        picks = torch.tensor([rows.get(r, len(rows)) for r in rids])
+        return PendingIds(
+            to_device(torch.tensor(index), self.device),
+            source.index_select(0, to_device(picks, self.device)),
+        )
 
     def prepare(
         self, batch: ScheduledBatch, drafts: dict[str, Drafts], want_hidden: bool
@@ -131,9 +154,10 @@ class ModelRunner:
         return fb, layout
 
     def _sample(self, seqs: list[ScheduledSeq], out: StepOutput) -> None:
-        """One token for each of `seqs`, batched; if the batch raises, each row again alone
-        (its seeded generator rewound first), so a request that cannot be sampled fails by
-        itself and the others get exactly the tokens they would have had."""
+        """One token for each of `seqs`, batched, left on the device with its copy to the host
+        started (`out.resolve` reads it); if the batch raises, each row again alone (its
+        seeded generator rewound first), so a request that cannot be sampled fails by itself
+        and the others get exactly the tokens they would have had."""
         rows = [out.layout[s.req.rid].logit_row for s in seqs]
         seeded = {  # greedy rows draw nothing: only sampled, seeded rows need rewinding
             s.req.rid: s.req.generator.get_state()
@@ -141,7 +165,8 @@ class ModelRunner:
             if s.req.sampling.seed is not None and not s.req.sampling.is_greedy
         }
         try:
-            groups = [(seqs, _sample_rows(seqs, out.logits[rows]))]
+            picked = out.logits.index_select(0, to_device(torch.tensor(rows), out.logits.device))
+            groups = [(seqs, _sample_rows(seqs, picked))]
         except Exception:
             groups = []
             for s, row in zip(seqs, rows, strict=True):
@@ -151,17 +176,13 @@ class ModelRunner:
                     groups.append(([s], _sample_rows([s], out.logits[[row]])))
                 except Exception as e:
                     out.errors[s.req.rid] = e
-        for group, sampled in groups:
-            for i, s in enumerate(group):
-                token = sampled.token_ids[i]
-                if s.req.grammar is not None:  # after sampling: a retried batch consumes once
-                    try:
-                        consume(s.req.grammar, token)
-                    except Exception as e:
-                        out.errors[s.req.rid] = e
-                        continue
-                lp = sampled.logprobs[i] if sampled.logprobs and s.req.sampling.logprobs else None
-                out.emitted[s.req.rid] = ([token], [lp] if lp else [])
+        for _, sampled in groups:
+            sampled.start_copy()
+        if groups:  # (several when rows were sampled alone: their tokens in one vector)
+            tokens = torch.cat([sampled.tokens for _, sampled in groups])
+            rids = [s.req.rid for group, _ in groups for s in group]
+            self.last_sampled = LastSampled(tokens, {r: i for i, r in enumerate(rids)})
+        out.resolver = lambda: _read_samples(groups, out)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -185,6 +206,7 @@ class ModelRunner:
         ids, pos, slots, logit_idx, *window = packed.split(
             [n, n, n, len(batch.logit_idx)] + [n] * (sliding is not None)
         )
+        ids = batch.device_ids(ids)
         meta = ForwardMeta(
             self.backend,
             self.kv_pool,
@@ -226,11 +248,28 @@ class ModelRunner:
         return decoder_features(self.decoder, ids, positions, self.feature_layers, paged_meta=meta)
 
 
-def _sample_rows(seqs: list[ScheduledSeq], logits: torch.Tensor) -> SampleOutput:
+def _read_samples(groups: list[tuple[list[ScheduledSeq], DeviceSample]], out: StepOutput) -> None:
+    """The sampled tokens on the host, into `out.emitted` (a grammar's matcher consumes its
+    token here: after sampling, so a retried batch consumes once)."""
+    for group, sampled in groups:
+        host = sampled.to_host()
+        for i, s in enumerate(group):
+            token = host.token_ids[i]
+            if s.req.grammar is not None:
+                try:
+                    consume(s.req.grammar, token)
+                except Exception as e:
+                    out.errors[s.req.rid] = e
+                    continue
+            lp = host.logprobs[i] if host.logprobs and s.req.sampling.logprobs else None
+            out.emitted[s.req.rid] = ([token], [lp] if lp else [])
+
+
+def _sample_rows(seqs: list[ScheduledSeq], logits: torch.Tensor) -> DeviceSample:
     """Sample `seqs` from their rows of `logits` (a copy: constrained rows are masked in
-    place first; their matchers consume the tokens in `ModelRunner._sample`)."""
+    place first; their matchers consume the tokens when the step resolves)."""
     apply_masks(logits, [s.req.grammar for s in seqs])
-    return sample(
+    return sample_on_device(
         logits,
         [s.req.sampling for s in seqs],
         [s.req.tokens if s.req.sampling.repetition_penalty != 1.0 else () for s in seqs],

@@ -1,6 +1,8 @@
 """Next-token sampling for a batch: penalties, greedy, temperature, top-k/top-p/min-p, seeds.
 
-Everything runs batched on the logits' device; the chosen ids come back to the host in one copy.
+Everything runs batched on the logits' device; the chosen ids (and any logprobs) come back to
+the host in one copy, which overlap scheduling starts on the forward thread and waits for on the
+engine thread (`DeviceSample`), so the next step can launch before this one's tokens are read.
 Randomness comes from each request's *CPU* generator as one uniform per draw, and the token is
 found by inverse-CDF on the device: so a seeded request gives the same tokens on CPU and CUDA,
 whatever else is in the batch (a CUDA generator would draw a different stream, and
@@ -13,10 +15,12 @@ before penalties and temperature), as OpenAI reports them.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 
+from sessionserve.replicas.attention.base import to_device
 from sessionserve.replicas.request import TokenLogprob
 from sessionserve.wire import SamplingParams
 
@@ -24,6 +28,55 @@ from sessionserve.wire import SamplingParams
 class SampleOutput(NamedTuple):
     token_ids: list[int]
     logprobs: list[TokenLogprob | None] | None  # per row, when any row asked for them
+
+
+@dataclass
+class DeviceSample:
+    """A batch's sampled tokens (and logprob rows) still on the logits' device, packed into one
+    float64 vector so they reach the host in one copy: [B] token ids (exact in float64), then
+    one `logprob_row` per row that asked, in row order."""
+
+    packed: torch.Tensor
+    rows: int
+    want: list[int]  # which rows asked for logprobs
+    tops: list[int]  # each such row's top_logprobs
+    top_n: int  # the table's width in alternatives (max of `tops`)
+    _host: torch.Tensor | None = None
+    _ready: Any = None  # a CUDA event recorded after the copy
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        """The chosen ids [B] on the device (the next step's pending inputs read them)."""
+        return self.packed[: self.rows].long()
+
+    def start_copy(self) -> None:
+        """Begin the device-to-host copy without waiting for it (pinned memory on CUDA)."""
+        if self._host is not None:
+            return
+        if self.packed.device.type != "cuda":
+            self._host = self.packed
+            return
+        self._host = torch.empty(self.packed.shape, dtype=self.packed.dtype, pin_memory=True)
+        self._host.copy_(self.packed, non_blocking=True)
+        self._ready = torch.cuda.Event()
+        self._ready.record()
+
+    def to_host(self) -> SampleOutput:
+        """Wait for the copy (starting it if need be) and unpack it."""
+        self.start_copy()
+        if self._ready is not None:
+            self._ready.synchronize()
+        assert self._host is not None
+        values = self._host.tolist()
+        token_ids = [int(v) for v in values[: self.rows]]
+        if not self.want:
+            return SampleOutput(token_ids, None)
+        width = 2 + 2 * self.top_n
+        out: list[TokenLogprob | None] = [None] * self.rows
+        for j, (i, n) in enumerate(zip(self.want, self.tops, strict=True)):
+            row = values[self.rows + j * width : self.rows + (j + 1) * width]
+            out[i] = parse_logprob_row(row, self.top_n, n)
+        return SampleOutput(token_ids, out)
 
 
 def uniforms(generators: Sequence[torch.Generator | None], n: int = 1) -> torch.Tensor:
@@ -36,7 +89,7 @@ def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     The float64 CDF makes the pick the same on any device for the same u; a token with zero
     probability is never picked (its CDF step is empty)."""
     cdf = probs.double().cumsum(-1)
-    target = u.to(cdf.device, torch.float64).reshape(-1, 1) * cdf[:, -1:]
+    target = to_device(u.to(torch.float64), cdf.device).reshape(-1, 1) * cdf[:, -1:]
     idx = torch.searchsorted(cdf, target, right=True).squeeze(1)
     return idx.clamp_max(probs.shape[-1] - 1)
 
@@ -70,7 +123,7 @@ def filter_logits(
     dev, vocab = x.device, x.shape[-1]
 
     def col(values: list[float]) -> torch.Tensor:
-        return torch.tensor(values, dtype=x.dtype, device=dev)[:, None]
+        return to_device(torch.tensor(values, dtype=x.dtype), dev)[:, None]
 
     x = x / col([p.temperature for p in plist])
     top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in plist]
@@ -78,7 +131,7 @@ def filter_logits(
     if any(top_k) or min(top_p) < 1.0:
         sorted_x, order = torch.sort(x, dim=-1, descending=True)
         if any(top_k):
-            kth_idx = torch.tensor([max(k, 1) - 1 for k in top_k], device=dev)[:, None]
+            kth_idx = to_device(torch.tensor([max(k, 1) - 1 for k in top_k]), dev)[:, None]
             kth = sorted_x.gather(-1, kth_idx)
             kth = torch.where(col([float(k > 0) for k in top_k]) > 0, kth, float("-inf"))
             sorted_x = sorted_x.masked_fill(sorted_x < kth, float("-inf"))
@@ -103,9 +156,21 @@ def sample(
     outputs: Sequence[Sequence[int]],
     generators: Sequence[torch.Generator | None],
 ) -> SampleOutput:
+    """`sample_on_device`, read back at once."""
+    return sample_on_device(logits, params, contexts, outputs, generators).to_host()
+
+
+def sample_on_device(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    contexts: Sequence[Sequence[int]],
+    outputs: Sequence[Sequence[int]],
+    generators: Sequence[torch.Generator | None],
+) -> DeviceSample:
     """`logits` [B, V] on any device. Row i uses params[i], its generator, its output so far
     and `contexts[i]` (prompt + output; only read by the repetition penalty, so it may be
-    empty for rows without one)."""
+    empty for rows without one). Nothing here waits for the device: host values reach it
+    through pinned copies (`to_device`)."""
     logits = logits.float()
     raw = logits
     penalised = [i for i, p in enumerate(params) if p.has_penalties]
@@ -116,20 +181,18 @@ def sample(
     chosen = logits.argmax(dim=-1)
     sampled = [i for i, p in enumerate(params) if not p.is_greedy]
     if sampled:
-        rows = torch.tensor(sampled, device=logits.device)
+        rows = to_device(torch.tensor(sampled), logits.device)
         probs = filter_logits(logits[rows], [params[i] for i in sampled]).softmax(-1)
         u = uniforms([generators[i] for i in sampled])
         chosen = chosen.index_copy(0, rows, draw(probs, u))
+    parts = [chosen.double()]
     want = [i for i, p in enumerate(params) if p.logprobs]
-    if not want:
-        return SampleOutput(chosen.tolist(), None)
-    top_n = max(params[i].top_logprobs for i in want)
-    lps = token_logprobs(raw[want], chosen[want], top_n)
-    out: list[TokenLogprob | None] = [None] * len(params)
-    for lp, i in zip(lps, want, strict=True):
-        n = params[i].top_logprobs
-        out[i] = lp._replace(top=lp.top[:n]) if len(lp.top) > n else lp
-    return SampleOutput(chosen.tolist(), out)
+    tops = [params[i].top_logprobs for i in want]
+    top_n = max(tops, default=0)
+    if want:
+        rows = to_device(torch.tensor(want), logits.device)
+        parts.append(logprob_table(raw[rows], chosen[rows], top_n).flatten())
+    return DeviceSample(torch.cat(parts), len(params), want, tops, top_n)
 
 
 def token_logprobs(
@@ -137,16 +200,23 @@ def token_logprobs(
 ) -> list[TokenLogprob]:
     """Row i of `logits` ([N, V]) scored `token_ids[i]`: its logprob under the model's own
     distribution, with the `top_n` most likely alternatives (one device-to-host copy)."""
+    ids = torch.as_tensor(token_ids, dtype=torch.int64)
+    table = logprob_table(logits, to_device(ids, logits.device), top_n)
+    return [parse_logprob_row(r, top_n, top_n) for r in table.cpu().tolist()]
+
+
+def logprob_table(logits: torch.Tensor, ids: torch.Tensor, top_n: int) -> torch.Tensor:
+    """[N, 2 + 2 * top_n] float64 on the logits' device: per row the token id, its logprob
+    (log_softmax of `logits`), then the `top_n` best logprobs and their ids."""
     lp = torch.log_softmax(logits.float(), dim=-1)
-    ids = torch.as_tensor(token_ids, dtype=torch.int64, device=lp.device)
     chosen = lp.gather(-1, ids[:, None])
-    if top_n:
-        vals, alt = lp.topk(top_n, dim=-1)
-        host = torch.cat([ids[:, None].double(), chosen.double(), vals.double(), alt.double()], 1)
-    else:
-        host = torch.cat([ids[:, None].double(), chosen.double()], 1)
-    result = []
-    for r in host.cpu().tolist():
-        top = tuple(zip((int(a) for a in r[2 + top_n :]), r[2 : 2 + top_n], strict=True))
-        result.append(TokenLogprob(int(r[0]), r[1], top))
-    return result
+    if not top_n:
+        return torch.cat([ids[:, None].double(), chosen.double()], 1)
+    vals, alt = lp.topk(top_n, dim=-1)
+    return torch.cat([ids[:, None].double(), chosen.double(), vals.double(), alt.double()], 1)
+
+
+def parse_logprob_row(row: Sequence[float], top_n: int, keep: int) -> TokenLogprob:
+    """One `logprob_table` row, read back, keeping the first `keep` of its alternatives."""
+    top = tuple(zip((int(a) for a in row[2 + top_n :]), row[2 : 2 + top_n], strict=True))
+    return TokenLogprob(int(row[0]), row[1], top[:keep])

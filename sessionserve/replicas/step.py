@@ -9,6 +9,7 @@ for its types.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -99,6 +100,23 @@ class Drafts:
         return mask
 
 
+@dataclass(frozen=True)
+class PendingIds:
+    """Input ids that the step before samples (overlap scheduling), already on the device:
+    `tokens[i]` goes to position `index[i]` of the step's ids, with no wait for the host."""
+
+    index: torch.Tensor
+    tokens: torch.Tensor
+
+
+@dataclass(frozen=True)
+class LastSampled:
+    """A step's sampled tokens on the device and each request's row among them."""
+
+    tokens: torch.Tensor
+    rows: dict[str, int]
+
+
 @dataclass
 class ForwardBatch:
     input_ids: torch.Tensor  # [T] (host)
@@ -110,6 +128,14 @@ class ForwardBatch:
     sliding_out_slots: torch.Tensor | None = None  # [T] with sliding layers' KV kept apart
     pending: list[tuple[int, str]] = field(default_factory=list)  # (index in input_ids,
     # request id): tokens the previous step samples, filled in when the forward starts
+    pending_ids: PendingIds | None = None  # the same, on the device (ModelRunner.run_prepared)
+
+    def device_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """`ids` (this batch's input ids on the device, maybe padded) with the pending
+        tokens written in: every forward path calls this once its ids are staged."""
+        if self.pending_ids is not None:
+            ids.index_copy_(0, self.pending_ids.index, self.pending_ids.tokens)
+        return ids
 
     @property
     def is_decode(self) -> bool:
@@ -137,3 +163,11 @@ class StepOutput:
     layout: dict[str, SeqLayout]
     emitted: dict[str, tuple[list[int], list[TokenLogprob]]] = field(default_factory=dict)
     errors: dict[str, Exception] = field(default_factory=dict)
+    resolver: Callable[[], None] | None = None  # reads the sampled tokens back (ModelRunner)
+
+    def resolve(self) -> None:
+        """Fill `emitted` with the tokens sampled on the device, waiting for their copy to
+        the host: at once on the synchronous path, when the step lands under overlap."""
+        resolver, self.resolver = self.resolver, None
+        if resolver is not None:
+            resolver()

@@ -4,9 +4,16 @@ Our pool stores one layer's K as [slots, KVH, D]; with `page_size` consecutive s
 this is exactly FlashInfer's "NHD" paged layout [num_pages, page_size, KVH, D], so the pool is
 viewed, never copied. One plan per forward serves every layer: a pure-decode batch uses the
 decode wrapper, anything else (prefill chunks, chain verifies, mixed batches) the prefill
-wrapper (causal over ragged queries). `plan()` is fed host tensors, so planning never reads
-back from the device. For CUDA graphs each batch-size bucket gets its own decode wrapper in
-graph mode over fixed buffers (`static_decode`), re-planned before every replay.
+wrapper (causal over ragged queries). For CUDA graphs each batch-size bucket gets its own
+decode wrapper in graph mode over fixed buffers (`static_decode`), re-planned before every
+replay.
+
+Planning never waits for the device, so under overlap scheduling the forward thread plans step
+N+1 while step N runs: `plan()` is fed pinned host tensors (a copy from pageable memory waits
+for the stream), a graph wrapper its page ids already on the device (FlashInfer copies host
+page ids into its fixed buffer with a blocking copy), and a wrapper is not planned again before
+the device has taken its previous plan (`_PlanFence`: a plan writes its schedule into one
+pinned buffer per wrapper and copies it to the device asynchronously).
 Tree-shaped speculative verification is not wired for this backend (chain drafting only).
 
 Limits (FlashInfer 0.7): fp16/bf16 only, head dims 64/128/256; `select_backend` checks them.
@@ -19,11 +26,29 @@ from typing import Any
 
 import torch
 
-from sessionserve.replicas.attention.base import AttentionBackend, ForwardMeta, SeqSpec
+from sessionserve.replicas.attention.base import AttentionBackend, ForwardMeta, SeqSpec, to_device
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
+
+
+class _PlanFence:
+    """One CUDA event per wrapper, recorded after its plan's copies were queued: the next plan
+    of that wrapper waits for it before overwriting the pinned buffer they copy from (only
+    while the device has not yet reached the previous step's forward)."""
+
+    def __init__(self) -> None:
+        self._events: dict[int, Any] = {}
+
+    def before(self, wrapper: Any) -> None:
+        event = self._events.get(id(wrapper))
+        if event is not None:
+            event.synchronize()
+
+    def after(self, wrapper: Any) -> None:
+        event = self._events.setdefault(id(wrapper), torch.cuda.Event())
+        event.record()
 
 
 @dataclass
@@ -72,18 +97,20 @@ class FlashInferBackend(AttentionBackend):
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=self.tensor_cores
         )
+        self.fence = _PlanFence()
 
     def prepare(self, seqs: list[SeqSpec], device: torch.device) -> _Plan:
         if any(s.tree_mask is not None for s in seqs):
             raise NotImplementedError("tree verification needs the torch backend; use chain")
-        indptr, pages, last = page_table(seqs, self.page_size)
+        indptr, pages, last = (t.pin_memory() for t in page_table(seqs, self.page_size))
         if all(s.q_len == 1 for s in seqs):
             self._plan_decode(self.decode, indptr, pages, last)
             return _Plan(self.decode)
         qo = torch.zeros(len(seqs) + 1, dtype=torch.int32)
         torch.cumsum(torch.tensor([s.q_len for s in seqs], dtype=torch.int32), 0, out=qo[1:])
+        self.fence.before(self.prefill)
         self.prefill.plan(
-            qo,
+            qo.pin_memory(),
             indptr,
             pages,
             last,
@@ -94,9 +121,11 @@ class FlashInferBackend(AttentionBackend):
             q_data_type=self.dtype,
             kv_data_type=self.dtype,
         )
+        self.fence.after(self.prefill)
         return _Plan(self.prefill)
 
     def _plan_decode(self, wrapper: Any, indptr: Any, pages: Any, last: Any) -> None:
+        self.fence.before(wrapper)
         wrapper.plan(
             indptr,
             pages,
@@ -107,6 +136,7 @@ class FlashInferBackend(AttentionBackend):
             q_data_type=self.dtype,
             kv_data_type=self.dtype,
         )
+        self.fence.after(wrapper)
 
     # ---- static decode (CUDA graphs) ----
     def static_decode(self, batch_size: int, key: Any, device: torch.device) -> _Plan:
@@ -131,7 +161,8 @@ class FlashInferBackend(AttentionBackend):
             indptr = torch.cat([indptr, tail])
             pages = torch.cat([pages, torch.zeros(pad, dtype=torch.int32)])
             last = torch.cat([last, torch.ones(pad, dtype=torch.int32)])
-        self._plan_decode(static.wrapper, indptr, pages, last)
+        pages = to_device(pages, self.device)  # its copy into the fixed buffer: device to device
+        self._plan_decode(static.wrapper, indptr.pin_memory(), pages, last.pin_memory())
 
     def forward(
         self,

@@ -16,6 +16,7 @@ import pytest
 
 from sessionserve.replicas.engine_loop import EngineLoop
 from sessionserve.replicas.outputs import StepEvent
+from sessionserve.replicas.sampling import DeviceSample
 from sessionserve.replicas.speculative.policy import SpecPolicy
 from sessionserve.wire import FinishReason, SamplingParams
 from tests.models import mimic_drafter, tiny_engine, tiny_model
@@ -156,7 +157,7 @@ def test_max_tokens_reached_in_flight_costs_no_extra_step() -> None:
     plain, engine = tiny_engine(model), tiny_engine(model, overlap=True)
     forwards = []
     run = engine.runner.run_prepared
-    engine.runner.run_prepared = lambda *a: (forwards.append(1), run(*a))[1]
+    engine.runner.run_prepared = lambda *a, **k: (forwards.append(1), run(*a, **k))[1]
     for e in (plain, engine):
         e.generate([list(range(5, 25))], GREEDY)  # 1 prefill + 11 decode steps
     assert len(forwards) == plain.scheduler.steps == GREEDY.max_tokens
@@ -266,6 +267,65 @@ def test_overlap_on_cuda_with_graphs_gives_the_same_tokens() -> None:
     engine.close()
 
 
+def test_the_forward_thread_never_reads_a_token_back(monkeypatch) -> None:
+    """Under overlap the forward thread leaves each step's tokens on the device (the next step
+    reads them there) and only starts their copy to the host; the engine thread waits for it
+    when the step lands. On a GPU this is what lets step N+1 launch while step N runs: a read
+    on the forward thread would wait for the device every step."""
+    readers: list[str] = []
+    to_host = DeviceSample.to_host
+
+    def recorded(self):
+        readers.append(threading.current_thread().name)
+        return to_host(self)
+
+    monkeypatch.setattr(DeviceSample, "to_host", recorded)
+    model = tiny_model()
+    plain = _run(tiny_engine(model, prefill=24), _workload(2))
+    readers.clear()
+    engine = tiny_engine(model, prefill=24, overlap=True)
+    got = _run(engine, _workload(2))
+    assert got.results == plain.results and got.reasons == plain.reasons
+    assert engine.overlap_totals["overlapped_steps"] > 0
+    assert readers and not any(name.startswith("sessionserve-forward") for name in readers)
+    engine.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["torch", "flashinfer"])
+def test_the_forward_thread_never_waits_for_the_gpu(backend: str) -> None:
+    """With graphs captured (a first pass), a second pass of the same workload runs under
+    `torch.cuda.set_sync_debug_mode("error")`: any operation that would make a thread wait for
+    the device through torch (a token read back, a copy from pageable memory, FlashInfer's
+    blocking copy of host page ids) raises. Event waits (the engine thread landing a step, a
+    plan fence) are not such operations. Answers: fp32 (torch backend) equal the plain
+    engine's; bf16 (FlashInfer) equal the first pass's (same batches, same kernels)."""
+    import torch
+
+    if backend == "flashinfer":
+        pytest.importorskip("flashinfer")
+        model = tiny_model(hidden_size=256, num_attention_heads=4).to(torch.bfloat16)
+    else:
+        model = tiny_model()
+    # no radix cache: the second pass prefills, batches and replays exactly as the first
+    engine = tiny_engine(
+        model, device="cuda", backend=backend, prefill=24, overlap=True, radix=False
+    )
+    assert engine.runner.backend.name == backend
+    first = _run(engine, _workload(4, sampled=False))  # captures the graphs it replays
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = _run(engine, _workload(4, sampled=False))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    if backend == "torch":
+        plain = _run(tiny_engine(model, device="cuda", prefill=24), _workload(4, sampled=False))
+        assert got.results == plain.results
+    assert got.results == first.results and got.reasons == first.reasons
+    assert engine.overlap_totals["overlapped_steps"] > 0 and engine.runner.graphs.replays > 0
+    engine.close()
+
+
 class _Alternating(SpecPolicy):
     """Drafts every other step, whatever the timings: with an EAGLE head every decode would
     verify, and verifies run eagerly, so without plain steps no decode graph would replay
@@ -341,12 +401,12 @@ def test_a_step_that_captures_a_graph_runs_with_nothing_beside_it() -> None:
     graphs.needs_capture = first_of_bucket
 
     def timed(name, inner, capturing=lambda *a: True):
-        def call(*args):
+        def call(*args, **kwargs):
             mark = capturing(*args)
             if mark:
                 log.append((name, True))
             try:
-                return inner(*args)
+                return inner(*args, **kwargs)
             finally:
                 if mark:
                     log.append((name, False))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sessionserve.replicas.sampling import apply_penalties, filter_logits
+from sessionserve.replicas.sampling import apply_penalties, filter_logits, sample, sample_on_device
 from sessionserve.wire import FinishReason, SamplingParams
 from tests.models import EOS, hf_greedy, tiny_engine, tiny_model
 
@@ -105,3 +105,34 @@ def test_stop_strings_tokens_eos_and_ignore_eos(model) -> None:
         [PROMPT], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     )[0]
     assert ignoring.finish_reason is FinishReason.LENGTH and len(ignoring.output_ids) == 40
+
+
+def test_a_batch_comes_back_in_one_packed_copy_with_each_rows_logprobs() -> None:
+    """`sample_on_device` packs the chosen ids and the logprob rows of the rows that asked
+    (each with its own number of alternatives) into one vector; `to_host` unpacks it."""
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50)
+    params = [
+        SamplingParams(temperature=0, logprobs=True, top_logprobs=2),
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0.8, seed=3, logprobs=True, top_logprobs=0),
+        SamplingParams(temperature=0, logprobs=True, top_logprobs=5),
+    ]
+    gens = [None, None, torch.Generator().manual_seed(3), None]
+    on_device = sample_on_device(logits, params, [()] * 4, [()] * 4, gens)
+    assert on_device.packed.dim() == 1 and on_device.rows == 4
+    host = on_device.to_host()
+    assert host.token_ids == on_device.tokens.tolist()
+    greedy = logits.argmax(-1).tolist()
+    assert [host.token_ids[i] for i in (0, 1, 3)] == [greedy[i] for i in (0, 1, 3)]
+    lp = torch.log_softmax(logits, -1)
+    assert host.logprobs is not None and host.logprobs[1] is None
+    for i, n in ((0, 2), (2, 0), (3, 5)):
+        got = host.logprobs[i]
+        assert got.token_id == host.token_ids[i]
+        assert got.logprob == pytest.approx(lp[i, got.token_id].item(), abs=1e-6)
+        best = lp[i].topk(n) if n else None
+        assert [t for t, _ in got.top] == (best.indices.tolist() if n else [])
+    # the same draw as the plain `sample` (one seeded generator, rewound)
+    gens[2] = torch.Generator().manual_seed(3)
+    assert sample(logits, params, [()] * 4, [()] * 4, gens).token_ids == host.token_ids

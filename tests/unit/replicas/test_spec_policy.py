@@ -71,9 +71,9 @@ class FakeClock:
         if engine.forwards is not None:
             engine.forwards.submit = _run_at_once(engine.runner)
 
-        def timed(batch, fb, layout):
+        def timed(batch, fb, layout, **kwargs):
             self.now += verify if any(s.num_drafts for s in batch.seqs) else plain
-            return run(batch, fb, layout)
+            return run(batch, fb, layout, **kwargs)
 
         engine.runner.run_prepared = timed
         engine.speculative.policy.clock = lambda: self.now
