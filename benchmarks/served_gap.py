@@ -55,14 +55,15 @@ def served(target: str, model: str | None, n: int, words: int, tokens: int) -> l
     return out
 
 
-def in_process(n: int, words: int, tokens: int, threads: int) -> list[tuple]:
+def in_process(n: int, words: int, tokens: int, threads: int, dtype: str) -> list[tuple]:
     setup_threads(threads)
+    model = ModelConfig(path="default", torch_threads=threads, dtype=dtype)
     cfg = EngineConfig(
-        model=ModelConfig(path="default", torch_threads=threads),
+        model=model,
         cache=CacheConfig(num_slots=23296, max_rows=96, max_context_len=4096),
         compile=True,
     )
-    eng = Engine(cfg, load("default"))
+    eng = Engine(cfg, load("default", model.torch_dtype()))
     if eng.runner.compiling is not None:
         eng.runner.compiling.join()
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
@@ -99,11 +100,17 @@ def main() -> None:
     ap.add_argument("--words", type=int, default=250, help="prompt length in words")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--dtype",
+        default="auto",
+        help="the in-process model's (match the server's: auto is bfloat16 on CPUs with native "
+        "bf16, as serve-cpu-bench-bf16.yaml; serve-cpu-bench.yaml is float32)",
+    )
     args = ap.parse_args()
     if not args.local_only and not args.target:
         ap.error("give --target (a running server) or --local-only")
     if args.local_only:
-        local = in_process(args.requests, args.words, args.tokens, args.threads)
+        local = in_process(args.requests, args.words, args.tokens, args.threads, args.dtype)
         ttft, gap = medians(local)
         print(f"machine: {machine()}; in-process TTFT {ttft:.3f} s, {1000 * gap:.1f} ms/token")
         emit(
@@ -115,7 +122,7 @@ def main() -> None:
         )
         return
     remote = served(args.target, args.model, args.requests, args.words, args.tokens)
-    local = in_process(args.requests, args.words, args.tokens, args.threads)
+    local = in_process(args.requests, args.words, args.tokens, args.threads, args.dtype)
     print(f"machine: {machine()}")
     print(
         f"{'request':>7} {'served TTFT s':>14} {'served ms/tok':>14} {'local TTFT s':>13} "
