@@ -49,6 +49,7 @@ from sessionserve.replicas.attention import flashinfer_unsupported
 from sessionserve.replicas.cuda_graphs import bucket_for
 from sessionserve.replicas.engine import Engine
 from sessionserve.replicas.loader import LoadedModel
+from sessionserve.replicas.sampling import DeviceSample
 from sessionserve.wire import SamplingParams
 
 SHAPES = {
@@ -268,12 +269,13 @@ def timed_parts(eng: Engine, device: torch.device):
     wrap(eng.scheduler, "schedule", "schedule")
     wrap(eng.runner, "prepare", "batch")
     wrap(eng.runner, "forward", "forward", synced=True)
-    wrap(runner_module, "sample", "sample")
+    wrap(runner_module, "sample_on_device", "sample")  # its kernels queued
+    wrap(DeviceSample, "to_host", "sample")  # the tokens read back
     try:
         yield parts
     finally:
         for obj, name, inner in reversed(saved):
-            if obj is runner_module:
+            if obj is runner_module or isinstance(obj, type):
                 setattr(obj, name, inner)
             else:
                 delattr(obj, name)  # back to the class attribute
@@ -483,14 +485,18 @@ def main() -> None:
         return round(off[c] / on[c], 3) if on and off else None
 
     overlapped: dict[int, float] = {}  # the best configuration again, with overlap on
+    busy_overlap = None  # at c_mid: what share of the overlapped step the GPU computes
     for c in [] if args.no_overlap else args.concurrency:
         config, plain_ms = best(c)
         eng = engine_for(config, c, overlap=True)
         overlapped[c] = engine_step_ms(eng, c, args)
+        if c == c_mid:
+            busy_overlap, _ = gpu_busy(eng, c, args)
         eng.close()
         print(
             f"c={c:3d} engine {label(config):26s} overlap {overlapped[c]:.2f} ms/step "
-            f"({plain_ms / overlapped[c]:.2f}x without)",
+            f"({plain_ms / overlapped[c]:.2f}x without)"
+            + (f"; GPU busy {busy_overlap:.0%}" if c == c_mid and busy_overlap else ""),
             flush=True,
         )
 
@@ -544,6 +550,7 @@ def main() -> None:
             "ratio_vs_hf_static_32": ratio(hf["static"], c_mid),
             "ratio_vs_hf_eager_32": ratio(hf["eager"], c_mid),
             "gpu_busy_frac_32": None if busy is None else round(busy, 3),
+            "gpu_busy_frac_32_overlap": None if busy_overlap is None else round(busy_overlap, 3),
             "gpu_busy_frac_32_profiler": None if busy_profiler is None else round(busy_profiler, 3),
             "roofline_frac_64": round(roofline_ms / best(c_top)[1], 3),
             "ttft_ms_8k": {k: round(1000 * v, 2) for k, v in t.items()},
