@@ -44,6 +44,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from benchmarks.common import emit, machine
 from sessionserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from sessionserve.replicas import compiled_forward
 from sessionserve.replicas import model_runner as runner_module
 from sessionserve.replicas.attention import flashinfer_unsupported
 from sessionserve.replicas.cuda_graphs import bucket_for
@@ -104,6 +105,12 @@ def parse() -> argparse.Namespace:
         help="measure the engine over the compiled forward (with graphs where they are on)",
     )
     ap.add_argument("--compile-cache-dir", default=None, help="where the package is kept")
+    ap.add_argument(
+        "--jit-freezing",
+        action="store_true",
+        help="CUDA's compiled forward with inductor's freezing (merged q/k/v and gate/up GEMMs:"
+        " compiled_forward.JIT_OPTIONS); compare with a run without",
+    )
     ap.add_argument("--held", type=int, default=8000, help="session history for the TTFT test")
     ap.add_argument("--no-overlap", action="store_true", help="skip the overlap-scheduling runs")
     ap.add_argument("--profile-steps", type=int, default=20)
@@ -408,6 +415,8 @@ def main() -> None:
         args.held = min(args.held, 1000)
     logging.basicConfig(format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("sessionserve.replicas.compiled_forward").setLevel(logging.INFO)
+    if args.jit_freezing:
+        compiled_forward.JIT_OPTIONS["freezing"] = True
     model = build_model(args, device, dtype)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     bw = copy_bandwidth(device)
@@ -531,6 +540,7 @@ def main() -> None:
             | {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"},
             "model_bytes": weight_bytes,
             "dtype": str(dtype),
+            "jit_options": dict(compiled_forward.JIT_OPTIONS),
             "prompt": args.prompt,
             "output": args.output,
             "hf_eager_ms": hf["eager"],

@@ -41,7 +41,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -147,12 +147,16 @@ class JitForward(CompiledForward):
     function, so a second engine in a process (a benchmark, a test) does not trace again."""
 
     def __init__(
-        self, model: Any, max_tokens: int, feature_layers: tuple[int, ...] | None = None
+        self,
+        model: Any,
+        max_tokens: int,
+        feature_layers: tuple[int, ...] | None = None,
+        options: Mapping[str, Any] | None = None,
     ) -> None:
         self.package = None
         self.max_tokens = max_tokens
         self.min_tokens = 1
-        self._fn = _jit_compiled(model, feature_layers)
+        self._fn = _jit_compiled(model, feature_layers, JIT_OPTIONS if options is None else options)
 
     def run(
         self, ids: torch.Tensor, positions: torch.Tensor, logit_idx: torch.Tensor, meta: ForwardMeta
@@ -172,14 +176,25 @@ class JitForward(CompiledForward):
 
 _jit: weakref.WeakKeyDictionary[Any, dict] = weakref.WeakKeyDictionary()
 
+# inductor options for `JitForward` (torch.compile's `options`). {"freezing": True} folds the
+# weights in as constants, and on CUDA inductor's freezing passes then merge the GEMMs that
+# share an input (q/k/v, gate/up) into one each, keeping a merged copy of those weights beside
+# the model's. Not measured on a GPU yet: off until it is (`benchmarks/gpu.py --jit-freezing`).
+JIT_OPTIONS: dict[str, Any] = {}
 
-def _jit_compiled(model: Any, feature_layers: tuple[int, ...] | None) -> Callable[..., Any]:
+
+def _jit_compiled(
+    model: Any, feature_layers: tuple[int, ...] | None, options: Mapping[str, Any]
+) -> Callable[..., Any]:
     compiled = _jit.setdefault(model, {})
-    if feature_layers not in compiled:
+    key = (feature_layers, tuple(sorted(options.items())))
+    if key not in compiled:
         install(model)  # the compiled trace calls our paged attention as the opaque op
         module = _DecoderAndHead(model, feature_layers).eval()
-        compiled[feature_layers] = torch.compile(module, dynamic=True, fullgraph=True)
-    return compiled[feature_layers]
+        compiled[key] = torch.compile(
+            module, dynamic=True, fullgraph=True, options=dict(options) or None
+        )
+    return compiled[key]
 
 
 def weights_digest(model: Any) -> str:

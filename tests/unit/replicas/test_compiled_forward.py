@@ -334,11 +334,13 @@ def test_graph_paths_run_the_compiled_forward_and_capture_again_when_it_arrives(
                 assert a.logprob == pytest.approx(b.logprob, abs=LOGPROB_ATOL)
 
 
-def test_the_torch_compile_forward_gives_the_eager_tokens_through_the_graph_paths() -> None:
+@pytest.mark.parametrize("options", [{}, {"freezing": True}], ids=["plain", "freezing"])
+def test_the_torch_compile_forward_gives_the_eager_tokens_through_the_graph_paths(options) -> None:
     """`JitForward` (what `compile: true` installs on CUDA: torch.compile of the same module,
     the attention the opaque op), run here by inductor's CPU backend through the decode and
     extend graphs' static paths: the eager engine's tokens and logprobs over batches and
-    session turns; a second engine over the same model shares the compiled function."""
+    session turns; a second engine over the same model shares the compiled function. With
+    freezing (`JIT_OPTIONS`: the weights folded in as constants, merged GEMMs on CUDA) too."""
     from sessionserve.replicas.compiled_forward import JitForward
     from sessionserve.replicas.cuda_graphs import DecodeGraphs, ExtendGraphs
 
@@ -349,8 +351,9 @@ def test_the_torch_compile_forward_gives_the_eager_tokens_through_the_graph_path
     eager = batches_and_turns(tiny_engine(model, page_size=4), inputs, p)
     engine = tiny_engine(model, page_size=4)
     runner = engine.runner
-    runner.compiled = JitForward(runner.model, 256)
-    assert JitForward(runner.model, 256)._fn is runner.compiled._fn  # one compile per model
+    runner.compiled = JitForward(runner.model, 256, options=options)
+    same = JitForward(runner.model, 256, options=options)._fn
+    assert same is runner.compiled._fn  # one compile per model and options
     runner.graphs = DecodeGraphs(runner, (1, 2, 4), capture=False)
     runner.extend_graphs = ExtendGraphs(runner, runner.backend, 64, capture=False)
     got = batches_and_turns(engine, inputs, p)
