@@ -26,11 +26,17 @@ def run(engine, jobs):
     return [engine.take_result(r) for r in rids]
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 @pytest.mark.parametrize("speculative", [False, True])
-def test_a_poisoned_request_fails_alone_in_a_healthy_batch(speculative) -> None:
+def test_a_poisoned_request_fails_alone_in_a_healthy_batch(speculative, overlap) -> None:
+    """Under overlap the next step is already scheduled with the poisoned row's pending token,
+    which it never sampled: that row reads a placeholder and its result is dropped. (The clean
+    engine overlaps too: with speculation a seeded row's draws depend on which steps drafted,
+    and under overlap the first decode after a prefill does not.)"""
     model = tiny_model(num_hidden_layers=1)
     drafter = mimic_drafter if speculative else None
-    engine, clean = tiny_engine(model, drafter=drafter), tiny_engine(model, drafter=drafter)
+    engine = tiny_engine(model, drafter=drafter, overlap=overlap)
+    clean = tiny_engine(model, drafter=drafter, overlap=overlap)
     sid = engine.open_session()
     first = engine.generate([PROMPTS[0]], GREEDY, session_id=sid)[0]
     healthy = [(PROMPTS[1], GREEDY, None), (PROMPTS[2], SEEDED, None)]
