@@ -32,8 +32,10 @@ stage() {  # stage NAME MAX_SECONDS COMMAND...: run under min(MAX, time left), l
     python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)"
 } 2>&1 | tee "$out/env.log"
 
-# overlap first: its forward thread must never wait for the GPU (never ran on one yet)
-stage overlap_tests 120 "${PYTEST[@]}" -m gpu tests/unit/replicas/test_overlap_schedule.py
+# what never ran on a GPU first: overlap's forward thread must never wait for the device;
+# speculation's verify steps replay graphs
+stage new_gpu_tests 150 "${PYTEST[@]}" -m gpu tests/unit/replicas/test_overlap_schedule.py \
+    tests/unit/replicas/test_speculative_decoding.py
 stage benchmark 250 python3 -m benchmarks.gpu --concurrency 1 32 64 --backends flashinfer \
     --graph-modes on --skip-hf --compile on --log-dir "$out"
 stage freezing 200 python3 -m benchmarks.gpu --concurrency 1 32 --backends flashinfer \

@@ -30,7 +30,12 @@ from sessionserve.replicas.compiled_forward import (
     plan_prefill_compile,
     start_compile,
 )
-from sessionserve.replicas.cuda_graphs import DecodeGraphs, ExtendGraphs, buckets_up_to
+from sessionserve.replicas.cuda_graphs import (
+    DecodeGraphs,
+    ExtendGraphs,
+    VerifyGraphs,
+    buckets_up_to,
+)
 from sessionserve.replicas.model_runner import ModelRunner
 from sessionserve.replicas.speculative.checkpoint import load_drafter
 from sessionserve.replicas.speculative.decoder import SpeculativeDecoder, TreeShape
@@ -90,6 +95,14 @@ def build_runner(
         if not isinstance(backend, TorchPagedBackend):
             backend = TorchPagedBackend(cfg.cache.max_context_len, sliding_windows(model.config))
         runner.extend_graphs = ExtendGraphs(runner, backend, cfg.cuda_graph_max_extend)
+    if speculative is not None and runner.graphs is not None:
+        # verifies replay graphs over the torch backend's static plan, as extends do
+        backend = runner.backend
+        if not isinstance(backend, TorchPagedBackend):
+            backend = TorchPagedBackend(cfg.cache.max_context_len, sliding_windows(model.config))
+        runner.verify_graphs = VerifyGraphs(
+            runner, backend, runner.graphs.buckets, cfg.spec.num_drafts + 1
+        )
     compile_forwards(cfg, model, runner)
     eagle = speculative.eagle if speculative else None
     pools = [runner.kv_pool] + ([eagle.pool] if eagle else [])
@@ -153,8 +166,8 @@ def compiled_max_tokens(cfg: EngineConfig, runner: ModelRunner) -> int:
     least the largest CUDA graph's step (the graphs replay the compiled forward; on a GPU its
     GEMMs are cuBLAS's whatever the rows, so nothing is lost running larger steps through
     it)."""
-    graphs = [g for g in (runner.graphs, runner.extend_graphs) if g is not None]
-    return max([cfg.compile_max_tokens] + [max(g.buckets) for g in graphs])
+    sets = (runner.graphs, runner.extend_graphs, runner.verify_graphs)
+    return max([cfg.compile_max_tokens] + [g.max_tokens for g in sets if g is not None])
 
 
 def build_speculative(

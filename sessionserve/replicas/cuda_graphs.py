@@ -4,10 +4,11 @@ A decode step's shapes depend only on the batch size (and, for the torch backend
 bucket), so the unmodified transformers model plus our attention is captured over static
 buffers: token ids, positions, output slots, and the backend's static metadata. A step pads
 its batch up to the next bucket (padding rows read and write only the reserved slot 0), copies
-its inputs into the buffers, re-plans the backend outside the graph, and replays. Prefill,
-mixed and verify steps run eagerly, except short single-sequence extends (a session turn, a
-short prompt: `ExtendGraphs`), which replay graphs per query/context bucket over the torch
-backend's static plan whatever the decode backend (FlashInfer reads the same pool layout).
+its inputs into the buffers, re-plans the backend outside the graph, and replays. Prefill and
+mixed steps run eagerly, except short single-sequence extends (a session turn, a short prompt:
+`ExtendGraphs`), which replay graphs per query/context bucket over the torch backend's static
+plan whatever the decode backend (FlashInfer reads the same pool layout); so do speculative
+decoding's verify steps (`VerifyGraphs`: decode rows of a pending token and its drafts).
 
 Graphs are captured lazily, on a bucket's first use, into one shared memory pool. With
 `capture=False` the same static path runs eagerly: that is how CPU tests check the padding
@@ -71,6 +72,12 @@ class _GraphSet:
     runner: ModelRunner
     capture: bool
     graphs: dict
+    buckets: tuple[int, ...]
+
+    @property
+    def max_tokens(self) -> int:
+        """The most tokens a step it replays holds."""
+        return max(self.buckets)
 
     def _key(self, batch: ForwardBatch) -> tuple[int, Hashable] | None:
         raise NotImplementedError
@@ -279,6 +286,114 @@ class ExtendGraphs(_GraphSet):
         if self.capture:
             self.backend.fill_extend(g.plan, None)  # all padding: a valid plan to capture
             g.graph = capture(lambda: self._forward(g), self.pool, f"extend {size} x {width}")
+        return g
+
+
+@dataclass
+class _VerifyGraph:
+    ids: torch.Tensor  # [B * Q] static inputs, row b's tokens at b * Q .. (padding: slot 0)
+    positions: torch.Tensor
+    out_slots: torch.Tensor
+    sliding_out_slots: torch.Tensor
+    rows: torch.Tensor  # [B * Q] 0..B*Q-1: every token's logits
+    plan: Any
+    logits: torch.Tensor | None = None  # [B * Q, V]
+    hidden: torch.Tensor | None = None  # [B * Q, F]
+    graph: Any = None
+    compiled: CompiledForward | None = None  # as _Graph's
+
+
+class VerifyGraphs(_GraphSet):
+    """Decode steps that verify drafts (speculative decoding): every sequence adds its pending
+    token and up to `max_query - 1` drafts (a chain) and samples all of them. Eagerly such a
+    step launches every kernel from Python, so on a GPU it cost ~4x a replayed decode and a
+    verify could not pay; replayed, a 5-token verify costs ~1.1x a decode (measured with a
+    manual graph, docs/benchmarks.md). A graph per (batch bucket, query length, context
+    bucket) over the torch backend's static plan (as `ExtendGraphs`), each row padded to the
+    step's longest (padding tokens read and write slot 0); it returns every token's logits and
+    the drafter's features in the step's own flat order."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        backend: TorchPagedBackend,
+        buckets: Sequence[int],
+        max_query: int,
+        capture: bool = True,
+    ):
+        self.runner, self.backend, self.capture = runner, backend, capture
+        self.buckets = tuple(sorted(buckets))
+        self.max_query = max_query
+        self.graphs: dict[tuple[int, Hashable], _VerifyGraph] = {}
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.replays = 0
+
+    @property
+    def max_tokens(self) -> int:
+        return max(self.buckets) * self.max_query
+
+    def _key(self, batch: ForwardBatch) -> tuple[int, Hashable] | None:
+        """(B * Q tokens, (B, Q, context bucket)) for a batch whose every token is sampled and
+        whose longest row has 2..max_query tokens (chains only), else None."""
+        seqs = batch.seqs
+        if not seqs or len(batch.logit_idx) != len(batch.input_ids):
+            return None
+        q = max(s.q_len for s in seqs)
+        if not 2 <= q <= self.max_query or any(s.tree_mask is not None for s in seqs):
+            return None
+        size, width = bucket_for(len(seqs), self.buckets), self.backend.graph_key(seqs)
+        return None if size is None or width is None else (size * q, (size, q, width))
+
+    def run(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        found = self._key(batch)
+        if found is None:
+            return None
+        _, (_, q, _) = found
+        g = self._graph(found)
+        # where each of the step's flat tokens sits in the graph's rows of q
+        place = torch.cat([b * q + torch.arange(s.q_len) for b, s in enumerate(batch.seqs)])
+        padded = [torch.zeros(g.ids.numel(), dtype=torch.int64) for _ in range(4)]
+        flat = (batch.input_ids, batch.positions, batch.out_slots, _sliding_out(batch))
+        for buf, values in zip(padded, flat, strict=True):
+            buf[place] = values
+        dev = self.runner.device
+        stage((g.ids, g.positions, g.out_slots, g.sliding_out_slots), padded, dev)
+        place = to_device(place, dev)
+        if batch.pending_ids is not None:  # their places in the graph's rows
+            where = place.index_select(0, batch.pending_ids.index)
+            g.ids.index_copy_(0, where, batch.pending_ids.tokens)
+        self.backend.fill_rows(g.plan, batch.seqs)
+        if g.graph is not None:
+            g.graph.replay()
+        else:
+            self._forward(g)
+        self.replays += 1
+        logits = g.logits.index_select(0, place.index_select(0, to_device(batch.logit_idx, dev)))
+        hidden = g.hidden.index_select(0, place) if batch.want_hidden else None
+        return logits, hidden
+
+    def _forward(self, g: _VerifyGraph) -> None:
+        r = self.runner
+        meta = ForwardMeta(self.backend, r.kv_pool, g.out_slots, g.plan, g.sliding_out_slots)
+        if g.compiled is not None:
+            g.logits, g.hidden = g.compiled.run(g.ids, g.positions, g.rows, meta)
+            return
+        last, g.hidden = r.decode_hidden(g.ids, g.positions, meta)
+        g.logits = r.lm_head(last)
+
+    @torch.inference_mode()
+    def _build(self, tokens: int, key: tuple[int, int, int]) -> _VerifyGraph:
+        size, q, width = key
+        dev = self.runner.device
+        zeros = lambda: torch.zeros(tokens, dtype=torch.int64, device=dev)  # noqa: E731
+        plan = self.backend.static_extend(q, width, dev, rows=size)
+        rows = torch.arange(tokens, device=dev)
+        g = _VerifyGraph(zeros(), zeros(), zeros(), zeros(), rows, plan)
+        g.compiled = self.runner.compiled_for(tokens)
+        self.graphs[(tokens, key)] = g
+        if self.capture:
+            self.backend.fill_rows(g.plan, [])  # all padding: a valid plan to capture
+            g.graph = capture(lambda: self._forward(g), self.pool, f"verify {size} x {q}")
         return g
 
 

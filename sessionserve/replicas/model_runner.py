@@ -6,7 +6,8 @@ input this step (-> StepOutput); under overlap scheduling the two run on differe
 scheduler commits). `forward` sees only tensors: token ids, positions, the slot each new token's
 KV goes to, and one `SeqSpec` per sequence (its new-token count and context slots). The batch
 goes to the device in one copy. Pure-decode batches replay a CUDA graph when `graphs` is set,
-short single-sequence extends when `extend_graphs` is (see cuda_graphs.py); other steps of up
+short single-sequence extends when `extend_graphs` is, speculative decoding's verifies when
+`verify_graphs` is (see cuda_graphs.py); other steps of up
 to `engine.compile_max_tokens` tokens run the compiled forward when one is installed
 (compiled_forward.py), longer ones the prefill package when `engine.compile_prefill` installed
 one; the rest run eagerly.
@@ -40,7 +41,7 @@ from sessionserve.replicas.step import (
 )
 
 if TYPE_CHECKING:  # the graphs hold the runner they replay for
-    from sessionserve.replicas.cuda_graphs import DecodeGraphs, ExtendGraphs
+    from sessionserve.replicas.cuda_graphs import DecodeGraphs, ExtendGraphs, VerifyGraphs
 
 
 class ModelRunner:
@@ -56,6 +57,7 @@ class ModelRunner:
         self.lm_head = model.get_output_embeddings()
         self.graphs: DecodeGraphs | None = None  # set by assembly.py on CUDA
         self.extend_graphs: ExtendGraphs | None = None
+        self.verify_graphs: VerifyGraphs | None = None  # speculative decoding's verifies
         self.compiled: CompiledForward | None = None  # installed by compiled_forward.py
         self.compiled_prefill: CompiledForward | None = None  # the longer steps' package
         # which target hidden states the drafter reads (set by assembly.py before graphs are
@@ -197,6 +199,10 @@ class ModelRunner:
             out = self.extend_graphs.run(batch)
             if out is not None:
                 return out
+        elif self.verify_graphs is not None:
+            out = self.verify_graphs.run(batch)
+            if out is not None:
+                return out
         n = len(batch.input_ids)
         sliding = batch.sliding_out_slots
         parts = [batch.input_ids, batch.positions, batch.out_slots, batch.logit_idx]
@@ -230,6 +236,8 @@ class ModelRunner:
             return self.graphs.needs_capture(batch)
         if self.extend_graphs is not None:
             return self.extend_graphs.needs_capture(batch)
+        if self.verify_graphs is not None:
+            return self.verify_graphs.needs_capture(batch)
         return False
 
     def compiled_for(self, num_tokens: int) -> CompiledForward | None:

@@ -179,37 +179,45 @@ class TorchPagedBackend(AttentionBackend):
         for w, (slots, mask) in static.windowed.items():
             _fill_window(slots, mask, window_columns(seqs, 1, w), 1, w)
 
-    def static_extend(self, q_len: int, width: int, device: torch.device) -> list[_Group]:
-        """One group of fixed shape: `q_len` query tokens of one sequence over a context of
-        `width` columns (CUDA graphs for short extends, see cuda_graphs.ExtendGraphs)."""
+    def static_extend(
+        self, q_len: int, width: int, device: torch.device, rows: int = 1
+    ) -> list[_Group]:
+        """One group of fixed shape: `rows` sequences of `q_len` query tokens each (padded) over
+        contexts of `width` columns (CUDA graphs for short extends and for verifies, see
+        cuda_graphs.ExtendGraphs and VerifyGraphs). Row b's queries are flat tokens
+        b * q_len .. (b + 1) * q_len - 1."""
         group = _Group(
-            token_idx=torch.arange(q_len, device=device)[None],
-            ctx_slots=torch.zeros(1, width, dtype=torch.int64, device=device),
-            mask=torch.zeros(1, 1, q_len, width, dtype=torch.bool, device=device),
+            token_idx=torch.arange(rows * q_len, device=device).view(rows, q_len),
+            ctx_slots=torch.zeros(rows, width, dtype=torch.int64, device=device),
+            mask=torch.zeros(rows, 1, q_len, width, dtype=torch.bool, device=device),
             stacked_masks=None,
         )
         group.windowed = {
-            w: _static_window(1, q_len, min(width, w - 1 + q_len), device) for w in self.windows
+            w: _static_window(rows, q_len, min(width, w - 1 + q_len), device) for w in self.windows
         }
         return [group]
 
     def fill_extend(self, static: list[_Group], seq: SeqSpec | None) -> None:
-        """Write `seq` (at most q_len new tokens) into `static`; query rows past its tokens are
-        padding that sees only column 0 (slot 0, never read by a real row)."""
+        """Write `seq` (at most q_len new tokens) into a one-row `static`."""
+        self.fill_rows(static, [seq] if seq is not None else [])
+
+    def fill_rows(self, static: list[_Group], seqs: list[SeqSpec]) -> None:
+        """Write `seqs` (each at most q_len new tokens) into `static`'s first rows; query rows
+        past a sequence's tokens, and rows past the sequences, are padding that sees only
+        column 0 (slot 0, never read by a real row)."""
         (static,) = static
-        q_len, width = static.mask.shape[2], static.mask.shape[3]
-        ctx = torch.zeros(1, width, dtype=torch.int64)
-        if seq is not None:
-            ctx[0, : seq.ctx_len] = seq.ctx_slots
+        rows, _, q_len, width = static.mask.shape
+        ctx = torch.zeros(rows, width, dtype=torch.int64)
+        mask = torch.zeros(rows, q_len, width, dtype=torch.bool)
+        mask[:, :, 0] = True
+        for b, seq in enumerate(seqs):
+            ctx[b, : seq.ctx_len] = seq.ctx_slots
+            mask[b, : seq.q_len] = context_mask(torch.tensor([seq.ctx_len]), seq.q_len, width)[0]
         static.ctx_slots.copy_(to_device(ctx, static.ctx_slots.device), non_blocking=True)
-        mask = torch.zeros(q_len, width, dtype=torch.bool)
-        mask[:, 0] = True
-        if seq is not None:
-            mask[: seq.q_len] = context_mask(torch.tensor([seq.ctx_len]), seq.q_len, width)[0]
-        static.mask.copy_(to_device(mask[None, None], static.mask.device), non_blocking=True)
-        for w, (slots, mask) in static.windowed.items():
-            cols = window_columns([seq], seq.q_len, w) if seq is not None else []
-            _fill_window(slots, mask, cols, seq.q_len if seq is not None else 0, w)
+        static.mask.copy_(to_device(mask[:, None], static.mask.device), non_blocking=True)
+        for w, (slots, wmask) in static.windowed.items():
+            cols = [window_columns([s], s.q_len, w)[0] for s in seqs]
+            _fill_window(slots, wmask, cols, [s.q_len for s in seqs], w)
 
     def forward(
         self,
@@ -325,16 +333,22 @@ def _static_window(
 
 
 def _fill_window(
-    slots: torch.Tensor, mask: torch.Tensor, cols: list[torch.Tensor], q: int, window: int
+    slots: torch.Tensor,
+    mask: torch.Tensor,
+    cols: list[torch.Tensor],
+    q: int | list[int],
+    window: int,
 ) -> None:
-    """Write a sliding layer's columns into static buffers; rows (and query rows) past the
-    real ones are padding that sees column 0 (slot 0) only."""
+    """Write a sliding layer's columns into static buffers (`q`: new tokens per row, or one
+    count for all); rows (and query rows) past the real ones are padding that sees column 0
+    (slot 0) only."""
     batch_size, _, q_len, width = mask.shape
     host_slots = torch.zeros(batch_size, width, dtype=torch.int64)
     host_mask = torch.zeros(batch_size, q_len, width, dtype=torch.bool)
     host_mask[:, :, 0] = True
-    for b, c in enumerate(cols):
+    qs = q if isinstance(q, list) else [q] * len(cols)
+    for b, (c, n) in enumerate(zip(cols, qs, strict=True)):
         host_slots[b, : c.numel()] = c
-        host_mask[b, :q] = context_mask(torch.tensor([c.numel()]), q, width, window)[0]
+        host_mask[b, :n] = context_mask(torch.tensor([c.numel()]), n, width, window)[0]
     slots.copy_(to_device(host_slots, slots.device), non_blocking=True)
     mask.copy_(to_device(host_mask[:, None], mask.device), non_blocking=True)

@@ -281,3 +281,80 @@ def test_each_verify_reaches_the_metrics_the_engine_has_now() -> None:
     (r,) = engine.generate(_prompts(0, (9,)), GREEDY)
     assert len(recorder.lengths) == r.spec_steps > 0
     assert sum(recorder.lengths) == r.spec_accepted + r.spec_steps
+
+
+@pytest.mark.parametrize("with_history", [False, True])
+def test_verifies_through_the_verify_graphs_static_path(with_history: bool) -> None:
+    """`VerifyGraphs` (on a GPU the graphs that speculative decoding's verify steps replay;
+    here their static path runs eagerly: rows padded to the step's longest and to the batch
+    bucket, every token's logits and the drafter's features mapped back to the step's flat
+    order) gives transformers' greedy tokens with uneven acceptance and, with history drafts,
+    uneven draft lengths; the head reads the features it returns, so every request accepts
+    exactly what it does without the graphs (a feature in the wrong row changes the head's
+    next drafts)."""
+    from sessionserve.replicas.cuda_graphs import DecodeGraphs, VerifyGraphs
+
+    model = tiny_model(num_hidden_layers=1, seed=3)
+    prompts = _prompts(0, (5, 17, 33, 40, 61))
+
+    def reads_features(m):  # mimic_drafter's `fc` ignores the target's features: not this one
+        head = mimic_drafter(m, noise=0.3 if with_history else 0.05)
+        h = m.config.hidden_size
+        with torch.no_grad():
+            head.fc.weight[:, h:] = 0.2 * torch.randn(
+                h, h, generator=torch.Generator().manual_seed(1)
+            )
+        return head
+
+    def engine(graphs: bool):
+        e = tiny_engine(
+            model,
+            drafter=reads_features,
+            prefill=24,
+            history_drafts=with_history,
+        )
+        if graphs:
+            r = e.runner
+            r.graphs = DecodeGraphs(r, (1, 2, 4, 8), capture=False)
+            r.verify_graphs = VerifyGraphs(r, r.backend, (1, 2, 4, 8), 5, capture=False)
+        return e
+
+    plain, graphed = engine(False), engine(True)
+    verify_steps = []  # steps whose every token is sampled, some row with drafts
+    forward = graphed.runner.forward
+
+    def counted(batch):
+        q = max(s.q_len for s in batch.seqs)
+        verify_steps.append(len(batch.logit_idx) == len(batch.input_ids) and q > 1)
+        return forward(batch)
+
+    graphed.runner.forward = counted
+    want, got = plain.generate(prompts, GREEDY), graphed.generate(prompts, GREEDY)
+    for prompt, r, w in zip(prompts, got, want, strict=True):
+        assert r.output_ids == hf_greedy(model, prompt, GREEDY.max_tokens)
+        assert (r.spec_steps, r.spec_drafted, r.spec_accepted) == (
+            w.spec_steps,
+            w.spec_drafted,
+            w.spec_accepted,
+        )
+    verify = graphed.runner.verify_graphs
+    assert verify.replays == sum(verify_steps) > 0  # every verify step went through it
+    shapes = {key for _, key in verify.graphs}
+    assert len({b for b, _, _ in shapes}) > 1  # batch buckets, padding rows among them
+    if with_history:  # some rows drafted fewer than 4 (history runs), padded to the longest
+        assert graphed.spec_stats.drafted < 4 * graphed.spec_stats.steps
+    graphed.checker.check_idle()
+
+
+@pytest.mark.gpu
+def test_verify_graphs_replay_on_cuda() -> None:
+    """On a GPU the verify steps replay captured graphs (`VerifyGraphs`, built by the engine
+    when speculation and CUDA graphs are both on), and the answers stay transformers'."""
+    model = tiny_model(num_hidden_layers=1, seed=3)
+    prompts = _prompts(0, (5, 17, 33, 40, 61))
+    spec = tiny_engine(model, drafter=mimic_drafter, prefill=24, device="cuda")
+    verify = spec.runner.verify_graphs
+    assert verify is not None
+    for prompt, r in zip(prompts, spec.generate(prompts, GREEDY), strict=True):
+        assert r.output_ids == hf_greedy(model, prompt, GREEDY.max_tokens)
+    assert verify.replays > 0 and all(g.graph is not None for g in verify.graphs.values())
