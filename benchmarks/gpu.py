@@ -19,7 +19,11 @@ sampling; with a device sync after the forward, in a separate run) and the GPU-b
 bandwidth (read + write counted) bounds a decode step from below. Sessions: TTFT of a turn with
 `--held` tokens already held vs the same request stateless (radix off). Overlap scheduling
 (`engine.overlap_schedule`): the best configuration at each c again with overlap on
-(`overlap_ms`, `overlap_speedup_<c>`; `--no-overlap` skips it).
+(`overlap_ms`, `overlap_speedup_<c>`; `--no-overlap` skips it); the overlapped engine's GPU-busy
+share at that c (`gpu_busy_frac_32_overlap`). `--verify-cost`: speculative verify forwards (4
+drafts a row, a random head, graphed where graphs are on) against decode forwards in the best
+configuration of the middle c (`verify_cost_ratio_<c>`). `--jit-freezing`: the compiled forward
+with inductor's freezing (merged q/k/v and gate/up GEMMs on CUDA).
 
     python -m benchmarks.gpu                       # an H100: the issue's figures
     python -m benchmarks.gpu --concurrency 1 32 64 --backends flashinfer --graph-modes on \
@@ -43,7 +47,13 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from benchmarks.common import emit, machine
-from sessionserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from sessionserve.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpecConfig,
+)
 from sessionserve.replicas import compiled_forward
 from sessionserve.replicas import model_runner as runner_module
 from sessionserve.replicas.attention import flashinfer_unsupported
@@ -113,6 +123,11 @@ def parse() -> argparse.Namespace:
     )
     ap.add_argument("--held", type=int, default=8000, help="session history for the TTFT test")
     ap.add_argument("--no-overlap", action="store_true", help="skip the overlap-scheduling runs")
+    ap.add_argument(
+        "--verify-cost",
+        action="store_true",
+        help="also time speculative verify forwards (4 drafts a row) against decode forwards",
+    )
     ap.add_argument("--profile-steps", type=int, default=20)
     ap.add_argument("--log-dir", default=None, help="write the profiler tables here")
     return ap.parse_args()
@@ -192,6 +207,7 @@ def make_engine(
     extend: bool = True,
     overlap: bool = False,
     compiled: bool = False,
+    drafter: Any = None,
 ):
     held = args.held + 256
     slots = max(c * (args.prompt + args.output) * 2, 2 * held + 4096)
@@ -211,8 +227,10 @@ def make_engine(
         overlap_schedule=overlap,
         compile=compiled,
         compile_cache_dir=args.compile_cache_dir,
+        spec=SpecConfig(num_drafts=VERIFY_DRAFTS, adaptive=False),
     )
-    eng = Engine(cfg, LoadedModel(model, None, "random-llama", "benchmarks.gpu"))
+    loaded = LoadedModel(model, None, "random-llama", "benchmarks.gpu")
+    eng = Engine(cfg, loaded, drafter=drafter)
     if compiled and eng.runner.compiled is None:
         raise RuntimeError("the compiled forward did not install (the log above says why)")
     return eng
@@ -313,6 +331,69 @@ def step_split(eng: Engine, c: int, args) -> dict[str, float]:
     split = {k: 1000 * v / n for k, v in parts.items()}
     split["other"] = 1000 * total / n - sum(split.values())
     return split
+
+
+VERIFY_DRAFTS = 4  # `--verify-cost`: drafts per row, a chain (verifies of 5 tokens a row)
+
+
+def forward_ms(eng: Engine, c: int, args, verifying: bool) -> float:
+    """Median device time of the target forwards of one round's decode steps (synced around
+    each): verify steps (rows with drafts) when `verifying`, else plain decodes."""
+    runner, times = eng.runner, []
+    inner = runner.forward
+
+    def timed(batch):
+        sync(runner.device)
+        t = time.perf_counter()
+        out = inner(batch)
+        sync(runner.device)
+        drafts = len(batch.input_ids) > len(batch.seqs)
+        if drafts == verifying and len(batch.logit_idx) == len(batch.input_ids):
+            times.append(time.perf_counter() - t)
+        return out
+
+    runner.forward = timed
+    try:
+        for seed in (1, 2):  # the first round captures the graphs
+            times.clear()
+            submit_round(eng, c, args, seed)
+            eng.run_until_idle()
+    finally:
+        del runner.forward
+    return 1000 * statistics.median(times)
+
+
+def verify_costs(model, config: Config, args) -> dict[int, dict[str, float]]:
+    """What a verify of VERIFY_DRAFTS drafts a row costs against a plain decode, per c, in the
+    best configuration: target forwards only (the head's own steps are eager and not counted;
+    a random head, so its drafts are rejected and every step verifies). With the acceptance
+    a real head reaches (measured on a CPU, docs/benchmarks.md), this bounds what speculation
+    can gain here: speedup ~ accepted tokens per verify / verify cost ratio."""
+    from sessionserve.replicas.speculative.drafter import EagleDrafter, drafter_config
+
+    out = {}
+    b, g, k = config
+    param = next(model.parameters())
+    for c in args.concurrency:
+        head = EagleDrafter(drafter_config(model.config)).to(param.device, param.dtype)
+        spec = make_engine(model, b, g, c, args, compiled=k, drafter=head.eval().attach(model))
+        plain = make_engine(model, b, g, c, args, compiled=k)
+        verify, decode = forward_ms(spec, c, args, True), forward_ms(plain, c, args, False)
+        graphs = spec.runner.verify_graphs
+        out[c] = {
+            "verify_ms": round(verify, 3),
+            "decode_ms": round(decode, 3),
+            "ratio": round(verify / decode, 3),
+            "graph_replays": graphs.replays if graphs is not None else 0,
+        }
+        print(
+            f"c={c:3d} {label(config)}: verify of {VERIFY_DRAFTS} drafts a row {verify:.2f} ms, "
+            f"decode {decode:.2f} ms (forwards only): {verify / decode:.2f}x",
+            flush=True,
+        )
+        spec.close()
+        plain.close()
+    return out
 
 
 def gpu_busy(eng: Engine, c: int, args) -> tuple[float | None, float | None]:
@@ -509,6 +590,7 @@ def main() -> None:
             flush=True,
         )
 
+    verify = verify_costs(model, best(c_mid)[0], args) if args.verify_cost else {}
     c_top = max(args.concurrency)
     mid, _ = best(c_mid)
     split = step_split(kept[(mid, c_mid)], c_mid, args)  # idle after its rounds
@@ -541,6 +623,8 @@ def main() -> None:
             "model_bytes": weight_bytes,
             "dtype": str(dtype),
             "jit_options": dict(compiled_forward.JIT_OPTIONS),
+            "verify_cost": verify,
+            **{f"verify_cost_ratio_{c}": v["ratio"] for c, v in verify.items()},
             "prompt": args.prompt,
             "output": args.output,
             "hf_eager_ms": hf["eager"],

@@ -36,8 +36,8 @@ stage() {  # stage NAME MAX_SECONDS COMMAND...: run under min(MAX, time left), l
 # speculation's verify steps replay graphs
 stage new_gpu_tests 150 "${PYTEST[@]}" -m gpu tests/unit/replicas/test_overlap_schedule.py \
     tests/unit/replicas/test_speculative_decoding.py
-stage benchmark 250 python3 -m benchmarks.gpu --concurrency 1 32 64 --backends flashinfer \
-    --graph-modes on --skip-hf --compile on --log-dir "$out"
+stage benchmark 300 python3 -m benchmarks.gpu --concurrency 1 32 64 --backends flashinfer \
+    --graph-modes on --skip-hf --compile on --verify-cost --log-dir "$out"
 stage freezing 200 python3 -m benchmarks.gpu --concurrency 1 32 --backends flashinfer \
     --graph-modes on --skip-hf --compile on --no-overlap --jit-freezing
 stage gpu_tests 90 "${PYTEST[@]}" -m gpu tests/unit/replicas/test_device_path.py \
