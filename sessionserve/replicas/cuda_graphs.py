@@ -308,10 +308,11 @@ class VerifyGraphs(_GraphSet):
     token and up to `max_query - 1` drafts (a chain) and samples all of them. Eagerly such a
     step launches every kernel from Python, so on a GPU it cost ~4x a replayed decode and a
     verify could not pay; replayed, a 5-token verify costs ~1.1x a decode (measured with a
-    manual graph, docs/benchmarks.md). A graph per (batch bucket, query length, context
-    bucket) over the torch backend's static plan (as `ExtendGraphs`), each row padded to the
-    step's longest (padding tokens read and write slot 0); it returns every token's logits and
-    the drafter's features in the step's own flat order."""
+    manual graph, docs/benchmarks.md). A graph per (batch bucket, context bucket) over the
+    torch backend's static plan (as `ExtendGraphs`), every row padded to `max_query` tokens
+    (padding tokens read and write slot 0): one query length, not one graph per draft count,
+    since each graph keeps its own logits buffer (B x max_query x vocab) in the graph pool. It
+    returns every token's logits and the drafter's features in the step's own flat order."""
 
     def __init__(
         self,
@@ -333,22 +334,22 @@ class VerifyGraphs(_GraphSet):
         return max(self.buckets) * self.max_query
 
     def _key(self, batch: ForwardBatch) -> tuple[int, Hashable] | None:
-        """(B * Q tokens, (B, Q, context bucket)) for a batch whose every token is sampled and
-        whose longest row has 2..max_query tokens (chains only), else None."""
+        """(B * max_query tokens, (B, context bucket)) for a batch whose every token is sampled
+        and whose longest row has 2..max_query tokens (chains only), else None."""
         seqs = batch.seqs
         if not seqs or len(batch.logit_idx) != len(batch.input_ids):
             return None
-        q = max(s.q_len for s in seqs)
-        if not 2 <= q <= self.max_query or any(s.tree_mask is not None for s in seqs):
+        longest = max(s.q_len for s in seqs)
+        if not 2 <= longest <= self.max_query or any(s.tree_mask is not None for s in seqs):
             return None
         size, width = bucket_for(len(seqs), self.buckets), self.backend.graph_key(seqs)
-        return None if size is None or width is None else (size * q, (size, q, width))
+        return None if size is None or width is None else (size * self.max_query, (size, width))
 
     def run(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         found = self._key(batch)
         if found is None:
             return None
-        _, (_, q, _) = found
+        q = self.max_query
         g = self._graph(found)
         # where each of the step's flat tokens sits in the graph's rows of q
         place = torch.cat([b * q + torch.arange(s.q_len) for b, s in enumerate(batch.seqs)])
@@ -382,8 +383,8 @@ class VerifyGraphs(_GraphSet):
         g.logits = r.lm_head(last)
 
     @torch.inference_mode()
-    def _build(self, tokens: int, key: tuple[int, int, int]) -> _VerifyGraph:
-        size, q, width = key
+    def _build(self, tokens: int, key: tuple[int, int]) -> _VerifyGraph:
+        (size, width), q = key, self.max_query
         dev = self.runner.device
         zeros = lambda: torch.zeros(tokens, dtype=torch.int64, device=dev)  # noqa: E731
         plan = self.backend.static_extend(q, width, dev, rows=size)

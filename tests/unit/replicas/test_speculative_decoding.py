@@ -340,7 +340,7 @@ def test_verifies_through_the_verify_graphs_static_path(with_history: bool) -> N
     verify = graphed.runner.verify_graphs
     assert verify.replays == sum(verify_steps) > 0  # every verify step went through it
     shapes = {key for _, key in verify.graphs}
-    assert len({b for b, _, _ in shapes}) > 1  # batch buckets, padding rows among them
+    assert len({b for b, _ in shapes}) > 1  # batch buckets, padding rows among them
     if with_history:  # some rows drafted fewer than 4 (history runs), padded to the longest
         assert graphed.spec_stats.drafted < 4 * graphed.spec_stats.steps
     graphed.checker.check_idle()
