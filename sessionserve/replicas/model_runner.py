@@ -191,16 +191,8 @@ class ModelRunner:
         """Logits [N, V] for `batch.logit_idx`, and with `want_hidden` the drafter's features
         of every token [T, F] (`decode_hidden`); K/V of every new token is written to the
         pool. The decoder and the LM head run separately so the hidden states come for free."""
-        if self.graphs is not None and batch.is_decode:
-            out = self.graphs.run(batch)
-            if out is not None:
-                return out
-        elif self.extend_graphs is not None:
-            out = self.extend_graphs.run(batch)
-            if out is not None:
-                return out
-        elif self.verify_graphs is not None:
-            out = self.verify_graphs.run(batch)
+        for graphs in self._graph_sets(batch):
+            out = graphs.run(batch)
             if out is not None:
                 return out
         n = len(batch.input_ids)
@@ -232,13 +224,16 @@ class ModelRunner:
         """Would `forward(batch)` capture a CUDA graph first? While a stream captures, no
         other thread may use the device (the EAGLE head's catch-up and history drafts run on
         the engine thread), so under overlap scheduling such a step runs alone (engine.py)."""
-        if self.graphs is not None and batch.is_decode:
-            return self.graphs.needs_capture(batch)
-        if self.extend_graphs is not None:
-            return self.extend_graphs.needs_capture(batch)
-        if self.verify_graphs is not None:
-            return self.verify_graphs.needs_capture(batch)
-        return False
+        return any(graphs.needs_capture(batch) for graphs in self._graph_sets(batch))
+
+    def _graph_sets(self, batch: ForwardBatch) -> list[DecodeGraphs | ExtendGraphs | VerifyGraphs]:
+        """The graphs that may replay `batch`, in the order they are tried (each declines a
+        batch it has no graph shape for): decode graphs for pure decodes, else the extend
+        graphs (one short extend) and the verify graphs (speculative decoding; with history
+        drafts alone both exist)."""
+        if batch.is_decode:
+            return [self.graphs] if self.graphs is not None else []
+        return [g for g in (self.extend_graphs, self.verify_graphs) if g is not None]
 
     def compiled_for(self, num_tokens: int) -> CompiledForward | None:
         """The installed package that runs a step of `num_tokens` tokens (None: eager): the

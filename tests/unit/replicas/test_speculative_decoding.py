@@ -283,22 +283,24 @@ def test_each_verify_reaches_the_metrics_the_engine_has_now() -> None:
     assert sum(recorder.lengths) == r.spec_accepted + r.spec_steps
 
 
-@pytest.mark.parametrize("with_history", [False, True])
-def test_verifies_through_the_verify_graphs_static_path(with_history: bool) -> None:
+@pytest.mark.parametrize("drafts", ["eagle", "eagle+history", "history"])
+def test_verifies_through_the_verify_graphs_static_path(drafts: str) -> None:
     """`VerifyGraphs` (on a GPU the graphs that speculative decoding's verify steps replay;
-    here their static path runs eagerly: rows padded to the step's longest and to the batch
+    here their static path runs eagerly: rows padded to num_drafts + 1 tokens and to the batch
     bucket, every token's logits and the drafter's features mapped back to the step's flat
     order) gives transformers' greedy tokens with uneven acceptance and, with history drafts,
     uneven draft lengths; the head reads the features it returns, so every request accepts
     exactly what it does without the graphs (a feature in the wrong row changes the head's
-    next drafts)."""
-    from sessionserve.replicas.cuda_graphs import DecodeGraphs, VerifyGraphs
+    next drafts). The runner holds extend graphs too (with history drafts alone the engine
+    builds both): they decline verify steps, which go on to the verify graphs."""
+    from sessionserve.replicas.cuda_graphs import DecodeGraphs, ExtendGraphs, VerifyGraphs
 
     model = tiny_model(num_hidden_layers=1, seed=3)
     prompts = _prompts(0, (5, 17, 33, 40, 61))
+    history = "history" in drafts
 
     def reads_features(m):  # mimic_drafter's `fc` ignores the target's features: not this one
-        head = mimic_drafter(m, noise=0.3 if with_history else 0.05)
+        head = mimic_drafter(m, noise=0.3 if history else 0.05)
         h = m.config.hidden_size
         with torch.no_grad():
             head.fc.weight[:, h:] = 0.2 * torch.randn(
@@ -307,15 +309,12 @@ def test_verifies_through_the_verify_graphs_static_path(with_history: bool) -> N
         return head
 
     def engine(graphs: bool):
-        e = tiny_engine(
-            model,
-            drafter=reads_features,
-            prefill=24,
-            history_drafts=with_history,
-        )
+        drafter = reads_features if "eagle" in drafts else None
+        e = tiny_engine(model, drafter=drafter, prefill=24, history_drafts=history)
         if graphs:
             r = e.runner
             r.graphs = DecodeGraphs(r, (1, 2, 4, 8), capture=False)
+            r.extend_graphs = ExtendGraphs(r, r.backend, 64, capture=False)
             r.verify_graphs = VerifyGraphs(r, r.backend, (1, 2, 4, 8), 5, capture=False)
         return e
 
@@ -341,7 +340,7 @@ def test_verifies_through_the_verify_graphs_static_path(with_history: bool) -> N
     assert verify.replays == sum(verify_steps) > 0  # every verify step went through it
     shapes = {key for _, key in verify.graphs}
     assert len({b for b, _ in shapes}) > 1  # batch buckets, padding rows among them
-    if with_history:  # some rows drafted fewer than 4 (history runs), padded to the longest
+    if history:  # some rows drafted fewer than 4 (history runs), padded to 5 tokens
         assert graphed.spec_stats.drafted < 4 * graphed.spec_stats.steps
     graphed.checker.check_idle()
 
