@@ -50,8 +50,9 @@ class ForwardMeta:
 
 
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """One host-to-device copy that does not stall the host (pinned source on CUDA)."""
-    if device.type != "cuda":
+    """One host-to-device copy that does not stall the host (pinned source on CUDA); a tensor
+    already on a GPU is only moved (if need be) to `device`."""
+    if device.type != "cuda" or host.is_cuda:
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
 
