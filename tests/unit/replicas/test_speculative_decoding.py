@@ -283,7 +283,7 @@ def test_each_verify_reaches_the_metrics_the_engine_has_now() -> None:
     assert sum(recorder.lengths) == r.spec_accepted + r.spec_steps
 
 
-@pytest.mark.parametrize("drafts", ["eagle", "eagle+history", "history"])
+@pytest.mark.parametrize("drafts", ["eagle", "eagle+history", "history", "history-gemma3"])
 def test_verifies_through_the_verify_graphs_static_path(drafts: str) -> None:
     """`VerifyGraphs` (on a GPU the graphs that speculative decoding's verify steps replay;
     here their static path runs eagerly: rows padded to num_drafts + 1 tokens and to the batch
@@ -292,10 +292,15 @@ def test_verifies_through_the_verify_graphs_static_path(drafts: str) -> None:
     uneven draft lengths; the head reads the features it returns, so every request accepts
     exactly what it does without the graphs (a feature in the wrong row changes the head's
     next drafts). The runner holds extend graphs too (with history drafts alone the engine
-    builds both): they decline verify steps, which go on to the verify graphs."""
+    builds both): they decline verify steps, which go on to the verify graphs. On a
+    sliding-window model (Gemma 3, window 8) the windowed layers' static columns and masks
+    are filled per row, each with its own number of new tokens."""
     from sessionserve.replicas.cuda_graphs import DecodeGraphs, ExtendGraphs, VerifyGraphs
 
-    model = tiny_model(num_hidden_layers=1, seed=3)
+    if drafts.endswith("gemma3"):
+        model = tiny_model("gemma3")
+    else:
+        model = tiny_model(num_hidden_layers=1, seed=3)
     prompts = _prompts(0, (5, 17, 33, 40, 61))
     history = "history" in drafts
 
@@ -316,6 +321,7 @@ def test_verifies_through_the_verify_graphs_static_path(drafts: str) -> None:
             r.graphs = DecodeGraphs(r, (1, 2, 4, 8), capture=False)
             r.extend_graphs = ExtendGraphs(r, r.backend, 64, capture=False)
             r.verify_graphs = VerifyGraphs(r, r.backend, (1, 2, 4, 8), 5, capture=False)
+            assert r.backend.windows == ((8,) if drafts.endswith("gemma3") else ())
         return e
 
     plain, graphed = engine(False), engine(True)
