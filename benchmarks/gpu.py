@@ -22,8 +22,9 @@ bandwidth (read + write counted) bounds a decode step from below. Sessions: TTFT
 (`overlap_ms`, `overlap_speedup_<c>`; `--no-overlap` skips it); the overlapped engine's GPU-busy
 share at that c (`gpu_busy_frac_32_overlap`). `--verify-cost`: speculative verify forwards (4
 drafts a row, a random head, graphed where graphs are on) against decode forwards in the best
-configuration of the middle c (`verify_cost_ratio_<c>`). `--jit-freezing`: the compiled forward
-with inductor's freezing (merged q/k/v and gate/up GEMMs on CUDA).
+configuration of the middle c (`verify_cost_ratio_<c>`), and whole speculative steps (the head's
+chain and catch-up too) against plain decode steps (`spec_step_ratio_<c>`). `--jit-freezing`:
+the compiled forward with inductor's freezing (merged q/k/v and gate/up GEMMs on CUDA).
 
     python -m benchmarks.gpu                       # an H100: the issue's figures
     python -m benchmarks.gpu --concurrency 1 32 64 --backends flashinfer --graph-modes on \
@@ -336,10 +337,12 @@ def step_split(eng: Engine, c: int, args) -> dict[str, float]:
 VERIFY_DRAFTS = 4  # `--verify-cost`: drafts per row, a chain (verifies of 5 tokens a row)
 
 
-def forward_ms(eng: Engine, c: int, args, verifying: bool) -> float:
-    """Median device time of the target forwards of one round's decode steps (synced around
-    each): verify steps (rows with drafts) when `verifying`, else plain decodes."""
-    runner, times = eng.runner, []
+def forward_ms(eng: Engine, c: int, args, verifying: bool) -> tuple[float, float]:
+    """Medians over one round's decode steps (after a round that captures the graphs): the
+    device time of the target forward (synced around it) of verify steps (rows with drafts)
+    when `verifying`, else of plain decodes; and the whole step's wall time (drafting,
+    verifying and the head's catch-up included)."""
+    runner, forwards, steps = eng.runner, [], []
     inner = runner.forward
 
     def timed(batch):
@@ -349,18 +352,24 @@ def forward_ms(eng: Engine, c: int, args, verifying: bool) -> float:
         sync(runner.device)
         drafts = len(batch.input_ids) > len(batch.seqs)
         if drafts == verifying and len(batch.logit_idx) == len(batch.input_ids):
-            times.append(time.perf_counter() - t)
+            forwards.append(time.perf_counter() - t)
         return out
 
     runner.forward = timed
     try:
-        for seed in (1, 2):  # the first round captures the graphs
-            times.clear()
+        for seed in (1, 2):
+            forwards.clear()
+            steps.clear()
             submit_round(eng, c, args, seed)
-            eng.run_until_idle()
+            while eng.has_work():
+                pure = decode_only(eng)
+                t = time.perf_counter()
+                eng.step()
+                if pure:
+                    steps.append(time.perf_counter() - t)
     finally:
         del runner.forward
-    return 1000 * statistics.median(times)
+    return 1000 * statistics.median(forwards), 1000 * statistics.median(steps)
 
 
 def verify_costs(model, config: Config, args) -> dict[int, dict[str, float]]:
@@ -378,17 +387,27 @@ def verify_costs(model, config: Config, args) -> dict[int, dict[str, float]]:
         head = EagleDrafter(drafter_config(model.config)).to(param.device, param.dtype)
         spec = make_engine(model, b, g, c, args, compiled=k, drafter=head.eval().attach(model))
         plain = make_engine(model, b, g, c, args, compiled=k)
-        verify, decode = forward_ms(spec, c, args, True), forward_ms(plain, c, args, False)
+        (verify, spec_step), (decode, step) = (
+            forward_ms(spec, c, args, True),
+            forward_ms(plain, c, args, False),
+        )
         graphs = spec.runner.verify_graphs
+        chain = spec.speculative.eagle.chain_graphs
         out[c] = {
             "verify_ms": round(verify, 3),
             "decode_ms": round(decode, 3),
             "ratio": round(verify / decode, 3),
-            "graph_replays": graphs.replays if graphs is not None else 0,
+            "spec_step_ms": round(spec_step, 3),
+            "step_ms": round(step, 3),
+            "step_ratio": round(spec_step / step, 3),
+            "verify_graph_replays": graphs.replays if graphs is not None else 0,
+            "chain_graph_replays": chain.replays if chain is not None else 0,
         }
         print(
             f"c={c:3d} {label(config)}: verify of {VERIFY_DRAFTS} drafts a row {verify:.2f} ms, "
-            f"decode {decode:.2f} ms (forwards only): {verify / decode:.2f}x",
+            f"decode {decode:.2f} ms (forwards only): {verify / decode:.2f}x; whole steps "
+            f"(drafting and the head's catch-up too) {spec_step:.2f} vs {step:.2f} ms: "
+            f"{spec_step / step:.2f}x",
             flush=True,
         )
         spec.close()
@@ -625,6 +644,7 @@ def main() -> None:
             "jit_options": dict(compiled_forward.JIT_OPTIONS),
             "verify_cost": verify,
             **{f"verify_cost_ratio_{c}": v["ratio"] for c, v in verify.items()},
+            **{f"spec_step_ratio_{c}": v["step_ratio"] for c, v in verify.items()},
             "prompt": args.prompt,
             "output": args.output,
             "hf_eager_ms": hf["eager"],

@@ -37,6 +37,7 @@ from sessionserve.replicas.cuda_graphs import (
     buckets_up_to,
 )
 from sessionserve.replicas.model_runner import ModelRunner
+from sessionserve.replicas.speculative.chain_graphs import ChainGraphs
 from sessionserve.replicas.speculative.checkpoint import load_drafter
 from sessionserve.replicas.speculative.decoder import SpeculativeDecoder, TreeShape
 from sessionserve.replicas.speculative.drafter import DraftHead
@@ -103,6 +104,11 @@ def build_runner(
         runner.verify_graphs = VerifyGraphs(
             runner, backend, runner.graphs.buckets, cfg.spec.num_drafts + 1
         )
+        if speculative.eagle is not None:  # the head's chain steps in one graph, greedy rows
+            head_backend = TorchPagedBackend(cfg.cache.max_context_len)
+            speculative.eagle.chain_graphs = ChainGraphs(
+                speculative.eagle, runner.graphs.buckets, head_backend
+            )
     compile_forwards(cfg, model, runner)
     eagle = speculative.eagle if speculative else None
     pools = [runner.kv_pool] + ([eagle.pool] if eagle else [])

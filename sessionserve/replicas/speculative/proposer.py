@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -33,6 +34,9 @@ from sessionserve.replicas.sampling import draw, uniforms
 from sessionserve.replicas.speculative.draft_state import DraftState
 from sessionserve.replicas.speculative.drafter import DraftHead
 from sessionserve.replicas.step import CatchUp, Drafts
+
+if TYPE_CHECKING:  # built by assembly.py, over this proposer
+    from sessionserve.replicas.speculative.chain_graphs import ChainGraphs
 
 
 class EagleProposer:
@@ -56,6 +60,7 @@ class EagleProposer:
         self.grows_trees = tree_topk > 1  # greedy requests keep their best first drafts
         self.device = next(drafter.parameters()).device
         drafter.config._attn_implementation = ATTN_NAME
+        self.chain_graphs: ChainGraphs | None = None  # on CUDA (assembly.py)
 
     @staticmethod
     def eligible(req: Request) -> bool:
@@ -74,6 +79,11 @@ class EagleProposer:
     def propose(self, reqs: Sequence[Request], lengths: Sequence[int]) -> list[Drafts]:
         """`lengths[i]` drafts for `reqs[i]` (each has a DraftState; its pending token is at
         position num_tokens - 1, and slots up to num_tokens - 1 + lengths[i] are allocated)."""
+        if self.chain_graphs is not None and len(set(lengths)) == 1:
+            rest = self.chain_graphs.run(reqs, lengths[0])
+            if rest is not None:  # greedy rows, drafted on the device in one graph
+                pairs = zip(reqs, rest, strict=True)
+                return [Drafts([r.draft.token, *more], None) for r, more in pairs]
         chains = [[r.draft.token] for r in reqs]
         probs = [[r.draft.probs] for r in reqs]
         feats = [r.draft.feature for r in reqs]

@@ -354,7 +354,8 @@ def test_verifies_through_the_verify_graphs_static_path(drafts: str) -> None:
 @pytest.mark.gpu
 def test_verify_graphs_replay_on_cuda() -> None:
     """On a GPU the verify steps replay captured graphs (`VerifyGraphs`, built by the engine
-    when speculation and CUDA graphs are both on), and the answers stay transformers'."""
+    when speculation and CUDA graphs are both on), so do the head's chain steps
+    (`ChainGraphs`), and the answers stay transformers'."""
     model = tiny_model(num_hidden_layers=1, seed=3)
     prompts = _prompts(0, (5, 17, 33, 40, 61))
     spec = tiny_engine(model, drafter=mimic_drafter, prefill=24, device="cuda")
@@ -363,3 +364,55 @@ def test_verify_graphs_replay_on_cuda() -> None:
     for prompt, r in zip(prompts, spec.generate(prompts, GREEDY), strict=True):
         assert r.output_ids == hf_greedy(model, prompt, GREEDY.max_tokens)
     assert verify.replays > 0 and all(g.graph is not None for g in verify.graphs.values())
+    chain = spec.speculative.eagle.chain_graphs
+    assert chain is not None and chain.replays > 0
+    assert all(g.graph is not None for g in chain.graphs.values())
+
+
+@pytest.mark.parametrize("history", [False, True])
+def test_the_heads_chain_through_its_graphs_static_path_drafts_what_the_loop_drafts(
+    history: bool,
+) -> None:
+    """`ChainGraphs` (on a GPU one graph of the head's k - 1 chain steps for greedy rows; here
+    its static path runs eagerly: per-step static plans over the drafter's pool, padding rows,
+    the picks and features fed back on the device) proposes, step by step, exactly the drafts
+    the eager loop proposes, and the answers stay transformers'. The head's input is its
+    token's embedding plus the feature before it, so a feature given to the wrong row or step
+    changes the drafts. With history drafts beside it, steps whose rows draft unequal chains
+    take the loop."""
+    from sessionserve.replicas.attention.torch_backend import TorchPagedBackend
+    from sessionserve.replicas.speculative.chain_graphs import ChainGraphs
+
+    model = tiny_model(num_hidden_layers=1, seed=3)
+    prompts = _prompts(2, (6, 19, 33, 47, 70))
+
+    def reads_features(m):
+        head = mimic_drafter(m, noise=0.05)
+        h = m.config.hidden_size
+        with torch.no_grad():
+            head.fc.weight[:, h:] = torch.eye(h)
+        return head
+
+    def engine(graphs: bool):
+        e = tiny_engine(model, drafter=reads_features, prefill=24, history_drafts=history)
+        eagle, proposed = e.speculative.eagle, []
+        if graphs:
+            eagle.chain_graphs = ChainGraphs(eagle, (1, 2, 4, 8), TorchPagedBackend(), False)
+        propose = eagle.propose
+
+        def logged(reqs, lengths):
+            drafts = propose(reqs, lengths)
+            proposed.append([d.tokens for d in drafts])
+            return drafts
+
+        eagle.propose = logged
+        return e, proposed
+
+    (plain, want_drafts), (graphed, got_drafts) = engine(False), engine(True)
+    want, got = plain.generate(prompts, GREEDY), graphed.generate(prompts, GREEDY)
+    for prompt, r, w in zip(prompts, got, want, strict=True):
+        assert r.output_ids == w.output_ids == hf_greedy(model, prompt, GREEDY.max_tokens)
+    assert got_drafts == want_drafts and len(want_drafts) > 10
+    chain = graphed.speculative.eagle.chain_graphs
+    assert chain.replays > 0 and len({size for size, _, _ in chain.graphs}) > 1
+    graphed.checker.check_idle()

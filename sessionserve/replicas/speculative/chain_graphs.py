@@ -1,0 +1,133 @@
+"""The EAGLE head's chain drafting as one CUDA graph per (batch bucket, chain length, context
+bucket): the k - 1 head steps after the first draft, greedy, with every draft kept on the
+device until the chain ends (one read back instead of one per step).
+
+Eagerly each head step is a Python loop over a few dozen kernels plus a read back of its
+picks, so on a GPU a chain of 4 drafts costs about as much as the target's decode it is meant
+to save. Replayed, the steps run back to back. What the graph needs is known before the chain
+starts: each step's position and output slot are the request's next ones (the scheduler
+allocated them for the verify), and its context is the one before plus that slot. Only
+greedy requests drafting the same number of tokens take it (a sampled request keeps its draft
+distributions for the acceptance test: the eager loop); the attention is the torch backend's
+static decode plan, one per step, over the drafter's own pool (padding rows read and write
+slot 0, as the target's decode graphs). With `capture=False` the same static path runs
+eagerly: CPU tests check it against the eager loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from sessionserve.replicas.attention.base import ForwardMeta, SeqSpec, to_device
+from sessionserve.replicas.attention.torch_backend import TorchPagedBackend
+from sessionserve.replicas.cuda_graphs import bucket_for, capture, stage
+from sessionserve.replicas.request import Request
+
+if TYPE_CHECKING:  # the proposer holds its graphs
+    from sessionserve.replicas.speculative.proposer import EagleProposer
+
+
+@dataclass
+class _ChainGraph:
+    first_ids: torch.Tensor  # [B] each row's first draft (its pending token's guess)
+    first_feature: torch.Tensor  # [B, F] the head's output that guessed it
+    positions: torch.Tensor  # [S, B] step j's positions (S = chain length - 1)
+    out_slots: torch.Tensor  # [S, B]
+    plans: list[Any]  # step j's static decode plan over the drafter's pool
+    tokens: torch.Tensor  # [S, B] the drafts each step picks (target vocabulary)
+    graph: Any = None
+
+
+class ChainGraphs:
+    """Graphs of the head's chain steps, captured on each shape's first use (see above)."""
+
+    def __init__(
+        self,
+        proposer: EagleProposer,
+        buckets: Sequence[int],
+        backend: TorchPagedBackend,
+        capture: bool = True,
+    ) -> None:
+        self.proposer, self.backend, self.capture = proposer, backend, capture
+        self.buckets = tuple(sorted(buckets))
+        self.graphs: dict[tuple[int, int, int], _ChainGraph] = {}
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.replays = 0
+
+    def run(self, reqs: Sequence[Request], length: int) -> list[list[int]] | None:
+        """Drafts 2..`length` for each of `reqs` (all greedy, each with a first draft), or
+        None when no graph fits (the eager loop drafts them)."""
+        size = bucket_for(len(reqs), self.buckets)
+        if size is None or length < 2 or any(not r.sampling.is_greedy for r in reqs):
+            return None
+        cache, steps = self.proposer.cache, length - 1
+        # step j (1..steps) writes the entry pairing draft j with the feature before it
+        per_step = [
+            [SeqSpec(1, cache.slots(r.kv, 0, r.num_tokens + j - 1)) for r in reqs]
+            for j in range(1, length)
+        ]
+        width = self.backend.graph_key(per_step[-1])
+        if width is None:
+            return None
+        g = self.graphs.get((size, steps, width)) or self._build(size, steps, width)
+        dev = self.proposer.device
+        pos = torch.zeros(steps, size, dtype=torch.int64)
+        slots = torch.zeros(steps, size, dtype=torch.int64)
+        for j, seqs in enumerate(per_step):
+            for b, s in enumerate(seqs):
+                pos[j, b] = s.ctx_len - 1
+                slots[j, b] = s.ctx_slots[-1]
+        first = torch.zeros(size, dtype=torch.int64)
+        first[: len(reqs)] = torch.tensor([r.draft.token for r in reqs])
+        buffers = (g.first_ids, g.positions.view(-1), g.out_slots.view(-1))
+        stage(buffers, (first, pos.view(-1), slots.view(-1)), dev)
+        features = torch.stack([r.draft.feature for r in reqs]).to(g.first_feature.dtype)
+        g.first_feature[: len(reqs)].copy_(to_device(features, dev), non_blocking=True)
+        g.first_feature[len(reqs) :].zero_()
+        for plan, seqs in zip(g.plans, per_step, strict=True):
+            self.backend.fill_decode(plan, seqs)
+        if g.graph is not None:
+            g.graph.replay()
+        else:
+            self._forward(g)
+        self.replays += 1
+        return g.tokens[:, : len(reqs)].t().tolist()
+
+    @torch.inference_mode()
+    def _forward(self, g: _ChainGraph) -> None:
+        """The chain: each step's picks are the next step's inputs, its output the next
+        step's feature, all on the device."""
+        p = self.proposer
+        ids, hidden = g.first_ids, g.first_feature
+        for j, plan in enumerate(g.plans):
+            meta = ForwardMeta(self.backend, p.pool, g.out_slots[j], plan)
+            out = p.drafter.features(ids[None], hidden[None], g.positions[j][None], paged_meta=meta)
+            hidden = out[0]
+            picks = p.drafter.draft_logits(hidden).float().argmax(dim=-1)
+            ids = p.drafter.to_target(picks)
+            g.tokens[j].copy_(ids)
+
+    @torch.inference_mode()
+    def _build(self, size: int, steps: int, width: int) -> _ChainGraph:
+        dev, p = self.proposer.device, self.proposer
+        dtype = next(p.drafter.parameters()).dtype
+        features = p.drafter.config.hidden_size
+        ints = lambda *shape: torch.zeros(*shape, dtype=torch.int64, device=dev)  # noqa: E731
+        g = _ChainGraph(
+            ints(size),
+            torch.zeros(size, features, dtype=dtype, device=dev),
+            ints(steps, size),
+            ints(steps, size),
+            [self.backend.static_decode(size, width, dev) for _ in range(steps)],
+            ints(steps, size),
+        )
+        self.graphs[(size, steps, width)] = g
+        if self.capture:
+            for plan in g.plans:
+                self.backend.fill_decode(plan, [])  # all padding: a valid plan to capture
+            g.graph = capture(lambda: self._forward(g), self.pool, f"draft chain {size} x {steps}")
+        return g
