@@ -338,11 +338,11 @@ VERIFY_DRAFTS = 4  # `--verify-cost`: drafts per row, a chain (verifies of 5 tok
 
 
 def forward_ms(eng: Engine, c: int, args, verifying: bool) -> tuple[float, float]:
-    """Medians over one round's decode steps (after a round that captures the graphs): the
-    device time of the target forward (synced around it) of verify steps (rows with drafts)
-    when `verifying`, else of plain decodes; and the whole step's wall time (drafting,
-    verifying and the head's catch-up included)."""
-    runner, forwards, steps = eng.runner, [], []
+    """`engine_step_ms` (whole decode steps: drafting, verifying and the head's catch-up
+    included), and the median device time of the target forwards (synced around each) of
+    verify steps (rows with drafts) when `verifying`, else of plain decodes, over both of its
+    rounds (the few that capture a graph are outliers the median leaves out)."""
+    runner, forwards = eng.runner, []
     inner = runner.forward
 
     def timed(batch):
@@ -357,19 +357,10 @@ def forward_ms(eng: Engine, c: int, args, verifying: bool) -> tuple[float, float
 
     runner.forward = timed
     try:
-        for seed in (1, 2):
-            forwards.clear()
-            steps.clear()
-            submit_round(eng, c, args, seed)
-            while eng.has_work():
-                pure = decode_only(eng)
-                t = time.perf_counter()
-                eng.step()
-                if pure:
-                    steps.append(time.perf_counter() - t)
+        step = engine_step_ms(eng, c, args)
     finally:
         del runner.forward
-    return 1000 * statistics.median(forwards), 1000 * statistics.median(steps)
+    return 1000 * statistics.median(forwards), step
 
 
 def verify_costs(model, config: Config, args) -> dict[int, dict[str, float]]:

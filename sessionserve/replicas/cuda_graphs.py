@@ -139,13 +139,7 @@ class DecodeGraphs(_GraphSet):
         self.runner.backend.fill_decode(g.plan, batch.seqs)
 
     def _forward(self, g: _Graph) -> None:
-        r = self.runner
-        meta = ForwardMeta(r.backend, r.kv_pool, g.out_slots, g.plan, g.sliding_out_slots)
-        if g.compiled is not None:
-            g.logits, g.hidden = g.compiled.run(g.ids, g.positions, g.rows, meta)
-            return
-        last, g.hidden = r.decode_hidden(g.ids, g.positions, meta)
-        g.logits = r.lm_head(last)
+        forward_every_row(self.runner, self.runner.backend, g)
 
     @torch.inference_mode()
     def _build(self, size: int, key: Hashable) -> _Graph:
@@ -166,6 +160,17 @@ class DecodeGraphs(_GraphSet):
         self.runner.backend.fill_decode(g.plan, [])  # all padding: a valid plan to capture
         g.graph = capture(lambda: self._forward(g), self.pool, f"decode batch {size}, key {key}")
         return g
+
+
+def forward_every_row(runner: ModelRunner, backend: Any, g: _Graph | _VerifyGraph) -> None:
+    """A graph's forward over its static buffers (what is captured): the logits and the
+    drafter's features of every row, through the compiled forward where the graph has one."""
+    meta = ForwardMeta(backend, runner.kv_pool, g.out_slots, g.plan, g.sliding_out_slots)
+    if g.compiled is not None:
+        g.logits, g.hidden = g.compiled.run(g.ids, g.positions, g.rows, meta)
+        return
+    last, g.hidden = runner.decode_hidden(g.ids, g.positions, meta)
+    g.logits = runner.lm_head(last)
 
 
 def stage(buffers: Sequence[torch.Tensor], rows: Sequence[torch.Tensor], device) -> None:
@@ -374,13 +379,7 @@ class VerifyGraphs(_GraphSet):
         return logits, hidden
 
     def _forward(self, g: _VerifyGraph) -> None:
-        r = self.runner
-        meta = ForwardMeta(self.backend, r.kv_pool, g.out_slots, g.plan, g.sliding_out_slots)
-        if g.compiled is not None:
-            g.logits, g.hidden = g.compiled.run(g.ids, g.positions, g.rows, meta)
-            return
-        last, g.hidden = r.decode_hidden(g.ids, g.positions, meta)
-        g.logits = r.lm_head(last)
+        forward_every_row(self.runner, self.backend, g)
 
     @torch.inference_mode()
     def _build(self, tokens: int, key: tuple[int, int]) -> _VerifyGraph:
