@@ -34,7 +34,7 @@ class SampleOutput(NamedTuple):
 class DeviceSample:
     """A batch's sampled tokens (and logprob rows) still on the logits' device, packed into one
     float64 vector so they reach the host in one copy: [B] token ids (exact in float64), then
-    one `logprob_row` per row that asked, in row order."""
+    one `logprob_table` row per row that asked, in row order."""
 
     packed: torch.Tensor
     rows: int
