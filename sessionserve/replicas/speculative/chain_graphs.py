@@ -64,11 +64,14 @@ class ChainGraphs:
         size = bucket_for(len(reqs), self.buckets)
         if size is None or length < 2 or any(not r.sampling.is_greedy for r in reqs):
             return None
-        cache, steps = self.proposer.cache, length - 1
-        # step j (1..steps) writes the entry pairing draft j with the feature before it
+        cache, steps, n = self.proposer.cache, length - 1, len(reqs)
+        # step j (0-based) writes the entry at position base + j (the pending token's is
+        # base), pairing draft j + 1 with the feature before it, over the context up to it
+        base = [r.num_tokens - 1 for r in reqs]
+        full = [cache.slots(r.kv, 0, b + steps) for r, b in zip(reqs, base, strict=True)]
         per_step = [
-            [SeqSpec(1, cache.slots(r.kv, 0, r.num_tokens + j - 1)) for r in reqs]
-            for j in range(1, length)
+            [SeqSpec(1, f[: b + j + 1]) for f, b in zip(full, base, strict=True)]
+            for j in range(steps)
         ]
         width = self.backend.graph_key(per_step[-1])
         if width is None:
@@ -76,18 +79,16 @@ class ChainGraphs:
         g = self.graphs.get((size, steps, width)) or self._build(size, steps, width)
         dev = self.proposer.device
         pos = torch.zeros(steps, size, dtype=torch.int64)
+        pos[:, :n] = torch.tensor(base)[None] + torch.arange(steps)[:, None]
         slots = torch.zeros(steps, size, dtype=torch.int64)
-        for j, seqs in enumerate(per_step):
-            for b, s in enumerate(seqs):
-                pos[j, b] = s.ctx_len - 1
-                slots[j, b] = s.ctx_slots[-1]
+        slots[:, :n] = torch.stack([f[b : b + steps] for f, b in zip(full, base, strict=True)], 1)
         first = torch.zeros(size, dtype=torch.int64)
-        first[: len(reqs)] = torch.tensor([r.draft.token for r in reqs])
+        first[:n] = torch.tensor([r.draft.token for r in reqs])
         buffers = (g.first_ids, g.positions.view(-1), g.out_slots.view(-1))
         stage(buffers, (first, pos.view(-1), slots.view(-1)), dev)
         features = torch.stack([r.draft.feature for r in reqs]).to(g.first_feature.dtype)
-        g.first_feature[: len(reqs)].copy_(to_device(features, dev), non_blocking=True)
-        g.first_feature[len(reqs) :].zero_()
+        g.first_feature[:n].copy_(to_device(features, dev), non_blocking=True)
+        g.first_feature[n:].zero_()
         for plan, seqs in zip(g.plans, per_step, strict=True):
             self.backend.fill_decode(plan, seqs)
         if g.graph is not None:
@@ -95,7 +96,7 @@ class ChainGraphs:
         else:
             self._forward(g)
         self.replays += 1
-        return g.tokens[:, : len(reqs)].t().tolist()
+        return g.tokens[:, :n].t().tolist()
 
     @torch.inference_mode()
     def _forward(self, g: _ChainGraph) -> None:
