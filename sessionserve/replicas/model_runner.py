@@ -90,7 +90,7 @@ class ModelRunner:
         plain = [s for s in batch.seqs if s.samples and s.num_drafts == 0]
         self.last_sampled = None
         if plain:
-            self._sample(plain, out, keep_on_device=defer)
+            self._sample(plain, out)
         if not defer:
             out.resolve()
         return out
@@ -155,12 +155,11 @@ class ModelRunner:
         )
         return fb, layout
 
-    def _sample(self, seqs: list[ScheduledSeq], out: StepOutput, keep_on_device: bool) -> None:
+    def _sample(self, seqs: list[ScheduledSeq], out: StepOutput) -> None:
         """One token for each of `seqs`, batched, left on the device with its copy to the host
-        started (`out.resolve` reads it; with `keep_on_device` they are also the next step's
-        `last_sampled`); if the batch raises, each row again alone (its seeded generator
-        rewound first), so a request that cannot be sampled fails by itself and the others get
-        exactly the tokens they would have had."""
+        started (`out.resolve` reads it); if the batch raises, each row again alone (its
+        seeded generator rewound first), so a request that cannot be sampled fails by itself
+        and the others get exactly the tokens they would have had."""
         rows = [out.layout[s.req.rid].logit_row for s in seqs]
         seeded = {  # greedy rows draw nothing: only sampled, seeded rows need rewinding
             s.req.rid: s.req.generator.get_state()
@@ -181,7 +180,7 @@ class ModelRunner:
                     out.errors[s.req.rid] = e
         for _, sampled in groups:
             sampled.start_copy()
-        if keep_on_device and groups:  # (several groups: rows sampled alone, one vector)
+        if groups:  # (several when rows were sampled alone: their tokens in one vector)
             tokens = torch.cat([sampled.tokens for _, sampled in groups])
             rids = [s.req.rid for group, _ in groups for s in group]
             self.last_sampled = LastSampled(tokens, {r: i for i, r in enumerate(rids)})
