@@ -10,6 +10,7 @@ in-process engine uses the bench config's shape (compiled forward, 2 torch threa
 
     .venv/bin/python -m benchmarks.served_gap --target http://127.0.0.1:8000/v1 [--requests 4]
     .venv/bin/python -m benchmarks.served_gap --local-only     # the server stopped: no Ray up
+    .venv/bin/python -m benchmarks.served_gap --local-only --batch 8   # also 8 requests at once
 
 The last line is JSON: ttft_s and ms_per_token for both sides, and their ratios.
 """
@@ -17,14 +18,17 @@ The last line is JSON: ttft_s and ms_per_token for both sides, and their ratios.
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import time
 
 import openai
 
 from benchmarks.common import emit, load, machine, setup_threads
+from benchmarks.serving import user_text
 from sessionserve.config import CacheConfig, EngineConfig, ModelConfig
 from sessionserve.replicas.engine import Engine
+from sessionserve.replicas.prompts import chat_input_ids
 from sessionserve.wire import SamplingParams
 
 WORDS = ("river stone light garden window market letter winter music paper " * 30).split()
@@ -55,7 +59,18 @@ def served(target: str, model: str | None, n: int, words: int, tokens: int) -> l
     return out
 
 
-def in_process(n: int, words: int, tokens: int, threads: int, dtype: str) -> list[tuple]:
+def in_process(
+    n: int,
+    words: int,
+    tokens: int,
+    threads: int,
+    dtype: str,
+    batch: int = 0,
+    batch_rates: list[float] | None = None,
+) -> list[tuple]:
+    """`n` requests one after another (TTFT, ms per token each), then with `batch` the
+    `batched` rounds, whose rates go to `batch_rates`."""
+    batch_rates = batch_rates if batch_rates is not None else []
     setup_threads(threads)
     model = ModelConfig(path="default", torch_threads=threads, dtype=dtype)
     cfg = EngineConfig(
@@ -79,7 +94,29 @@ def in_process(n: int, words: int, tokens: int, threads: int, dtype: str) -> lis
         total = time.perf_counter() - t0
         eng.take_result(rid)
         out.append((first, (total - first) / (tokens - 1)))
+    for rate in batched(eng, batch, words, tokens):
+        print(f"in-process, {batch} requests at once: {rate:.1f} output tok/s", flush=True)
+        batch_rates.append(rate)
     return out
+
+
+def batched(eng: Engine, n: int, words: int, tokens: int, rounds: int = 2) -> list[float]:
+    """Output tokens/s of `rounds` rounds of `n` requests submitted together, after a warm-up
+    round; none when `n` is 0. The prompts are `benchmarks/serving.py`'s single workload's
+    (a chat-templated request of `words` random words, each one new), so this is what that
+    workload at concurrency n asks of a server, without the server."""
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    rng, rates = random.Random(11), []
+    for r in range(rounds + 1 if n else 0):
+        ids = [
+            chat_input_ids(eng.tokenizer, "", [{"role": "user", "content": user_text(rng, words)}])
+            for _ in range(n)
+        ]
+        started = time.perf_counter()
+        eng.generate(ids, params)
+        if r:  # the first round is the warm-up
+            rates.append(n * tokens / (time.perf_counter() - started))
+    return rates
 
 
 def medians(rows: list[tuple]) -> tuple[float, float]:
@@ -101,6 +138,13 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument(
+        "--batch",
+        type=int,
+        default=0,
+        help="with --local-only: also time rounds of this many requests at once in process "
+        "(serving.py's single-workload prompts, with --words 200 as there)",
+    )
+    ap.add_argument(
         "--dtype",
         default="auto",
         help="the in-process model's (match the server's: auto is bfloat16 on CPUs with native "
@@ -110,7 +154,10 @@ def main() -> None:
     if not args.local_only and not args.target:
         ap.error("give --target (a running server) or --local-only")
     if args.local_only:
-        local = in_process(args.requests, args.words, args.tokens, args.threads, args.dtype)
+        rates: list[float] = []
+        local = in_process(
+            args.requests, args.words, args.tokens, args.threads, args.dtype, args.batch, rates
+        )
         ttft, gap = medians(local)
         print(f"machine: {machine()}; in-process TTFT {ttft:.3f} s, {1000 * gap:.1f} ms/token")
         emit(
@@ -118,6 +165,11 @@ def main() -> None:
                 "benchmark": "served_gap",
                 "local_ttft_s": round(ttft, 3),
                 "local_ms_per_token": round(1000 * gap, 1),
+                **(
+                    {f"local_tok_s_batch_{args.batch}": [round(r, 1) for r in rates]}
+                    if rates
+                    else {}
+                ),
             }
         )
         return
