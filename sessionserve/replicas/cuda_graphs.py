@@ -263,7 +263,7 @@ class ExtendGraphs(_GraphSet):
             self.runner.device,
         )
         batch.device_ids(g.ids)
-        self.backend.fill_extend(g.plan, seq)
+        self.backend.fill_rows(g.plan, [seq])
         if g.graph is not None:
             g.graph.replay()
         else:
@@ -289,7 +289,7 @@ class ExtendGraphs(_GraphSet):
         g.compiled = self.runner.compiled_for(size)
         self.graphs[(size, width)] = g
         if self.capture:
-            self.backend.fill_extend(g.plan, None)  # all padding: a valid plan to capture
+            self.backend.fill_rows(g.plan, [])  # all padding: a valid plan to capture
             g.graph = capture(lambda: self._forward(g), self.pool, f"extend {size} x {width}")
         return g
 

@@ -47,7 +47,9 @@ class _PlanFence:
             event.synchronize()
 
     def after(self, wrapper: Any) -> None:
-        event = self._events.setdefault(id(wrapper), torch.cuda.Event())
+        event = self._events.get(id(wrapper))
+        if event is None:  # one per wrapper, recorded again each plan
+            event = self._events[id(wrapper)] = torch.cuda.Event()
         event.record()
 
 

@@ -177,7 +177,7 @@ class TorchPagedBackend(AttentionBackend):
         mask = context_mask(lens, 1, width)  # [B, 1, width]
         static.mask.copy_(to_device(mask[:, None], static.mask.device), non_blocking=True)
         for w, (slots, mask) in static.windowed.items():
-            _fill_window(slots, mask, window_columns(seqs, 1, w), 1, w)
+            _fill_window(slots, mask, window_columns(seqs, 1, w), [1] * len(seqs), w)
 
     def static_extend(
         self, q_len: int, width: int, device: torch.device, rows: int = 1
@@ -196,10 +196,6 @@ class TorchPagedBackend(AttentionBackend):
             w: _static_window(rows, q_len, min(width, w - 1 + q_len), device) for w in self.windows
         }
         return [group]
-
-    def fill_extend(self, static: list[_Group], seq: SeqSpec | None) -> None:
-        """Write `seq` (at most q_len new tokens) into a one-row `static`."""
-        self.fill_rows(static, [seq] if seq is not None else [])
 
     def fill_rows(self, static: list[_Group], seqs: list[SeqSpec]) -> None:
         """Write `seqs` (each at most q_len new tokens) into `static`'s first rows; query rows
@@ -336,17 +332,15 @@ def _fill_window(
     slots: torch.Tensor,
     mask: torch.Tensor,
     cols: list[torch.Tensor],
-    q: int | list[int],
+    qs: list[int],
     window: int,
 ) -> None:
-    """Write a sliding layer's columns into static buffers (`q`: new tokens per row, or one
-    count for all); rows (and query rows) past the real ones are padding that sees column 0
-    (slot 0) only."""
+    """Write a sliding layer's columns into static buffers (`qs`: each row's new tokens);
+    rows (and query rows) past the real ones are padding that sees column 0 (slot 0) only."""
     batch_size, _, q_len, width = mask.shape
     host_slots = torch.zeros(batch_size, width, dtype=torch.int64)
     host_mask = torch.zeros(batch_size, q_len, width, dtype=torch.bool)
     host_mask[:, :, 0] = True
-    qs = q if isinstance(q, list) else [q] * len(cols)
     for b, (c, n) in enumerate(zip(cols, qs, strict=True)):
         host_slots[b, : c.numel()] = c
         host_mask[b, :n] = context_mask(torch.tensor([c.numel()]), n, width, window)[0]
