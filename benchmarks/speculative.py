@@ -161,6 +161,7 @@ def run(
     work: Workload,
     compile: bool,
     warm: bool = True,
+    eager_head: bool = False,
 ) -> dict:
     """One engine serves the workload; with `warm`, twice, measuring the second pass (a
     serving replica's policy has long learned what pays by the time anyone measures it; a
@@ -175,6 +176,8 @@ def run(
     if eng.runner.compiling is not None:
         eng.runner.compiling.join()
     spec_dec = eng.speculative
+    if eager_head and spec_dec is not None and spec_dec.eagle is not None:
+        spec_dec.eagle.compiled.clear()  # the head's steps run eagerly, as before it compiled
     if warm:
         serve(eng, work, concurrency, max_tokens)
         if spec_dec is not None:  # acceptance figures of the measured pass only
@@ -270,7 +273,8 @@ def compare(name: str, loaded, spec: SpecConfig, c: int, args, work: Workload, s
     for i in range(args.repeats):  # every other pair runs the speculative engine first
         configs = [SpecConfig(), spec] if i % 2 == 0 else [spec, SpecConfig()]
         results = [
-            run(loaded, cfg, c, args.max_tokens, work, args.compile, args.warm) for cfg in configs
+            run(loaded, cfg, c, args.max_tokens, work, args.compile, args.warm, args.eager_head)
+            for cfg in configs
         ]
         base, got = results if i % 2 == 0 else results[::-1]
         same = same and base["outputs"] == got["outputs"]
@@ -314,6 +318,11 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--no-compile", dest="compile", action="store_false")
+    ap.add_argument(
+        "--eager-head",
+        action="store_true",
+        help="run the EAGLE head's steps eagerly (its compiled steps are what --compile adds)",
+    )
     ap.add_argument("--no-adaptive", dest="adaptive", action="store_false")
     ap.add_argument(
         "--cold", dest="warm", action="store_false", help="measure each engine's first pass"
@@ -347,6 +356,7 @@ def main() -> int:
         "max_tokens": args.max_tokens,
         "prompts": "seen" if args.seen_prompts else "unseen",
         "compile": args.compile,
+        "head_compiled": args.compile and not args.eager_head,
         "adaptive": args.adaptive,
         "warm": args.warm,
     }

@@ -4,8 +4,10 @@ the engine so the engine reads as the step loop and its API."""
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from sessionserve.cache import KVPool, KVShape, SessionLimits, build_session_cache
@@ -25,6 +27,7 @@ from sessionserve.replicas.attention import (
 from sessionserve.replicas.attention.torch_backend import TorchPagedBackend
 from sessionserve.replicas.compiled_attention import HeadLayout, load_decode_kernel
 from sessionserve.replicas.compiled_forward import (
+    CompileJob,
     JitForward,
     plan_compile,
     plan_prefill_compile,
@@ -39,6 +42,7 @@ from sessionserve.replicas.cuda_graphs import (
 from sessionserve.replicas.model_runner import ModelRunner
 from sessionserve.replicas.speculative.chain_graphs import ChainGraphs
 from sessionserve.replicas.speculative.checkpoint import load_drafter
+from sessionserve.replicas.speculative.compiled_head import head_compile_jobs
 from sessionserve.replicas.speculative.decoder import SpeculativeDecoder, TreeShape
 from sessionserve.replicas.speculative.drafter import DraftHead
 from sessionserve.replicas.speculative.history import HistoryProposer
@@ -109,17 +113,20 @@ def build_runner(
             speculative.eagle.chain_graphs = ChainGraphs(
                 speculative.eagle, runner.graphs.buckets, head_backend
             )
-    compile_forwards(cfg, model, runner)
     eagle = speculative.eagle if speculative else None
+    compile_forwards(cfg, model, runner, eagle)
     pools = [runner.kv_pool] + ([eagle.pool] if eagle else [])
     s = cfg.sessions
     cache.attach_kv(pools, HostTier(s.host_tier_bytes) if s.host_tier_bytes else None)
     return runner, speculative
 
 
-def compile_forwards(cfg: EngineConfig, model: Any, runner: ModelRunner) -> None:
-    """Install the compiled forward (`engine.compile`) and the prefill package
-    (`engine.compile_prefill`) that the config asks for, at once or from a background build."""
+def compile_forwards(
+    cfg: EngineConfig, model: Any, runner: ModelRunner, eagle: EagleProposer | None = None
+) -> None:
+    """Install the compiled forward (`engine.compile`), the prefill package
+    (`engine.compile_prefill`) and, on CPU, the EAGLE head's compiled steps that the config
+    asks for, at once or from a background build (the head's after the target's)."""
     plan = plan_compile(
         cfg.compile,
         model,
@@ -139,16 +146,10 @@ def compile_forwards(cfg: EngineConfig, model: Any, runner: ModelRunner) -> None
             plan.max_tokens,
         )
         return
-    if runner.device.type == "cpu" and isinstance(runner.backend, TorchPagedBackend):
-        shape = KVShape.from_hf_config(model.config)
-        layout = HeadLayout(
-            model.config.num_attention_heads,
-            shape.num_kv_heads,
-            shape.head_dim,
-            str(runner.kv_pool.dtype),
-            attention_scale(model, shape.head_dim),
-        )
-        runner.backend.decode_kernel = load_decode_kernel(layout, plan.package.parent)
+    if runner.device.type == "cpu":  # decode rows (and short extends) attend in place
+        install_decode_kernel(runner.backend, model, runner.kv_pool, plan.package.parent)
+        if eagle is not None:  # the head's chain steps and catch-ups too
+            install_decode_kernel(eagle.backend, eagle.drafter, eagle.pool, plan.package.parent)
     # the longest step (a full prefill chunk beside a decode row per request), rounded up to
     # a power of two so that configs differing a little share one package (each is a build)
     longest = cfg.scheduler.max_prefill_tokens + cfg.scheduler.max_running_requests
@@ -159,12 +160,36 @@ def compile_forwards(cfg: EngineConfig, model: Any, runner: ModelRunner) -> None
         1 << (longest - 1).bit_length(),
         cfg.prefill_package_min_tokens(next(model.parameters()).dtype),
     )
-    plans = [(plan, lambda compiled: setattr(runner, "compiled", compiled))]
+    jobs = [CompileJob(plan, functools.partial(setattr, runner, "compiled"), model)]
     if prefill.enabled:
-        plans.append((prefill, lambda compiled: setattr(runner, "compiled_prefill", compiled)))
+        jobs.append(
+            CompileJob(prefill, functools.partial(setattr, runner, "compiled_prefill"), model)
+        )
     else:
         log.debug("compile: longer steps run eagerly (%s)", prefill.reason)
-    runner.compiling = start_compile(plans, model, background=cfg.compile == "auto")
+    if eagle is not None:
+        eagle.compiled_max_tokens = plan.max_tokens
+        jobs += head_compile_jobs(plan, eagle.drafter, model.config, eagle.compiled)
+    runner.compiling = start_compile(jobs, background=cfg.compile == "auto")
+
+
+def install_decode_kernel(
+    backend: AttentionBackend, model: Any, pool: KVPool, cache_dir: Path
+) -> None:
+    """Give a torch backend the in-place decode attention kernel for `model`'s head layout
+    (built once per layout, threads and CPU; the head's layout is the target's, so it shares
+    the target's kernel)."""
+    if not isinstance(backend, TorchPagedBackend):
+        return
+    shape = KVShape.from_hf_config(model.config)
+    layout = HeadLayout(
+        model.config.num_attention_heads,
+        shape.num_kv_heads,
+        shape.head_dim,
+        str(pool.dtype),
+        attention_scale(model, shape.head_dim),
+    )
+    backend.decode_kernel = load_decode_kernel(layout, cache_dir)
 
 
 def compiled_max_tokens(cfg: EngineConfig, runner: ModelRunner) -> int:

@@ -88,6 +88,18 @@ class _DecoderAndHead(torch.nn.Module):
         last, features = decoder_features(self.decoder, ids, positions, self.feature_layers)
         return self.lm_head(last[logit_idx]), features
 
+    @staticmethod
+    def export_inputs(
+        example_tokens: int, max_tokens: int, device: torch.device
+    ) -> tuple[tuple[torch.Tensor, ...], tuple[dict[int, Any], ...]]:
+        """Example arguments and their dynamic dimensions: tokens, and rows of logits (the
+        example's last two: one would specialize to a constant)."""
+        tokens = torch.export.Dim("tokens", min=1, max=max_tokens)
+        rows = torch.export.Dim("rows", min=1, max=max_tokens)
+        n = example_tokens
+        example = (torch.zeros(n, dtype=torch.int64), torch.arange(n), torch.arange(n - 2, n))
+        return tuple(t.to(device) for t in example), ({0: tokens}, {0: tokens}, {0: rows})
+
 
 def load_flat(package: Path) -> Callable[..., list[torch.Tensor]]:
     """An AOTInductor package as a function of its positional tensors, returning its flat
@@ -242,6 +254,8 @@ def package_key(
         facts["example_tokens"], facts["autotune"] = example_tokens, autotune
     if not autotune:  # such packages merge the GEMMs that share an input (build_package)
         facts["concat_linear"] = True
+    if hasattr(model, "key_facts"):  # what else a module's package depends on (its layout)
+        facts.update(model.key_facts())
     digest.update(json.dumps(facts, sort_keys=True).encode())
     return digest.hexdigest()
 
@@ -259,20 +273,18 @@ def build_package(
     package atomically to `path`. `model` must not run forwards meanwhile: export swaps its
     parameters for fake ones while it traces (callers pass a copy). The GEMMs are laid out
     (with `autotune`, autotuned) for `example_tokens` rows (2: decode steps; 256: the prefill
-    package)."""
-    tokens = torch.export.Dim("tokens", min=1, max=max_tokens)
-    rows = torch.export.Dim("rows", min=1, max=max_tokens)
-    n = example_tokens  # rows of logits: the last two (one would specialize to a constant)
-    example = (torch.zeros(n, dtype=torch.int64), torch.arange(n), torch.arange(n - 2, n))
+    package). `model` is a transformers model (exported as `_DecoderAndHead`) or a module
+    that says how it is exported (`export_inputs`, as the EAGLE head's step does)."""
     device = next(model.parameters()).device
-    example = tuple(t.to(device) for t in example)
-    install(model)  # whatever it came with, the package runs our paged attention
-    module = _DecoderAndHead(model, feature_layers).eval()
+    if hasattr(model, "export_inputs"):
+        module = model.eval()
+    else:
+        install(model)  # whatever it came with, the package runs our paged attention
+        module = _DecoderAndHead(model, feature_layers).eval()
+    example, dynamic = module.export_inputs(example_tokens, max_tokens, device)
     started = time.monotonic()
     with torch.inference_mode(), _heartbeat(path, started):
-        program = torch.export.export(
-            module, example, dynamic_shapes=({0: tokens}, {0: tokens}, {0: rows})
-        )
+        program = torch.export.export(module, example, dynamic_shapes=dynamic)
         log.info("compile: exported in %.1f s; compiling (AOTInductor)", time.monotonic() - started)
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(f".{builder_tag()}.partial.pt2")
@@ -331,6 +343,7 @@ class CompilePlan:
     only_if_faster: bool = False  # `compile_prefill: auto`: timed against eager first
     weights: str | None = None  # `weights_digest` of the model, for the next plan's key
     role: str = "forward"  # what the log calls it ("prefill package": compile_prefill's)
+    loads_as: type[CompiledForward] = CompiledForward  # the EAGLE head's: CompiledHead
 
 
 def plan_compile(
@@ -629,7 +642,7 @@ def load_or_build(
             f"at {plan.package})",
         )
         started = time.monotonic()
-        compiled = CompiledForward(plan.package, plan.max_tokens, plan.min_tokens)
+        compiled = plan.loads_as(plan.package, plan.max_tokens, plan.min_tokens)
         log.info("compile: loaded %s in %.1f s", plan.package, time.monotonic() - started)
         return compiled
     except Exception as e:  # noqa: BLE001 - any failure leaves a working eager engine
@@ -640,45 +653,57 @@ def load_or_build(
 Install = Callable[[CompiledForward], None]
 
 
-def start_compile(
-    plans: list[tuple[CompilePlan, Install]], model: Any, background: bool
-) -> threading.Thread | None:
-    """Load or build each plan's package in turn and `install` it (a prefill package with
+@dataclass(frozen=True)
+class CompileJob:
+    """A package to load or build (`plan`), what it compiles (`model`: the target, or the
+    EAGLE head's step), and where it goes once loaded (`install`)."""
+
+    plan: CompilePlan
+    install: Install
+    model: Any
+
+
+def start_compile(jobs: list[CompileJob], background: bool) -> threading.Thread | None:
+    """Load or build each job's package in turn and install it (a prefill package with
     `only_if_faster` only where prefill_choice.py times it faster than eager). Cached
     packages load at once; a build blocks unless `background` (then a daemon thread waits
-    for build processes at the lowest CPU priority, `build_in_subprocess`, the replica
-    serving eagerly meanwhile, and installs each package when it is done: the next step
-    runs compiled). Returns that thread, or None."""
+    for build processes at the lowest CPU priority, `build_in_subprocess`, one at a time,
+    the replica serving eagerly meanwhile, and installs each package when it is done: the
+    next step runs compiled). Returns that thread, or None."""
 
-    def load(plan: CompilePlan, put: Install, build: Callable[[Any, CompilePlan], None]):
+    def load(job: CompileJob, build: Callable[[Any, CompilePlan], None]) -> None:
+        plan = job.plan
         assert plan.package is not None
         if plan.only_if_faster and prefill_choice.known_slower(plan.package):
             return
-        compiled = load_or_build(plan, model, build)
+        compiled = load_or_build(plan, job.model, build)
         if compiled is None or (
             plan.only_if_faster
-            and not prefill_choice.pays(model, plan.package, compiled.run, plan.max_tokens)
+            and not prefill_choice.pays(job.model, plan.package, compiled.run, plan.max_tokens)
         ):
             return
-        put(compiled)
+        job.install(compiled)
         if build is build_in_subprocess:
             log.info(
-                "compile: steps of %d-%d tokens now run compiled", plan.min_tokens, plan.max_tokens
+                "compile: steps of %d-%d tokens of the %s now run compiled",
+                plan.min_tokens,
+                plan.max_tokens,
+                plan.role,
             )
 
     later = []
-    for plan, put in plans:
-        assert plan.package is not None
-        if background and not plan.package.exists():
-            later.append((plan, put))
+    for job in jobs:
+        assert job.plan.package is not None
+        if background and not job.plan.package.exists():
+            later.append(job)
         else:
-            load(plan, put, build_in_process)
+            load(job, build_in_process)
     if not later:
         return None
 
     def work() -> None:
-        for plan, put in later:
-            load(plan, put, build_in_subprocess)
+        for job in later:
+            load(job, build_in_subprocess)
 
     thread = threading.Thread(target=work, name="compile-forward", daemon=True)
     thread.start()

@@ -32,9 +32,11 @@ def _onednn_product(
 
 
 def uses_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `vocab_linear(x, weight)` runs on oneDNN."""
+    """Whether `vocab_linear(x, weight)` runs on oneDNN (not while a compiler traces it: an
+    exported package lays out its own GEMM, as it does for the target's LM head)."""
     return (
-        x.device.type == "cpu"
+        not torch.compiler.is_compiling()
+        and x.device.type == "cpu"
         and x.dtype == weight.dtype == torch.float32
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
         and _onednn_present()

@@ -37,6 +37,7 @@ from sessionserve.replicas.step import CatchUp, Drafts
 
 if TYPE_CHECKING:  # built by assembly.py, over this proposer
     from sessionserve.replicas.speculative.chain_graphs import ChainGraphs
+    from sessionserve.replicas.speculative.compiled_head import CompiledHead
 
 
 class EagleProposer:
@@ -61,6 +62,10 @@ class EagleProposer:
         self.device = next(drafter.parameters()).device
         drafter.config._attn_implementation = ATTN_NAME
         self.chain_graphs: ChainGraphs | None = None  # on CUDA (assembly.py)
+        # on CPU, the head's step compiled per input width (compiled_head.py), installed by
+        # assembly.py (or its background build) for steps of up to `compiled_max_tokens`
+        self.compiled: dict[int, CompiledHead] = {}
+        self.compiled_max_tokens = 0
 
     @staticmethod
     def eligible(req: Request) -> bool:
@@ -98,8 +103,9 @@ class EagleProposer:
                 out_slots.append(self.cache.slots(r.kv, q, q + 1))
                 seqs.append(SeqSpec(1, self.cache.slots(r.kv, 0, q + 1)))
             hidden = torch.stack([feats[i] for i in active])
-            out = self._forward(ids, hidden, pos, torch.cat(out_slots), seqs)
-            tokens, dist, _ = self._choose(out, [reqs[i] for i in active])
+            rows = list(range(len(active)))
+            out, logits = self._forward(ids, hidden, pos, torch.cat(out_slots), seqs, rows)
+            tokens, dist, _ = self._choose(out, [reqs[i] for i in active], logits)
             for row, i in enumerate(active):
                 chains[i].append(tokens[row])
                 probs[i].append(dist[row])
@@ -143,8 +149,13 @@ class EagleProposer:
                 pos.append(r.num_tokens - 1 + level - 1)
                 out_slots.append(slot)
                 seqs.append(SeqSpec(1, torch.cat((committed[i], t.context_slots(node)))))
-            out = self._forward(ids, torch.stack(hidden), pos, torch.cat(out_slots), seqs)
-            logp = self.drafter.draft_logits(out).float().log_softmax(-1)
+            every = list(range(len(rows)))
+            out, logits = self._forward(
+                ids, torch.stack(hidden), pos, torch.cat(out_slots), seqs, every
+            )
+            if logits is None:
+                logits = self.drafter.draft_logits(out)
+            logp = logits.float().log_softmax(-1)
             top = logp.topk(self.tree_topk, dim=-1)
             picks = self.drafter.to_target(top.indices).tolist()
             for row, (i, node) in enumerate(rows):
@@ -173,15 +184,16 @@ class EagleProposer:
             seqs.append(SeqSpec(n, self.cache.slots(e.req.kv, 0, e.end)))
             hidden.append(e.hidden)
             last.append(len(ids) - 1)
-        out = self._forward(ids, torch.cat(hidden), pos, torch.cat(out_slots), seqs)
         wanting = [i for i, e in enumerate(entries) if e.wants_draft]
+        rows = [last[i] for i in wanting]
+        out, logits = self._forward(ids, torch.cat(hidden), pos, torch.cat(out_slots), seqs, rows)
         for e in entries:
             e.req.draft = None
         if not wanting:
             return
-        feats = out[[last[i] for i in wanting]]
+        feats = out[rows]
         reqs = [entries[i].req for i in wanting]
-        tokens, dist, candidates = self._choose(feats, reqs)
+        tokens, dist, candidates = self._choose(feats, reqs, logits)
         for row, r in enumerate(reqs):
             r.draft = DraftState(tokens[row], feats[row], dist[row], candidates[row])
 
@@ -193,7 +205,10 @@ class EagleProposer:
         positions: list[int],
         out_slots: torch.Tensor,
         seqs: list[SeqSpec],
-    ) -> torch.Tensor:
+        logit_rows: list[int],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The head's output [T, h] and, where its compiled step ran, the draft logits of
+        `logit_rows` (else None: the caller scores the rows it needs eagerly)."""
         dev = self.device
         meta = ForwardMeta(
             backend=self.backend,
@@ -201,22 +216,29 @@ class EagleProposer:
             out_slots=out_slots.to(dev),
             plan=self.backend.prepare(seqs, dev),
         )
-        out = self.drafter.features(
-            torch.tensor([ids], device=dev),
-            hidden.to(dev)[None],
-            torch.tensor([positions], device=dev),
-            paged_meta=meta,
-        )
-        return out[0]
+        ids_t = torch.tensor(ids, device=dev)
+        pos_t = torch.tensor(positions, device=dev)
+        hidden = hidden.to(dev)
+        compiled = self.compiled.get(hidden.shape[-1])
+        if compiled is not None and len(ids) <= self.compiled_max_tokens:
+            rows = torch.tensor(logit_rows, dtype=torch.int64, device=dev)
+            logits, out = compiled.run(ids_t, hidden, pos_t, rows, meta)
+            return out, logits
+        out = self.drafter.features(ids_t[None], hidden[None], pos_t[None], paged_meta=meta)
+        return out[0], None
 
     def _choose(
-        self, feats: torch.Tensor, reqs: Sequence[Request]
+        self,
+        feats: torch.Tensor,
+        reqs: Sequence[Request],
+        logits: torch.Tensor | None = None,
     ) -> tuple[list[int], list[torch.Tensor | None], list[tuple[list[int], list[float]] | None]]:
         """Greedy requests take the argmax; sampled ones draw from softmax(logits / T) and
         keep that distribution (over the target vocabulary) for the acceptance test; the
         second list holds it per request (None for greedy ones). With trees, the third holds
-        each greedy request's `tree_topk` best tokens and their log-probabilities."""
-        logits = self.drafter.draft_logits(feats).float()
+        each greedy request's `tree_topk` best tokens and their log-probabilities. `logits`:
+        the draft logits of `feats` where the compiled step already computed them."""
+        logits = (self.drafter.draft_logits(feats) if logits is None else logits).float()
         picks = logits.argmax(dim=-1)
         dist: list[torch.Tensor | None] = [None] * len(reqs)
         for i, r in enumerate(reqs):

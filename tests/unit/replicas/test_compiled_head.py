@@ -1,0 +1,156 @@
+"""The EAGLE head's step compiled ahead of time (speculative/compiled_head.py): with
+`engine.compile` on a CPU the head's chain steps and catch-up run from packages built and
+cached as the target's are, its outputs, draft logits and the K/V it writes equal the eager
+head's within fp32 fusion error, and greedy answers stay transformers' token for token. Real
+builds (a one-layer head: tens of seconds each on 2 cores), into a directory this module shares.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from sessionserve.replicas.attention import ForwardMeta, SeqSpec
+from sessionserve.replicas.compiled_forward import CompilePlan, start_compile
+from sessionserve.replicas.speculative.checkpoint import load_drafter
+from sessionserve.replicas.speculative.compiled_head import HeadStep, head_compile_jobs
+from sessionserve.wire import SamplingParams
+from tests.models import hf_greedy, mimic_drafter, tiny_engine, tiny_model
+from tests.unit.replicas.test_eagle3 import target as eagle3_target
+from tests.unit.replicas.test_eagle3 import write_published_head
+
+GREEDY = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+ATOL = 1e-4  # fp32: the package's fused kernels sum in another order than eager torch
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("compiled-head"))
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(11)
+    return [torch.randint(5, vocab, (n,), generator=g).tolist() for n in (6, 19, 45)]
+
+
+def _count_runs(proposer) -> dict[int, int]:
+    """Count each installed package's calls, by input width."""
+    calls = dict.fromkeys(proposer.compiled, 0)
+    for width, compiled in proposer.compiled.items():
+        inner = compiled.run
+
+        def counted(*args, _w=width, _inner=inner):
+            calls[_w] += 1
+            return _inner(*args)
+
+        compiled.run = counted
+    return calls
+
+
+def _count_eager(proposer) -> list[int]:
+    """The token counts of the head's eager forwards."""
+    tokens: list[int] = []
+    inner = proposer.drafter.features
+
+    def counted(ids, *args, **kwargs):
+        tokens.append(ids.shape[-1])
+        return inner(ids, *args, **kwargs)
+
+    proposer.drafter.features = counted
+    return tokens
+
+
+def _same_step(proposer, width: int, tokens: int, seed: int) -> None:
+    """One head step through the package and eagerly, from the same inputs into the same
+    fresh slots: outputs, draft logits and the K/V written agree within ATOL."""
+    g = torch.Generator().manual_seed(seed)
+    vocab = proposer.drafter.config.vocab_size
+    ids = torch.randint(5, vocab, (tokens,), generator=g)
+    hidden = torch.randn(tokens, width, generator=g)
+    positions = torch.arange(tokens)
+    slots = torch.arange(100, 100 + tokens)
+    rows = torch.tensor([0, tokens - 1])
+
+    def meta() -> ForwardMeta:
+        plan = proposer.backend.prepare([SeqSpec(tokens, slots)], torch.device("cpu"))
+        return ForwardMeta(proposer.backend, proposer.pool, slots, plan)
+
+    with torch.inference_mode():
+        step = HeadStep(proposer.drafter, width)
+        eager_out = proposer.drafter.features(
+            ids[None], hidden[None], positions[None], paged_meta=meta()
+        )[0]
+        eager_logits = step.drafter.draft_logits(eager_out[rows])
+        eager_kv = proposer.pool.k[0][slots].clone()
+        logits, out = proposer.compiled[width].run(ids, hidden, positions, rows, meta())
+    assert torch.allclose(out, eager_out, atol=ATOL), (out - eager_out).abs().max()
+    assert torch.allclose(logits, eager_logits, atol=ATOL)
+    assert torch.allclose(proposer.pool.k[0][slots], eager_kv, atol=ATOL)
+
+
+def test_engine_compile_builds_the_heads_step_and_answers_stay_exact(cache_dir) -> None:
+    """`engine.compile` with an EAGLE head: the target's package and the head's (one: its
+    inputs, the target's last hidden state and its own output, are both h wide) are built and
+    installed; every chain step and catch-up (prefill chunks of 24 tokens included: the package
+    takes up to compile_max_tokens, 32) runs the head's package, none eagerly; the head's
+    decode rows attend over its pool in place with the target's kernel (same head layout)."""
+    model = tiny_model(num_hidden_layers=1, seed=3)
+    spec = tiny_engine(
+        model, drafter=mimic_drafter, compile=True, compile_cache_dir=cache_dir, prefill=24
+    )
+    proposer = spec.speculative.eagle
+    h = model.config.hidden_size
+    assert set(proposer.compiled) == {h}
+    assert proposer.compiled_max_tokens == spec.runner.compiled.max_tokens
+    assert proposer.backend.decode_kernel is not None
+    calls, eager = _count_runs(proposer), _count_eager(proposer)
+    prompts = _prompts(model.config.vocab_size)
+    results = spec.generate(prompts, GREEDY)
+    for prompt, result in zip(prompts, results, strict=True):
+        assert result.output_ids == hf_greedy(model, prompt, GREEDY.max_tokens)
+    assert spec.speculative.stats.steps > 0 and calls[h] > 0 and eager == [], (calls, eager)
+    assert spec.speculative.stats.mean_accept_len > 2  # the mimic head drafts the target's
+    _same_step(proposer, h, tokens=7, seed=1)
+    # a second engine over the same model loads the cached packages: nothing is rebuilt
+    built = sorted(Path(cache_dir).glob("*.pt2"))
+    again = tiny_engine(
+        model, drafter=mimic_drafter, compile=True, compile_cache_dir=cache_dir, prefill=24
+    )
+    assert set(again.speculative.eagle.compiled) == {h}
+    assert sorted(Path(cache_dir).glob("*.pt2")) == built
+
+
+def test_an_eagle3_head_gets_a_package_for_each_input_width(cache_dir, tmp_path) -> None:
+    """An EAGLE-3 head reads three target layers (3h) when catching up and its own output (h)
+    when chaining: a package each, both used, answers still the target's. Built as
+    `compile: auto` builds, in the background by build processes (the head crosses to them
+    as a file, with the target's embedding it borrows)."""
+    model = eagle3_target()
+    head_dir = write_published_head(tmp_path / "eagle3", model, seed=1)
+    spec = tiny_engine(model, drafter=lambda m: load_drafter(head_dir, m), num_drafts=3)
+    proposer = spec.speculative.eagle
+    h = model.config.hidden_size
+    forward = CompilePlan(True, "test", Path(cache_dir) / "target.pt2", 32)
+    jobs = head_compile_jobs(forward, proposer.drafter, model.config, proposer.compiled)
+    assert [job.plan.role for job in jobs] == [
+        f"EAGLE head ({h}-wide inputs)",
+        f"EAGLE head ({3 * h}-wide inputs)",
+    ]
+    building = start_compile(jobs, background=True)
+    assert building is not None
+    building.join(timeout=600)
+    proposer.compiled_max_tokens = forward.max_tokens
+    assert set(proposer.compiled) == {h, 3 * h}
+    calls, eager = _count_runs(proposer), _count_eager(proposer)
+    prompts = _prompts(model.config.vocab_size)
+    results = spec.generate(prompts, GREEDY)
+    for prompt, result in zip(prompts, results, strict=True):
+        assert result.output_ids == hf_greedy(model, prompt, GREEDY.max_tokens)
+    # chains ran on the h-wide package, catch-ups on the 3h-wide one; only the prefill step
+    # (70 tokens: past the packages' 32) ran eagerly
+    assert calls[h] > 0 and calls[3 * h] > 0, calls
+    assert all(n > forward.max_tokens for n in eager), eager
+    _same_step(proposer, 3 * h, tokens=5, seed=2)
+    _same_step(proposer, h, tokens=3, seed=3)
