@@ -281,10 +281,14 @@ class EngineConfig(_Strict):
         le=4097,
         description="Steps of at least this many tokens (and at most compile_max_tokens + 1) run "
         "through the prefill package when one is installed; the compiled forward keeps the "
-        "shorter ones. Default: 5 for a bf16 model, 6 otherwise. SmolLM2, 2 cores of an AMD "
-        "EPYC with AVX-512, decode steps of B requests, the prefill package's speed over the "
-        "forward's (benchmarks/package_split.py): fp32 B = 1 0.73x, 2 0.65x, 4 0.84x, 6 1.10x, "
-        "8 1.12x, 16 1.37x; bf16 B = 4 0.77x, 5 1.19x, 6 1.47x, 8 1.85x, 16 2.37x.",
+        "shorter ones. Default: timed on this machine once both packages are loaded (steps of "
+        "4 to compile_max_tokens tokens through each; the verdict kept beside the prefill "
+        "package and logged), for models compile: auto compiles; else 5 for a bf16 model, 6 "
+        "otherwise. Which wins depends on the CPU (SmolLM2, 2 cores, decode steps of B "
+        "requests, the prefill package's speed over the forward's, "
+        "benchmarks/package_split.py): an AMD EPYC with AVX-512, bf16 B = 4 0.77x, 5 1.19x, "
+        "8 1.85x, 16 2.37x (fp32 from B = 6); an Intel Xeon with AMX, bf16, B = 1 to 32 "
+        "0.78-0.94x: there the forward's package keeps them all.",
     )
     compile_cache_dir: str | None = Field(
         None,
@@ -323,10 +327,10 @@ class EngineConfig(_Strict):
         return limit
 
     def prefill_package_min_tokens(self, dtype: torch.dtype) -> int:
-        """`compile_prefill_min_tokens`, or its default for a model loaded in `dtype`: the
-        forward's package has its GEMMs tuned for 2 rows, and in bf16 they fall behind the
-        prefill package's oneDNN ones from 5 rows on, in fp32 from 6
-        (benchmarks/package_split.py)."""
+        """`compile_prefill_min_tokens`, or its default for a model loaded in `dtype` where
+        the split is not timed (`prefill_choice.split_point`): the forward's package has its
+        GEMMs tuned for 2 rows, and on an AMD EPYC in bf16 they fell behind the prefill
+        package's oneDNN ones from 5 rows on, in fp32 from 6 (benchmarks/package_split.py)."""
         import torch
 
         if self.compile_prefill_min_tokens is not None:

@@ -150,6 +150,7 @@ def tiny_engine(
     sliding_slots: int | None = None,
     compile: bool | str = False,
     compile_prefill: bool | str = "auto",
+    compile_prefill_min_tokens: int | None = None,
     compile_cache_dir: str | None = None,
     overlap: bool = False,
     metrics=None,
@@ -200,6 +201,7 @@ def tiny_engine(
         memory_check_period_s=memory_check_period_s,
         compile=compile,
         compile_prefill=compile_prefill,
+        compile_prefill_min_tokens=compile_prefill_min_tokens,
         compile_cache_dir=compile_cache_dir,
         overlap_schedule=overlap,
     )

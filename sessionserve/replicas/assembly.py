@@ -16,6 +16,7 @@ from sessionserve.cache.host_tier import HostTier
 from sessionserve.cache.session_cache import SessionCache
 from sessionserve.config import EngineConfig
 from sessionserve.errors import InvalidConfigError
+from sessionserve.replicas import prefill_choice
 from sessionserve.replicas.attention import (
     AttentionBackend,
     attention_scale,
@@ -27,8 +28,10 @@ from sessionserve.replicas.attention import (
 from sessionserve.replicas.attention.torch_backend import TorchPagedBackend
 from sessionserve.replicas.compiled_attention import HeadLayout, load_decode_kernel
 from sessionserve.replicas.compiled_forward import (
+    CompiledForward,
     CompileJob,
     JitForward,
+    auto_declines,
     plan_compile,
     plan_prefill_compile,
     start_compile,
@@ -161,10 +164,23 @@ def compile_forwards(
         cfg.prefill_package_min_tokens(next(model.parameters()).dtype),
     )
     jobs = [CompileJob(plan, functools.partial(setattr, runner, "compiled"), model)]
+
+    def install_prefill(compiled: CompiledForward) -> None:
+        """Where `compile_prefill_min_tokens` is not set, the prefill package takes the steps
+        from where it was timed faster than the forward's package on this machine (for
+        models `compile: auto` would compile; a tiny model's timings mean nothing)."""
+        if (
+            cfg.compile_prefill_min_tokens is None
+            and runner.compiled is not None
+            and auto_declines(model) is None
+        ):
+            compiled.min_tokens = prefill_choice.split_point(
+                model, runner.compiled, compiled, plan.max_tokens
+            )
+        runner.compiled_prefill = compiled
+
     if prefill.enabled:
-        jobs.append(
-            CompileJob(prefill, functools.partial(setattr, runner, "compiled_prefill"), model)
-        )
+        jobs.append(CompileJob(prefill, install_prefill, model))
     else:
         log.debug("compile: longer steps run eagerly (%s)", prefill.reason)
     if eagle is not None:

@@ -359,7 +359,7 @@ def plan_compile(
     the CUDA graphs, docs/benchmarks.md)."""
     if mode is False:
         return CompilePlan(False, "engine.compile is false")
-    if mode == "auto" and (why := _auto_declines(model)):
+    if mode == "auto" and (why := auto_declines(model)):
         return CompilePlan(False, why)
     if next(model.parameters()).device.type == "cuda":
         return CompilePlan(
@@ -371,7 +371,7 @@ def plan_compile(
     return CompilePlan(True, "engine.compile", package, max_tokens, feature_layers, weights=weights)
 
 
-def _auto_declines(model: Any) -> str | None:
+def auto_declines(model: Any) -> str | None:
     """Why `auto` does not compile `model` (None: it does): only on CPU and CUDA, only for
     models of AUTO_MIN_PARAMS+ parameters."""
     device = next(model.parameters()).device
@@ -401,7 +401,7 @@ def plan_prefill_compile(
         )
     if max_tokens <= forward.max_tokens:
         return CompilePlan(False, "no step is longer than engine.compile_max_tokens")
-    if mode == "auto" and (why := _auto_declines(model)):
+    if mode == "auto" and (why := auto_declines(model)):
         return CompilePlan(False, why)
     assert forward.package is not None
     example = min(PREFILL_EXAMPLE_TOKENS, max_tokens)

@@ -1,6 +1,7 @@
 """Whether the prefill package (`engine.compile_prefill: auto`) pays on this machine: one
 prefill timed through it and through the eager forward, once, the verdict kept beside the
-package.
+package; and from which step size it takes over from the forward's package (`split_point`),
+timed likewise.
 
 Why time it rather than decide from the CPU's name: the same package (inductor's code with
 oneDNN GEMMs on weights it prepacks) was 1.22-1.55x faster than the eager forward on an AMD
@@ -20,7 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -41,6 +42,13 @@ MARGIN = 1.05  # the package must be this much faster: a tie does not pay a seco
 RunPackage = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, ForwardMeta], tuple[torch.Tensor, torch.Tensor]
 ]
+
+
+class CompiledPackage(Protocol):
+    """What the split timing needs of a loaded package (compiled_forward.CompiledForward)."""
+
+    package: Path
+    run: RunPackage
 
 
 @dataclass(frozen=True)
@@ -108,6 +116,19 @@ def _verdict(timing: PrefillTiming, how: str) -> str:
 def measure(model: Any, run_package: RunPackage, tokens: int) -> PrefillTiming:
     """The best ms of a `tokens`-token prefill (one fresh sequence, its last row's logits)
     through the eager forward and through the package, alternating `ROUNDS` times."""
+    decoder, head = model.get_decoder(), model.get_output_embeddings()
+
+    def eager(ids: torch.Tensor, positions: torch.Tensor, last: torch.Tensor, meta: ForwardMeta):
+        hidden, _ = decoder_features(decoder, ids, positions, None, paged_meta=meta)
+        head_logits(head, hidden[last])
+
+    best = _best_ms(model, tokens, {"eager": eager, "package": run_package})
+    return PrefillTiming(tokens, best["eager"], best["package"])
+
+
+def _best_ms(model: Any, tokens: int, forwards: dict[str, Callable[..., Any]]) -> dict[str, float]:
+    """The best ms of each forward over one fresh `tokens`-token sequence (its last row's
+    logits), over a scratch KV pool of its own, alternating `ROUNDS` times after a warm-up."""
     param = next(model.parameters())
     pool = KVPool(KVShape.from_hf_config(model.config), tokens + 1, param.dtype, param.device)
     backend = TorchPagedBackend(tokens, sliding_windows(model.config))
@@ -119,21 +140,96 @@ def measure(model: Any, run_package: RunPackage, tokens: int) -> PrefillTiming:
     ids = torch.randint(0, model.config.vocab_size, (tokens,), generator=g).to(param.device)
     positions = torch.arange(tokens, device=param.device)
     last = positions[-1:]
-    decoder, head = model.get_decoder(), model.get_output_embeddings()
-
-    def eager() -> None:
-        hidden, _ = decoder_features(decoder, ids, positions, None, paged_meta=meta)
-        head_logits(head, hidden[last])
-
-    def compiled() -> None:
-        run_package(ids, positions, last, meta)
-
-    times: dict[str, list[float]] = {"eager": [], "package": []}
+    times: dict[str, list[float]] = {name: [] for name in forwards}
     for _ in range(ROUNDS):
-        for name, forward in (("eager", eager), ("package", compiled)):
+        for name, forward in forwards.items():
             if len(times[name]) == 0:
-                forward()  # warm-up: first calls allocate and load
+                forward(ids, positions, last, meta)  # warm-up: first calls allocate and load
             started = time.perf_counter()
-            forward()
+            forward(ids, positions, last, meta)
             times[name].append(1000 * (time.perf_counter() - started))
-    return PrefillTiming(tokens, round(min(times["eager"]), 1), round(min(times["package"]), 1))
+    return {name: round(min(t), 2) for name, t in times.items()}
+
+
+# ---- where the prefill package takes over from the forward's ----
+SPLIT_TOKENS = (4, 5, 6, 8, 12, 16, 24, 32, 48, 64)  # step sizes timed (up to the forward's max)
+
+
+@dataclass(frozen=True)
+class SplitTiming:
+    """Steps of `tokens` through the forward's package and through the prefill package."""
+
+    forward_package: str  # the forward's package file this was timed against
+    tokens: list[int]
+    forward_ms: list[float]
+    package_ms: list[float]
+
+    def min_tokens(self, forward_max: int) -> int:
+        """The smallest step the prefill package takes: the first timed size from which it
+        was faster at every size timed; past the forward's largest step if it never was."""
+        start = forward_max + 1
+        pairs = zip(self.tokens, self.forward_ms, self.package_ms, strict=True)
+        for tokens, forward_ms, package_ms in reversed(list(pairs)):
+            if package_ms >= forward_ms:
+                break
+            start = tokens
+        return start
+
+
+def split_file(package: Path) -> Path:
+    return package.with_suffix(".split.json")
+
+
+def split_point(
+    model: Any,
+    forward: CompiledPackage,
+    prefill: CompiledPackage,
+    forward_max: int,
+) -> int:
+    """The smallest step (tokens) the prefill package `prefill` should run instead of the
+    forward's package `forward` on this machine: recorded beside the prefill package, else
+    timed now (both packages over the same fresh sequences, alternating) and recorded.
+
+    Why time it: which package wins at a few to a few dozen rows depends on the CPU. On an
+    AMD EPYC with AVX-512 in bf16 the prefill package (oneDNN GEMMs) was 1.19x faster from 5
+    rows on; on an Intel Xeon with AMX the forward's (autotuned AMX micro-GEMMs) was faster
+    at every size up to 32, by 6-22% (benchmarks/package_split.py, docs/benchmarks.md)."""
+    timing = recorded_split(prefill.package, forward.package)
+    how = "recorded"
+    if timing is None:
+        how = "timed"
+        sizes = [t for t in SPLIT_TOKENS if t <= forward_max]
+        forward_ms, package_ms = [], []
+        for tokens in sizes:
+            best = _best_ms(model, tokens, {"forward": forward.run, "package": prefill.run})
+            forward_ms.append(best["forward"])
+            package_ms.append(best["package"])
+        timing = SplitTiming(forward.package.name, sizes, forward_ms, package_ms)
+        try:
+            split_file(prefill.package).write_text(json.dumps(asdict(timing)))
+        except OSError as e:  # a read-only cache: time again next start
+            log.warning("compile: could not record the package split timing: %r", e)
+    start = timing.min_tokens(forward_max)
+    where = (
+        f"steps of {start}+ tokens run the prefill package"
+        if start <= forward_max
+        else f"the forward's package keeps every step of up to {forward_max} tokens"
+    )
+    ratios = ", ".join(
+        f"{t}: {f / p:.2f}x"
+        for t, f, p in zip(timing.tokens, timing.forward_ms, timing.package_ms, strict=True)
+    )
+    log.info(
+        "compile: the prefill package's speed over the forward's (%s): %s; %s", how, ratios, where
+    )
+    return start
+
+
+def recorded_split(prefill_package: Path, forward_package: Path) -> SplitTiming | None:
+    """The split an earlier start timed between these two packages (None: none, another
+    forward's package, or unreadable)."""
+    try:
+        timing = SplitTiming(**json.loads(split_file(prefill_package).read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+    return timing if timing.forward_package == forward_package.name else None

@@ -459,6 +459,49 @@ def test_auto_keeps_the_prefill_package_only_where_it_was_timed_faster(
     record.unlink()
 
 
+def test_the_prefill_package_takes_the_steps_from_where_it_was_timed_faster(
+    cache_dir, monkeypatch
+) -> None:
+    """With `compile_prefill_min_tokens` unset, the split between the two packages is timed
+    once at each size up to compile_max_tokens (`prefill_choice._best_ms`, faked here: tests
+    do not time things) and kept beside the prefill package: the prefill package takes the
+    steps from the first size from which it was faster at every size timed (12 here, though
+    faster at 5 too), a later engine reads the record and does not time again; where it was
+    never faster the forward's package keeps every step up to compile_max_tokens; a set
+    `compile_prefill_min_tokens` is used as it is, untimed. Tiny models are never timed."""
+    from sessionserve.replicas import prefill_choice
+
+    model = model_for("llama")
+    untimed = prefill_engine(model, cache_dir).runner.compiled_prefill  # built once
+    assert untimed.min_tokens == 6  # fp32's default: a tiny model's timings mean nothing
+    split = prefill_choice.split_file(untimed.package)
+    split.unlink(missing_ok=True)
+    monkeypatch.setattr(compiled_forward, "AUTO_MIN_PARAMS", 0)
+    timed: list[int] = []
+
+    def faster_from_12(model, tokens, forwards):
+        timed.append(tokens)
+        assert set(forwards) == {"forward", "package"}
+        return {"forward": 10.0, "package": 9.0 if tokens >= 12 or tokens == 5 else 11.0}
+
+    monkeypatch.setattr(prefill_choice, "_best_ms", faster_from_12)
+    engine = prefill_engine(model, cache_dir)
+    assert timed == [4, 5, 6, 8, 12, 16, 24, 32]  # compile_max_tokens: 32
+    assert engine.runner.compiled_prefill.min_tokens == 12
+    forward_package = engine.runner.compiled.package
+    assert prefill_choice.recorded_split(untimed.package, forward_package).min_tokens(32) == 12
+    assert prefill_engine(model, cache_dir).runner.compiled_prefill.min_tokens == 12
+    assert len(timed) == 8  # read from the record
+    split.unlink()
+    monkeypatch.setattr(
+        prefill_choice, "_best_ms", lambda model, tokens, forwards: {"forward": 9, "package": 10}
+    )
+    assert prefill_engine(model, cache_dir).runner.compiled_prefill.min_tokens == 33
+    split.unlink()
+    fixed = prefill_engine(model, cache_dir, compile_prefill_min_tokens=8)
+    assert fixed.runner.compiled_prefill.min_tokens == 8 and not split.exists()
+
+
 def _counting(loads: list):
     real = compiled_forward.CompiledForward
 
