@@ -149,7 +149,7 @@ def compile_forwards(
             plan.max_tokens,
         )
         return
-    if runner.device.type == "cpu":  # decode rows (and short extends) attend in place
+    if runner.device.type == "cpu":  # decode rows attend over the pool in place
         install_decode_kernel(runner.backend, model, runner.kv_pool, plan.package.parent)
         if eagle is not None:  # the head's chain steps and catch-ups too
             install_decode_kernel(eagle.backend, eagle.drafter, eagle.pool, plan.package.parent)

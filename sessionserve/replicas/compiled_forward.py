@@ -94,11 +94,18 @@ class _DecoderAndHead(torch.nn.Module):
     ) -> tuple[tuple[torch.Tensor, ...], tuple[dict[int, Any], ...]]:
         """Example arguments and their dynamic dimensions: tokens, and rows of logits (the
         example's last two: one would specialize to a constant)."""
-        tokens = torch.export.Dim("tokens", min=1, max=max_tokens)
-        rows = torch.export.Dim("rows", min=1, max=max_tokens)
+        tokens, rows = token_dims(max_tokens)
         n = example_tokens
         example = (torch.zeros(n, dtype=torch.int64), torch.arange(n), torch.arange(n - 2, n))
         return tuple(t.to(device) for t in example), ({0: tokens}, {0: tokens}, {0: rows})
+
+
+def token_dims(max_tokens: int) -> tuple[Any, Any]:
+    """An exported step's dynamic dimensions: its tokens, and the rows whose logits it returns."""
+    return (
+        torch.export.Dim("tokens", min=1, max=max_tokens),
+        torch.export.Dim("rows", min=1, max=max_tokens),
+    )
 
 
 def load_flat(package: Path) -> Callable[..., list[torch.Tensor]]:

@@ -33,6 +33,7 @@ from sessionserve.replicas.compiled_forward import (
     CompileJob,
     CompilePlan,
     package_key,
+    token_dims,
 )
 from sessionserve.replicas.speculative.drafter import DraftHead
 
@@ -65,8 +66,7 @@ class HeadStep(nn.Module):
         self, example_tokens: int, max_tokens: int, device: torch.device
     ) -> tuple[tuple[torch.Tensor, ...], tuple[dict[int, Any], ...]]:
         """As `_DecoderAndHead.export_inputs`, with the input hidden states beside the ids."""
-        tokens = torch.export.Dim("tokens", min=1, max=max_tokens)
-        rows = torch.export.Dim("rows", min=1, max=max_tokens)
+        tokens, rows = token_dims(max_tokens)
         n = example_tokens
         dtype = next(self.drafter.parameters()).dtype
         example = (
