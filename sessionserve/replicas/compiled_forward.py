@@ -691,10 +691,10 @@ def start_compile(jobs: list[CompileJob], background: bool) -> threading.Thread 
             return
         job.install(compiled)
         if build is build_in_subprocess:
-            log.info(
+            log.info(  # the installed range: installing may move its start (split_point)
                 "compile: steps of %d-%d tokens of the %s now run compiled",
-                plan.min_tokens,
-                plan.max_tokens,
+                compiled.min_tokens,
+                compiled.max_tokens,
                 plan.role,
             )
 
