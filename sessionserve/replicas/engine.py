@@ -68,6 +68,11 @@ if TYPE_CHECKING:
 _rid_counter = itertools.count(1)
 
 
+def draft_seed(seed: int) -> int:
+    """A seeded request's EAGLE-head seed: fixed by its own seed, a stream apart from it."""
+    return (seed * 0x9E3779B97F4A7C15 + 1) % (1 << 63)
+
+
 class Engine:
     def __init__(
         self,
@@ -115,6 +120,7 @@ class Engine:
         self.check_schedule = CheckSchedule(cfg.memory_check, cfg.memory_check_period_s)
         self.eos_ids = eos_token_ids(model, self.tokenizer)
         self.generator = torch.Generator().manual_seed(0)
+        self.draft_generator = torch.Generator().manual_seed(1)  # the head's (Request's doc)
         self.lock = threading.RLock()
         self._grammars: Grammars | None = None
         self.forwards: ForwardThread | None = None  # overlap scheduling's forward thread
@@ -215,10 +221,20 @@ class Engine:
                 )
             try:  # anything raising from here on (a bad seed too) must end the turn
                 check_context(full, sampling, self.context_limit)
-                gen = self.generator
+                gen, draft_gen = self.generator, self.draft_generator
                 if sampling.seed is not None:
                     gen = torch.Generator().manual_seed(sampling.seed)
-                req = Request(rid, full, sampling, kv, mode, self.eos_ids, generator=gen)
+                    draft_gen = torch.Generator().manual_seed(draft_seed(sampling.seed))
+                req = Request(
+                    rid,
+                    full,
+                    sampling,
+                    kv,
+                    mode,
+                    self.eos_ids,
+                    generator=gen,
+                    draft_generator=draft_gen,
+                )
                 req.log_base = log_base
                 req.grammar = grammar
             except Exception:

@@ -69,6 +69,11 @@ class Request:
     cached_source: str = "none"
     retractions: int = 0
     generator: torch.Generator | None = None
+    # the EAGLE head's draws for a sampled request: apart from `generator`, because the head
+    # draws while a step is caught up on the engine thread and, under overlap scheduling, the
+    # next step may be sampling on the forward thread at that moment: two threads drawing from
+    # one generator would make a seeded answer depend on their timing
+    draft_generator: torch.Generator | None = None
     timings: Timings = field(default_factory=Timings)
     draft: DraftState | None = None  # the drafter's next guess (speculative decoding)
     drafting: Drafting = field(default_factory=Drafting)  # draft sources, history log

@@ -244,7 +244,7 @@ class EagleProposer:
         for i, r in enumerate(reqs):
             if not r.sampling.is_greedy:
                 p = (logits[i] / r.sampling.temperature).softmax(-1)
-                picks[i] = draw(p[None], uniforms([r.generator]))[0]
+                picks[i] = draw(p[None], uniforms([r.draft_generator]))[0]
                 dist[i] = self.drafter.target_probs(p, self.vocab_size)
         candidates: list[tuple[list[int], list[float]] | None] = [None] * len(reqs)
         if self.grows_trees:
