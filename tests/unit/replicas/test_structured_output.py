@@ -116,10 +116,10 @@ def test_a_constrained_request_is_not_speculated_and_still_validates() -> None:
     engine = tiny_engine(target, tokenizer=TOKENIZER, drafter=random_drafter, num_drafts=3)
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
     free = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    out = engine.generate([PROMPT, PROMPT], constrained(schema, 9, max_tokens=40))
+    out = engine.generate([PROMPT, PROMPT], constrained(schema, 9))  # room to close the object
     plain = engine.generate([PROMPT], free)[0]
     for r in out:
-        assert r.spec_drafted == 0
+        assert r.spec_drafted == 0 and r.finish_reason is FinishReason.STOP
         jsonschema.validate(json.loads(r.text), schema)
     assert plain.spec_drafted > 0  # the drafter runs for the others
     engine.checker.check_idle()
