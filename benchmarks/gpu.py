@@ -272,10 +272,13 @@ def engine_step_ms(eng: Engine, c: int, args) -> float:
 
 
 @contextmanager
-def timed_parts(eng: Engine, device: torch.device):
+def timed_parts(eng: Engine, device: torch.device, speculative: bool = False):
     """Accumulate the time of each part of a step (the forward synced so its GPU time counts
-    as forward, not as sampling)."""
+    as forward, not as sampling); `speculative`: also the speculative decoder's parts, each
+    synced (drafting, the acceptance test, the head's catch-up)."""
     parts = {"schedule": 0.0, "batch": 0.0, "forward": 0.0, "sample": 0.0}
+    if speculative:
+        parts |= {"propose": 0.0, "verify": 0.0, "catch_up": 0.0}
     saved = []
 
     def wrap(obj: Any, name: str, part: str, synced: bool = False) -> None:
@@ -297,6 +300,9 @@ def timed_parts(eng: Engine, device: torch.device):
     wrap(eng.runner, "forward", "forward", synced=True)
     wrap(runner_module, "sample_on_device", "sample")  # its kernels queued
     wrap(DeviceSample, "to_host", "sample")  # the tokens read back
+    if speculative:
+        for name in ("propose", "verify", "catch_up"):
+            wrap(eng.speculative, name, name, synced=True)
     try:
         yield parts
     finally:
@@ -318,11 +324,11 @@ def steady_decode(eng: Engine, c: int, args, seed: int, warm_steps: int = 3) -> 
     sync(eng.runner.device)
 
 
-def step_split(eng: Engine, c: int, args) -> dict[str, float]:
+def step_split(eng: Engine, c: int, args, speculative: bool = False) -> dict[str, float]:
     """ms per decode step of each part, and the rest (bookkeeping, stops, events)."""
     steady_decode(eng, c, args, 3)
     n, total = 0, 0.0
-    with timed_parts(eng, eng.runner.device) as parts:
+    with timed_parts(eng, eng.runner.device, speculative) as parts:
         while decode_only(eng) and n < 50:
             t = time.perf_counter()
             eng.step()
@@ -382,6 +388,8 @@ def verify_costs(model, config: Config, args) -> dict[int, dict[str, float]]:
             forward_ms(spec, c, args, True),
             forward_ms(plain, c, args, False),
         )
+        split = {k: round(v, 3) for k, v in step_split(spec, c, args, speculative=True).items()}
+        profile_spec_steps(spec, c, args)
         graphs = spec.runner.verify_graphs
         chain = spec.speculative.eagle.chain_graphs
         out[c] = {
@@ -393,6 +401,7 @@ def verify_costs(model, config: Config, args) -> dict[int, dict[str, float]]:
             "step_ratio": round(spec_step / step, 3),
             "verify_graph_replays": graphs.replays if graphs is not None else 0,
             "chain_graph_replays": chain.replays if chain is not None else 0,
+            "spec_step_split_ms": split,
         }
         print(
             f"c={c:3d} {label(config)}: verify of {VERIFY_DRAFTS} drafts a row {verify:.2f} ms, "
@@ -401,9 +410,41 @@ def verify_costs(model, config: Config, args) -> dict[int, dict[str, float]]:
             f"{spec_step / step:.2f}x",
             flush=True,
         )
+        print(
+            f"c={c:3d} speculative step split (ms) "
+            + ", ".join(f"{k} {v:.2f}" for k, v in split.items()),
+            flush=True,
+        )
         spec.close()
         plain.close()
     return out
+
+
+def profile_spec_steps(eng: Engine, c: int, args) -> None:
+    """With `--log-dir`: torch.profiler tables (device time, then host time) of speculative
+    decode steps, to read where a step that drafts spends what a plain one does not."""
+    if not args.log_dir:
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if eng.runner.device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    steady_decode(eng, c, args, 3)
+    with profile(activities=activities) as prof:
+        t, n = time.perf_counter(), 0
+        while n < args.profile_steps and decode_only(eng):
+            eng.step()
+            n += 1
+        sync(eng.runner.device)
+        wall = time.perf_counter() - t
+    eng.run_until_idle()
+    averages = prof.key_averages()
+    with open(f"{args.log_dir}/profile_spec_c{c}.txt", "w") as f:
+        f.write(f"{n} speculative decode steps, wall {1000 * wall:.1f} ms\n")
+        if eng.runner.device.type == "cuda":
+            f.write(averages.table(sort_by="self_device_time_total", row_limit=30) + "\n")
+        f.write(averages.table(sort_by="self_cpu_time_total", row_limit=40) + "\n")
 
 
 def gpu_busy(eng: Engine, c: int, args) -> tuple[float | None, float | None]:

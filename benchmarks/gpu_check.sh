@@ -34,11 +34,11 @@ stage() {  # stage NAME MAX_SECONDS COMMAND...: run under min(MAX, time left), l
 
 # what never ran on a GPU first: overlap's forward thread must never wait for the device;
 # speculation's verify steps replay graphs
-stage new_gpu_tests 150 "${PYTEST[@]}" -m gpu tests/unit/replicas/test_overlap_schedule.py \
+stage new_gpu_tests 120 "${PYTEST[@]}" -m gpu tests/unit/replicas/test_overlap_schedule.py \
     tests/unit/replicas/test_speculative_decoding.py
 stage benchmark 300 python3 -m benchmarks.gpu --concurrency 1 32 64 --backends flashinfer \
     --graph-modes on --skip-hf --compile on --verify-cost --log-dir "$out"
-stage freezing 200 python3 -m benchmarks.gpu --concurrency 1 32 --backends flashinfer \
+stage freezing 150 python3 -m benchmarks.gpu --concurrency 1 32 --backends flashinfer \
     --graph-modes on --skip-hf --compile on --no-overlap --jit-freezing
 stage gpu_tests 90 "${PYTEST[@]}" -m gpu tests/unit/replicas/test_device_path.py \
     tests/unit/replicas/test_loader_and_backends.py
