@@ -295,8 +295,8 @@ class EngineConfig(_Strict):
         description="Where compiled packages are kept; default $SESSIONSERVE_CACHE/compiled, "
         "else ~/.cache/sessionserve/compiled.",
     )
-    overlap_schedule: bool = Field(
-        False,
+    overlap_schedule: bool | Literal["auto"] = Field(
+        "auto",
         description="Schedule step N+1 and process step N's results while step N's forward "
         "runs (on a forward thread; SGLang's overlap scheduler, vLLM's async scheduling), so "
         "host work hides behind the device's. A decode is scheduled before its previous token "
@@ -304,9 +304,10 @@ class EngineConfig(_Strict):
         "running one produces (a retraction, KV too short) wait for it first, as do requests "
         "with a grammar or sampling penalties. With speculative decoding, a step that verifies "
         "drafts runs with nothing in flight (its drafts follow the previous token, and what it "
-        "accepts decides where the next step starts); steps without drafts overlap. Worth it "
-        "where the forward runs on a GPU; on a CPU the forward's threads take the cores the "
-        "host work would use (docs/benchmarks.md).",
+        "accepts decides where the next step starts); steps without drafts overlap. auto: on "
+        "where the forward runs on a GPU (an H100, 1.2B Llama, compiled forward in CUDA "
+        "graphs: 1.53x at 1 request, 1.08x at 32, 1.04x at 64), off on a CPU, where the "
+        "forward's threads take the cores the host work would use (docs/benchmarks.md).",
     )
     memory_check: Literal["every_step", "periodic", "off"] = Field(
         "periodic",
@@ -318,6 +319,12 @@ class EngineConfig(_Strict):
     memory_check_period_s: float = Field(
         10.0, gt=0, description="Seconds between checks under memory_check: periodic."
     )
+
+    def overlaps(self) -> bool:
+        """`overlap_schedule` resolved for `model.device`."""
+        if self.overlap_schedule == "auto":
+            return self.model.device.split(":")[0] == "cuda"
+        return self.overlap_schedule
 
     def prefill_batch_limit(self) -> int | None:
         """`scheduler.prefill_batch_tokens` resolved for `model.device` (None: no limit)."""

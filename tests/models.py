@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
+from typing import Literal
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -152,7 +153,7 @@ def tiny_engine(
     compile_prefill: bool | str = "auto",
     compile_prefill_min_tokens: int | None = None,
     compile_cache_dir: str | None = None,
-    overlap: bool = False,
+    overlap: bool | Literal["auto"] = False,
     metrics=None,
     reclaim_sessions_at_limit: bool = False,
     **session_kw,

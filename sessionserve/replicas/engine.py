@@ -127,7 +127,7 @@ class Engine:
         self._in_flight: tuple[ScheduledBatch, Future[StepOutput]] | None = None
         # steps scheduled while the previous one ran / that waited for it first
         self.overlap_totals = {"overlapped_steps": 0, "overlap_waits": 0}
-        if cfg.overlap_schedule:
+        if cfg.overlaps():
             self.forwards = ForwardThread(self.runner)
             self.runner.kv_pool.fence = self.forwards.wait
 

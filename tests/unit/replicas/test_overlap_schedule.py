@@ -119,6 +119,26 @@ def test_overlap_gives_the_tokens_it_gives_without(arch: str, seed: int) -> None
     overlapped.close()
 
 
+def test_overlap_is_on_by_default_where_the_forward_runs_on_a_gpu() -> None:
+    """`auto` (the default): on for a CUDA device, where it measured 1.04-1.53x on an H100,
+    off on a CPU; an explicit choice holds on either; anything else is refused."""
+    from pydantic import ValidationError
+
+    from sessionserve.config import EngineConfig, ModelConfig
+
+    devices = ("cpu", "cuda", "cuda:1")
+    on = {d: EngineConfig(model=ModelConfig(device=d)).overlaps() for d in devices}
+    assert on == {"cpu": False, "cuda": True, "cuda:1": True}
+    for choice in (True, False):
+        for d in ("cpu", "cuda"):
+            cfg = EngineConfig(model=ModelConfig(device=d), overlap_schedule=choice)
+            assert cfg.overlaps() is choice
+    with pytest.raises(ValidationError):
+        EngineConfig(overlap_schedule="sometimes")
+    model = tiny_model()
+    assert tiny_engine(model, overlap="auto").forwards is None  # tiny engines run on the CPU
+
+
 def test_overlap_under_kv_pressure_retracts_and_restores_from_the_host_tier() -> None:
     """A pool too small for the load: decodes run out of KV (the overlapped schedule stalls,
     the running step is processed, then requests are retracted) and idle sessions go to the
@@ -166,7 +186,8 @@ def test_max_tokens_reached_in_flight_costs_no_extra_step() -> None:
         e.generate([list(range(5, 25))], GREEDY)  # 1 prefill + 11 decode steps
     assert len(forwards) == plain.scheduler.steps == GREEDY.max_tokens
     assert len(captures) == GREEDY.max_tokens  # asked once a step
-    pairs = list(zip(captures, captures[1:]))  # (step k - 1 captured, step k captures)
+    # (step k - 1 captured, step k captures), k = 2..
+    pairs = list(zip(captures, captures[1:], strict=False))
     assert engine.overlap_totals == {
         "overlapped_steps": sum(not before and not now for before, now in pairs),
         "overlap_waits": sum(now and not before for before, now in pairs),
