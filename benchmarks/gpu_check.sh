@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # One call on a lent GPU host (see ../shared/gpu/README.md): the `gpu` tests, the GPU
 # benchmark, then the engine tests on CUDA, each stage under its own time limit and all of
-# them under DEADLINE_S, logs in $OUT (default ./gpu-logs). Stages run in order of value, so a
-# call cut short still returns what ran; a stage's failure does not stop the next.
+# them under DEADLINE_S, logs and profiler tables in /tmp/gpu-logs, packed at the end into
+# $OUT/gpu-logs.tgz (one file: the device tool returns at most 8). Stages run in order of value,
+# so a call cut short still returns what ran; a stage's failure does not stop the next.
 #
 #   bash .gpu/setup.sh && export PYTHONPATH=/tmp/site:$PWD FLASHINFER_WORKSPACE_BASE=/tmp/fi \
-#       FLASHINFER_CUDA_ARCH_LIST=9.0a && bash benchmarks/gpu_check.sh
+#       FLASHINFER_CUDA_ARCH_LIST=9.0a && DEADLINE_S=530 bash benchmarks/gpu_check.sh
 set -u
-out="${OUT:-gpu-logs}"
+out=/tmp/gpu-logs
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 deadline=$(( $(date +%s) + ${DEADLINE_S:-560} ))
@@ -23,13 +24,17 @@ stage() {  # stage NAME MAX_SECONDS COMMAND...: run under min(MAX, time left), l
     timeout -k 10 "$limit" "$@" >"$out/$name.log" 2>&1
     local rc=$?
     echo "== $name: rc $rc in $(( $(date +%s) - t0 ))s"
-    grep -E "passed|failed|error|Error|ms/step|built|TTFT|step split|^\{" "$out/$name.log" | tail -25
+    grep -E "passed|failed|error|Error|ms/step|built|TTFT|step split|verify of|^\{" "$out/$name.log" | tail -25
 }
 
 {
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
     python3 -c "import torch, transformers; print(torch.__version__, torch.version.cuda, transformers.__version__)"
     python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)"
+    lscpu | grep -E "Model name|^CPU\(s\)"
+    # the host's Python speed: host-bound steps scale with it (0.137 s on the 2-core dev box,
+    # 0.24 s on run H's GPU host, docs/benchmarks.md)
+    python3 -c "import time; t = time.perf_counter(); sum(range(10**7)); print('python: sum(range(1e7))', round(time.perf_counter() - t, 3), 's')"
 } 2>&1 | tee "$out/env.log"
 
 # what never ran on a GPU first: overlap's forward thread must never wait for the device;
@@ -37,7 +42,7 @@ stage() {  # stage NAME MAX_SECONDS COMMAND...: run under min(MAX, time left), l
 stage new_gpu_tests 120 "${PYTEST[@]}" -m gpu tests/unit/replicas/test_overlap_schedule.py \
     tests/unit/replicas/test_speculative_decoding.py
 stage benchmark 300 python3 -m benchmarks.gpu --concurrency 1 32 64 --backends flashinfer \
-    --graph-modes on --skip-hf --compile on --verify-cost --log-dir "$out"
+    --graph-modes on --skip-hf --compile on --verify-cost --log-dir "$out"   # + spec step split
 stage freezing 150 python3 -m benchmarks.gpu --concurrency 1 32 --backends flashinfer \
     --graph-modes on --skip-hf --compile on --no-overlap --jit-freezing
 stage gpu_tests 90 "${PYTEST[@]}" -m gpu tests/unit/replicas/test_device_path.py \
@@ -47,3 +52,4 @@ stage cuda_suite 300 "${PYTEST[@]}" --device cuda -m "not gpu" \
     tests/unit/replicas/test_overlap_schedule.py tests/unit/replicas/test_equivalence.py \
     tests/unit/replicas/test_speculative_decoding.py tests/unit/replicas/test_engine_sessions.py
 echo "== done $(date +%T)"
+mkdir -p "${OUT:-.}" && tar czf "${OUT:-.}/gpu-logs.tgz" -C "$out" .

@@ -29,6 +29,7 @@ import torch
 from sessionserve.cache.kv_pool import KVPool
 from sessionserve.cache.session_cache import SessionCache
 from sessionserve.replicas.attention import ATTN_NAME, AttentionBackend, ForwardMeta, SeqSpec
+from sessionserve.replicas.attention.base import to_device
 from sessionserve.replicas.request import Request
 from sessionserve.replicas.sampling import draw, uniforms
 from sessionserve.replicas.speculative.draft_state import DraftState
@@ -191,7 +192,7 @@ class EagleProposer:
             e.req.draft = None
         if not wanting:
             return
-        feats = out[rows]
+        feats = out.index_select(0, to_device(torch.tensor(rows), out.device))
         reqs = [entries[i].req for i in wanting]
         tokens, dist, candidates = self._choose(feats, reqs, logits)
         for row, r in enumerate(reqs):
@@ -209,19 +210,21 @@ class EagleProposer:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The head's output [T, h] and, where its compiled step ran, the draft logits of
         `logit_rows` (else None: the caller scores the rows it needs eagerly)."""
-        dev = self.device
+        dev, n = self.device, len(ids)
+        # one copy up, from pinned memory on a GPU: a copy from pageable memory would first
+        # wait for everything the device has queued (three such a forward, before)
+        host = torch.cat((torch.tensor(ids), torch.tensor(positions), out_slots))
+        ids_t, pos_t, slots = to_device(host, dev).split((n, n, len(out_slots)))
         meta = ForwardMeta(
             backend=self.backend,
             kv_pool=self.pool,
-            out_slots=out_slots.to(dev),
+            out_slots=slots,
             plan=self.backend.prepare(seqs, dev),
         )
-        ids_t = torch.tensor(ids, device=dev)
-        pos_t = torch.tensor(positions, device=dev)
         hidden = hidden.to(dev)
         compiled = self.compiled.get(hidden.shape[-1])
-        if compiled is not None and len(ids) <= self.compiled_max_tokens:
-            rows = torch.tensor(logit_rows, dtype=torch.int64, device=dev)
+        if compiled is not None and n <= self.compiled_max_tokens:
+            rows = torch.tensor(logit_rows, dtype=torch.int64, device=dev)  # (CPU only)
             logits, out = compiled.run(ids_t, hidden, pos_t, rows, meta)
             return out, logits
         out = self.drafter.features(ids_t[None], hidden[None], pos_t[None], paged_meta=meta)
