@@ -392,6 +392,7 @@ def verify_costs(model, config: Config, args) -> dict[int, dict[str, float]]:
         profile_spec_steps(spec, c, args)
         graphs = spec.runner.verify_graphs
         chain = spec.speculative.eagle.chain_graphs
+        catch_ups = spec.speculative.eagle.catch_up_graphs
         out[c] = {
             "verify_ms": round(verify, 3),
             "decode_ms": round(decode, 3),
@@ -401,6 +402,7 @@ def verify_costs(model, config: Config, args) -> dict[int, dict[str, float]]:
             "step_ratio": round(spec_step / step, 3),
             "verify_graph_replays": graphs.replays if graphs is not None else 0,
             "chain_graph_replays": chain.replays if chain is not None else 0,
+            "catch_up_graph_replays": catch_ups.replays if catch_ups is not None else 0,
             "spec_step_split_ms": split,
         }
         print(

@@ -43,6 +43,7 @@ from sessionserve.replicas.cuda_graphs import (
     buckets_up_to,
 )
 from sessionserve.replicas.model_runner import ModelRunner
+from sessionserve.replicas.speculative.catch_up_graphs import CatchUpGraphs
 from sessionserve.replicas.speculative.chain_graphs import ChainGraphs
 from sessionserve.replicas.speculative.checkpoint import load_drafter
 from sessionserve.replicas.speculative.compiled_head import head_compile_jobs
@@ -111,10 +112,11 @@ def build_runner(
         runner.verify_graphs = VerifyGraphs(
             runner, backend, runner.graphs.buckets, cfg.spec.num_drafts + 1
         )
-        if speculative.eagle is not None:  # the head's chain steps in one graph, greedy rows
-            head_backend = TorchPagedBackend(cfg.cache.max_context_len)
-            speculative.eagle.chain_graphs = ChainGraphs(
-                speculative.eagle, runner.graphs.buckets, head_backend
+        if speculative.eagle is not None:  # the head's chain and catch-up, greedy rows
+            head_backend, eagle = TorchPagedBackend(cfg.cache.max_context_len), speculative.eagle
+            eagle.chain_graphs = ChainGraphs(eagle, runner.graphs.buckets, head_backend)
+            eagle.catch_up_graphs = CatchUpGraphs(
+                eagle, runner.graphs.buckets, head_backend, cfg.spec.num_drafts + 1
             )
     eagle = speculative.eagle if speculative else None
     compile_forwards(cfg, model, runner, eagle)

@@ -130,6 +130,9 @@ class Engine:
         if cfg.overlaps():
             self.forwards = ForwardThread(self.runner)
             self.runner.kv_pool.fence = self.forwards.wait
+            if self.speculative is not None and self.speculative.eagle is not None:
+                # the head's catch-up lands beside the next step's forward: no capture then
+                self.speculative.eagle.may_capture = lambda: self._in_flight is None
 
     def grammars(self) -> Grammars:
         """The JSON-schema compiler, built by the first constrained request (reading the

@@ -20,7 +20,7 @@ past the committed ones as scratch, which the catch-up then overwrites.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -37,6 +37,7 @@ from sessionserve.replicas.speculative.drafter import DraftHead
 from sessionserve.replicas.step import CatchUp, Drafts
 
 if TYPE_CHECKING:  # built by assembly.py, over this proposer
+    from sessionserve.replicas.speculative.catch_up_graphs import CatchUpGraphs
     from sessionserve.replicas.speculative.chain_graphs import ChainGraphs
     from sessionserve.replicas.speculative.compiled_head import CompiledHead
 
@@ -63,6 +64,11 @@ class EagleProposer:
         self.device = next(drafter.parameters()).device
         drafter.config._attn_implementation = ATTN_NAME
         self.chain_graphs: ChainGraphs | None = None  # on CUDA (assembly.py)
+        self.catch_up_graphs: CatchUpGraphs | None = None  # on CUDA (assembly.py)
+        # whether a graph may be captured now: under overlap scheduling a catch-up runs when
+        # a step lands, maybe beside the next step's forward, and a stream capture forbids
+        # other threads' device work (the engine sets it; engine.py)
+        self.may_capture: Callable[[], bool] = lambda: True
         # on CPU, the head's step compiled per input width (compiled_head.py), installed by
         # assembly.py (or its background build) for steps of up to `compiled_max_tokens`
         self.compiled: dict[int, CompiledHead] = {}
@@ -176,6 +182,8 @@ class EagleProposer:
         entries = [e for e in entries if e.end > e.start]
         if not entries:
             return
+        if self.catch_up_graphs is not None and self.catch_up_graphs.run(entries):
+            return  # replayed: every entry has its guess
         ids, pos, out_slots, seqs, hidden, last = [], [], [], [], [], []
         for e in entries:
             n = e.end - e.start

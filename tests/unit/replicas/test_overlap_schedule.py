@@ -388,6 +388,46 @@ def test_speculation_under_overlap_on_cuda_with_graphs() -> None:
     engine.close()
 
 
+def test_the_heads_catch_up_graphs_are_captured_only_with_no_step_in_flight() -> None:
+    """Under overlap a step's EAGLE catch-up runs when it lands, maybe while the next step's
+    forward runs on the forward thread; a graph capture then would break that forward (a
+    stream capture forbids other threads' device work). So the engine tells the head when
+    nothing is in flight (`may_capture`), and `CatchUpGraphs` builds a new shape only then,
+    else catches up eagerly (its static path stands in for the graphs here). Answers stay
+    the plain engine's either way."""
+    from sessionserve.replicas.attention.torch_backend import TorchPagedBackend
+    from sessionserve.replicas.speculative.catch_up_graphs import CatchUpGraphs
+
+    model = tiny_model(num_hidden_layers=1, seed=3)
+    plain = _run(tiny_engine(model, prefill=24), _workload(1, sampled=False))
+    engine = tiny_engine(model, drafter=mimic_drafter, prefill=24, overlap=True)
+    engine.speculative.policy = _Alternating()
+    eagle = engine.speculative.eagle
+    graphs = eagle.catch_up_graphs = CatchUpGraphs(
+        eagle, (1, 2, 4, 8), TorchPagedBackend(), eagle.num_drafts + 1, capture=False
+    )
+    seen = []  # (a step in flight, the head may capture) at each catch-up
+    run = graphs.run
+    graphs.run = lambda e: (
+        seen.append((engine._in_flight is not None, eagle.may_capture())),
+        run(e),
+    )[1]
+    got = _run(engine, _workload(1, sampled=False))
+    assert got.results == plain.results
+    assert {flight for flight, _ in seen} == {True, False}  # both happened
+    assert all(may != flight for flight, may in seen)
+    assert graphs.replays > 0 and engine.overlap_totals["overlapped_steps"] > 0
+    # with every step's catch-up told not to capture: no shape is built, all go eagerly
+    graphs.graphs.clear()
+    eagle.may_capture = lambda: False
+    replays = graphs.replays
+    again = _run(engine, _workload(1, sampled=False))
+    assert again.results == plain.results
+    assert not graphs.graphs and graphs.replays == replays
+    engine.checker.check_idle()
+    engine.close()
+
+
 @pytest.mark.parametrize("seed", [0, 5])
 def test_speculation_under_overlap_gives_the_plain_engines_tokens(seed: int) -> None:
     """EAGLE and history drafts with overlap scheduling, over sessions and plain requests

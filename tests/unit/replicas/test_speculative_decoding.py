@@ -355,7 +355,8 @@ def test_verifies_through_the_verify_graphs_static_path(drafts: str) -> None:
 def test_verify_graphs_replay_on_cuda() -> None:
     """On a GPU the verify steps replay captured graphs (`VerifyGraphs`, built by the engine
     when speculation and CUDA graphs are both on), so do the head's chain steps
-    (`ChainGraphs`), and the answers stay transformers'."""
+    (`ChainGraphs`) and its catch-ups after a verify (`CatchUpGraphs`), and the answers stay
+    transformers'."""
     model = tiny_model(num_hidden_layers=1, seed=3)
     prompts = _prompts(0, (5, 17, 33, 40, 61))
     spec = tiny_engine(model, drafter=mimic_drafter, prefill=24, device="cuda")
@@ -367,6 +368,20 @@ def test_verify_graphs_replay_on_cuda() -> None:
     chain = spec.speculative.eagle.chain_graphs
     assert chain is not None and chain.replays > 0
     assert all(g.graph is not None for g in chain.graphs.values())
+    catch_ups = spec.speculative.eagle.catch_up_graphs
+    assert catch_ups is not None and catch_ups.replays > 0
+    assert all(g.graph is not None for g in catch_ups.graphs.values())
+
+
+def _reads_features(model):
+    """A head whose drafts depend on its input feature (the target's hidden state when it
+    catches up, its own output when it chains): one given to the wrong row or step changes
+    them."""
+    head = mimic_drafter(model, noise=0.05)
+    h = model.config.hidden_size
+    with torch.no_grad():
+        head.fc.weight[:, h:] = torch.eye(h)
+    return head
 
 
 @pytest.mark.parametrize("history", [False, True])
@@ -386,15 +401,8 @@ def test_the_heads_chain_through_its_graphs_static_path_drafts_what_the_loop_dra
     model = tiny_model(num_hidden_layers=1, seed=3)
     prompts = _prompts(2, (6, 19, 33, 47, 70))
 
-    def reads_features(m):
-        head = mimic_drafter(m, noise=0.05)
-        h = m.config.hidden_size
-        with torch.no_grad():
-            head.fc.weight[:, h:] = torch.eye(h)
-        return head
-
     def engine(graphs: bool):
-        e = tiny_engine(model, drafter=reads_features, prefill=24, history_drafts=history)
+        e = tiny_engine(model, drafter=_reads_features, prefill=24, history_drafts=history)
         eagle, proposed = e.speculative.eagle, []
         if graphs:
             eagle.chain_graphs = ChainGraphs(eagle, (1, 2, 4, 8), TorchPagedBackend(), False)
@@ -416,3 +424,54 @@ def test_the_heads_chain_through_its_graphs_static_path_drafts_what_the_loop_dra
     chain = graphed.speculative.eagle.chain_graphs
     assert chain.replays > 0 and len({size for size, _, _ in chain.graphs}) > 1
     graphed.checker.check_idle()
+
+
+@pytest.mark.parametrize("history", [False, True])
+def test_the_heads_catch_up_through_its_graphs_static_path_guesses_what_the_eager_pass_does(
+    history: bool,
+) -> None:
+    """`CatchUpGraphs` (on a GPU one graph of the head's pass over each request's newly
+    committed positions, rows padded to num_drafts + 1 tokens, and each row's next first
+    draft; here its static path runs eagerly) gives every request the guess and the feature
+    the eager pass gives, and writes the head K/V the eager pass writes (later guesses read
+    it), so the drafts and answers stay the same. Prefill chunks (longer than a row) and,
+    with history drafts beside it, steps where a request copies its history take the eager
+    pass."""
+    from sessionserve.replicas.attention.torch_backend import TorchPagedBackend
+    from sessionserve.replicas.speculative.catch_up_graphs import CatchUpGraphs
+
+    model = tiny_model(num_hidden_layers=1, seed=3)
+    prompts = _prompts(4, (6, 19, 33, 47, 70))
+
+    def engine(graphs: bool):
+        e = tiny_engine(model, drafter=_reads_features, prefill=24, history_drafts=history)
+        eagle, guesses, graphed = e.speculative.eagle, [], []
+        if graphs:
+            eagle.catch_up_graphs = CatchUpGraphs(
+                eagle, (1, 2, 4, 8), TorchPagedBackend(), eagle.num_drafts + 1, False
+            )
+        catch_up = eagle.catch_up
+
+        def logged(entries):
+            replays = eagle.catch_up_graphs.replays if graphs else 0
+            catch_up(entries)
+            graphed.append(graphs and eagle.catch_up_graphs.replays > replays)
+            drafts = [e.req.draft for e in entries if e.end > e.start]
+            guesses.append([(d.token, d.feature) for d in drafts if d is not None])
+
+        eagle.catch_up = logged
+        return e, guesses, graphed
+
+    (plain, want, _), (graphs, got, replayed) = engine(False), engine(True)
+    answers, expected = graphs.generate(prompts, GREEDY), plain.generate(prompts, GREEDY)
+    for prompt, r, w in zip(prompts, answers, expected, strict=True):
+        assert r.output_ids == w.output_ids == hf_greedy(model, prompt, GREEDY.max_tokens)
+    assert len(got) == len(want) > 10
+    for step_got, step_want in zip(got, want, strict=True):
+        assert [t for t, _ in step_got] == [t for t, _ in step_want]
+        for (_, f), (_, w) in zip(step_got, step_want, strict=True):
+            assert torch.allclose(f, w, atol=1e-5), (f - w).abs().max()
+    catch_ups = graphs.speculative.eagle.catch_up_graphs
+    assert catch_ups.replays == sum(replayed) > 0 and not all(replayed)  # prefills: eager
+    assert len({size for size, _, _ in catch_ups.graphs}) > 1  # batch buckets, padding rows
+    graphs.checker.check_idle()
