@@ -14,12 +14,14 @@ Only steps whose every row wants a greedy guess take it (a sampled request keeps
 distribution for the acceptance test, a tree its candidates, a deferred catch-up may be
 longer: the eager pass), and a new shape is captured only while no other step runs
 (`EagleProposer.may_capture`: under overlap scheduling a catch-up runs when its step lands,
-maybe beside the next one's forward; until then that shape goes eagerly). With
+maybe beside the next one's forward; until then that shape goes eagerly). A graph that
+fails to build (never yet run on a GPU) is logged and every catch-up goes eagerly. With
 `capture=False` the same static path runs eagerly: CPU tests check it against the eager pass.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -34,6 +36,8 @@ from sessionserve.replicas.step import CatchUp
 
 if TYPE_CHECKING:  # the proposer holds its graphs
     from sessionserve.replicas.speculative.proposer import EagleProposer
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -66,6 +70,7 @@ class CatchUpGraphs:
         self.graphs: dict[tuple[int, int, int], _CatchUpGraph] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.replays = 0
+        self.failed: str | None = None  # why a graph could not be built: all go eagerly
 
     def run(self, entries: Sequence[CatchUp]) -> bool:
         """Catch the head up on `entries` (each with at least one position) and give each its
@@ -90,9 +95,14 @@ class CatchUpGraphs:
         features = entries[0].hidden.shape[-1]  # the target's (EAGLE-3: three layers')
         g = self.graphs.get((size, width, features))
         if g is None:
-            if not p.may_capture():  # the next step's forward runs beside this catch-up
+            if self.failed is not None or not p.may_capture():  # (may: no forward beside it)
                 return False
-            g = self._build(size, width, features)
+            try:
+                g = self._build(size, width, features)
+            except Exception as exc:  # noqa: BLE001 - the eager pass still works
+                self.failed = f"{type(exc).__name__}: {exc}"
+                log.warning("the EAGLE head's catch-up runs eagerly: its graph failed (%s)", exc)
+                return False
         place = torch.cat([b * q + torch.arange(n) for b, n in enumerate(counts)])
         ids, positions, slots = (torch.zeros(size * q, dtype=torch.int64) for _ in range(3))
         committed = [t for e in entries for t in e.req.token_slice(e.start + 1, e.end + 1)]

@@ -475,3 +475,33 @@ def test_the_heads_catch_up_through_its_graphs_static_path_guesses_what_the_eage
     assert catch_ups.replays == sum(replayed) > 0 and not all(replayed)  # prefills: eager
     assert len({size for size, _, _ in catch_ups.graphs}) > 1  # batch buckets, padding rows
     graphs.checker.check_idle()
+
+
+def test_a_catch_up_graph_that_fails_to_build_leaves_the_eager_pass(caplog) -> None:
+    """A `CatchUpGraphs` shape that cannot be built (a failed capture) is logged once, and
+    from then on every catch-up runs eagerly: answers stay transformers'."""
+    from sessionserve.replicas.attention.torch_backend import TorchPagedBackend
+    from sessionserve.replicas.speculative.catch_up_graphs import CatchUpGraphs
+
+    model = tiny_model(num_hidden_layers=1, seed=3)
+    prompts = _prompts(6, (9, 30))
+    spec = tiny_engine(model, drafter=mimic_drafter, prefill=24)
+    eagle = spec.speculative.eagle
+    graphs = eagle.catch_up_graphs = CatchUpGraphs(
+        eagle, (1, 2, 4), TorchPagedBackend(), eagle.num_drafts + 1, capture=False
+    )
+    builds = []
+
+    def broken(*args):
+        builds.append(args)
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    graphs._build = broken
+    with caplog.at_level("WARNING"):
+        results = spec.generate(prompts, GREEDY)
+    for prompt, r in zip(prompts, results, strict=True):
+        assert r.output_ids == hf_greedy(model, prompt, GREEDY.max_tokens)
+    assert len(builds) == 1 and graphs.replays == 0 and "stream is capturing" in graphs.failed
+    assert sum("catch-up runs eagerly" in m for m in caplog.messages) == 1
+    assert spec.speculative.stats.steps > 0
+    spec.checker.check_idle()
