@@ -300,7 +300,13 @@ class SpeculativeDecoder:
             if mark is not None:
                 mark.caught_up_deferred |= start < s.start
             entries.append(CatchUp(req, start, end, hidden, wants))
+        # what taking drafting up again costs (policy.py): the head's pass over the positions
+        # deferred while the batch did not draft
+        policy = self.policy if mark is not None and mark.caught_up_deferred else None
+        started = policy.clock() if policy is not None else 0.0
         self.eagle.catch_up(entries)
+        if policy is not None:
+            policy.observe_switch(len(decoding), policy.clock() - started)
 
     def finish_step(self, batch: ScheduledBatch, out: StepOutput) -> None:
         """Tell the policy what a decode-only step cost and yielded: from its proposal, or

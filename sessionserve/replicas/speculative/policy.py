@@ -13,6 +13,14 @@ about gap * (slow step / fast step) fast steps, and re-checking every n-th step 
 of throughput: n = max(`explore_every`, that / `explore_loss`), at most `max_explore_every`
 (a 16% gap at equal step times is re-checked every 16 steps; a verify at 8 decodes that yields
 half the tokens/s in steps 2.5x as long, every 125: about 1% of throughput either way).
+
+Taking drafting up again has a price of its own: while a bucket does not draft, the head's
+pass over each step's tokens waits, and the first step that drafts pays for all of it
+(decoder.py; no arm's timing includes it). That pass's seconds are measured
+(`observe_switch`): a bucket that did not draft last takes drafting up only where its gain
+over `explore_every` steps pays them back, and a re-check of drafting counts them in its
+cost. (SmolLM2 on 2 cores, 8 requests, arms within a few percent: without this the policy
+flipped between them and the deferred passes took 4-6% of decode time, docs/benchmarks.md.)
 """
 
 from __future__ import annotations
@@ -61,6 +69,10 @@ class SpecPolicy:
         self.warmup_steps = warmup_steps
         self.arms: dict[tuple[int, bool], Arm] = {}
         self._since_recheck: dict[int, int] = {}
+        # per bucket: seconds of the head's deferred pass when drafting was taken up again,
+        # and the bucket's last choice
+        self.switch_s: dict[int, float] = {}
+        self._drafted: dict[int, bool] = {}
 
     def arm(self, num_decodes: int, speculated: bool) -> Arm:
         return self.arms.setdefault((bucket(num_decodes), speculated), Arm())
@@ -74,22 +86,41 @@ class SpecPolicy:
             return False
         b = bucket(num_decodes)  # decisions since this bucket's last re-check
         self._since_recheck[b] = n = self._since_recheck.get(b, 0) + 1
-        best = on.tokens_per_s >= off.tokens_per_s
-        if n < self.recheck_every(on, off):
-            return best
-        self._since_recheck[b] = 0
-        return not best
+        best = self._drafting_pays(b, on, off)
+        owed = 0.0 if best else self.switch_s.get(b, 0.0)  # a re-check of drafting pays it
+        choice = best if n < self.recheck_every(on, off, owed) else not best
+        if choice != best:
+            self._since_recheck[b] = 0
+        self._drafted[b] = choice
+        return choice
 
-    def recheck_every(self, on: Arm, off: Arm) -> int:
-        """Decisions between re-checks of the slower arm: more, the more one of them costs
-        (its tokens/s gap, in steps as long as its own, counted in the faster arm's steps)."""
+    def _drafting_pays(self, b: int, on: Arm, off: Arm) -> bool:
+        """Drafting's tokens/s is the higher, and where the bucket did not draft last, by
+        enough to pay back taking it up (the deferred pass) within `explore_every` steps."""
+        if on.tokens_per_s < off.tokens_per_s:
+            return False
+        if self._drafted.get(b, True) or on.tokens_per_s <= 0:
+            return True
+        gain = (1.0 - off.tokens_per_s / on.tokens_per_s) * on.step_s * self.explore_every
+        return gain >= self.switch_s.get(b, 0.0)
+
+    def recheck_every(self, on: Arm, off: Arm, owed_s: float = 0.0) -> int:
+        """Decisions between re-checks of the other arm: more, the more one costs (its
+        tokens/s gap, in steps as long as its own, plus `owed_s` of work it pays first,
+        counted in the faster arm's steps)."""
         fast, slow = (on, off) if on.tokens_per_s >= off.tokens_per_s else (off, on)
         if fast.tokens_per_s <= 0 or fast.step_s <= 0:
             return self.explore_every
         gap = 1.0 - slow.tokens_per_s / fast.tokens_per_s
-        cost = gap * slow.step_s / fast.step_s  # fast steps lost per re-check
+        cost = (gap * slow.step_s + owed_s) / fast.step_s  # fast steps lost per re-check
         every = max(self.explore_every, round(cost / self.explore_loss))
         return min(every, self.max_explore_every)
+
+    def observe_switch(self, num_decodes: int, seconds: float) -> None:
+        """Taking drafting up again made the head catch up on `seconds` of deferred work."""
+        b = bucket(num_decodes)
+        last = self.switch_s.get(b)
+        self.switch_s[b] = seconds if last is None else last + self.smoothing * (seconds - last)
 
     def observe(self, num_decodes: int, speculated: bool, tokens: int, seconds: float) -> None:
         """One decode-only step: `tokens` emitted in `seconds`, drafts verified or not."""

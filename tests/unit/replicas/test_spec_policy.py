@@ -60,6 +60,30 @@ def test_a_recheck_in_long_steps_comes_more_rarely() -> None:
     assert policy.choose(8) is True
 
 
+def test_drafting_is_taken_up_again_only_where_it_pays_for_the_deferred_pass() -> None:
+    """A bucket that did not draft last owes the head's deferred pass (`observe_switch`)
+    before drafting again: it drafts where its gain over `explore_every` steps pays that
+    back; a re-check of drafting counts it in its cost; once paid, drafting goes on."""
+
+    def policy_owing(switch_s: float) -> SpecPolicy:
+        policy = SpecPolicy(explore_every=10, warmup_steps=1, explore_loss=0.01)
+        policy.observe(8, True, tokens=21, seconds=0.2)  # 105 tokens/s
+        policy.observe(8, False, tokens=20, seconds=0.2)  # 100 tokens/s
+        policy.observe_switch(8, switch_s)
+        return policy
+
+    # drafting is 5% faster: plain is re-checked at the 10th decision; after it, taking
+    # drafting up again owes 1 s for a gain of (1 - 100 / 105) * 0.2 s * 10 = 0.095 s, so
+    # plain stays, and drafting is re-checked every (0.0476 * 0.2 + 1) / 0.2 / 0.01 -> 128
+    # (the cap) decisions; that re-check paid the pass, so drafting goes on after it
+    policy = policy_owing(1.0)
+    picks = [policy.choose(8) for _ in range(145)]
+    assert [i for i, p in enumerate(picks, start=1) if not p] == list(range(10, 138))
+    # taking it up costs 0.05 s: the gain pays it back, drafting resumes at once
+    policy = policy_owing(0.05)
+    assert [policy.choose(9) for _ in range(15)] == [True] * 9 + [False] + [True] * 5
+
+
 class FakeClock:
     """Advanced by the engine's forward: `plain` per step without drafts, `verify` with.
     Under overlap scheduling each step runs when it is submitted (still landing after the next
@@ -125,8 +149,10 @@ def test_the_engine_drafts_only_where_it_pays(verify_cost: float, overlap: bool)
 
 def test_a_step_that_pays_for_deferred_catch_up_is_not_timed() -> None:
     """While drafting is off the head's catch-up waits; the re-check that resumes it pays
-    for every position since. That work is owed either way, so the step is not counted:
-    here a deferred position costs 100 plain steps, and no timed step shows it."""
+    for every position since. That work is not counted as the step's (one prompt's pass
+    would make drafting look several times dearer once it runs): here a deferred position
+    costs 100 plain steps, and no timed step shows it. It is what taking drafting up again
+    costs (`switch_s`), which spaces the re-checks out, as far as the cap (16) allows."""
     model = tiny_model(num_hidden_layers=1, seed=3)
     engine = tiny_engine(model, drafter=mimic_drafter, adaptive=True)
     clock = FakeClock(engine, plain=1.0, verify=8.0)
@@ -153,6 +179,9 @@ def test_a_step_that_pays_for_deferred_catch_up_is_not_timed() -> None:
     assert r.output_ids == hf_greedy(model, prompt, params.max_tokens)
     assert sum(1 for owed in paid if owed > 0) >= 3  # re-checks (and the end) paid debts
     assert timed and max(timed) < 100.0
+    assert spec.policy.switch_s[1] >= 100.0
+    on, off = spec.policy.arm(1, True), spec.policy.arm(1, False)
+    assert spec.policy.recheck_every(on, off, spec.policy.switch_s[1]) == 16
     arms = spec.policy.summary()["1"]
     assert arms["spec_steps"] >= 2 and arms["plain_tokens_per_s"] > arms["spec_tokens_per_s"]
 
