@@ -79,18 +79,16 @@ class SpecPolicy:
 
     def choose(self, num_decodes: int) -> bool:
         """Should the next step, with about `num_decodes` decoding requests, draft?"""
-        on, off = self.arm(num_decodes, True), self.arm(num_decodes, False)
-        if on.steps < self.warmup_steps:
-            return True
-        if off.steps < self.warmup_steps:
-            return False
-        b = bucket(num_decodes)  # decisions since this bucket's last re-check
-        self._since_recheck[b] = n = self._since_recheck.get(b, 0) + 1
-        best = self._drafting_pays(b, on, off)
-        owed = 0.0 if best else self.switch_s.get(b, 0.0)  # a re-check of drafting pays it
-        choice = best if n < self.recheck_every(on, off, owed) else not best
-        if choice != best:
-            self._since_recheck[b] = 0
+        on, off, b = self.arm(num_decodes, True), self.arm(num_decodes, False), bucket(num_decodes)
+        if on.steps < self.warmup_steps or off.steps < self.warmup_steps:
+            choice = on.steps < self.warmup_steps  # drafting's warm-up first
+        else:  # decisions since this bucket's last re-check
+            self._since_recheck[b] = n = self._since_recheck.get(b, 0) + 1
+            best = self._drafting_pays(b, on, off)
+            owed = 0.0 if best else self.switch_s.get(b, 0.0)  # a re-check of drafting pays it
+            choice = best if n < self.recheck_every(on, off, owed) else not best
+            if choice != best:
+                self._since_recheck[b] = 0
         self._drafted[b] = choice
         return choice
 
