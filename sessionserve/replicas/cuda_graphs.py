@@ -184,6 +184,26 @@ def stage(buffers: Sequence[torch.Tensor], rows: Sequence[torch.Tensor], device)
         buf.copy_(row[: buf.numel()], non_blocking=True)
 
 
+def row_places(counts: Sequence[int], q: int) -> torch.Tensor:
+    """Where each of a step's flat tokens sits in a graph whose rows hold `q` tokens each
+    (row b's `counts[b]` tokens first, padding after them)."""
+    return torch.cat([b * q + torch.arange(n) for b, n in enumerate(counts)])
+
+
+def stage_rows(
+    buffers: Sequence[torch.Tensor],
+    place: torch.Tensor,
+    flat: Sequence[torch.Tensor],
+    device,
+) -> None:
+    """A step's flat int64 inputs placed in a padded-row graph's static buffers (`place`:
+    `row_places`), padding zero (token 0 at position 0, slot 0), with one copy up."""
+    padded = [torch.zeros(b.numel(), dtype=torch.int64) for b in buffers]
+    for buf, values in zip(padded, flat, strict=True):
+        buf[place] = values
+    stage(buffers, padded, device)
+
+
 def capture(forward: Callable[[], None], pool: Any, what: str) -> Any:
     """A CUDA graph of `forward` (after two warm-up runs on a side stream, which allocate
     outside the graph) in the shared memory `pool`."""
@@ -356,14 +376,10 @@ class VerifyGraphs(_GraphSet):
             return None
         q = self.max_query
         g = self._graph(found)
-        # where each of the step's flat tokens sits in the graph's rows of q
-        place = torch.cat([b * q + torch.arange(s.q_len) for b, s in enumerate(batch.seqs)])
-        padded = [torch.zeros(g.ids.numel(), dtype=torch.int64) for _ in range(4)]
+        place = row_places([s.q_len for s in batch.seqs], q)
         flat = (batch.input_ids, batch.positions, batch.out_slots, _sliding_out(batch))
-        for buf, values in zip(padded, flat, strict=True):
-            buf[place] = values
         dev = self.runner.device
-        stage((g.ids, g.positions, g.out_slots, g.sliding_out_slots), padded, dev)
+        stage_rows((g.ids, g.positions, g.out_slots, g.sliding_out_slots), place, flat, dev)
         place = to_device(place, dev)
         if batch.pending_ids is not None:  # their places in the graph's rows
             where = place.index_select(0, batch.pending_ids.index)

@@ -30,7 +30,13 @@ import torch
 
 from sessionserve.replicas.attention.base import ForwardMeta, SeqSpec, to_device
 from sessionserve.replicas.attention.torch_backend import TorchPagedBackend
-from sessionserve.replicas.cuda_graphs import bucket_for, capture, stage
+from sessionserve.replicas.cuda_graphs import (
+    bucket_for,
+    capture,
+    row_places,
+    stage,
+    stage_rows,
+)
 from sessionserve.replicas.speculative.draft_state import DraftState
 from sessionserve.replicas.step import CatchUp
 
@@ -103,15 +109,15 @@ class CatchUpGraphs:
                 self.failed = f"{type(exc).__name__}: {exc}"
                 log.warning("the EAGLE head's catch-up runs eagerly: its graph failed (%s)", exc)
                 return False
-        place = torch.cat([b * q + torch.arange(n) for b, n in enumerate(counts)])
-        ids, positions, slots = (torch.zeros(size * q, dtype=torch.int64) for _ in range(3))
-        committed = [t for e in entries for t in e.req.token_slice(e.start + 1, e.end + 1)]
-        ids[place] = torch.tensor(committed)
-        positions[place] = torch.cat([torch.arange(e.start, e.end) for e in entries])
-        slots[place] = torch.cat([p.cache.slots(e.req.kv, e.start, e.end) for e in entries])
+        place, dev = row_places(counts, q), p.device
+        flat = (
+            torch.tensor([t for e in entries for t in e.req.token_slice(e.start + 1, e.end + 1)]),
+            torch.cat([torch.arange(e.start, e.end) for e in entries]),
+            torch.cat([p.cache.slots(e.req.kv, e.start, e.end) for e in entries]),
+        )
+        stage_rows((g.ids, g.positions, g.out_slots), place, flat, dev)
         last = torch.tensor([b * q + n - 1 for b, n in enumerate(counts)])
-        dev = p.device
-        stage((g.ids, g.positions, g.out_slots, g.last), (ids, positions, slots, last), dev)
+        stage((g.last,), (last,), dev)  # padding rows: 0
         hidden = torch.cat([e.hidden for e in entries]).to(g.hidden.dtype)
         g.hidden.zero_()
         g.hidden.index_copy_(0, to_device(place, dev), to_device(hidden, dev))

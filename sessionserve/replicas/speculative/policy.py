@@ -30,6 +30,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 
+def smoothed(last: float | None, value: float, smoothing: float) -> float:
+    """A running mean that starts at its first value."""
+    return value if last is None else last + smoothing * (value - last)
+
+
 @dataclass
 class Arm:
     tokens_per_s: float = 0.0
@@ -37,11 +42,11 @@ class Arm:
     steps: int = 0
 
     def observe(self, tokens: int, seconds: float, smoothing: float) -> None:
-        if self.steps == 0:
-            self.tokens_per_s, self.step_s = tokens / seconds, seconds
-        else:
-            self.tokens_per_s += smoothing * (tokens / seconds - self.tokens_per_s)
-            self.step_s += smoothing * (seconds - self.step_s)
+        first = self.steps == 0
+        self.tokens_per_s = smoothed(
+            None if first else self.tokens_per_s, tokens / seconds, smoothing
+        )
+        self.step_s = smoothed(None if first else self.step_s, seconds, smoothing)
         self.steps += 1
 
 
@@ -117,8 +122,7 @@ class SpecPolicy:
     def observe_switch(self, num_decodes: int, seconds: float) -> None:
         """Taking drafting up again made the head catch up on `seconds` of deferred work."""
         b = bucket(num_decodes)
-        last = self.switch_s.get(b)
-        self.switch_s[b] = seconds if last is None else last + self.smoothing * (seconds - last)
+        self.switch_s[b] = smoothed(self.switch_s.get(b), seconds, self.smoothing)
 
     def observe(self, num_decodes: int, speculated: bool, tokens: int, seconds: float) -> None:
         """One decode-only step: `tokens` emitted in `seconds`, drafts verified or not."""
