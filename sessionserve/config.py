@@ -184,6 +184,16 @@ class SpecConfig(_Strict):
     tree_budget: int = Field(
         8, ge=2, le=64, description="Most tree drafts verified per request per step."
     )
+    carried_catch_up_mib: float = Field(
+        64.0,
+        ge=0,
+        description="Memory (MiB, on the model's device) for the EAGLE head's catch-ups that "
+        "session turns leave to their session's next turn. While drafting is off, the head's "
+        "pass over a request's positions waits, with the target's hidden states, until a "
+        "step drafts from the head; a session turn ending with it still waiting leaves it to "
+        "the next turn (up to 512 positions a session), so it is paid only if a later turn "
+        "drafts. Past this budget a turn catches the head up when it ends. 0: always then.",
+    )
     adaptive: bool = Field(
         True,
         description="Measure decode tokens/s with and without drafts per batch size while "

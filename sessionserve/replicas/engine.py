@@ -116,6 +116,9 @@ class Engine:
         self.outputs = OutputProcessor(
             self.tokenizer, self.sessions, self.scheduler.release, self.metrics
         )
+        if spec is not None:  # a session turn's put-off head catch-up, within its budget
+            budget = int(cfg.spec.carried_catch_up_mib * 2**20)
+            spec.may_carry = lambda n: self.sessions.head_backlog_bytes() + n <= budget
         self.checker = MemoryChecker(self.cache)
         self.check_schedule = CheckSchedule(cfg.memory_check, cfg.memory_check_period_s)
         self.eos_ids = eos_token_ids(model, self.tokenizer)
@@ -240,6 +243,8 @@ class Engine:
                 )
                 req.log_base = log_base
                 req.grammar = grammar
+                if session_id is not None:
+                    req.drafting.deferred = self.sessions.take_head_backlog(session_id)
             except Exception:
                 if session_id is not None:
                     self.sessions.cancel_turn(session_id, kv)

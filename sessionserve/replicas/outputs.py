@@ -115,7 +115,8 @@ class OutputProcessor:
     def _close(self, req: Request, success: bool, text: str | None = None) -> StepEvent:
         req.timings.finished = time.monotonic()
         if req.session_id is not None and req.rid in self.requests:
-            self.sessions.turn_ended(req.session_id, success)
+            backlog, req.drafting.deferred = req.drafting.deferred, None  # the session's now
+            self.sessions.turn_ended(req.session_id, success, backlog)
         self.requests.pop(req.rid, None)
         result = RequestResult.of(req, answer_text(self.tokenizer, req) if text is None else text)
         self.metrics.on_finish(result)

@@ -27,6 +27,7 @@ from sessionserve.errors import (
     UnknownSessionError,
 )
 from sessionserve.replicas.retokenize import continue_history
+from sessionserve.replicas.speculative.draft_state import DeferredCatchUp
 
 log = logging.getLogger(__name__)
 REAP_PERIOD_S = 1.0
@@ -56,11 +57,16 @@ class ReplicaSession:
     """What this replica keeps of a session besides its KV: the activity clock, the idle TTL it
     is read against (the directory's, which every served turn brings; refreshed then) and the
     turns run here (the in-process API's count; a served client reads the directory's count of
-    committed turns, which a retried turn whose answer was lost does not inflate)."""
+    committed turns, which a retried turn whose answer was lost does not inflate), and the
+    EAGLE head's catch-up its last turn put off (drafting was off): the next turn takes it up,
+    so the head's pass runs only if a later turn drafts. It is not exported with the session:
+    a session that moves keeps the head's KV unwritten there (lower acceptance, never a
+    different answer)."""
 
     ttl_s: float | None
     last_active: float = field(default_factory=time.monotonic)  # a turn started or ended
     turns_here: int = 0
+    head_backlog: DeferredCatchUp | None = None
 
 
 @dataclass(frozen=True)
@@ -187,13 +193,32 @@ class SessionController:
         self.cache.abort(kv)
         self.turn_ended(session_id, success=False)
 
-    def turn_ended(self, session_id: str, success: bool) -> None:
+    def turn_ended(
+        self, session_id: str, success: bool, head_backlog: DeferredCatchUp | None = None
+    ) -> None:
+        """`head_backlog`: the EAGLE head's catch-up the turn put off, kept for the next turn
+        (dropped if the turn failed)."""
         if session_id not in self.cache.session_slots:  # a deferred close completed
             self.records.pop(session_id, None)
             return
         record = self.records[session_id]
         record.last_active = time.monotonic()
         record.turns_here += int(success)
+        record.head_backlog = head_backlog if success else None
+
+    def take_head_backlog(self, session_id: str) -> DeferredCatchUp | None:
+        """The head's catch-up the session's last turn put off, for the turn starting now."""
+        record = self.records.get(session_id)
+        if record is None:
+            return None
+        backlog, record.head_backlog = record.head_backlog, None
+        return backlog
+
+    def head_backlog_bytes(self) -> int:
+        """Memory the sessions' put-off head catch-ups hold (target hidden states, on the
+        model's device)."""
+        backlogs = (r.head_backlog for r in self.records.values())
+        return sum(b.nbytes for b in backlogs if b is not None)
 
     def idle(self) -> list[str]:
         """Open sessions with no turn in flight, most recently used first."""

@@ -113,6 +113,9 @@ class SpeculativeDecoder:
         self.choices = 0  # how many choices the policy made (a step's mark names the last)
         self._marks: dict[int, StepMark] = {}  # by step number, from propose to finish_step
         self._last_end: float | None = None  # when the last step ended (with a policy)
+        # whether a session turn may leave a put-off catch-up of this many more bytes to its
+        # next turn (the engine sets it from the sessions' memory budget; engine.py)
+        self.may_carry: Callable[[int], bool] = lambda nbytes: False
 
     @property
     def wants_hidden(self) -> bool:
@@ -269,7 +272,8 @@ class SpeculativeDecoder:
         Requests that go on decoding get a guess when the next step drafts from the head; when
         it does not (the policy turned drafting off, the request copies its history, or it
         cannot draft), their pass waits (with the hidden states) until a guess is wanted or
-        the request ends, so the head costs nothing on steps that do not use it. Skipped:
+        the request ends, so the head costs nothing on steps that do not use it; a session
+        turn that ends with drafting off leaves it to the session's next turn. Skipped:
         failed requests, and (overlap scheduling) requests that ended while this step ran:
         their KV is gone, and its slots may be another request's."""
         skip = {u.req.rid for u in updates if u.error}
@@ -291,8 +295,11 @@ class SpeculativeDecoder:
             going_on = req.rid in decoding
             wants = going_on and self._may_draft(req) and self.eagle.eligible(req)
             wants = wants and not d.copying
-            waiting = 0 if d.deferred_from is None else s.start - d.deferred_from
-            if going_on and not wants and waiting < MAX_DEFERRED:
+            d.resume_at(s.start)
+            puts_off = (going_on and not wants) or (
+                not going_on and self._leaves_to_next_turn(req, hidden)
+            )
+            if puts_off and d.deferred_len(s.start) < MAX_DEFERRED:
                 d.defer(s.start, hidden)  # no guess needed next step: catch up when one is
                 req.draft = None
                 continue
@@ -307,6 +314,16 @@ class SpeculativeDecoder:
         self.eagle.catch_up(entries)
         if policy is not None:
             policy.observe_switch(len(decoding), policy.clock() - started)
+
+    def _leaves_to_next_turn(self, req: Request, hidden: torch.Tensor) -> bool:
+        """Whether a session turn ending with drafting off leaves the head's catch-up to the
+        session's next turn (its owner carries `req.drafting.deferred` there): the pass then
+        runs only if a later turn drafts from the head, and never for a session's last turn.
+        Within `may_carry`'s memory budget; with drafting on the turn catches up now."""
+        d = req.drafting
+        if req.session_id is None or self.drafting or d.deferred is None:
+            return False
+        return self.may_carry(d.deferred.nbytes + hidden.numel() * hidden.element_size())
 
     def finish_step(self, batch: ScheduledBatch, out: StepOutput) -> None:
         """Tell the policy what a decode-only step cost and yielded: from its proposal, or

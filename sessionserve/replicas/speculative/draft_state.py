@@ -83,24 +83,36 @@ class Drafting:
     # this step's history drafts were all kept: the sequence is copying its context, so the
     # next step will draft from history again and the head's guess is not needed
     copying: bool = False
-    # the EAGLE head's catch-up put off while the request does not draft: from this position,
-    # with the target's hidden states since (run when drafting resumes or the request ends)
-    deferred_from: int | None = None
-    deferred_hidden: list[torch.Tensor] = field(default_factory=list)
+    # the EAGLE head's catch-up put off while the request does not draft (run when drafting
+    # resumes or the request ends; a session turn may leave it to the session's next turn)
+    deferred: DeferredCatchUp | None = None
 
     def record(self, source: DraftSource) -> SourceRecord:
         return self.records.setdefault(source, SourceRecord())
 
+    def deferred_len(self, start: int) -> int:
+        """Positions put off before `start` (after `resume_at(start)`)."""
+        return 0 if self.deferred is None else start - self.deferred.start
+
+    def resume_at(self, start: int) -> None:
+        """Keep only the put-off positions before `start`, where this step's computing begins:
+        a backlog carried from a session's last turn is contiguous with the new turn only where
+        the turn kept that much of the session's KV (a chat turn may rewrite the history's
+        tail; a session that lost its KV re-prefills from 0)."""
+        d = self.deferred
+        if d is not None:  # a gap after it cannot be bridged: dropped then
+            self.deferred = d.cut(start) if start <= d.end else None
+
     def defer(self, start: int, hidden: torch.Tensor) -> None:
-        if self.deferred_from is None:
-            self.deferred_from = start
-        self.deferred_hidden.append(hidden.clone())  # graph outputs are reused buffers
+        if self.deferred is None:
+            self.deferred = DeferredCatchUp(start, start)
+        self.deferred.append(start, hidden.clone())  # graph outputs are reused buffers
 
     def take_deferred(self, start: int, hidden: torch.Tensor) -> tuple[int, torch.Tensor]:
         """The deferred positions and this step's, as one catch-up."""
-        if self.deferred_from is None:
+        if self.deferred is None:
             return start, hidden
-        first, chunks = self.deferred_from, self.deferred_hidden + [hidden]
+        first, chunks = self.deferred.start, self.deferred.hidden + [hidden]
         self.drop_deferred()
         return first, torch.cat(chunks)
 
@@ -108,4 +120,34 @@ class Drafting:
         """Forget a deferred catch-up (a retracted or failed request): the head's KV at those
         positions stays unwritten, which can only lower its acceptance later, never change an
         answer (every draft is verified)."""
-        self.deferred_from, self.deferred_hidden = None, []
+        self.deferred = None
+
+
+@dataclass
+class DeferredCatchUp:
+    """The EAGLE head's pass over positions `start` to `end`, put off: the target's hidden
+    states there, one chunk per step (the head's KV at those positions is unwritten)."""
+
+    start: int
+    end: int
+    hidden: list[torch.Tensor] = field(default_factory=list)
+    nbytes: int = 0  # the hidden states' memory
+
+    def append(self, start: int, hidden: torch.Tensor) -> None:
+        if start != self.end:
+            raise ValueError(f"put-off positions end at {self.end}, not {start}")
+        self.hidden.append(hidden)
+        self.end += len(hidden)
+        self.nbytes += hidden.numel() * hidden.element_size()
+
+    def cut(self, end: int) -> DeferredCatchUp | None:
+        """The positions before `end` (None if none)."""
+        if end <= self.start:
+            return None
+        if end >= self.end:
+            return self
+        kept = DeferredCatchUp(self.start, self.start)
+        for h in self.hidden:
+            if kept.end < end:
+                kept.append(kept.end, h[: end - kept.end])
+        return kept

@@ -180,7 +180,10 @@ def test_drafter_kv_holds_exactly_the_committed_positions(
     # model's own next token, not the next turn's first (a known gap: acceptance only, the
     # answers are verified); and the last parked position pairs with the token after it,
     # which only this session knows
-    check = [p for p in range(kept - 1) if p not in turn_ends]
+    # and the positions whose catch-up the last turn left to the next (drafting was off)
+    backlog = engine.sessions.records[sid].head_backlog
+    carried = range(backlog.start, backlog.end) if backlog is not None else range(0)
+    check = [p for p in range(kept - 1) if p not in turn_ends and p not in carried]
     ours = engine.speculative.eagle.pool.k[0][engine.cache.rows.read(slot.row, 0, kept - 1)]
     match = fresh.cache.radix.match_prefix(history[:kept])
     theirs = fresh.speculative.eagle.pool.k[0][match.slots[: kept - 1]]
@@ -197,6 +200,119 @@ def test_drafter_kv_holds_exactly_the_committed_positions(
     engine.cache.flush()
     terms = engine.checker.check_idle()
     assert terms.free == terms.total
+
+
+def _head_passes(engine) -> list[tuple[int, int]]:
+    """The (start, end) of every position range the EAGLE head catches up on, from now on."""
+    passes, catch_up = [], engine.speculative.eagle.catch_up
+
+    def counted(entries):
+        passes.extend((e.start, e.end) for e in entries if e.end > e.start)
+        catch_up(entries)
+
+    engine.speculative.eagle.catch_up = counted
+    return passes
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_turn_leaves_the_heads_put_off_catch_up_to_the_sessions_next_turn(
+    monkeypatch, overlap: bool
+) -> None:
+    """With drafting off (the policy's choice, forced here) the head's catch-up waits; a
+    session turn that ends so leaves it to the session's next turn instead of paying it
+    (a session's last turn never pays it). When the next turn drafts, one pass covers the
+    carried positions and the new ones, and the head's KV then equals a fresh prefill's at
+    every position, its drafts the same as an engine that caught up when the turn ended
+    (`carried_catch_up_mib: 0`). A failed turn drops what it carried. (An untrained head:
+    unlike the mimic head it reads the target's hidden states, so their order matters.)"""
+    model = tiny_model(seed=3)
+    first, second = _prompts(21, (14, 9))
+    runs = {}
+    for mib in (64.0, 0.0):
+        engine = tiny_engine(
+            model,
+            drafter=random_drafter,
+            page_size=1,
+            adaptive=True,
+            carried_catch_up_mib=mib,
+            overlap=overlap,
+        )
+        drafting = [False]
+        monkeypatch.setattr(engine.speculative.policy, "choose", lambda n, d=drafting: d[0])
+        passes = _head_passes(engine)
+        sid = engine.open_session()
+        (r1,) = engine.generate([first], GREEDY, session_id=sid)
+        committed = len(first) + len(r1.output_ids) - 1  # the last answer token is pending
+        backlog = engine.sessions.records[sid].head_backlog
+        if mib:
+            assert passes == [] and r1.spec_steps == 0
+            assert (backlog.start, backlog.end) == (0, committed)
+            assert engine.sessions.head_backlog_bytes() == backlog.nbytes > 0
+        else:
+            assert backlog is None and passes == [(0, committed)]
+        passes.clear()
+        drafting[0] = True
+        (r2,) = engine.generate([second], GREEDY, session_id=sid)
+        history = first + r1.output_ids + second
+        assert r2.output_ids == hf_greedy(model, history, GREEDY.max_tokens)
+        assert r2.spec_steps > 0
+        assert passes[0] == ((0 if mib else committed), committed + 1 + len(second))
+        runs[mib] = (engine, sid, r2, history + r2.output_ids, committed)
+    (engine, sid, r2, history, turn_end), (_, _, p2, _, _) = runs[64.0], runs[0.0]
+    assert (r2.spec_drafted, r2.spec_accepted) == (p2.spec_drafted, p2.spec_accepted)
+    fresh = tiny_engine(model, drafter=random_drafter, page_size=1)
+    slot = engine.cache.session(sid)
+    kept = len(slot.kv_tokens)
+    fresh.generate([history[:kept]], SamplingParams(max_tokens=1, temperature=0))
+    check = [p for p in range(kept - 1) if p != turn_end]  # see the test above
+    ours = engine.speculative.eagle.pool.k[0][engine.cache.rows.read(slot.row, 0, kept - 1)]
+    match = fresh.cache.radix.match_prefix(history[:kept])
+    theirs = fresh.speculative.eagle.pool.k[0][match.slots[: kept - 1]]
+    torch.testing.assert_close(ours[check], theirs[check], atol=1e-4, rtol=1e-4)
+    # a turn that fails drops what it carried: nothing waits for a session whose turn failed
+    monkeypatch.setattr(engine.speculative.policy, "choose", lambda n: False)
+    engine.generate([_prompts(22, (6,))[0]], GREEDY, session_id=sid)
+    assert engine.sessions.records[sid].head_backlog is not None
+    rid = engine.submit(_prompts(23, (6,))[0], GREEDY, session_id=sid)
+    engine.step()
+    assert engine.abort(rid)
+    assert engine.sessions.records[sid].head_backlog is None
+    assert engine.sessions.head_backlog_bytes() == 0
+    engine.close_session(sid)
+    engine.cache.flush()
+    terms = engine.checker.check_idle()
+    assert terms.free == terms.total
+
+
+def test_a_carried_catch_up_keeps_only_what_the_next_turn_kept() -> None:
+    """The next turn computes from where its KV reuse ends: a chat turn that rewrote the
+    history's tail cuts the carried positions there (mid-chunk too), a turn that kept none of
+    them (or left a gap after them) drops them; contiguous steps extend them."""
+    steps = [torch.randn(n, 4) for n in (5, 1, 1, 3)]
+
+    def carried() -> Drafting:
+        d, pos = Drafting(), 10
+        for h in steps:
+            d.defer(pos, h)
+            pos += len(h)
+        return d
+
+    whole = torch.cat(steps)
+    d = carried()
+    d.resume_at(20)  # the next turn kept everything
+    assert (d.deferred.start, d.deferred.end, d.deferred.nbytes) == (10, 20, whole.nbytes)
+    d.resume_at(16)  # it rewrote positions 16 onwards (inside the last step's chunk)
+    assert (d.deferred.start, d.deferred.end) == (10, 16)
+    assert d.deferred.nbytes == 6 * 4 * whole.element_size()
+    start, hidden = d.take_deferred(16, torch.ones(2, 4))
+    assert start == 10 and torch.equal(hidden, torch.cat((whole[:6], torch.ones(2, 4))))
+    assert d.deferred is None
+    for at in (10, 3, 21):  # nothing of it kept, or a gap after it
+        d = carried()
+        d.resume_at(at)
+        assert d.deferred is None
+    with pytest.raises(ValueError, match="end at 20, not 22"):
+        carried().deferred.append(22, torch.ones(1, 4))
 
 
 @pytest.mark.parametrize(
