@@ -17,10 +17,11 @@ half the tokens/s in steps 2.5x as long, every 125: about 1% of throughput eithe
 Taking drafting up again has a price of its own: while a bucket does not draft, the head's
 pass over each step's tokens waits, and the first step that drafts pays for all of it
 (decoder.py; no arm's timing includes it). That pass's seconds are measured
-(`observe_switch`): a bucket that did not draft last takes drafting up only where its gain
-over `explore_every` steps pays them back, and a re-check of drafting counts them in its
-cost. (SmolLM2 on 2 cores, 8 requests, arms within a few percent: without this the policy
-flipped between them and the deferred passes took 4-6% of decode time, docs/benchmarks.md.)
+(`observe_switch`): after a step that did not draft (in any bucket), drafting is taken up
+only where its gain over `explore_every` steps pays them back, and a re-check of drafting
+counts them in its cost. (SmolLM2 on 2 cores, 8 requests, arms within a few percent: without
+this the policy flipped between them and the deferred passes took 4-6% of decode time,
+docs/benchmarks.md.)
 """
 
 from __future__ import annotations
@@ -74,10 +75,11 @@ class SpecPolicy:
         self.warmup_steps = warmup_steps
         self.arms: dict[tuple[int, bool], Arm] = {}
         self._since_recheck: dict[int, int] = {}
-        # per bucket: seconds of the head's deferred pass when drafting was taken up again,
-        # and the bucket's last choice
+        # per bucket: seconds of the head's deferred pass when drafting was taken up again
         self.switch_s: dict[int, float] = {}
-        self._drafted: dict[int, bool] = {}
+        # the last step's choice, in whichever bucket: the head's pass waits after a step
+        # that did not draft, so drafting next owes it (None: nothing chosen yet)
+        self._last_choice: bool | None = None
 
     def arm(self, num_decodes: int, speculated: bool) -> Arm:
         return self.arms.setdefault((bucket(num_decodes), speculated), Arm())
@@ -94,15 +96,16 @@ class SpecPolicy:
             choice = best if n < self.recheck_every(on, off, owed) else not best
             if choice != best:
                 self._since_recheck[b] = 0
-        self._drafted[b] = choice
+        self._last_choice = choice
         return choice
 
     def _drafting_pays(self, b: int, on: Arm, off: Arm) -> bool:
-        """Drafting's tokens/s is the higher, and where the bucket did not draft last, by
-        enough to pay back taking it up (the deferred pass) within `explore_every` steps."""
+        """Drafting's tokens/s is the higher, and where the last step did not draft (in any
+        bucket: a batch that shrinks into this one brings the pass it put off), by enough to
+        pay back taking it up (the deferred pass) within `explore_every` steps."""
         if on.tokens_per_s < off.tokens_per_s:
             return False
-        if self._drafted.get(b, True) or on.tokens_per_s <= 0:
+        if self._last_choice in (None, True) or on.tokens_per_s <= 0:
             return True
         gain = (1.0 - off.tokens_per_s / on.tokens_per_s) * on.step_s * self.explore_every
         return gain >= self.switch_s.get(b, 0.0)

@@ -84,6 +84,26 @@ def test_drafting_is_taken_up_again_only_where_it_pays_for_the_deferred_pass() -
     assert [policy.choose(9) for _ in range(15)] == [True] * 9 + [False] + [True] * 5
 
 
+def test_a_batch_that_shrinks_into_a_bucket_brings_the_pass_it_put_off() -> None:
+    """Whether drafting owes the head's deferred pass depends on the last step, whichever
+    bucket it was in: a batch that shrinks from a bucket that does not draft into one whose
+    arms favour drafting by a little stays plain where the gain does not pay the pass back;
+    after a step that drafted it owes nothing and drafts."""
+    policy = SpecPolicy(explore_every=10, warmup_steps=1, explore_loss=0.01)
+    policy.observe(4, True, tokens=21, seconds=0.2)  # 4-7 requests: drafting 5% faster
+    policy.observe(4, False, tokens=20, seconds=0.2)
+    policy.observe_switch(4, 1.0)  # and taking it up there cost 1 s (gain: 0.095 s)
+    policy.observe(16, True, tokens=10, seconds=0.2)  # 16-31 requests: plain 2x faster
+    policy.observe(16, False, tokens=20, seconds=0.2)
+    assert policy.choose(5) is True  # nothing put off yet
+    assert policy.choose(20) is False
+    assert [policy.choose(7), policy.choose(6)] == [False, False]  # the pass is owed
+    assert policy.choose(20) is False
+    policy.switch_s[bucket(4)] = 0.05  # cheaper now: the gain (0.095 s) pays it back
+    assert policy.choose(5) is True
+    assert policy.choose(5) is True  # drafting went on: nothing owed
+
+
 class FakeClock:
     """Advanced by the engine's forward: `plain` per step without drafts, `verify` with.
     Under overlap scheduling each step runs when it is submitted (still landing after the next
