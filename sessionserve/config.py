@@ -198,7 +198,8 @@ class SpecConfig(_Strict):
         True,
         description="Measure decode tokens/s with and without drafts per batch size while "
         "serving, and draft only where it is faster (re-checking the other choice every 16th "
-        "to 128th step, rarer the larger the gap); cap each request's chain at what its recent "
+        "to 128th step, rarer the dearer a re-check, up to 30 s of steps apart where one is "
+        "dearer still); cap each request's chain at what its recent "
         "verifies kept, plus one. false: every eligible request drafts full chains every step.",
     )
 

@@ -11,8 +11,12 @@ arm so its mean stays current; a bucket starts by trying both. A re-check of the
 loses its gap (1 - slow / fast tokens/s) of a step that lasts its own step time, so it costs
 about gap * (slow step / fast step) fast steps, and re-checking every n-th step costs that / n
 of throughput: n = max(`explore_every`, that / `explore_loss`), at most `max_explore_every`
-(a 16% gap at equal step times is re-checked every 16 steps; a verify at 8 decodes that yields
-half the tokens/s in steps 2.5x as long, every 125: about 1% of throughput either way).
+decisions or, where more, `max_explore_s` of the faster arm's steps (a 16% gap at equal step
+times is re-checked every 16 steps; a verify at 8 decodes that yields half the tokens/s in
+steps 2.5x as long, every 125: about 1% of throughput either way). The cap bounds how stale
+the other arm gets; in time rather than decisions alone because a dear re-check (below: one
+that pays two steps' worth of put-off work at 32 requests) would otherwise cost 2% where
+`explore_loss` aims at 1%.
 
 Taking drafting up again has a price of its own: while a bucket does not draft, the head's
 pass over each step's tokens waits, and the first step that drafts pays for all of it
@@ -66,11 +70,13 @@ class SpecPolicy:
         warmup_steps: int = 2,
         explore_loss: float = 0.01,
         max_explore_every: int = 128,
+        max_explore_s: float = 30.0,
     ) -> None:
         self.clock = clock
         self.explore_every = explore_every
         self.explore_loss = explore_loss
         self.max_explore_every = max_explore_every
+        self.max_explore_s = max_explore_s
         self.smoothing = smoothing
         self.warmup_steps = warmup_steps
         self.arms: dict[tuple[int, bool], Arm] = {}
@@ -120,7 +126,8 @@ class SpecPolicy:
         gap = 1.0 - slow.tokens_per_s / fast.tokens_per_s
         cost = (gap * slow.step_s + owed_s) / fast.step_s  # fast steps lost per re-check
         every = max(self.explore_every, round(cost / self.explore_loss))
-        return min(every, self.max_explore_every)
+        cap = max(self.max_explore_every, int(self.max_explore_s / fast.step_s))
+        return min(every, cap)
 
     def observe_switch(self, num_decodes: int, seconds: float) -> None:
         """Taking drafting up again made the head catch up on `seconds` of deferred work."""

@@ -60,13 +60,34 @@ def test_a_recheck_in_long_steps_comes_more_rarely() -> None:
     assert policy.choose(8) is True
 
 
+def test_a_dear_recheck_waits_past_the_decision_cap_up_to_a_time_bound() -> None:
+    """A re-check of drafting that pays 130 ms of put-off work beside 50 ms plain steps costs
+    ~2.95 plain steps: for ~1% of throughput it waits 295 decisions, past the 128-decision cap,
+    since 295 plain steps last 14.8 s, under `max_explore_s` (30 s); with a time bound of 0 the
+    decision cap holds; with 5 s, 100 steps of 50 ms are too few and the cap's 128 hold."""
+
+    def recheck_every(max_explore_s: float) -> int:
+        policy = SpecPolicy(explore_every=16, warmup_steps=1, max_explore_s=max_explore_s)
+        policy.observe(32, True, tokens=40, seconds=0.08)  # 500 tokens/s in 80 ms steps
+        policy.observe(32, False, tokens=32, seconds=0.05)  # 640 tokens/s in 50 ms steps
+        policy.observe_switch(32, 0.13)
+        picks = [policy.choose(32) for _ in range(300)]
+        every = policy.recheck_every(policy.arm(32, True), policy.arm(32, False), 0.13)
+        assert [i for i, p in enumerate(picks, start=1) if p][:1] == [every]
+        return every
+
+    assert recheck_every(30.0) == 295  # (0.219 * 0.08 + 0.13) / 0.05 / 0.01
+    assert recheck_every(0.0) == 128
+    assert recheck_every(5.0) == 128
+
+
 def test_drafting_is_taken_up_again_only_where_it_pays_for_the_deferred_pass() -> None:
     """A bucket that did not draft last owes the head's deferred pass (`observe_switch`)
     before drafting again: it drafts where its gain over `explore_every` steps pays that
     back; a re-check of drafting counts it in its cost; once paid, drafting goes on."""
 
     def policy_owing(switch_s: float) -> SpecPolicy:
-        policy = SpecPolicy(explore_every=10, warmup_steps=1, explore_loss=0.01)
+        policy = SpecPolicy(explore_every=10, warmup_steps=1, explore_loss=0.01, max_explore_s=0.0)
         policy.observe(8, True, tokens=21, seconds=0.2)  # 105 tokens/s
         policy.observe(8, False, tokens=20, seconds=0.2)  # 100 tokens/s
         policy.observe_switch(8, switch_s)
@@ -149,6 +170,7 @@ def test_the_engine_drafts_only_where_it_pays(verify_cost: float, overlap: bool)
     engine = tiny_engine(model, drafter=mimic_drafter, adaptive=True, overlap=overlap)
     FakeClock(engine, plain=1.0, verify=verify_cost)
     engine.speculative.policy.max_explore_every = 16  # a few re-checks within the answer
+    engine.speculative.policy.max_explore_s = 0.0  # (the cap in decisions alone)
     (prompt,) = _prompts(1)
     params = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)
     (r,) = engine.generate([prompt], params)
@@ -178,6 +200,7 @@ def test_a_step_that_pays_for_deferred_catch_up_is_not_timed() -> None:
     clock = FakeClock(engine, plain=1.0, verify=8.0)
     spec = engine.speculative
     spec.policy.max_explore_every = 16  # a few re-checks within the answer
+    spec.policy.max_explore_s = 0.0  # (the cap in decisions alone)
     eagle_catch_up, paid, timed = spec.eagle.catch_up, [], []
 
     def dear_catch_up(entries):
