@@ -280,7 +280,8 @@ class SpeculativeDecoder:
         decoding = {u.req.rid for u in updates if not (u.error or u.finished)}
         mark = self._marks.get(batch.step)
         if self.policy is not None and (mark is None or mark.choice == self.choices):
-            self.drafting = self.policy.choose(len(decoding))
+            owed = sum(self._owed(s) for s in batch.seqs if s.req.rid in decoding)
+            self.drafting = self.policy.choose(len(decoding), owed)
             self.choices += 1
         if self.eagle is None or out.hidden is None:
             return
@@ -313,7 +314,16 @@ class SpeculativeDecoder:
         started = policy.clock() if policy is not None else 0.0
         self.eagle.catch_up(entries)
         if policy is not None:
-            policy.observe_switch(len(decoding), policy.clock() - started)
+            positions = sum(e.end - e.start for e in entries)
+            policy.observe_switch(positions, policy.clock() - started)
+
+    def _owed(self, s: ScheduledSeq) -> int:
+        """Positions before this step whose head pass `s`'s request put off and would pay
+        if it drafted from the head next (none for one that cannot, or copies its history)."""
+        req, d = s.req, s.req.drafting
+        if self.eagle is None or d.deferred is None or d.copying or not self.eagle.eligible(req):
+            return 0
+        return max(0, min(d.deferred.end, s.start) - d.deferred.start)
 
     def _leaves_to_next_turn(self, req: Request, hidden: torch.Tensor) -> bool:
         """Whether a session turn ending with drafting off leaves the head's catch-up to the

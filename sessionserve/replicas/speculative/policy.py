@@ -18,14 +18,18 @@ the other arm gets; in time rather than decisions alone because a dear re-check 
 that pays two steps' worth of put-off work at 32 requests) would otherwise cost 2% where
 `explore_loss` aims at 1%.
 
-Taking drafting up again has a price of its own: while a bucket does not draft, the head's
-pass over each step's tokens waits, and the first step that drafts pays for all of it
-(decoder.py; no arm's timing includes it). That pass's seconds are measured
-(`observe_switch`): after a step that did not draft (in any bucket), drafting is taken up
-only where its gain over `explore_every` steps pays them back, and a re-check of drafting
-counts them in its cost. (SmolLM2 on 2 cores, 8 requests, arms within a few percent: without
-this the policy flipped between them and the deferred passes took 4-6% of decode time,
-docs/benchmarks.md.)
+Taking drafting up again has a price of its own: while requests do not draft, the head's
+pass over their new positions waits (and a session turn that ends without drafting leaves its
+pass to the session's next turn), and the first step that drafts pays for all of it
+(decoder.py; no arm's timing includes it). So at each decision the decoder says how many
+positions the decoding requests owe the head, and the policy prices them at what the head's
+passes cost per position when drafting was taken up before (`observe_switch`): drafting is
+taken up only where its gain over `explore_every` steps pays that back, and a re-check of
+drafting counts it in its cost. (SmolLM2 on 2 cores, 8 requests, arms within a few percent:
+without this the policy flipped between them and the deferred passes took 4-6% of decode
+time, docs/benchmarks.md.) Priced from what is owed now, not from what the last switch cost:
+a batch's tail, a few requests each owing its whole turn, owes far more than a re-check a few
+steps after the last one.
 """
 
 from __future__ import annotations
@@ -81,40 +85,46 @@ class SpecPolicy:
         self.warmup_steps = warmup_steps
         self.arms: dict[tuple[int, bool], Arm] = {}
         self._since_recheck: dict[int, int] = {}
-        # per bucket: seconds of the head's deferred pass when drafting was taken up again
-        self.switch_s: dict[int, float] = {}
-        # the last step's choice, in whichever bucket: the head's pass waits after a step
-        # that did not draft, so drafting next owes it (None: nothing chosen yet)
-        self._last_choice: bool | None = None
+        # the head's passes when drafting was taken up again: running means of their seconds
+        # and positions (their ratio weighs big passes most, where a pass's fixed cost fades)
+        self._switch_s: float | None = None
+        self._switch_positions: float | None = None
 
     def arm(self, num_decodes: int, speculated: bool) -> Arm:
         return self.arms.setdefault((bucket(num_decodes), speculated), Arm())
 
-    def choose(self, num_decodes: int) -> bool:
-        """Should the next step, with about `num_decodes` decoding requests, draft?"""
+    def choose(self, num_decodes: int, owed_positions: int = 0) -> bool:
+        """Should the next step, with about `num_decodes` decoding requests that owe the head
+        `owed_positions` put-off positions between them, draft?"""
         on, off, b = self.arm(num_decodes, True), self.arm(num_decodes, False), bucket(num_decodes)
         if on.steps < self.warmup_steps or off.steps < self.warmup_steps:
-            choice = on.steps < self.warmup_steps  # drafting's warm-up first
-        else:  # decisions since this bucket's last re-check
-            self._since_recheck[b] = n = self._since_recheck.get(b, 0) + 1
-            best = self._drafting_pays(b, on, off)
-            owed = 0.0 if best else self.switch_s.get(b, 0.0)  # a re-check of drafting pays it
-            choice = best if n < self.recheck_every(on, off, owed) else not best
-            if choice != best:
-                self._since_recheck[b] = 0
-        self._last_choice = choice
+            return on.steps < self.warmup_steps  # drafting's warm-up first
+        # decisions since this bucket's last re-check
+        self._since_recheck[b] = n = self._since_recheck.get(b, 0) + 1
+        owed_s = self.owed_s(owed_positions)
+        best = self._drafting_pays(on, off, owed_s)
+        owed = 0.0 if best else owed_s  # a re-check of drafting pays it
+        choice = best if n < self.recheck_every(on, off, owed) else not best
+        if choice != best:
+            self._since_recheck[b] = 0
         return choice
 
-    def _drafting_pays(self, b: int, on: Arm, off: Arm) -> bool:
-        """Drafting's tokens/s is the higher, and where the last step did not draft (in any
-        bucket: a batch that shrinks into this one brings the pass it put off), by enough to
-        pay back taking it up (the deferred pass) within `explore_every` steps."""
+    def owed_s(self, positions: int) -> float:
+        """What the head's pass over `positions` put-off positions costs, as measured (nothing
+        before the first measurement: taking drafting up once measures it)."""
+        if not self._switch_s or not self._switch_positions:
+            return 0.0
+        return positions * self._switch_s / self._switch_positions
+
+    def _drafting_pays(self, on: Arm, off: Arm, owed_s: float) -> bool:
+        """Drafting's tokens/s is the higher, by enough to pay back the head's pass it owes
+        (`owed_s`) within `explore_every` steps."""
         if on.tokens_per_s < off.tokens_per_s:
             return False
-        if self._last_choice in (None, True) or on.tokens_per_s <= 0:
+        if owed_s <= 0 or on.tokens_per_s <= 0:
             return True
         gain = (1.0 - off.tokens_per_s / on.tokens_per_s) * on.step_s * self.explore_every
-        return gain >= self.switch_s.get(b, 0.0)
+        return gain >= owed_s
 
     def recheck_every(self, on: Arm, off: Arm, owed_s: float = 0.0) -> int:
         """Decisions between re-checks of the other arm: more, the more one costs (its
@@ -129,10 +139,12 @@ class SpecPolicy:
         cap = max(self.max_explore_every, int(self.max_explore_s / fast.step_s))
         return min(every, cap)
 
-    def observe_switch(self, num_decodes: int, seconds: float) -> None:
-        """Taking drafting up again made the head catch up on `seconds` of deferred work."""
-        b = bucket(num_decodes)
-        self.switch_s[b] = smoothed(self.switch_s.get(b), seconds, self.smoothing)
+    def observe_switch(self, positions: int, seconds: float) -> None:
+        """Taking drafting up again made the head catch up on `positions` positions (put off
+        and new) in `seconds`."""
+        if positions > 0 and seconds > 0:
+            self._switch_s = smoothed(self._switch_s, seconds, self.smoothing)
+            self._switch_positions = smoothed(self._switch_positions, positions, self.smoothing)
 
     def observe(self, num_decodes: int, speculated: bool, tokens: int, seconds: float) -> None:
         """One decode-only step: `tokens` emitted in `seconds`, drafts verified or not."""

@@ -70,8 +70,8 @@ def test_a_dear_recheck_waits_past_the_decision_cap_up_to_a_time_bound() -> None
         policy = SpecPolicy(explore_every=16, warmup_steps=1, max_explore_s=max_explore_s)
         policy.observe(32, True, tokens=40, seconds=0.08)  # 500 tokens/s in 80 ms steps
         policy.observe(32, False, tokens=32, seconds=0.05)  # 640 tokens/s in 50 ms steps
-        policy.observe_switch(32, 0.13)
-        picks = [policy.choose(32) for _ in range(300)]
+        policy.observe_switch(1300, 0.13)  # the head's pass: 0.1 ms a position
+        picks = [policy.choose(32, owed_positions=1300) for _ in range(300)]
         every = policy.recheck_every(policy.arm(32, True), policy.arm(32, False), 0.13)
         assert [i for i, p in enumerate(picks, start=1) if p][:1] == [every]
         return every
@@ -81,48 +81,58 @@ def test_a_dear_recheck_waits_past_the_decision_cap_up_to_a_time_bound() -> None
     assert recheck_every(5.0) == 128
 
 
-def test_drafting_is_taken_up_again_only_where_it_pays_for_the_deferred_pass() -> None:
-    """A bucket that did not draft last owes the head's deferred pass (`observe_switch`)
-    before drafting again: it drafts where its gain over `explore_every` steps pays that
-    back; a re-check of drafting counts it in its cost; once paid, drafting goes on."""
+def _choices(policy: SpecPolicy, num_decodes: int, steps: int, owed_per_step: int) -> list[bool]:
+    """The policy's choices over `steps` decisions, each plain step putting the head's pass
+    over `owed_per_step` more positions off, each drafting step paying what was owed."""
+    owed, picks = 0, []
+    for _ in range(steps):
+        picks.append(policy.choose(num_decodes, owed_positions=owed))
+        owed = 0 if picks[-1] else owed + owed_per_step
+    return picks
 
-    def policy_owing(switch_s: float) -> SpecPolicy:
+
+def test_drafting_is_taken_up_again_only_where_it_pays_for_the_deferred_pass() -> None:
+    """Requests that did not draft owe the head their put-off positions, priced at what its
+    passes cost a position when drafting was taken up before (`observe_switch`): drafting
+    resumes where its gain over `explore_every` steps pays that back; a re-check of drafting
+    counts it in its cost; once paid, drafting goes on."""
+
+    def policy_owing(pass_s: float) -> SpecPolicy:
         policy = SpecPolicy(explore_every=10, warmup_steps=1, explore_loss=0.01, max_explore_s=0.0)
         policy.observe(8, True, tokens=21, seconds=0.2)  # 105 tokens/s
         policy.observe(8, False, tokens=20, seconds=0.2)  # 100 tokens/s
-        policy.observe_switch(8, switch_s)
+        policy.observe_switch(100, pass_s)  # a pass over 100 positions took `pass_s`
         return policy
 
     # drafting is 5% faster: plain is re-checked at the 10th decision; after it, taking
-    # drafting up again owes 1 s for a gain of (1 - 100 / 105) * 0.2 s * 10 = 0.095 s, so
-    # plain stays, and drafting is re-checked every (0.0476 * 0.2 + 1) / 0.2 / 0.01 -> 128
-    # (the cap) decisions; that re-check paid the pass, so drafting goes on after it
+    # drafting up again owes >= 1 s (100 positions) for a gain of (1 - 100 / 105) * 0.2 s * 10
+    # = 0.095 s, so plain stays, and drafting is re-checked every (0.0476 * 0.2 + 1) / 0.2 /
+    # 0.01 -> 128 (the cap) decisions; that re-check paid the pass, so drafting goes on after it
     policy = policy_owing(1.0)
-    picks = [policy.choose(8) for _ in range(145)]
+    picks = _choices(policy, 8, 145, owed_per_step=100)
     assert [i for i, p in enumerate(picks, start=1) if not p] == list(range(10, 138))
-    # taking it up costs 0.05 s: the gain pays it back, drafting resumes at once
+    # the pass costs 0.05 s: the gain pays it back, drafting resumes at once
     policy = policy_owing(0.05)
-    assert [policy.choose(9) for _ in range(15)] == [True] * 9 + [False] + [True] * 5
+    assert _choices(policy, 9, 15, owed_per_step=100) == [True] * 9 + [False] + [True] * 5
 
 
-def test_a_batch_that_shrinks_into_a_bucket_brings_the_pass_it_put_off() -> None:
-    """Whether drafting owes the head's deferred pass depends on the last step, whichever
-    bucket it was in: a batch that shrinks from a bucket that does not draft into one whose
-    arms favour drafting by a little stays plain where the gain does not pay the pass back;
-    after a step that drafted it owes nothing and drafts."""
+def test_taking_drafting_up_is_priced_by_what_is_owed_now() -> None:
+    """What drafting owes is what the decoding requests put off, whatever happened before: a
+    batch's tail whose requests each owe a whole turn stays plain where drafting's small gain
+    would not pay the pass back; the same arms with a few positions owed draft; nothing owed,
+    they draft."""
     policy = SpecPolicy(explore_every=10, warmup_steps=1, explore_loss=0.01)
     policy.observe(4, True, tokens=21, seconds=0.2)  # 4-7 requests: drafting 5% faster
     policy.observe(4, False, tokens=20, seconds=0.2)
-    policy.observe_switch(4, 1.0)  # and taking it up there cost 1 s (gain: 0.095 s)
-    policy.observe(16, True, tokens=10, seconds=0.2)  # 16-31 requests: plain 2x faster
-    policy.observe(16, False, tokens=20, seconds=0.2)
-    assert policy.choose(5) is True  # nothing put off yet
-    assert policy.choose(20) is False
-    assert [policy.choose(7), policy.choose(6)] == [False, False]  # the pass is owed
-    assert policy.choose(20) is False
-    policy.switch_s[bucket(4)] = 0.05  # cheaper now: the gain (0.095 s) pays it back
-    assert policy.choose(5) is True
-    assert policy.choose(5) is True  # drafting went on: nothing owed
+    policy.observe_switch(1000, 0.5)  # the head: 0.5 ms a position
+    gain_s = (1 - 20 / 21) * 0.2 * 10  # 0.095 s over `explore_every` drafting steps
+    assert policy.owed_s(1200) == pytest.approx(0.6) and policy.owed_s(1200) > gain_s
+    assert policy.choose(5, owed_positions=1200) is False  # 5 requests owing ~240 each
+    assert policy.choose(5, owed_positions=100) is True  # 0.05 s: paid back
+    assert policy.choose(5, owed_positions=0) is True
+    policy.observe_switch(100, 3.0)  # passes turn out dearer: owed positions weigh more
+    assert policy.owed_s(100) > 0.05
+    assert policy.choose(5, owed_positions=100) is False
 
 
 class FakeClock:
@@ -194,7 +204,7 @@ def test_a_step_that_pays_for_deferred_catch_up_is_not_timed() -> None:
     for every position since. That work is not counted as the step's (one prompt's pass
     would make drafting look several times dearer once it runs): here a deferred position
     costs 100 plain steps, and no timed step shows it. It is what taking drafting up again
-    costs (`switch_s`), which spaces the re-checks out, as far as the cap (16) allows."""
+    costs (`observe_switch`), which spaces the re-checks out, as far as the cap (16) allows."""
     model = tiny_model(num_hidden_layers=1, seed=3)
     engine = tiny_engine(model, drafter=mimic_drafter, adaptive=True)
     clock = FakeClock(engine, plain=1.0, verify=8.0)
@@ -222,9 +232,9 @@ def test_a_step_that_pays_for_deferred_catch_up_is_not_timed() -> None:
     assert r.output_ids == hf_greedy(model, prompt, params.max_tokens)
     assert sum(1 for owed in paid if owed > 0) >= 3  # re-checks (and the end) paid debts
     assert timed and max(timed) < 100.0
-    assert spec.policy.switch_s[1] >= 100.0
+    assert spec.policy.owed_s(10) >= 500.0  # >= 50 plain steps a put-off position
     on, off = spec.policy.arm(1, True), spec.policy.arm(1, False)
-    assert spec.policy.recheck_every(on, off, spec.policy.switch_s[1]) == 16
+    assert spec.policy.recheck_every(on, off, spec.policy.owed_s(10)) == 16
     arms = spec.policy.summary()["1"]
     assert arms["spec_steps"] >= 2 and arms["plain_tokens_per_s"] > arms["spec_tokens_per_s"]
 

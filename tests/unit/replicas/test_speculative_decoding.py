@@ -238,7 +238,7 @@ def test_a_turn_leaves_the_heads_put_off_catch_up_to_the_sessions_next_turn(
             overlap=overlap,
         )
         drafting = [False]
-        monkeypatch.setattr(engine.speculative.policy, "choose", lambda n, d=drafting: d[0])
+        monkeypatch.setattr(engine.speculative.policy, "choose", lambda n, owed, d=drafting: d[0])
         passes = _head_passes(engine)
         sid = engine.open_session()
         (r1,) = engine.generate([first], GREEDY, session_id=sid)
@@ -270,7 +270,7 @@ def test_a_turn_leaves_the_heads_put_off_catch_up_to_the_sessions_next_turn(
     theirs = fresh.speculative.eagle.pool.k[0][match.slots[: kept - 1]]
     torch.testing.assert_close(ours[check], theirs[check], atol=1e-4, rtol=1e-4)
     # a turn that fails drops what it carried: nothing waits for a session whose turn failed
-    monkeypatch.setattr(engine.speculative.policy, "choose", lambda n: False)
+    monkeypatch.setattr(engine.speculative.policy, "choose", lambda n, owed: False)
     engine.generate([_prompts(22, (6,))[0]], GREEDY, session_id=sid)
     assert engine.sessions.records[sid].head_backlog is not None
     rid = engine.submit(_prompts(23, (6,))[0], GREEDY, session_id=sid)
