@@ -46,6 +46,8 @@ def pytest_configure(config) -> None:
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
         raise pytest.UsageError(f"--device {device}: CUDA is not available on this machine")
     os.environ["SESSIONSERVE_TEST_DEVICE"] = device  # read by tests.models.engine_device()
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs the unit tests two at a time:
+        torch.set_num_threads(1)  # one core each (tiny models gain nothing from a second)
 
 
 def pytest_collection_modifyitems(config, items) -> None:
