@@ -239,6 +239,32 @@ def test_a_step_that_pays_for_deferred_catch_up_is_not_timed() -> None:
     assert arms["spec_steps"] >= 2 and arms["plain_tokens_per_s"] > arms["spec_tokens_per_s"]
 
 
+@pytest.mark.parametrize("drafting", [False, True])
+def test_the_decoder_tells_the_policy_what_the_requests_owe_the_head(drafting: bool) -> None:
+    """Each decision gets the positions whose head pass the decoding requests put off: while
+    drafting stays off, the prompt's and every decoded token's since (none before the first
+    decision); while it stays on, none. The strict memory check runs after every step."""
+    model = tiny_model(num_hidden_layers=1, seed=3)
+    engine = tiny_engine(model, drafter=mimic_drafter, adaptive=True)
+    asked: list[tuple[int, int]] = []
+
+    def choose(num_decodes: int, owed_positions: int = 0) -> bool:
+        asked.append((num_decodes, owed_positions))
+        return drafting
+
+    engine.speculative.policy.choose = choose
+    (prompt,) = _prompts(1)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    (r,) = engine.generate([prompt], params)
+    assert r.output_ids == hf_greedy(model, prompt, params.max_tokens)
+    decisions = [owed for n, owed in asked if n == 1]  # the last, with nothing left, asks (0, 0)
+    assert len(decisions) >= 3
+    if drafting:
+        assert decisions == [0] * len(decisions)
+    else:  # the prompt's pass waits from the first step on, then one position a step
+        assert decisions == [0] + [len(prompt) + i for i in range(len(decisions) - 1)]
+
+
 def test_a_request_whose_drafts_fail_drafts_one_at_a_time() -> None:
     """An untrained head is nearly always wrong: with the policy on (and verifies as cheap as
     plain steps, so drafting stays on), each chain shrinks to what was kept plus one."""
