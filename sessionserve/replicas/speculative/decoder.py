@@ -321,9 +321,9 @@ class SpeculativeDecoder:
         """Positions before this step whose head pass `s`'s request put off and would pay
         if it drafted from the head next (none for one that cannot, or copies its history)."""
         req, d = s.req, s.req.drafting
-        if self.eagle is None or d.deferred is None or d.copying or not self.eagle.eligible(req):
+        if self.eagle is None or d.copying or not self.eagle.eligible(req):
             return 0
-        return max(0, min(d.deferred.end, s.start) - d.deferred.start)
+        return d.deferred_len(s.start)
 
     def _leaves_to_next_turn(self, req: Request, hidden: torch.Tensor) -> bool:
         """Whether a session turn ending with drafting off leaves the head's catch-up to the

@@ -91,8 +91,10 @@ class Drafting:
         return self.records.setdefault(source, SourceRecord())
 
     def deferred_len(self, start: int) -> int:
-        """Positions put off before `start` (after `resume_at(start)`)."""
-        return 0 if self.deferred is None else start - self.deferred.start
+        """Positions put off before `start` (before `resume_at(start)` too: what lies past it
+        is not counted)."""
+        d = self.deferred
+        return 0 if d is None else max(0, min(d.end, start) - d.start)
 
     def resume_at(self, start: int) -> None:
         """Keep only the put-off positions before `start`, where this step's computing begins:
