@@ -9,6 +9,11 @@ Ownership: the tree owns the slots of its nodes and is the only one that frees t
 descendant) is *protected*: never evicted. Every other node is *evictable*.
 Lock references survive node splits: a split puts a new parent above the locked node with the
 same `lock_ref`, so a saved node stays valid and `unlock` walks the new path.
+
+Eviction keeps its heap of evictable leaves between calls while nothing else touched the tree:
+a busy replica with a full pool evicts a page at each page its decodes open (two a step at 32
+requests, page 16), and a heap rebuilt from every node each time cost ~0.8 ms a step on an
+H100's host (docs/benchmarks.md). Any match, insert, lock or unlock drops it.
 """
 
 from __future__ import annotations
@@ -58,6 +63,9 @@ class RadixCache:
         self.root.lock_ref = 1  # the root is never evicted
         self._evictable = 0
         self._protected = 0
+        # the evictable leaves, LRU first, as the last `evict` left them; None once anything
+        # else changed the tree (an access stamp, a new leaf, a lock): rebuilt from the nodes
+        self._eviction_heap: list[RadixNode] | None = None
 
     # ---- sizes (tokens) ----
     def evictable_size(self) -> int:
@@ -101,6 +109,7 @@ class RadixCache:
 
     # ---- locks ----
     def lock(self, node: RadixNode) -> None:
+        self._eviction_heap = None
         while node is not self.root:
             if node.lock_ref == 0:
                 self._evictable -= len(node.key)
@@ -109,6 +118,7 @@ class RadixCache:
             node = node.parent
 
     def unlock(self, node: RadixNode) -> None:
+        self._eviction_heap = None
         while node is not self.root:
             if node.lock_ref <= 0:
                 raise DoubleFreeError("radix unlock of a node that is not locked")
@@ -131,8 +141,10 @@ class RadixCache:
         """
         if num_tokens <= 0:
             return 0
-        heap = [n for n in self._iter_nodes() if not n.children and n.lock_ref == 0]
-        heapq.heapify(heap)
+        heap = self._eviction_heap
+        if heap is None:
+            heap = [n for n in self._iter_nodes() if not n.children and n.lock_ref == 0]
+            heapq.heapify(heap)
         freed = 0
         trim = self.allocator.sliding is None
         while heap and freed < num_tokens:
@@ -140,11 +152,13 @@ class RadixCache:
             short = ceil_align(num_tokens - freed, self.page_size)
             if trim and short < len(leaf.key):
                 freed += self._trim_leaf(leaf, len(leaf.key) - short)
+                heapq.heappush(heap, leaf)  # still a leaf, as recently used as before
                 break
             freed += self._delete_leaf(leaf)
             parent = leaf.parent
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, parent)
+        self._eviction_heap = heap  # exactly the evictable leaves again
         return freed
 
     def flush(self) -> int:
@@ -157,6 +171,7 @@ class RadixCache:
 
     def _walk(self, tokens: Sequence[int]) -> tuple[RadixNode, list[torch.Tensor]]:
         """Follow `tokens` down the tree page by page; returns the deepest node and slot parts."""
+        self._eviction_heap = None  # stamps and splits change the order and the leaves
         node, parts, pos, stamp = self.root, [], 0, next(_clock)
         node.last_access = stamp
         while pos + self.page_size <= len(tokens):

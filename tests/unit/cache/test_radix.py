@@ -111,3 +111,61 @@ def test_disabled_tree_caches_nothing() -> None:
     assert radix.insert(list(range(8)), torch.arange(4, 12)) == 0
     assert radix.match_prefix(list(range(8))).length == 0
     assert radix.total_size() == 0
+
+
+def test_eviction_keeps_its_heap_while_only_eviction_changed_the_tree(monkeypatch) -> None:
+    """A full pool evicts a page per page a decode opens; walking every node each time was
+    the cost. The heap is rebuilt only after something else touched the tree."""
+    radix = _cache(4)
+    for i in range(6):
+        _insert(radix, [i + 1] * 12)
+    walks = []
+    iter_nodes = radix._iter_nodes
+    monkeypatch.setattr(radix, "_iter_nodes", lambda: (walks.append(1), iter_nodes())[1])
+    assert radix.evict(4) == 4
+    assert radix.evict(4) == 4  # nothing between: the heap the first left
+    assert len(walks) == 1
+    radix.lock(radix.match_prefix([2] * 12).node)
+    assert radix.evict(4) == 4
+    assert len(walks) == 2
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_eviction_with_the_kept_heap_frees_what_a_rebuilt_heap_frees(seed: int) -> None:
+    """Random inserts, matches, locks, unlocks and evictions on two trees, one of which
+    rebuilds its heap before every eviction: the same tokens freed, the same prefixes kept."""
+    import random
+
+    rng = random.Random(seed)
+    kept, rebuilt = _cache(4, 512), _cache(4, 512)
+    seqs: list[list[int]] = []
+    locks: list[tuple] = []
+    for _ in range(300):
+        op = rng.random()
+        if op < 0.3 and kept.allocator.available_size() > 64:
+            base = rng.choice(seqs)[: rng.randrange(0, 20)] if seqs and rng.random() < 0.5 else []
+            seq = base + [rng.randrange(1, 50) for _ in range(rng.randrange(1, 30))]
+            seqs.append(seq)
+            for radix in (kept, rebuilt):
+                _insert(radix, seq)
+        elif op < 0.45 and seqs:
+            seq = rng.choice(seqs)
+            assert kept.match_prefix(seq).length == rebuilt.match_prefix(seq).length
+        elif op < 0.55 and seqs:
+            seq = rng.choice(seqs)
+            pair = tuple(r.match_prefix(seq).node for r in (kept, rebuilt))
+            for radix, node in zip((kept, rebuilt), pair, strict=True):
+                radix.lock(node)
+            locks.append(pair)
+        elif op < 0.65 and locks:
+            pair = locks.pop(rng.randrange(len(locks)))
+            for radix, node in zip((kept, rebuilt), pair, strict=True):
+                radix.unlock(node)
+        else:
+            n = rng.randrange(1, 40)
+            rebuilt._eviction_heap = None
+            assert kept.evict(n) == rebuilt.evict(n)
+        assert kept.evictable_size() == rebuilt.evictable_size()
+        assert kept.allocator.available_size() == rebuilt.allocator.available_size()
+    for seq in seqs:
+        assert kept.match_prefix(seq).length == rebuilt.match_prefix(seq).length
