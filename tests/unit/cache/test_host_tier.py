@@ -27,7 +27,9 @@ def _prompt(n: int, base: int = 3) -> list[int]:
 def _wipe_free_slots(r) -> None:
     """Forget the KV of every free slot (as a reused slot would), so only a real copy back
     can pass the content check."""
-    allocated = r.cache.allocator._page_allocated.repeat_interleave(r.cache.page_size)
+    allocated = torch.from_numpy(r.cache.allocator._page_allocated).repeat_interleave(
+        r.cache.page_size
+    )
     r.drive.kv.content[~allocated] = -1
 
 
