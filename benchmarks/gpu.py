@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import logging
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -128,6 +129,15 @@ def parse() -> argparse.Namespace:
         "--verify-cost",
         action="store_true",
         help="also time speculative verify forwards (4 drafts a row) against decode forwards",
+    )
+    ap.add_argument(
+        "--switch-intervals",
+        type=float,
+        nargs="+",
+        default=None,
+        help="also time the overlapped engine at the middle c under each sys.setswitchinterval"
+        " (seconds; Python's default 0.005): how soon the forward thread gets the GIL back "
+        "from the engine thread after each torch call",
     )
     ap.add_argument("--profile-steps", type=int, default=20)
     ap.add_argument("--log-dir", default=None, help="write the profiler tables here")
@@ -449,6 +459,36 @@ def profile_spec_steps(eng: Engine, c: int, args) -> None:
         f.write(averages.table(sort_by="self_cpu_time_total", row_limit=40) + "\n")
 
 
+def host_profile(eng: Engine, c: int, args, name: str) -> None:
+    """With `--log-dir`: cProfile of the engine thread over decode steps (what the host does
+    each step, by function: a GPU step at 32 is host-bound), to `host_profile_<name>.txt`."""
+    if not args.log_dir:
+        return
+    import cProfile
+    import io
+    import pstats
+
+    steady_decode(eng, c, args, 3)
+    profiler, n = cProfile.Profile(), 0
+    t = time.perf_counter()
+    profiler.enable()
+    while n < 50 and decode_only(eng):
+        eng.step()
+        n += 1
+    profiler.disable()
+    wall = time.perf_counter() - t
+    eng.run_until_idle()
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("tottime").print_stats(40)
+    stats.sort_stats("cumulative").print_stats("sessionserve", 60)
+    with open(f"{args.log_dir}/host_profile_{name}.txt", "w") as f:
+        f.write(
+            f"{n} decode steps at c={c}, wall {1000 * wall / max(n, 1):.2f} ms a step (profiled)\n"
+        )
+        f.write(text.getvalue())
+
+
 def gpu_busy(eng: Engine, c: int, args) -> tuple[float | None, float | None]:
     """GPU-busy share of a decode step at concurrency `c`, two ways (CUDA only):
     - replay: the GPU time of the step's decode graph replayed back to back (no host work in
@@ -635,6 +675,7 @@ def main() -> None:
         overlapped[c] = engine_step_ms(eng, c, args)
         if c == c_mid:
             busy_overlap, _ = gpu_busy(eng, c, args)
+            host_profile(eng, c, args, f"overlap_c{c}")
         eng.close()
         print(
             f"c={c:3d} engine {label(config):26s} overlap {overlapped[c]:.2f} ms/step "
@@ -643,11 +684,24 @@ def main() -> None:
             flush=True,
         )
 
+    by_interval: dict[float, float] = {}  # overlapped ms a step at c_mid per switch interval
+    if args.switch_intervals and not args.no_overlap:
+        default = sys.getswitchinterval()
+        eng = engine_for(best(c_mid)[0], c_mid, overlap=True)
+        for interval in [default, *args.switch_intervals, default]:
+            sys.setswitchinterval(interval)
+            ms = engine_step_ms(eng, c_mid, args)
+            by_interval[interval] = round(min(ms, by_interval.get(interval, ms)), 3)
+            print(f"c={c_mid:3d} overlap, switch interval {interval:g} s: {ms:.2f} ms/step")
+        sys.setswitchinterval(default)
+        eng.close()
+
     verify = verify_costs(model, best(c_mid)[0], args) if args.verify_cost else {}
     c_top = max(args.concurrency)
     mid, _ = best(c_mid)
     split = step_split(kept[(mid, c_mid)], c_mid, args)  # idle after its rounds
     busy, busy_profiler = gpu_busy(kept[(mid, c_mid)], c_mid, args)
+    host_profile(kept[(mid, c_mid)], c_mid, args, f"c{c_mid}")
     for eng in kept.values():
         eng.close()
     print(
@@ -657,7 +711,9 @@ def main() -> None:
         + (f", {busy_profiler:.0%} (profiler kernels)" if busy_profiler is not None else ""),
         flush=True,
     )
-    t = session_ttft(model, best(1)[0][0], args)  # eager extends / graphs, not compiled
+    t = session_ttft(
+        model, best(min(args.concurrency))[0][0], args
+    )  # eager extends / graphs, not compiled
     print(
         f"TTFT with {args.held} tokens held: session {1000 * t['session']:.1f} ms (eager "
         f"extend {1000 * t['session_eager_extend']:.1f} ms), stateless "
@@ -676,6 +732,7 @@ def main() -> None:
             "model_bytes": weight_bytes,
             "dtype": str(dtype),
             "jit_options": dict(compiled_forward.JIT_OPTIONS),
+            "overlap_ms_by_switch_interval": by_interval,
             "verify_cost": verify,
             **{f"verify_cost_ratio_{c}": v["ratio"] for c, v in verify.items()},
             **{f"spec_step_ratio_{c}": v["step_ratio"] for c, v in verify.items()},

@@ -4,6 +4,7 @@
 # them under DEADLINE_S, logs and profiler tables in /tmp/gpu-logs, packed at the end into
 # $OUT/gpu-logs.tgz (one file: the device tool returns at most 8). Stages run in order of value,
 # so a call cut short still returns what ran; a stage's failure does not stop the next.
+# STAGES (space-separated names) runs only those; CONCURRENCY sets the benchmark's (1 32 64).
 #
 #   bash .gpu/setup.sh && export PYTHONPATH=/tmp/site:$PWD FLASHINFER_WORKSPACE_BASE=/tmp/fi \
 #       FLASHINFER_CUDA_ARCH_LIST=9.0a && DEADLINE_S=530 bash benchmarks/gpu_check.sh
@@ -16,6 +17,7 @@ PYTEST=(python3 -m pytest -q -p no:cacheprovider --durations=10)
 
 stage() {  # stage NAME MAX_SECONDS COMMAND...: run under min(MAX, time left), log to $out/NAME.log
     local name=$1 max=$2; shift 2
+    if [[ -n "${STAGES:-}" && " $STAGES " != *" $name "* ]]; then return; fi
     local left=$(( deadline - $(date +%s) ))
     local limit=$(( max < left ? max : left ))
     if (( limit < 20 )); then echo "== $name: skipped (${left}s left)"; return; fi
@@ -41,8 +43,12 @@ stage() {  # stage NAME MAX_SECONDS COMMAND...: run under min(MAX, time left), l
 # speculation's verify steps replay graphs
 stage new_gpu_tests 120 "${PYTEST[@]}" -m gpu tests/unit/replicas/test_overlap_schedule.py \
     tests/unit/replicas/test_speculative_decoding.py
-stage benchmark 300 python3 -m benchmarks.gpu --concurrency 1 32 64 --backends flashinfer \
-    --graph-modes on --skip-hf --compile on --verify-cost --log-dir "$out"   # + spec step split
+# the overlap count of a step next to a graph capture, corrected from run G's CUDA figures
+stage count_test 60 "${PYTEST[@]}" --device cuda \
+    tests/unit/replicas/test_overlap_schedule.py::test_max_tokens_reached_in_flight_costs_no_extra_step
+stage benchmark 300 python3 -m benchmarks.gpu --concurrency ${CONCURRENCY:-1 32 64} --backends flashinfer \
+    --graph-modes on --skip-hf --compile on --verify-cost --switch-intervals 0.001 0.0002 \
+    --log-dir "$out"   # + spec step split, GIL switch intervals, host profiles
 stage freezing 150 python3 -m benchmarks.gpu --concurrency 1 32 --backends flashinfer \
     --graph-modes on --skip-hf --compile on --no-overlap --jit-freezing
 stage gpu_tests 90 "${PYTEST[@]}" -m gpu tests/unit/replicas/test_device_path.py \
