@@ -323,6 +323,42 @@ def test_the_forward_thread_never_reads_a_token_back(monkeypatch) -> None:
     engine.close()
 
 
+def test_where_forwards_launch_the_next_step_is_launched_before_the_last_lands() -> None:
+    """On a GPU (`Engine.await_launch`) the engine thread waits for the step it submitted to
+    be launched before it lands the one before, so the device is fed while the host
+    processes (the threads share the GIL: engine.py). Forced here on a CPU, where it only
+    changes the order: each overlapped step's forward has ended before the step before it
+    lands, and the tokens are the same (without the wait, on a CPU, n lands while n + 1
+    computes)."""
+    model = tiny_model()
+    plain = _run(tiny_engine(model, prefill=24), _workload(1))
+    engine = tiny_engine(model, prefill=24, overlap=True)
+    engine.await_launch = True
+    order: list[tuple[str, int]] = []
+    run, complete = engine.forwards._run, engine._complete
+
+    def ran(batch, *a, **k):
+        out = run(batch, *a, **k)
+        order.append(("ran", batch.step))
+        return out
+
+    def completed(batch, *a, **k):
+        order.append(("lands", batch.step))
+        return complete(batch, *a, **k)
+
+    engine.forwards._run, engine._complete = ran, completed
+    got = _run(engine, _workload(1))
+    assert got.results == plain.results and got.reasons == plain.reasons
+    assert engine.overlap_totals["overlapped_steps"] > 0
+    ran_at = {step: i for i, (what, step) in enumerate(order) if what == "ran"}
+    landed_at = {step: i for i, (what, step) in enumerate(order) if what == "lands"}
+    # an overlapped landing of step n with step n + 1 submitted before it
+    overlapped = [n for n in landed_at if n + 1 in ran_at and ran_at[n + 1] > ran_at[n]]
+    before = [n for n in overlapped if ran_at[n + 1] < landed_at[n]]
+    assert overlapped and sorted(before) == sorted(overlapped)
+    engine.close()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["torch", "flashinfer"])
 def test_the_forward_thread_never_waits_for_the_gpu(backend: str) -> None:
