@@ -204,9 +204,12 @@ def stage_rows(
     stage(buffers, padded, device)
 
 
-def capture(forward: Callable[[], None], pool: Any, what: str) -> Any:
+def capture(forward: Callable[[], None], pool: Any, what: str) -> Any | None:
     """A CUDA graph of `forward` (after two warm-up runs on a side stream, which allocate
-    outside the graph) in the shared memory `pool`."""
+    outside the graph) in the shared memory `pool`; None, with a warning, if the capture
+    fails: the caller then runs that shape's static path eagerly (slower, still served), as
+    it does without graphs. (On an H100 a tiny Gemma 3's verify graph failed to capture in
+    cuBLAS, fp32, while its warm-up ran: docs/benchmarks.md, 2026-11-27.)"""
     t0 = time.perf_counter()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -215,8 +218,12 @@ def capture(forward: Callable[[], None], pool: Any, what: str) -> Any:
             forward()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        forward()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            forward()
+    except RuntimeError as e:  # (torch.AcceleratorError is one)
+        log.warning("could not capture a CUDA graph (%s), it runs eagerly: %s", what, e)
+        return None
     log.info("captured a CUDA graph (%s) in %.0f ms", what, 1000 * (time.perf_counter() - t0))
     return graph
 

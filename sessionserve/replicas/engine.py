@@ -131,9 +131,9 @@ class Engine:
         self._in_flight: tuple[ScheduledBatch, Future[StepOutput]] | None = None
         # steps scheduled while the previous one ran / that waited for it first
         self.overlap_totals = {"overlapped_steps": 0, "overlap_waits": 0}
-        # where a forward only launches work (CUDA), the engine thread waits for the step it
-        # submitted to be launched before it lands the one before: see _step_overlapped
-        self.await_launch = self.runner.device.type == "cuda"
+        # whether the engine thread waits for the step it submitted to be launched before it
+        # lands the one before (see _land); off: on an H100 it measured no better
+        self.await_launch = False
         if cfg.overlaps():
             self.forwards = ForwardThread(self.runner)
             self.runner.kv_pool.fence = self.forwards.wait
@@ -375,14 +375,12 @@ class Engine:
         self.outputs.dispatch(events)
         return events
 
-    # Why wait for the launch (CUDA): the two threads share the GIL. Landing step N is Python
-    # work that, once N's tokens are already back (a host-bound step, e.g. 32 requests), never
-    # blocks, so the forward thread, which gives the GIL up at every torch call, got it back
-    # only at Python's switch interval (5 ms) or when the engine thread next blocked: N+1 was
-    # launched late and the device idled (an overlapped step at 32 read 3.56 ms against 2.07
-    # ms of graph replay). Waiting here costs nothing the GIL would not have cost: the host
-    # work is serial either way, now in the order that keeps the device fed. On a CPU the
-    # forward computes instead of launching, so the engine thread lands N beside it.
+    # `await_launch`, an experiment kept for benchmarks/gpu.py (`--switch-intervals`): the
+    # two threads share the GIL, and landing a host-bound step never blocks, so the forward
+    # thread may get the GIL back only at Python's switch interval and launch the next step
+    # late. Waiting for the launch first orders the serial host work to feed the device. On an
+    # H100 at 32 requests both orders read 2.2-3.6 ms a step, bimodal, the wait's median no
+    # better (docs/benchmarks.md, 2026-11-27 runs I-K); off until a run separates them.
     def _land(self, batch: ScheduledBatch, result: Future[StepOutput]) -> list[StepEvent]:
         """Process a step the forward thread ran (waiting for it if it still runs)."""
         return self._complete(batch, {}, result.result())

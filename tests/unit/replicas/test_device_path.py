@@ -167,6 +167,44 @@ def test_static_decode_plan_pads_with_slot_zero() -> None:
     assert g.ctx_slots[2:].abs().sum() == 0  # padding rows read slot 0 only
 
 
+def test_a_graph_that_fails_to_capture_is_left_eager_with_a_warning(monkeypatch, caplog):
+    """A capture that raises (on an H100 a tiny Gemma 3's verify graph failed in cuBLAS) must
+    not fail the step: `capture` returns no graph, and the caller runs the shape's static
+    path eagerly (`g.graph is None`, as without graphs). CUDA's stream and graph calls are
+    stand-ins here; the capture itself raises as it did there."""
+    from contextlib import contextmanager, nullcontext
+    from types import SimpleNamespace
+
+    from sessionserve.replicas import cuda_graphs
+
+    stream = SimpleNamespace(wait_stream=lambda other: None)
+
+    @contextmanager
+    def failing_capture(graph, pool=None):
+        yield
+        raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+
+    fake_cuda = SimpleNamespace(
+        Stream=lambda: stream,
+        current_stream=lambda: stream,
+        stream=lambda s: nullcontext(),
+        CUDAGraph=object,
+        graph=failing_capture,
+    )
+    monkeypatch.setattr(cuda_graphs.torch, "cuda", fake_cuda)
+    runs = []
+    with caplog.at_level(logging.WARNING, logger="sessionserve.replicas.cuda_graphs"):
+        assert cuda_graphs.capture(lambda: runs.append(1), None, "verify 4 x 5") is None
+    assert len(runs) == 3  # two warm-ups and the capture that failed
+    assert "could not capture a CUDA graph (verify 4 x 5), it runs eagerly" in caplog.text
+
+    def broken_forward():  # a forward that fails outside a capture still raises
+        raise RuntimeError("a real bug")
+
+    with pytest.raises(RuntimeError, match="a real bug"):
+        cuda_graphs.capture(broken_forward, None, "decode 1")
+
+
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_static_decode_path_gives_the_eager_tokens(model, page_size) -> None:
     """What a graph replay computes (padded static buffers), run eagerly: same tokens and
