@@ -209,7 +209,7 @@ def capture(forward: Callable[[], None], pool: Any, what: str) -> Any | None:
     outside the graph) in the shared memory `pool`; None, with a warning, if the capture
     fails: the caller then runs that shape's static path eagerly (slower, still served), as
     it does without graphs. (On an H100 a tiny Gemma 3's verify graph failed to capture in
-    cuBLAS, fp32, while its warm-up ran: docs/benchmarks.md, 2026-11-27.)"""
+    cuBLAS, fp32, after its warm-up runs had passed: docs/benchmarks.md, 2026-11-27.)"""
     t0 = time.perf_counter()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

@@ -32,7 +32,6 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Callable
-from concurrent.futures import wait as wait_for
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -131,8 +130,12 @@ class Engine:
         self._in_flight: tuple[ScheduledBatch, Future[StepOutput]] | None = None
         # steps scheduled while the previous one ran / that waited for it first
         self.overlap_totals = {"overlapped_steps": 0, "overlap_waits": 0}
-        # whether the engine thread waits for the step it submitted to be launched before it
-        # lands the one before (see _land); off: on an H100 it measured no better
+        # An experiment kept for benchmarks/gpu.py (`--switch-intervals`): the engine thread
+        # waits for the step it submitted to be launched before it lands the one before. The
+        # two threads share the GIL, and landing a host-bound step never blocks, so the forward
+        # thread may get the GIL back only at Python's switch interval and launch late. Off: on
+        # an H100 at 32 requests both orders read 2.2-3.6 ms a step, bimodal, the wait's median
+        # no better (docs/benchmarks.md, 2026-11-27 runs I-K).
         self.await_launch = False
         if cfg.overlaps():
             self.forwards = ForwardThread(self.runner)
@@ -367,7 +370,7 @@ class Engine:
                 else:
                     self._in_flight = (batch, self.forwards.submit(batch, fb, layout))
                     if self.await_launch:
-                        wait_for([self._in_flight[1]])
+                        self.forwards.wait()  # (the step just submitted is the last)
             if running is not None:
                 totals["overlapped_steps"] += bool(batch)
                 events += self._land(*running)
@@ -375,12 +378,6 @@ class Engine:
         self.outputs.dispatch(events)
         return events
 
-    # `await_launch`, an experiment kept for benchmarks/gpu.py (`--switch-intervals`): the
-    # two threads share the GIL, and landing a host-bound step never blocks, so the forward
-    # thread may get the GIL back only at Python's switch interval and launch the next step
-    # late. Waiting for the launch first orders the serial host work to feed the device. On an
-    # H100 at 32 requests both orders read 2.2-3.6 ms a step, bimodal, the wait's median no
-    # better (docs/benchmarks.md, 2026-11-27 runs I-K); off until a run separates them.
     def _land(self, batch: ScheduledBatch, result: Future[StepOutput]) -> list[StepEvent]:
         """Process a step the forward thread ran (waiting for it if it still runs)."""
         return self._complete(batch, {}, result.result())
