@@ -25,6 +25,10 @@ drafts a row, a random head, graphed where graphs are on) against decode forward
 configuration of the middle c (`verify_cost_ratio_<c>`), and whole speculative steps (the head's
 chain and catch-up too) against plain decode steps (`spec_step_ratio_<c>`). `--jit-freezing`:
 the compiled forward with inductor's freezing (merged q/k/v and gate/up GEMMs on CUDA).
+With `--log-dir`: profiler tables, a cProfile of the host over decode steps at the middle c
+(with and without overlap), and with `--trace-steps N` a timeline of N overlapped steps.
+`--switch-intervals`: the overlapped engine at the middle c under each order of its two
+threads (`Engine.await_launch`) and GIL switch interval, every reading kept.
 
     python -m benchmarks.gpu                       # an H100: the issue's figures
     python -m benchmarks.gpu --concurrency 1 32 64 --backends flashinfer --graph-modes on \
@@ -139,6 +143,13 @@ def parse() -> argparse.Namespace:
         "each step's launch (Engine.await_launch), under Python's switch interval (0.005 s) "
         "and each of these (sys.setswitchinterval): how soon the forward thread gets the GIL "
         "back from the engine thread after each torch call",
+    )
+    ap.add_argument(
+        "--trace-steps",
+        type=int,
+        default=0,
+        help="with --log-dir: a torch.profiler timeline of this many overlapped decode steps "
+        "at the middle c (trace_overlap_c<c>.json.gz; host threads with Python stacks)",
     )
     ap.add_argument("--profile-steps", type=int, default=20)
     ap.add_argument("--log-dir", default=None, help="write the profiler tables here")
@@ -267,9 +278,10 @@ def decode_only(eng: Engine) -> bool:
     return not s.waiting and bool(s.running) and all(r.sampled for r in s.running)
 
 
-def engine_step_ms(eng: Engine, c: int, args) -> float:
+def engine_step_ms(eng: Engine, c: int, args, steps_ms: list[float] | None = None) -> float:
     """Median wall time of the decode-only steps of one round (after a warm-up round that
-    captures the graphs). A step ends on the host copy of the sampled ids, so it is synced."""
+    captures the graphs). A step ends on the host copy of the sampled ids, so it is synced.
+    `steps_ms`: gets every measured step's time."""
     for seed in (1, 2):
         submit_round(eng, c, args, seed)
         times = []
@@ -279,7 +291,45 @@ def engine_step_ms(eng: Engine, c: int, args) -> float:
             eng.step()
             if pure:
                 times.append(time.perf_counter() - t)
+    if steps_ms is not None:
+        steps_ms.extend(1000 * t for t in times)
     return 1000 * statistics.median(times)
+
+
+def quantiles_ms(steps_ms: list[float]) -> list[float]:
+    """p10, p50, p90 of step times (a bimodal step shows as a wide spread)."""
+    q = statistics.quantiles(steps_ms, n=10)
+    return [round(q[0], 3), round(statistics.median(steps_ms), 3), round(q[-1], 3)]
+
+
+def trace_steps(eng: Engine, c: int, args, name: str) -> None:
+    """With `--log-dir` and `--trace-steps N`: a torch.profiler timeline (host threads with
+    Python stacks, and the GPU's kernels) of N decode steps, `trace_<name>.json.gz`, for
+    chrome://tracing or Perfetto: where a step waits, on which thread."""
+    if not args.log_dir or not args.trace_steps:
+        return
+    import gzip
+    import os
+    import shutil
+
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if eng.runner.device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    steady_decode(eng, c, args, 5)
+    with profile(activities=activities, with_stack=True) as prof:
+        n = 0
+        while n < args.trace_steps and decode_only(eng):
+            eng.step()
+            n += 1
+        sync(eng.runner.device)
+    eng.run_until_idle()
+    raw = f"{args.log_dir}/trace_{name}.json"
+    prof.export_chrome_trace(raw)
+    with open(raw, "rb") as src, gzip.open(f"{raw}.gz", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    os.remove(raw)
 
 
 @contextmanager
@@ -685,19 +735,31 @@ def main() -> None:
             flush=True,
         )
 
-    variants: dict[str, float] = {}  # overlapped ms a step at c_mid: launch wait x interval
+    # overlapped ms a step at c_mid, each reading: launch wait x switch interval
+    variants: dict[str, list[float]] = {}
+    variant_quantiles: dict[str, list[list[float]]] = {}  # each reading's p10 / p50 / p90
     if args.switch_intervals and not args.no_overlap:
         default = sys.getswitchinterval()
         eng = engine_for(best(c_mid)[0], c_mid, overlap=True)
-        grid = [(a, i) for a in (True, False) for i in (default, *args.switch_intervals)]
+        grid = [(a, i) for a in (False, True) for i in (default, *args.switch_intervals)]
         for await_launch, interval in [*grid, grid[0]]:  # the first again: drift
             eng.await_launch = await_launch
             sys.setswitchinterval(interval)
-            ms = engine_step_ms(eng, c_mid, args)
+            steps: list[float] = []
+            ms = engine_step_ms(eng, c_mid, args, steps)
             key = f"await_launch={await_launch},switch_interval={interval:g}"
-            variants[key] = round(min(ms, variants.get(key, ms)), 3)
-            print(f"c={c_mid:3d} overlap, {key}: {ms:.2f} ms/step", flush=True)
+            variants.setdefault(key, []).append(round(ms, 3))
+            variant_quantiles.setdefault(key, []).append(quantiles_ms(steps))
+            print(
+                f"c={c_mid:3d} overlap, {key}: {ms:.2f} ms/step "
+                f"(p10 / p50 / p90 {quantiles_ms(steps)})",
+                flush=True,
+            )
         sys.setswitchinterval(default)
+        eng.close()
+    if args.trace_steps and not args.no_overlap:
+        eng = engine_for(best(c_mid)[0], c_mid, overlap=True)
+        trace_steps(eng, c_mid, args, f"overlap_c{c_mid}")
         eng.close()
 
     verify = verify_costs(model, best(c_mid)[0], args) if args.verify_cost else {}
@@ -737,6 +799,7 @@ def main() -> None:
             "dtype": str(dtype),
             "jit_options": dict(compiled_forward.JIT_OPTIONS),
             "overlap_ms_variants": variants,
+            "overlap_ms_variant_quantiles": variant_quantiles,
             "verify_cost": verify,
             **{f"verify_cost_ratio_{c}": v["ratio"] for c, v in verify.items()},
             **{f"spec_step_ratio_{c}": v["step_ratio"] for c, v in verify.items()},

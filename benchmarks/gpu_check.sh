@@ -48,7 +48,8 @@ stage count_test 60 "${PYTEST[@]}" --device cuda \
     tests/unit/replicas/test_overlap_schedule.py::test_max_tokens_reached_in_flight_costs_no_extra_step
 stage benchmark 360 python3 -m benchmarks.gpu --concurrency ${CONCURRENCY:-1 32 64} --backends flashinfer \
     --graph-modes on --skip-hf --compile on --verify-cost --switch-intervals 0.001 0.0002 \
-    --log-dir "$out"   # + spec step split, GIL switch intervals, host profiles
+    --trace-steps 20 \
+    --log-dir "$out"   # + spec step split, GIL switch intervals, host profiles, a timeline
 stage freezing 150 python3 -m benchmarks.gpu --concurrency 1 32 --backends flashinfer \
     --graph-modes on --skip-hf --compile on --no-overlap --jit-freezing
 stage gpu_tests 90 "${PYTEST[@]}" -m gpu tests/unit/replicas/test_device_path.py \
