@@ -66,12 +66,13 @@ MAX_DEFERRED = 512
 @dataclass
 class StepMark:
     """What the decoder notes about a step from its proposal to its end: the policy choice it
-    was scheduled under, when its timing started (decode-only steps, with a policy), and
-    whether its catch-up paid for positions of earlier steps."""
+    was scheduled under, when its timing started (decode-only steps, with a policy), whether
+    its catch-up paid for positions of earlier steps, and how long the head's pass took."""
 
     choice: int
     started: float | None
     caught_up_deferred: bool = False
+    head_s: float = 0.0  # the head's catch-up pass of this step (timed with a policy)
 
 
 @dataclass(frozen=True)
@@ -308,14 +309,15 @@ class SpeculativeDecoder:
             if mark is not None:
                 mark.caught_up_deferred |= start < s.start
             entries.append(CatchUp(req, start, end, hidden, wants))
-        # what taking drafting up again costs (policy.py): the head's pass over the positions
-        # deferred while the batch did not draft
-        policy = self.policy if mark is not None and mark.caught_up_deferred else None
+        policy = self.policy if mark is not None else None
         started = policy.clock() if policy is not None else 0.0
         self.eagle.catch_up(entries)
-        if policy is not None:
-            positions = sum(e.end - e.start for e in entries)
-            policy.observe_switch(positions, policy.clock() - started)
+        if policy is not None and mark is not None:
+            mark.head_s = policy.clock() - started
+            if mark.caught_up_deferred:  # what taking drafting up again costs (policy.py):
+                # the head's pass over the positions deferred while the batch did not draft
+                positions = sum(e.end - e.start for e in entries)
+                policy.observe_switch(positions, mark.head_s)
 
     def _owed(self, s: ScheduledSeq) -> int:
         """Positions before this step whose head pass `s`'s request put off and would pay
@@ -339,18 +341,24 @@ class SpeculativeDecoder:
         """Tell the policy what a decode-only step cost and yielded: from its proposal, or
         from the end of the step before it if that was later (under overlap scheduling a step
         is proposed while the previous one computes: what it adds is the time between their
-        ends), to now. Not counted: steps with prefill chunks (other work), and steps whose
-        catch-up included positions deferred from earlier steps: that work is owed whichever
-        way this step went, and a re-check that paid for a whole prompt would make drafting
-        look several times dearer than it is."""
+        ends), to now. Not counted: steps with prefill chunks (other work), and drafting
+        steps whose catch-up included positions deferred from earlier steps: that work is owed
+        whichever way this step went, and a re-check that paid for a whole prompt would make
+        drafting look several times dearer than it is. A plain step is timed without the
+        head's pass, whatever it covered: plain decoding owes the head nothing (the pass it
+        ran is the price of the drafting step after it, `observe_switch`). Excluding such a
+        step instead left the plain figure unmeasured while drafting led: a plain re-check
+        between drafting steps always pays the pass over the step before it (its positions
+        wait because the re-check does not draft), so no re-check ever updated it."""
         mark = self._marks.pop(batch.step, None)
         if self.policy is None or mark is None:
             return
         now, last_end = self.policy.clock(), self._last_end
         self._last_end = now
-        if mark.started is None or mark.caught_up_deferred:
+        speculated = any(s.num_drafts for s in batch.seqs)
+        if mark.started is None or (speculated and mark.caught_up_deferred):
             return
         started = mark.started if last_end is None else max(mark.started, last_end)
+        seconds = now - started - (0.0 if speculated else mark.head_s)
         tokens = sum(len(emitted[0]) for emitted in out.emitted.values())
-        speculated = any(s.num_drafts for s in batch.seqs)
-        self.policy.observe(len(batch.seqs), speculated, tokens, now - started)
+        self.policy.observe(len(batch.seqs), speculated, tokens, seconds)

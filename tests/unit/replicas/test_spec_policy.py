@@ -142,12 +142,13 @@ class FakeClock:
 
     def __init__(self, engine, plain: float, verify: float) -> None:
         self.now = 0.0
+        self.plain, self.verify = plain, verify  # a test may change them mid-run
         run = engine.runner.run_prepared
         if engine.forwards is not None:
             engine.forwards.submit = _run_at_once(engine.runner)
 
         def timed(batch, fb, layout, **kwargs):
-            self.now += verify if any(s.num_drafts for s in batch.seqs) else plain
+            self.now += self.verify if any(s.num_drafts for s in batch.seqs) else self.plain
             return run(batch, fb, layout, **kwargs)
 
         engine.runner.run_prepared = timed
@@ -197,6 +198,32 @@ def test_the_engine_drafts_only_where_it_pays(verify_cost: float, overlap: bool)
         assert arms["spec_tokens_per_s"] > arms["plain_tokens_per_s"]
         assert arms["plain_steps"] <= 2 + decode_steps // 16 + 1
         assert r.spec_accepted > 0
+
+
+def test_plain_rechecks_between_drafting_steps_are_timed() -> None:
+    """While drafting leads, a plain re-check between drafting steps pays the head's pass over
+    the step before it (those positions waited, since the re-check does not draft). Timed
+    without that pass, it still updates plain's figure: when plain steps get cheaper, the
+    re-checks find it and drafting stops. (Excluded, as such steps once were, plain's figure
+    stayed the warm-up's for good, and the engine drafted where it lost.)"""
+    model = tiny_model(num_hidden_layers=1, seed=3)
+    engine = tiny_engine(model, drafter=mimic_drafter, adaptive=True)
+    clock = FakeClock(engine, plain=1.0, verify=1.2)
+    policy = engine.speculative.policy
+    policy.max_explore_every = 16  # a few re-checks within the answer
+    policy.max_explore_s = 0.0  # (the cap in decisions alone)
+    first, second = _prompts(2)
+    params = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)
+    engine.generate([first], params)
+    arms = policy.summary()["1"]
+    assert arms["spec_tokens_per_s"] > arms["plain_tokens_per_s"]
+    assert arms["plain_steps"] > 2  # the re-checks were timed, not only the warm-up's two
+    clock.plain = 0.1  # plain decoding gets 10x cheaper
+    (r,) = engine.generate([second], params)
+    assert r.output_ids == hf_greedy(model, second, params.max_tokens)
+    arms = policy.summary()["1"]
+    assert arms["plain_tokens_per_s"] > arms["spec_tokens_per_s"]
+    assert policy.choose(1) is False
 
 
 def test_a_step_that_pays_for_deferred_catch_up_is_not_timed() -> None:
