@@ -278,6 +278,25 @@ def decode_only(eng: Engine) -> bool:
     return not s.waiting and bool(s.running) and all(r.sampled for r in s.running)
 
 
+def decode_steps(eng: Engine, limit: int) -> int:
+    """Step while the engine only decodes, at most `limit` steps; how many ran."""
+    n = 0
+    while n < limit and decode_only(eng):
+        eng.step()
+        n += 1
+    return n
+
+
+def profiler_activities(eng: Engine) -> list:
+    """torch.profiler's activities for `eng`'s device: the host, and the GPU where there is one."""
+    from torch.profiler import ProfilerActivity
+
+    activities = [ProfilerActivity.CPU]
+    if eng.runner.device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    return activities
+
+
 def engine_step_ms(eng: Engine, c: int, args, steps_ms: list[float] | None = None) -> float:
     """Median wall time of the decode-only steps of one round (after a warm-up round that
     captures the graphs). A step ends on the host copy of the sampled ids, so it is synced.
@@ -312,17 +331,11 @@ def trace_steps(eng: Engine, c: int, args, name: str) -> None:
     import os
     import shutil
 
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import profile
 
-    activities = [ProfilerActivity.CPU]
-    if eng.runner.device.type == "cuda":
-        activities.append(ProfilerActivity.CUDA)
     steady_decode(eng, c, args, 5)
-    with profile(activities=activities, with_stack=True) as prof:
-        n = 0
-        while n < args.trace_steps and decode_only(eng):
-            eng.step()
-            n += 1
+    with profile(activities=profiler_activities(eng), with_stack=True) as prof:
+        decode_steps(eng, args.trace_steps)
         sync(eng.runner.device)
     eng.run_until_idle()
     raw = f"{args.log_dir}/trace_{name}.json"
@@ -488,17 +501,12 @@ def profile_spec_steps(eng: Engine, c: int, args) -> None:
     decode steps, to read where a step that drafts spends what a plain one does not."""
     if not args.log_dir:
         return
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import profile
 
-    activities = [ProfilerActivity.CPU]
-    if eng.runner.device.type == "cuda":
-        activities.append(ProfilerActivity.CUDA)
     steady_decode(eng, c, args, 3)
-    with profile(activities=activities) as prof:
-        t, n = time.perf_counter(), 0
-        while n < args.profile_steps and decode_only(eng):
-            eng.step()
-            n += 1
+    with profile(activities=profiler_activities(eng)) as prof:
+        t = time.perf_counter()
+        n = decode_steps(eng, args.profile_steps)
         sync(eng.runner.device)
         wall = time.perf_counter() - t
     eng.run_until_idle()
@@ -520,12 +528,10 @@ def host_profile(eng: Engine, c: int, args, name: str) -> None:
     import pstats
 
     steady_decode(eng, c, args, 3)
-    profiler, n = cProfile.Profile(), 0
+    profiler = cProfile.Profile()
     t = time.perf_counter()
     profiler.enable()
-    while n < 50 and decode_only(eng):
-        eng.step()
-        n += 1
+    n = decode_steps(eng, 50)
     profiler.disable()
     wall = time.perf_counter() - t
     eng.run_until_idle()
@@ -560,10 +566,7 @@ def gpu_busy(eng: Engine, c: int, args) -> tuple[float | None, float | None]:
     step_ms = 1000 * statistics.median(walls)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t = time.perf_counter()
-        n = 0
-        while n < args.profile_steps and decode_only(eng):
-            eng.step()
-            n += 1
+        n = decode_steps(eng, args.profile_steps)
         sync(eng.runner.device)
         wall = time.perf_counter() - t
     kernel_us = sum(e.self_device_time_total for e in prof.key_averages())
@@ -748,11 +751,11 @@ def main() -> None:
             steps: list[float] = []
             ms = engine_step_ms(eng, c_mid, args, steps)
             key = f"await_launch={await_launch},switch_interval={interval:g}"
+            spread = quantiles_ms(steps)
             variants.setdefault(key, []).append(round(ms, 3))
-            variant_quantiles.setdefault(key, []).append(quantiles_ms(steps))
+            variant_quantiles.setdefault(key, []).append(spread)
             print(
-                f"c={c_mid:3d} overlap, {key}: {ms:.2f} ms/step "
-                f"(p10 / p50 / p90 {quantiles_ms(steps)})",
+                f"c={c_mid:3d} overlap, {key}: {ms:.2f} ms/step (p10 / p50 / p90 {spread})",
                 flush=True,
             )
         sys.setswitchinterval(default)
@@ -777,9 +780,8 @@ def main() -> None:
         + (f", {busy_profiler:.0%} (profiler kernels)" if busy_profiler is not None else ""),
         flush=True,
     )
-    t = session_ttft(
-        model, best(min(args.concurrency))[0][0], args
-    )  # eager extends / graphs, not compiled
+    # eager extends / graphs, not compiled
+    t = session_ttft(model, best(min(args.concurrency))[0][0], args)
     print(
         f"TTFT with {args.held} tokens held: session {1000 * t['session']:.1f} ms (eager "
         f"extend {1000 * t['session_eager_extend']:.1f} ms), stateless "
