@@ -20,8 +20,9 @@ that pays two steps' worth of put-off work at 32 requests) would otherwise cost 
 
 Taking drafting up again has a price of its own: while requests do not draft, the head's
 pass over their new positions waits (and a session turn that ends without drafting leaves its
-pass to the session's next turn), and the first step that drafts pays for all of it
-(decoder.py; no arm's timing includes it). So at each decision the decoder says how many
+pass to the session's next turn), and taking drafting up pays for all of it (the step
+before the first that drafts runs that pass, since the next step wants a guess; decoder.py:
+no arm's timing includes it). So at each decision the decoder says how many
 positions the decoding requests owe the head, and the policy prices them at what the head's
 passes cost per position when drafting was taken up before (`observe_switch`): drafting is
 taken up only where its gain over `explore_every` steps pays that back, and a re-check of
