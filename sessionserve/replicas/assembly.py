@@ -105,10 +105,9 @@ def build_runner(
             backend = TorchPagedBackend(cfg.cache.max_context_len, sliding_windows(model.config))
         runner.extend_graphs = ExtendGraphs(runner, backend, cfg.cuda_graph_max_extend)
     if speculative is not None and runner.graphs is not None:
-        # verifies replay graphs over the torch backend's static plan, as extends do
+        # verifies replay graphs over the decode backend's static rows: FlashInfer's paged
+        # prefill (each row's pages read in place) or the torch backend's gather
         backend = runner.backend
-        if not isinstance(backend, TorchPagedBackend):
-            backend = TorchPagedBackend(cfg.cache.max_context_len, sliding_windows(model.config))
         runner.verify_graphs = VerifyGraphs(
             runner, backend, runner.graphs.buckets, cfg.spec.num_drafts + 1
         )

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from sessionserve.replicas.attention.base import ForwardMeta, to_device
+from sessionserve.replicas.attention.base import AttentionBackend, ForwardMeta, to_device
 from sessionserve.replicas.attention.torch_backend import TorchPagedBackend
 from sessionserve.replicas.compiled_forward import CompiledForward
 from sessionserve.replicas.model_runner import ModelRunner
@@ -341,7 +341,8 @@ class VerifyGraphs(_GraphSet):
     step launches every kernel from Python, so on a GPU it cost ~4x a replayed decode and a
     verify could not pay; replayed, a 5-token verify costs ~1.1x a decode (measured with a
     manual graph, docs/benchmarks.md). A graph per (batch bucket, context bucket) over the
-    torch backend's static plan (as `ExtendGraphs`), every row padded to `max_query` tokens
+    decode backend's static rows (FlashInfer's paged prefill: one context bucket; the torch
+    backend's gather, as `ExtendGraphs`), every row padded to `max_query` tokens
     (padding tokens read and write slot 0): one query length, not one graph per draft count,
     since each graph keeps its own logits buffer (B x max_query x vocab) in the graph pool. It
     returns every token's logits and the drafter's features in the step's own flat order."""
@@ -349,7 +350,7 @@ class VerifyGraphs(_GraphSet):
     def __init__(
         self,
         runner: ModelRunner,
-        backend: TorchPagedBackend,
+        backend: AttentionBackend,
         buckets: Sequence[int],
         max_query: int,
         capture: bool = True,

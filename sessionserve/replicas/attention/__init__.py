@@ -149,7 +149,7 @@ def select_backend(name: str, device: torch.device, **dims: Any) -> AttentionBac
         )
     from sessionserve.replicas.attention.flashinfer_backend import FlashInferBackend
 
-    fi_dims = {k: v for k, v in dims.items() if k not in ("max_context_len", "windows")}
+    fi_dims = {k: v for k, v in dims.items() if k != "windows"}
     return FlashInferBackend(device=device, **fi_dims)
 
 

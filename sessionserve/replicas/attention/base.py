@@ -9,7 +9,8 @@ transformers model, after the new K/V have been written to the pool.
 
 Pure-decode batches can also run on *static* metadata (`static_decode` / `fill_decode`): buffers
 of a fixed batch size (padding rows point at the reserved slot 0), so the whole forward can be
-captured once in a CUDA graph and replayed (see cuda_graphs.py).
+captured once in a CUDA graph and replayed (see cuda_graphs.py); rows of several new tokens
+(short extends, speculative verifies) likewise (`static_extend` / `fill_rows`).
 """
 
 from __future__ import annotations
@@ -93,3 +94,16 @@ class AttentionBackend(ABC):
         """Write this step's sequences into `static` (rows past len(seqs) become padding that
         reads and writes only slot 0)."""
         raise NotImplementedError(f"the {self.name} backend has no static decode path")
+
+    # ---- static rows of several tokens (CUDA graphs of extends and verifies) ----
+    def static_extend(
+        self, q_len: int, width: Hashable, device: torch.device, rows: int = 1
+    ) -> Any:
+        """Buffers of a plan for `rows` sequences of `q_len` new tokens each (padded), row b's
+        queries being flat tokens b * q_len ..; `width` is `graph_key`'s context bucket."""
+        raise NotImplementedError(f"the {self.name} backend has no static rows path")
+
+    def fill_rows(self, static: Any, seqs: list[SeqSpec]) -> None:
+        """Write this step's sequences (each at most q_len new tokens) into `static`'s first
+        rows; their padding queries and the rows past them are discarded."""
+        raise NotImplementedError(f"the {self.name} backend has no static rows path")

@@ -6,7 +6,10 @@ viewed, never copied. One plan per forward serves every layer: a pure-decode bat
 decode wrapper, anything else (prefill chunks, chain verifies, mixed batches) the prefill
 wrapper (causal over ragged queries). For CUDA graphs each batch-size bucket gets its own
 decode wrapper in graph mode over fixed buffers (`static_decode`), re-planned before every
-replay.
+replay; so do speculative decoding's verify steps, over a prefill wrapper in graph mode whose
+rows all hold the graph's query length (`static_extend`, `fill_rows`: a row's padding queries
+come after its real ones and attend over as many padding positions after its context, so its
+real queries see exactly their causal context).
 
 Planning never waits for the device, so under overlap scheduling the forward thread plans step
 N+1 while step N runs: `plan()` is fed pinned host tensors (a copy from pageable memory waits
@@ -21,6 +24,7 @@ Limits (FlashInfer 0.7): fp16/bf16 only, head dims 64/128/256; `select_backend` 
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,20 +61,56 @@ class _PlanFence:
 class _Plan:
     wrapper: Any  # the planned wrapper whose `run` every layer calls
     batch_size: int = 0  # static plans: the fixed batch size (padding included)
+    q_len: int = 1  # static plans: the query tokens of every row (padding included)
 
 
 def page_table(seqs: list[SeqSpec], page_size: int) -> tuple[torch.Tensor, ...]:
     """Host int32 (kv_indptr [B+1], page ids [sum pages], last_page_len [B]) of `seqs`, whose
     positions are laid out page by page (slot // page_size is the page)."""
-    lens = torch.tensor([s.ctx_len for s in seqs], dtype=torch.int32)
-    counts = (lens + page_size - 1) // page_size
-    indptr = torch.zeros(len(seqs) + 1, dtype=torch.int32)
-    torch.cumsum(counts, 0, out=indptr[1:])
-    last = lens - (counts - 1) * page_size
+    indptr, last = _kv_indptr_and_last(torch.tensor([s.ctx_len for s in seqs]), page_size)
     if not seqs:
         return indptr, torch.zeros(0, dtype=torch.int32), last
     flat = torch.cat([s.ctx_slots[::page_size] for s in seqs]) // page_size
     return indptr, flat.to(torch.int32), last
+
+
+def padded_rows_page_table(
+    seqs: list[SeqSpec], q_len: int, rows: int, page_size: int
+) -> tuple[torch.Tensor, ...]:
+    """Host int32 (qo_indptr [rows+1], kv_indptr [rows+1], page ids, last_page_len [rows]) for
+    `rows` rows of `q_len` query tokens each, the first `len(seqs)` holding `seqs` (each at
+    most `q_len` new tokens, its padding queries after them). FlashInfer aligns a row's causal
+    mask at the end of its KV (query i sees the first `kv_len - q_len + i + 1` positions), so a
+    row of `n` real tokens gets `q_len - n` padding positions after its context: its real
+    queries then see exactly their context, its padding queries (discarded) the padding too.
+    Padding positions past the row's last page read page 0 (reserved); padding rows are
+    `q_len` positions of page 0."""
+    lens, pages = [], []
+    for s in seqs:
+        if s.q_len > q_len:
+            raise ValueError(f"a row of {s.q_len} new tokens in a plan of {q_len} a row")
+        padded = s.ctx_len + q_len - s.q_len
+        real = s.ctx_slots[::page_size] // page_size
+        extra = -(-padded // page_size) - len(real)
+        pages += [real.to(torch.int32), torch.zeros(extra, dtype=torch.int32)]
+        lens.append(padded)
+    pad = rows - len(seqs)
+    if pad < 0:
+        raise ValueError(f"{len(seqs)} sequences in a plan of {rows} rows")
+    lens += [q_len] * pad
+    pages.append(torch.zeros(pad * -(-q_len // page_size), dtype=torch.int32))
+    kv_indptr, last = _kv_indptr_and_last(torch.tensor(lens), page_size)
+    qo_indptr = torch.arange(rows + 1, dtype=torch.int32) * q_len
+    return qo_indptr, kv_indptr, torch.cat(pages), last
+
+
+def _kv_indptr_and_last(lens: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """int32 kv_indptr [B+1] and last_page_len [B] of rows holding `lens` positions."""
+    lens = lens.to(torch.int32)
+    counts = (lens + page_size - 1) // page_size
+    indptr = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    torch.cumsum(counts, 0, out=indptr[1:])
+    return indptr, lens - (counts - 1) * page_size
 
 
 class FlashInferBackend(AttentionBackend):
@@ -86,6 +126,7 @@ class FlashInferBackend(AttentionBackend):
         dtype: torch.dtype,
         device: torch.device,
         num_pages: int,
+        max_context_len: int | None = None,
     ) -> None:
         import flashinfer  # lazy: only CUDA deployments install it (extra "gpu")
 
@@ -93,6 +134,7 @@ class FlashInferBackend(AttentionBackend):
         self.page_size, self.scaling, self.dtype, self.device = page_size, scaling, dtype, device
         self.dims = (num_heads, num_kv_heads, head_dim)
         self.num_pages = num_pages
+        self.max_context_len = max_context_len
         self.tensor_cores = num_heads // num_kv_heads > 4  # large GQA groups: decode on MMA
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
@@ -149,7 +191,7 @@ class FlashInferBackend(AttentionBackend):
             use_cuda_graph=True,
             use_tensor_cores=self.tensor_cores,
             paged_kv_indptr_buffer=torch.zeros(batch_size + 1, **i32),
-            paged_kv_indices_buffer=torch.zeros(self.num_pages + batch_size, **i32),
+            paged_kv_indices_buffer=torch.zeros(self._page_capacity(batch_size, 1), **i32),
             paged_kv_last_page_len_buffer=torch.ones(batch_size, **i32),
         )
         return _Plan(wrapper, batch_size)
@@ -165,6 +207,58 @@ class FlashInferBackend(AttentionBackend):
             last = torch.cat([last, torch.ones(pad, dtype=torch.int32)])
         pages = to_device(pages, self.device)  # its copy into the fixed buffer: device to device
         self._plan_decode(static.wrapper, indptr.pin_memory(), pages, last.pin_memory())
+
+    def _page_capacity(self, rows: int, q_len: int) -> int:
+        """Page ids a static plan of `rows` rows of `q_len` new tokens may list: each row's own
+        pages (its context, at most `max_context_len` positions, plus a verify row's padding).
+        Not bounded by the pool's pages: rows sharing a prefix (a system prompt held once in
+        the radix tree) list its pages once each."""
+        per_row = self.num_pages
+        if self.max_context_len is not None:
+            per_row = min(per_row, -(-(self.max_context_len + q_len) // self.page_size))
+        return rows * (per_row + 1)
+
+    # ---- static rows: verify steps (CUDA graphs; `graph_key` is the base's one bucket, as
+    # FlashInfer reads each row's pages wherever they are, whatever the context's length) ----
+    def static_extend(
+        self, q_len: int, width: Hashable, device: torch.device, rows: int = 1
+    ) -> _Plan:
+        """A prefill wrapper in graph mode for `rows` rows of `q_len` query tokens each (row
+        b's queries are flat tokens b * q_len ..), over fixed buffers; `width` (the torch
+        backend's context bucket) is unused."""
+        i32 = {"dtype": torch.int32, "device": device}
+        wrapper = self._fi.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace,
+            "NHD",
+            use_cuda_graph=True,
+            qo_indptr_buf=torch.arange(rows + 1, **i32) * q_len,
+            paged_kv_indptr_buf=torch.zeros(rows + 1, **i32),
+            paged_kv_indices_buf=torch.zeros(self._page_capacity(rows, q_len), **i32),
+            paged_kv_last_page_len_buf=torch.ones(rows, **i32),
+        )
+        return _Plan(wrapper, rows, q_len)
+
+    def fill_rows(self, static: _Plan, seqs: list[SeqSpec]) -> None:
+        """Plan `static` for `seqs` in its first rows (`padded_rows_page_table`); every plan
+        has the same rows and query tokens, as a graph-mode wrapper requires."""
+        qo, indptr, pages, last = padded_rows_page_table(
+            seqs, static.q_len, static.batch_size, self.page_size
+        )
+        pages = to_device(pages, self.device)  # its copy into the fixed buffer: device to device
+        self.fence.before(static.wrapper)
+        static.wrapper.plan(
+            qo.pin_memory(),
+            indptr.pin_memory(),
+            pages,
+            last.pin_memory(),
+            *self.dims,
+            self.page_size,
+            causal=True,
+            sm_scale=self.scaling,
+            q_data_type=self.dtype,
+            kv_data_type=self.dtype,
+        )
+        self.fence.after(static.wrapper)
 
     def forward(
         self,

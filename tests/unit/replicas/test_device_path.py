@@ -13,7 +13,7 @@ from sessionserve.config import EngineConfig, ModelConfig
 from sessionserve.errors import InvalidConfigError
 from sessionserve.replicas.attention import attention_scale, select_backend
 from sessionserve.replicas.attention.base import SeqSpec
-from sessionserve.replicas.attention.flashinfer_backend import page_table
+from sessionserve.replicas.attention.flashinfer_backend import padded_rows_page_table, page_table
 from sessionserve.replicas.attention.torch_backend import TorchPagedBackend, context_mask
 from sessionserve.replicas.cuda_graphs import (
     DecodeGraphs,
@@ -145,6 +145,55 @@ def test_flashinfer_page_table_is_built_on_the_host() -> None:
     assert indptr.tolist() == [0, 2, 6] and pages.tolist() == [8, 9, 16, 17, 18, 19]
     assert last.tolist() == [1, 4]
     assert all(t.device.type == "cpu" and t.dtype == torch.int32 for t in (indptr, pages, last))
+
+
+def _paged_row(pages: torch.Tensor, start: int, kv_len: int, page_size: int) -> list[int]:
+    """The slots of a FlashInfer row's `kv_len` positions, read from its page ids."""
+    return [int(pages[start + p // page_size]) * page_size + p % page_size for p in range(kv_len)]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_padded_verify_rows_see_exactly_their_causal_context(seed: int) -> None:
+    """FlashInfer's verify plan (`padded_rows_page_table`, what `FlashInferBackend.fill_rows`
+    plans a verify graph with): every row holds q_len queries and FlashInfer aligns a row's
+    causal mask at the end of its KV, so a row of fewer real tokens is given padding positions
+    after its context. Rebuilt from the page ids as FlashInfer reads them, each real query i
+    must see exactly its sequence's first ctx_len - n + i + 1 slots (no padding, nothing
+    missing), and padding rows read only page 0 (reserved). Sequences own scattered pages
+    (two sharing a prefix's pages, as the radix tree shares them)."""
+    gen = torch.Generator().manual_seed(seed)
+    page_size, q_len, rows = 4, 5, 6
+    free = torch.randperm(200, generator=gen)[:80] + 1  # page 0 is reserved
+    shared = free[:3]  # a prefix of 12 positions two rows share
+    seqs, used = [], 3
+    for b in range(4):
+        ctx_len = int(torch.randint(1, 30, (1,), generator=gen))
+        n = int(torch.randint(1, q_len + 1, (1,), generator=gen))
+        ctx_len = max(ctx_len, n)
+        own = free[used : used + 8]
+        used += 8
+        pages = torch.cat([shared, own]) if b < 2 else own
+        slots = torch.cat([pg * page_size + torch.arange(page_size) for pg in pages])
+        seqs.append(SeqSpec(n, slots[:ctx_len]))
+    qo, kv_indptr, pages, last = padded_rows_page_table(seqs, q_len, rows, page_size)
+    assert qo.tolist() == [q_len * b for b in range(rows + 1)]  # fixed, as graph mode needs
+    kv_lens = [
+        int((kv_indptr[b + 1] - kv_indptr[b] - 1) * page_size + last[b]) for b in range(rows)
+    ]
+    assert all(0 < int(x) <= page_size for x in last)
+    for b in range(rows):
+        row = _paged_row(pages, int(kv_indptr[b]), kv_lens[b], page_size)
+        assert kv_lens[b] >= q_len  # FlashInfer's append attention: KV at least the queries
+        if b >= len(seqs):
+            assert set(row) <= set(range(page_size))  # page 0 only
+            continue
+        s = seqs[b]
+        for i in range(s.q_len):  # query i sees kv_len - q_len + i + 1 positions
+            seen = row[: kv_lens[b] - q_len + i + 1]
+            assert seen == s.ctx_slots[: s.ctx_len - s.q_len + i + 1].tolist()
+    assert all(t.dtype == torch.int32 and t.device.type == "cpu" for t in (qo, kv_indptr, pages))
+    with pytest.raises(ValueError, match="6 new tokens in a plan of 5"):
+        padded_rows_page_table([SeqSpec(6, torch.arange(8))], q_len, rows, page_size)
 
 
 def test_buckets() -> None:
@@ -363,3 +412,140 @@ def test_default_config_starts_and_answers_on_cuda() -> None:
     greedy = engine.generate([ids], SamplingParams(max_tokens=16, temperature=0))[0]
     sampled = engine.generate([ids], SamplingParams(max_tokens=16, temperature=0.7, seed=1))[0]
     assert "Paris" in greedy.text and sampled.completion_tokens > 0
+
+
+# ---- FlashInfer's host side, over a torch stand-in for its kernels ----
+class _FakeFlashInferWrapper:
+    """FlashInfer's batch prefill and decode wrappers as `FlashInferBackend` calls them, in
+    torch: FlashInfer's own reference semantics (its causal mask aligned at the end of a row's
+    KV: query i of n sees the first kv_len - n + i + 1 positions) and graph mode's rules (a
+    fixed batch, no more query rows than at the first plan, page ids within the fixed buffer)."""
+
+    def __init__(self, workspace, layout, use_cuda_graph=False, use_tensor_cores=False, **bufs):
+        self.graph, self.bufs, self.max_rows, self.planned = use_cuda_graph, bufs, None, None
+
+    def plan(self, *args, causal=False, sm_scale=None, q_data_type=None, kv_data_type=None):
+        if len(args) == 8:  # prefill: qo_indptr first
+            qo, indptr, pages, last, heads, kv_heads, dim, page_size = args
+        else:  # decode: one query a row
+            indptr, pages, last, heads, kv_heads, dim, page_size = args
+            qo = torch.arange(len(indptr), dtype=torch.int32)
+        if self.graph:
+            fixed = next(len(v) for k, v in self.bufs.items() if k.startswith("paged_kv_indptr"))
+            assert len(indptr) == fixed, "graph mode: the batch size is fixed"
+            rows = int(qo[-1])
+            self.max_rows = rows if self.max_rows is None else self.max_rows
+            if rows > self.max_rows:
+                raise ValueError("more query rows than at the first plan in cuda graph mode")
+            buf = next(v for k, v in self.bufs.items() if k.startswith("paged_kv_indices"))
+            if len(pages) > len(buf):
+                raise ValueError("paged_kv_indices exceeds the allocated buffer size.")
+        self.planned = (qo, indptr, pages.cpu(), last, page_size, causal, sm_scale)
+
+    def run(self, q: torch.Tensor, paged: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        qo, indptr, pages, last, page_size, causal, scale = self.planned
+        k_pages, v_pages = paged  # [pages, page_size, KVH, D]
+        out = torch.empty_like(q)
+        for b in range(len(indptr) - 1):
+            pg = pages[indptr[b] : indptr[b + 1]].long()
+            kv_len = (len(pg) - 1) * page_size + int(last[b])
+            group = q.shape[1] // k_pages.shape[2]
+            k, v = (
+                x[pg].flatten(0, 1)[:kv_len].repeat_interleave(group, 1) for x in (k_pages, v_pages)
+            )
+            qs = q[qo[b] : qo[b + 1]]
+            logits = torch.einsum("qhd,khd->hqk", qs.float(), k.float()) * scale
+            if causal:
+                n = len(qs)
+                seen = torch.arange(kv_len)[None] <= torch.arange(n)[:, None] + kv_len - n
+                logits = logits.masked_fill(~seen, float("-inf"))
+            out[qo[b] : qo[b + 1]] = torch.einsum("hqk,khd->qhd", logits.softmax(-1), v.float()).to(
+                q.dtype
+            )
+        return out
+
+
+class _NoFence:
+    def before(self, wrapper) -> None: ...
+
+    def after(self, wrapper) -> None: ...
+
+
+def _fake_flashinfer(monkeypatch) -> None:
+    """`import flashinfer` gives the stand-in; pinning host memory (no CUDA here) is a no-op."""
+    import sys
+    import types
+
+    fake = types.SimpleNamespace(
+        BatchPrefillWithPagedKVCacheWrapper=_FakeFlashInferWrapper,
+        BatchDecodeWithPagedKVCacheWrapper=_FakeFlashInferWrapper,
+    )
+    monkeypatch.setitem(sys.modules, "flashinfer", fake)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a, **k: self)
+
+
+def test_static_flashinfer_plans_hold_rows_that_share_a_long_prefix(monkeypatch) -> None:
+    """A graph's fixed page-id buffer must hold every row's pages, and rows sharing a prefix
+    (a system prompt the radix tree holds once) list its pages once each: 8 rows over the same
+    9 pages of a 10-page pool are 72 ids, more than the pool's pages plus one a row (the
+    buffer's size before; FlashInfer's plan raised). Decode and verify plans both."""
+    from sessionserve.replicas.attention.flashinfer_backend import FlashInferBackend
+
+    _fake_flashinfer(monkeypatch)
+    cpu = torch.device("cpu")
+    backend = FlashInferBackend(4, 2, 1, 8, 0.35, torch.float32, cpu, 10, max_context_len=40)
+    backend.fence = _NoFence()
+    shared = torch.arange(4, 40)  # pages 1..9
+    backend.fill_decode(backend.static_decode(8, 0, cpu), [SeqSpec(1, shared)] * 8)
+    backend.fill_rows(backend.static_extend(5, 0, cpu, rows=8), [SeqSpec(3, shared)] * 8)
+
+
+def test_verify_graphs_over_flashinfers_padded_rows_give_transformers_tokens(monkeypatch):
+    """The FlashInfer backend's whole host side on CPU, its kernels replaced by a torch
+    stand-in with FlashInfer's semantics: prefills plan its prefill wrapper, decodes replay
+    the decode graphs' static path (`fill_decode`), and verifies the verify graphs' static
+    path over its paged prefill in graph mode (`static_extend`, `fill_rows`: rows padded to
+    num_drafts + 1 queries with padding positions after each context). History drafts of
+    uneven lengths: transformers' greedy tokens, every verify through the graphs. (On a
+    GPU the real kernels: `test_verify_graphs_over_flashinfer_match_the_torch_backends`.)"""
+    from sessionserve.replicas.attention.flashinfer_backend import FlashInferBackend
+    from sessionserve.replicas.cuda_graphs import VerifyGraphs
+
+    _fake_flashinfer(monkeypatch)
+    model = tiny_model(num_hidden_layers=1, seed=3)
+    base = [[5 + (7 * i + j) % 90 for i in range(n)] for j, n in enumerate((6, 9, 13))]
+    prompts = [p * 3 for p in base] + [base[0] * 3 + [7, 8]]  # repeats; a shared prefix
+    engine = tiny_engine(model, prefill=24, history_drafts=True, page_size=4)
+    r, cfg = engine.runner, model.config
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    backend = FlashInferBackend(
+        page_size=4,
+        num_heads=cfg.num_attention_heads,
+        num_kv_heads=cfg.num_key_value_heads,
+        head_dim=head_dim,
+        scaling=attention_scale(model, head_dim),
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        num_pages=r.kv_pool.k.shape[1] // 4,
+        max_context_len=1024,
+    )
+    backend.fence = _NoFence()
+    r.backend = backend
+    r.graphs = DecodeGraphs(r, (1, 2, 4, 8), capture=False)
+    r.verify_graphs = VerifyGraphs(r, backend, (1, 2, 4, 8), 5, capture=False)
+    verify_steps, forward = [], r.forward
+
+    def counted(batch):  # a verify: every token sampled, some row with drafts
+        q = max(s.q_len for s in batch.seqs)
+        verify_steps.append(len(batch.logit_idx) == len(batch.input_ids) and q > 1)
+        return forward(batch)
+
+    r.forward = counted
+    results = engine.generate(prompts, SamplingParams(max_tokens=30, temperature=0))
+    for prompt, res in zip(prompts, results, strict=True):
+        assert res.output_ids == hf_greedy(model, prompt, 30)
+    stats = engine.spec_stats
+    assert r.verify_graphs.replays == sum(verify_steps) > 0 and r.graphs.replays > 0
+    assert 0 < stats.drafted < 4 * stats.steps  # some rows drafted fewer: padded queries
+    assert {key for _, key in r.verify_graphs.graphs} >= {(1, 0), (4, 0)}  # one per bucket
+    engine.checker.check_idle()

@@ -489,6 +489,34 @@ def test_verify_graphs_replay_on_cuda() -> None:
     assert all(g.graph is not None for g in catch_ups.graphs.values())
 
 
+@pytest.mark.gpu
+def test_verify_graphs_over_flashinfer_match_the_torch_backends() -> None:
+    """With FlashInfer decoding, verify steps replay graphs over its paged prefill in graph
+    mode (every row padded to num_drafts + 1 queries with as many padding positions after its
+    context, `padded_rows_page_table`), not over the torch backend's padded gather. History
+    drafts of uneven lengths (rows with padding queries), bf16: the tokens equal the torch
+    backend's engine's, tie-aware as the backends' own comparison, and every verify replayed
+    a captured graph."""
+    pytest.importorskip("flashinfer")
+    from tests.unit.replicas.test_loader_and_backends import assert_tie_aware_equal
+
+    model = tiny_model(hidden_size=256, num_attention_heads=4, num_hidden_layers=1, seed=3)
+    model = model.to(torch.bfloat16)
+    prompts = [p * 3 for p in _prompts(4, (6, 9, 12, 15, 20))]  # repeats: history drafts
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, top_logprobs=2)
+    outs = {}
+    for backend in ("torch", "flashinfer"):
+        e = tiny_engine(model, device="cuda", backend=backend, prefill=24, history_drafts=True)
+        verify = e.runner.verify_graphs
+        assert verify is not None and verify.backend.name == backend
+        outs[backend] = e.generate(prompts, params)
+        assert verify.replays > 0 and all(g.graph is not None for g in verify.graphs.values())
+        stats = e.spec_stats
+        assert 0 < stats.drafted < 4 * stats.steps  # some rows drafted fewer: padded queries
+        e.checker.check_idle()
+    assert assert_tie_aware_equal(outs["torch"], outs["flashinfer"]) > 100
+
+
 def _reads_features(model):
     """A head whose drafts depend on its input feature (the target's hidden state when it
     catches up, its own output when it chains): one given to the wrong row or step changes
