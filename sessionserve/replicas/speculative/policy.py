@@ -4,8 +4,12 @@ Whether speculation speeds decoding up depends on what a verify costs next to a 
 (the hardware, the batch size, whether the forward is compiled or graphed) and on how much the
 drafts are accepted (the model, the drafter, the workload): neither is known before serving.
 So the engine measures both. Decode-only steps are timed from the first draft to the last
-commit, and each step's emitted tokens per second goes into one of two running means for its
-batch-size bucket: steps that verified drafts and steps that did not. The next step speculates
+commit, and each step's emitted tokens per second per decoding request goes into one of two
+running means for its batch-size bucket: steps that verified drafts and steps that did not.
+Per request, because a bucket spans batch sizes (4-7, 8-15, ...) and a turn's tail shrinks
+through them: per step, an arm last measured at 7 requests would read 7/4 of one measured at
+4 for the same speed (SmolLM2 on 2 cores, 8 requests, bf16: drafting took 70 of ~195 steps at
+4-7, each 37-43 ms against plain steps' 28-30, and lost). The next step speculates
 when that arm is the faster one, except every n-th decision in a bucket, which takes the other
 arm so its mean stays current; a bucket starts by trying both. A re-check of the slower arm
 loses its gap (1 - slow / fast tokens/s) of a step that lasts its own step time, so it costs
@@ -47,14 +51,14 @@ def smoothed(last: float | None, value: float, smoothing: float) -> float:
 
 @dataclass
 class Arm:
-    tokens_per_s: float = 0.0
+    request_tokens_per_s: float = 0.0  # tokens a second per decoding request
     step_s: float = 0.0  # what one of its steps lasts: a re-check's cost scales with it
     steps: int = 0
 
     def observe(self, tokens: int, seconds: float, smoothing: float) -> None:
         first = self.steps == 0
-        self.tokens_per_s = smoothed(
-            None if first else self.tokens_per_s, tokens / seconds, smoothing
+        self.request_tokens_per_s = smoothed(
+            None if first else self.request_tokens_per_s, tokens / seconds, smoothing
         )
         self.step_s = smoothed(None if first else self.step_s, seconds, smoothing)
         self.steps += 1
@@ -120,21 +124,25 @@ class SpecPolicy:
     def _drafting_pays(self, on: Arm, off: Arm, owed_s: float) -> bool:
         """Drafting's tokens/s is the higher, by enough to pay back the head's pass it owes
         (`owed_s`) within `explore_every` steps."""
-        if on.tokens_per_s < off.tokens_per_s:
+        if on.request_tokens_per_s < off.request_tokens_per_s:
             return False
-        if owed_s <= 0 or on.tokens_per_s <= 0:
+        if owed_s <= 0 or on.request_tokens_per_s <= 0:
             return True
-        gain = (1.0 - off.tokens_per_s / on.tokens_per_s) * on.step_s * self.explore_every
+        gain = (
+            (1.0 - off.request_tokens_per_s / on.request_tokens_per_s)
+            * on.step_s
+            * self.explore_every
+        )
         return gain >= owed_s
 
     def recheck_every(self, on: Arm, off: Arm, owed_s: float = 0.0) -> int:
         """Decisions between re-checks of the other arm: more, the more one costs (its
         tokens/s gap, in steps as long as its own, plus `owed_s` of work it pays first,
         counted in the faster arm's steps)."""
-        fast, slow = (on, off) if on.tokens_per_s >= off.tokens_per_s else (off, on)
-        if fast.tokens_per_s <= 0 or fast.step_s <= 0:
+        fast, slow = (on, off) if on.request_tokens_per_s >= off.request_tokens_per_s else (off, on)
+        if fast.request_tokens_per_s <= 0 or fast.step_s <= 0:
             return self.explore_every
-        gap = 1.0 - slow.tokens_per_s / fast.tokens_per_s
+        gap = 1.0 - slow.request_tokens_per_s / fast.request_tokens_per_s
         cost = (gap * slow.step_s + owed_s) / fast.step_s  # fast steps lost per re-check
         every = max(self.explore_every, round(cost / self.explore_loss))
         cap = max(self.max_explore_every, int(self.max_explore_s / fast.step_s))
@@ -148,17 +156,20 @@ class SpecPolicy:
             self._switch_positions = smoothed(self._switch_positions, positions, self.smoothing)
 
     def observe(self, num_decodes: int, speculated: bool, tokens: int, seconds: float) -> None:
-        """One decode-only step: `tokens` emitted in `seconds`, drafts verified or not."""
+        """One decode-only step of `num_decodes` requests: `tokens` emitted in `seconds`,
+        drafts verified or not."""
         if seconds > 0 and num_decodes > 0:
-            self.arm(num_decodes, speculated).observe(tokens, seconds, self.smoothing)
+            arm = self.arm(num_decodes, speculated)
+            arm.observe(tokens / num_decodes, seconds, self.smoothing)
 
     def summary(self) -> dict[str, dict[str, float]]:
-        """Per bucket (its smallest batch size): each arm's mean tokens/s and steps."""
+        """Per bucket (its smallest batch size): each arm's mean tokens/s per decoding
+        request, and its steps."""
         out: dict[str, dict[str, float]] = {}
         for (b, spec), arm in sorted(self.arms.items()):
             if arm.steps:
                 key = "spec" if spec else "plain"
                 row = out.setdefault(str(1 << (b - 1)), {})
-                row[f"{key}_tokens_per_s"] = round(arm.tokens_per_s, 2)
+                row[f"{key}_request_tokens_per_s"] = round(arm.request_tokens_per_s, 2)
                 row[f"{key}_steps"] = arm.steps
         return out

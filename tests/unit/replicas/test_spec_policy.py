@@ -40,8 +40,22 @@ def test_the_faster_arm_wins_and_the_slower_is_rechecked() -> None:
     for _ in range(40):  # drafting turns out faster at 8 after all: the choice follows
         policy.observe(8, True, tokens=20, seconds=1.0)
     assert policy.choose(8) is True
-    summary = policy.summary()["8"]
-    assert summary["spec_tokens_per_s"] > summary["plain_tokens_per_s"] > 15.9
+    summary = policy.summary()["8"]  # per decoding request: 16 tokens of 8 requests in 1 s
+    assert summary["spec_request_tokens_per_s"] > summary["plain_request_tokens_per_s"] > 1.99
+
+
+def test_arms_compare_tokens_per_request_across_a_buckets_batch_sizes() -> None:
+    """A bucket spans batch sizes, and a turn's tail shrinks through it: drafting steps
+    measured at 7 requests (1.3 tokens a request in 42 ms: 217 tokens/s a step, 31 a request)
+    and plain steps at 4 (1 token in 28 ms: 143 a step, 36 a request) must not make drafting
+    look faster because its steps had more requests."""
+    policy = SpecPolicy(explore_every=4, warmup_steps=2)
+    for _ in range(2):
+        policy.observe(7, True, tokens=9, seconds=0.042)
+        policy.observe(4, False, tokens=4, seconds=0.028)
+    assert policy.choose(5) is False
+    arms = policy.summary()["4"]
+    assert arms["plain_request_tokens_per_s"] > arms["spec_request_tokens_per_s"]
 
 
 def test_a_recheck_in_long_steps_comes_more_rarely() -> None:
@@ -189,13 +203,13 @@ def test_the_engine_drafts_only_where_it_pays(verify_cost: float, overlap: bool)
     arms = engine.speculative.policy.summary()["1"]
     decode_steps = arms["spec_steps"] + arms["plain_steps"]
     if verify_cost > 5:
-        assert arms["spec_tokens_per_s"] < arms["plain_tokens_per_s"]
+        assert arms["spec_request_tokens_per_s"] < arms["plain_request_tokens_per_s"]
         # 2 warm-up steps, then at most every 16th decision; and re-checks did draft
         assert 4 <= arms["spec_steps"] <= 2 + decode_steps // 16 + 1
         if overlap:
             assert engine.overlap_totals["overlapped_steps"] > arms["plain_steps"] // 2
     else:
-        assert arms["spec_tokens_per_s"] > arms["plain_tokens_per_s"]
+        assert arms["spec_request_tokens_per_s"] > arms["plain_request_tokens_per_s"]
         assert arms["plain_steps"] <= 2 + decode_steps // 16 + 1
         assert r.spec_accepted > 0
 
@@ -216,13 +230,13 @@ def test_plain_rechecks_between_drafting_steps_are_timed() -> None:
     params = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)
     engine.generate([first], params)
     arms = policy.summary()["1"]
-    assert arms["spec_tokens_per_s"] > arms["plain_tokens_per_s"]
+    assert arms["spec_request_tokens_per_s"] > arms["plain_request_tokens_per_s"]
     assert arms["plain_steps"] > 2  # the re-checks were timed, not only the warm-up's two
     clock.plain = 0.1  # plain decoding gets 10x cheaper
     (r,) = engine.generate([second], params)
     assert r.output_ids == hf_greedy(model, second, params.max_tokens)
     arms = policy.summary()["1"]
-    assert arms["plain_tokens_per_s"] > arms["spec_tokens_per_s"]
+    assert arms["plain_request_tokens_per_s"] > arms["spec_request_tokens_per_s"]
     assert policy.choose(1) is False
 
 
@@ -263,7 +277,7 @@ def test_a_step_that_pays_for_deferred_catch_up_is_not_timed() -> None:
     on, off = spec.policy.arm(1, True), spec.policy.arm(1, False)
     assert spec.policy.recheck_every(on, off, spec.policy.owed_s(10)) == 16
     arms = spec.policy.summary()["1"]
-    assert arms["spec_steps"] >= 2 and arms["plain_tokens_per_s"] > arms["spec_tokens_per_s"]
+    assert arms["spec_steps"] >= 2 and arms["plain_request_tokens_per_s"] > arms["spec_request_tokens_per_s"]
 
 
 @pytest.mark.parametrize("drafting", [False, True])
