@@ -42,11 +42,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -143,6 +145,14 @@ def parse() -> argparse.Namespace:
         "each step's launch (Engine.await_launch), under Python's switch interval (0.005 s) "
         "and each of these (sys.setswitchinterval): how soon the forward thread gets the GIL "
         "back from the engine thread after each torch call",
+    )
+    ap.add_argument(
+        "--pin-threads",
+        action="store_true",
+        help="also time the overlapped engine at the middle c with its two threads (engine, "
+        "forward) pinned to two physical cores, to two hyperthreads of one core (with SMT), "
+        "and unpinned, alternating: does the OS's placement of the threads pick the step's "
+        "mode (bimodal at 32 in runs J, K)?",
     )
     ap.add_argument(
         "--trace-steps",
@@ -321,6 +331,36 @@ def quantiles_ms(steps_ms: list[float]) -> list[float]:
     return [round(q[0], 3), round(statistics.median(steps_ms), 3), round(q[-1], 3)]
 
 
+def cpu_pairs() -> dict[str, tuple[int, int]]:
+    """Two CPUs this process may use on two physical cores, and two hyperthreads of one core
+    where the machine has SMT (from sysfs; the last cores, away from CPU 0's interrupts)."""
+    by_core: dict[tuple[str, str], list[int]] = {}
+    for cpu in sorted(os.sched_getaffinity(0)):
+        topo = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+        try:
+            key = ((topo / "physical_package_id").read_text(), (topo / "core_id").read_text())
+        except OSError:
+            key = ("?", str(cpu))
+        by_core.setdefault(key, []).append(cpu)
+    cores = list(by_core.values())
+    pairs: dict[str, tuple[int, int]] = {}
+    if len(cores) >= 2:
+        pairs["two_cores"] = (cores[-2][0], cores[-1][0])
+    smt = [c for c in cores if len(c) >= 2]
+    if smt:
+        pairs["one_core_two_hyperthreads"] = (smt[-1][0], smt[-1][1])
+    return pairs
+
+
+def pin_threads(eng: Engine, cpus: tuple[int, int] | None, allowed: set[int]) -> None:
+    """The engine thread (this one) on cpus[0] and the forward thread on cpus[1]; None: both
+    back on `allowed`."""
+    assert eng.forwards is not None
+    mine, theirs = ({cpus[0]}, {cpus[1]}) if cpus else (allowed, allowed)
+    os.sched_setaffinity(0, mine)  # (0: the calling thread)
+    eng.forwards.call(os.sched_setaffinity, 0, theirs)
+
+
 def trace_steps(eng: Engine, c: int, args, name: str) -> None:
     """With `--log-dir` and `--trace-steps N`: a torch.profiler timeline (host threads with
     Python stacks, and the GPU's kernels) of N decode steps, `trace_<name>.json.gz`, for
@@ -328,7 +368,6 @@ def trace_steps(eng: Engine, c: int, args, name: str) -> None:
     if not args.log_dir or not args.trace_steps:
         return
     import gzip
-    import os
     import shutil
 
     from torch.profiler import profile
@@ -760,6 +799,27 @@ def main() -> None:
             )
         sys.setswitchinterval(default)
         eng.close()
+    pinning: dict[str, list[float]] = {}
+    pinning_quantiles: dict[str, list[list[float]]] = {}
+    if args.pin_threads and not args.no_overlap:
+        allowed, pairs = set(os.sched_getaffinity(0)), cpu_pairs()
+        print(f"thread pinning: CPU pairs {pairs}", flush=True)
+        eng = engine_for(best(c_mid)[0], c_mid, overlap=True)
+        for _ in range(3):  # alternating, so drift shows as a spread, not a difference
+            for name, cpus in [("unpinned", None), *pairs.items()]:
+                pin_threads(eng, cpus, allowed)
+                steps = []
+                ms = engine_step_ms(eng, c_mid, args, steps)
+                spread = quantiles_ms(steps)
+                pinning.setdefault(name, []).append(round(ms, 3))
+                pinning_quantiles.setdefault(name, []).append(spread)
+                print(
+                    f"c={c_mid:3d} overlap, threads {name} {cpus or ''}: {ms:.2f} ms/step "
+                    f"(p10 / p50 / p90 {spread})",
+                    flush=True,
+                )
+        pin_threads(eng, None, allowed)
+        eng.close()
     if args.trace_steps and not args.no_overlap:
         eng = engine_for(best(c_mid)[0], c_mid, overlap=True)
         trace_steps(eng, c_mid, args, f"overlap_c{c_mid}")
@@ -802,6 +862,8 @@ def main() -> None:
             "jit_options": dict(compiled_forward.JIT_OPTIONS),
             "overlap_ms_variants": variants,
             "overlap_ms_variant_quantiles": variant_quantiles,
+            "overlap_ms_pinning": pinning,
+            "overlap_ms_pinning_quantiles": pinning_quantiles,
             "verify_cost": verify,
             **{f"verify_cost_ratio_{c}": v["ratio"] for c, v in verify.items()},
             **{f"spec_step_ratio_{c}": v["step_ratio"] for c, v in verify.items()},

@@ -33,7 +33,7 @@ stage() {  # stage NAME MAX_SECONDS COMMAND...: run under min(MAX, time left), l
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
     python3 -c "import torch, transformers; print(torch.__version__, torch.version.cuda, transformers.__version__)"
     python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)"
-    lscpu | grep -E "Model name|^CPU\(s\)"
+    lscpu | grep -E "Model name|^CPU\(s\)|Thread\(s\) per core|NUMA node\(s\)"
     # the host's Python speed: host-bound steps scale with it (0.137 s on the 2-core dev box,
     # 0.24 s on run H's GPU host, docs/benchmarks.md)
     python3 -c "import time; t = time.perf_counter(); sum(range(10**7)); print('python: sum(range(1e7))', round(time.perf_counter() - t, 3), 's')"
@@ -48,7 +48,7 @@ stage count_test 60 "${PYTEST[@]}" --device cuda \
     tests/unit/replicas/test_overlap_schedule.py::test_max_tokens_reached_in_flight_costs_no_extra_step
 stage benchmark 360 python3 -m benchmarks.gpu --concurrency ${CONCURRENCY:-1 32 64} --backends flashinfer \
     --graph-modes on --skip-hf --compile on --verify-cost --switch-intervals 0.001 0.0002 \
-    --trace-steps 20 \
+    --trace-steps 20 --pin-threads \
     --log-dir "$out"   # + spec step split, GIL switch intervals, host profiles, a timeline
 stage freezing 150 python3 -m benchmarks.gpu --concurrency 1 32 --backends flashinfer \
     --graph-modes on --skip-hf --compile on --no-overlap --jit-freezing

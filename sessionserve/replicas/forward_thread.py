@@ -19,8 +19,10 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for
+from typing import Any, TypeVar
 
 import torch
 
@@ -28,6 +30,7 @@ from sessionserve.replicas.model_runner import ModelRunner
 from sessionserve.replicas.step import ForwardBatch, ScheduledBatch, SeqLayout, StepOutput
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class ForwardThread:
@@ -75,6 +78,11 @@ class ForwardThread:
             out.hidden = out.hidden.clone()  # buffer, which the next replay overwrites, maybe
             # before this step lands
         return out
+
+    def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` on this thread, after the steps submitted before it: for what is set
+        per thread (its CPU affinity, in `benchmarks/gpu.py --pin-threads`)."""
+        return self._pool.submit(fn, *args).result()
 
     def wait(self) -> None:
         """Return once every submitted step has finished (its error, if any, stays in its
