@@ -152,9 +152,15 @@ class FlashInferBackend(AttentionBackend):
             return _Plan(self.decode)
         qo = torch.zeros(len(seqs) + 1, dtype=torch.int32)
         torch.cumsum(torch.tensor([s.q_len for s in seqs], dtype=torch.int32), 0, out=qo[1:])
-        self.fence.before(self.prefill)
-        self.prefill.plan(
-            qo.pin_memory(),
+        self._plan_prefill(self.prefill, qo.pin_memory(), indptr, pages, last)
+        return _Plan(self.prefill)
+
+    def _plan_prefill(self, wrapper: Any, qo: Any, indptr: Any, pages: Any, last: Any) -> None:
+        """Causal attention of each row's queries over its pages (the last `qo` lengths of
+        its KV)."""
+        self.fence.before(wrapper)
+        wrapper.plan(
+            qo,
             indptr,
             pages,
             last,
@@ -165,8 +171,7 @@ class FlashInferBackend(AttentionBackend):
             q_data_type=self.dtype,
             kv_data_type=self.dtype,
         )
-        self.fence.after(self.prefill)
-        return _Plan(self.prefill)
+        self.fence.after(wrapper)
 
     def _plan_decode(self, wrapper: Any, indptr: Any, pages: Any, last: Any) -> None:
         self.fence.before(wrapper)
@@ -245,20 +250,8 @@ class FlashInferBackend(AttentionBackend):
             seqs, static.q_len, static.batch_size, self.page_size
         )
         pages = to_device(pages, self.device)  # its copy into the fixed buffer: device to device
-        self.fence.before(static.wrapper)
-        static.wrapper.plan(
-            qo.pin_memory(),
-            indptr.pin_memory(),
-            pages,
-            last.pin_memory(),
-            *self.dims,
-            self.page_size,
-            causal=True,
-            sm_scale=self.scaling,
-            q_data_type=self.dtype,
-            kv_data_type=self.dtype,
-        )
-        self.fence.after(static.wrapper)
+        qo, indptr, last = (t.pin_memory() for t in (qo, indptr, last))
+        self._plan_prefill(static.wrapper, qo, indptr, pages, last)
 
     def forward(
         self,
