@@ -55,7 +55,8 @@ class Arm:
     step_s: float = 0.0  # what one of its steps lasts: a re-check's cost scales with it
     steps: int = 0
 
-    def observe(self, tokens: int, seconds: float, smoothing: float) -> None:
+    def observe(self, tokens: float, seconds: float, smoothing: float) -> None:
+        """One step's `tokens` per decoding request in `seconds`."""
         first = self.steps == 0
         self.request_tokens_per_s = smoothed(
             None if first else self.request_tokens_per_s, tokens / seconds, smoothing
