@@ -122,6 +122,44 @@ def test_engine_compile_builds_the_heads_step_and_answers_stay_exact(cache_dir) 
     assert sorted(Path(cache_dir).glob("*.pt2")) == built
 
 
+def test_a_catch_up_longer_than_the_package_runs_as_compiled_pieces(cache_dir) -> None:
+    """A prompt of 75 tokens in one prefill chunk: the head's catch-up over it runs as
+    forwards of at most compile_max_tokens (32, 32, 11) through the package, none eagerly,
+    and writes the K/V, output and next guess one eager forward over all 75 writes."""
+    model = tiny_model(num_hidden_layers=1, seed=3)
+    prompt = torch.randint(
+        5, model.config.vocab_size, (75,), generator=torch.Generator().manual_seed(4)
+    )
+    heads = {}
+    for compiled in (True, False):
+        engine = tiny_engine(
+            model,
+            drafter=mimic_drafter,
+            compile=True,
+            compile_prefill=False,
+            compile_cache_dir=cache_dir,
+        )
+        proposer = engine.speculative.eagle
+        if not compiled:
+            proposer.compiled.clear()
+        calls, eager = _count_runs(proposer), _count_eager(proposer)
+        rid = engine.submit(prompt.tolist(), GREEDY)
+        engine.step()  # the prompt's prefill, and the head's catch-up over it
+        req = next(r for r in engine.scheduler.running if r.rid == rid)
+        slots = engine.cache.slots(req.kv, 0, 75)
+        heads[compiled] = (proposer.pool.k[0][slots].clone(), req.draft.token, req.draft.feature)
+        if compiled:
+            assert sum(calls.values()) == 3 and eager == [], (calls, eager)
+        else:
+            assert eager == [75]
+        result = engine.generate([prompt.tolist()], GREEDY)[0]  # (a second request: as before)
+        assert result.output_ids == hf_greedy(model, prompt.tolist(), GREEDY.max_tokens)
+    (k, token, feature), (eager_k, eager_token, eager_feature) = heads[True], heads[False]
+    torch.testing.assert_close(k, eager_k, atol=ATOL, rtol=ATOL)
+    torch.testing.assert_close(feature, eager_feature, atol=ATOL, rtol=ATOL)
+    assert token == eager_token
+
+
 def test_an_eagle3_head_gets_a_package_for_each_input_width(cache_dir, tmp_path) -> None:
     """An EAGLE-3 head reads three target layers (3h) when catching up and its own output (h)
     when chaining: a package each, both used, answers still the target's. Built as
@@ -148,9 +186,9 @@ def test_an_eagle3_head_gets_a_package_for_each_input_width(cache_dir, tmp_path)
     results = spec.generate(prompts, GREEDY)
     for prompt, result in zip(prompts, results, strict=True):
         assert result.output_ids == hf_greedy(model, prompt, GREEDY.max_tokens)
-    # chains ran on the h-wide package, catch-ups on the 3h-wide one; only the prefill step
-    # (70 tokens: past the packages' 32) ran eagerly
+    # chains ran on the h-wide package, catch-ups on the 3h-wide one (the 70-token prefill's
+    # in pieces of at most the packages' 32 tokens): nothing eagerly
     assert calls[h] > 0 and calls[3 * h] > 0, calls
-    assert all(n > forward.max_tokens for n in eager), eager
+    assert eager == [], eager
     _same_step(proposer, 3 * h, tokens=5, seed=2)
     _same_step(proposer, h, tokens=3, seed=3)
