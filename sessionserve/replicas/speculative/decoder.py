@@ -280,7 +280,9 @@ class SpeculativeDecoder:
         skip = {u.req.rid for u in updates if u.error}
         decoding = {u.req.rid for u in updates if not (u.error or u.finished)}
         mark = self._marks.get(batch.step)
-        if self.policy is not None and (mark is None or mark.choice == self.choices):
+        # a step after which nothing decodes leaves the choice as it was: made for no one, it
+        # would count as a re-check and decide whether an ending turn catches the head up
+        if self.policy is not None and decoding and (mark is None or mark.choice == self.choices):
             owed = sum(self._owed(s) for s in batch.seqs if s.req.rid in decoding)
             self.drafting = self.policy.choose(len(decoding), owed)
             self.choices += 1

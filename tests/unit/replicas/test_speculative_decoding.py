@@ -284,6 +284,33 @@ def test_a_turn_leaves_the_heads_put_off_catch_up_to_the_sessions_next_turn(
     assert terms.free == terms.total
 
 
+def test_a_turn_that_ends_keeps_the_policys_choice_and_its_backlog(monkeypatch) -> None:
+    """After a step nothing decodes after (the turn's last), the policy is not asked: a
+    choice made for no one would say "draft" wherever drafting measured faster and nothing
+    is owed, and make the ending turn catch the head up on every position it put off."""
+    model = tiny_model(seed=3)
+    engine = tiny_engine(model, drafter=random_drafter, page_size=1, adaptive=True)
+    asked: list[int] = []
+
+    def choose(num_decodes: int, owed: int) -> bool:
+        asked.append(num_decodes)
+        return num_decodes == 0  # as the policy did for no one with drafting the faster arm
+
+    monkeypatch.setattr(engine.speculative.policy, "choose", choose)
+    passes = _head_passes(engine)
+    sid = engine.open_session()
+    (prompt,) = _prompts(24, (14,))
+    (r1,) = engine.generate([prompt], GREEDY, session_id=sid)
+    assert asked and 0 not in asked
+    committed = len(prompt) + len(r1.output_ids) - 1
+    backlog = engine.sessions.records[sid].head_backlog
+    assert passes == [] and (backlog.start, backlog.end) == (0, committed)
+    engine.close_session(sid)
+    engine.cache.flush()
+    terms = engine.checker.check_idle()
+    assert terms.free == terms.total
+
+
 def test_a_carried_catch_up_keeps_only_what_the_next_turn_kept() -> None:
     """The next turn computes from where its KV reuse ends: a chat turn that rewrote the
     history's tail cuts the carried positions there (mid-chunk too), a turn that kept none of
