@@ -10,6 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from sessionserve.cache import KVPool, KVShape, SessionLimits, build_session_cache
 from sessionserve.cache.allocator import floor_align
 from sessionserve.cache.host_tier import HostTier
@@ -186,6 +188,7 @@ def compile_forwards(
         log.debug("compile: longer steps run eagerly (%s)", prefill.reason)
     if eagle is not None:
         eagle.compiled_max_tokens = plan.max_tokens
+        eagle.pieces_past_package = next(eagle.drafter.parameters()).dtype != torch.float32
         jobs += head_compile_jobs(plan, eagle.drafter, model.config, eagle.compiled)
     runner.compiling = start_compile(jobs, background=cfg.compile == "auto")
 

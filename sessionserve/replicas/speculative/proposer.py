@@ -97,6 +97,12 @@ class EagleProposer:
         # assembly.py (or its background build) for steps of up to `compiled_max_tokens`
         self.compiled: dict[int, CompiledHead] = {}
         self.compiled_max_tokens = 0
+        # a catch-up past `compiled_max_tokens` runs as compiled pieces of that many positions
+        # instead of one eager forward (assembly.py: in bf16 on a CPU, whose eager GEMMs
+        # oneDNN builds for each new row count, and every catch-up's count is new: 100-300
+        # positions took 50-90 ms eagerly while serving, 7-23 ms in pieces; in fp32 one eager
+        # forward is 2-2.7x faster than the pieces, docs/benchmarks.md)
+        self.pieces_past_package = False
 
     @staticmethod
     def eligible(req: Request) -> bool:
@@ -203,21 +209,20 @@ class EagleProposer:
     @torch.inference_mode()
     def catch_up(self, entries: Sequence[CatchUp]) -> None:
         """Write the drafter's K/V for committed positions; refresh each request's guess.
-        Where the head's step is compiled, a catch-up longer than the package takes (a
-        prompt, or the positions put off while drafting was off) runs as several compiled
-        forwards instead of one eager one: on a CPU the eager head took 50-90 ms for 100-300
-        positions where it had not just run (docs/benchmarks.md), a large part of what
-        taking drafting up again cost."""
+        A catch-up longer than the compiled head step takes (a prompt, or the positions put
+        off while drafting was off) runs eagerly, or with `pieces_past_package` as several
+        compiled forwards (see there)."""
         entries = [e for e in entries if e.end > e.start]
         if not entries:
             return
         if self.catch_up_graphs is not None and self.catch_up_graphs.run(entries):
             return  # replayed: every entry has its guess
         width = entries[0].hidden.shape[-1]
-        if self.compiled.get(width) is None or self.compiled_max_tokens <= 0:
+        limit = self.compiled_max_tokens
+        if not self.pieces_past_package or self.compiled.get(width) is None or limit <= 0:
             self._catch_up([*entries])
             return
-        for piece in catch_up_pieces(entries, self.compiled_max_tokens):
+        for piece in catch_up_pieces(entries, limit):
             self._catch_up(piece)
 
     def _catch_up(self, entries: list[CatchUp]) -> None:

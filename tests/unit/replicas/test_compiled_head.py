@@ -123,9 +123,10 @@ def test_engine_compile_builds_the_heads_step_and_answers_stay_exact(cache_dir) 
 
 
 def test_a_catch_up_longer_than_the_package_runs_as_compiled_pieces(cache_dir) -> None:
-    """A prompt of 75 tokens in one prefill chunk: the head's catch-up over it runs as
-    forwards of at most compile_max_tokens (32, 32, 11) through the package, none eagerly,
-    and writes the K/V, output and next guess one eager forward over all 75 writes."""
+    """A prompt of 75 tokens in one prefill chunk: with `pieces_past_package` (set in bf16,
+    the test's fp32 model sets it by hand) the head's catch-up over it runs as forwards of at
+    most compile_max_tokens (32, 32, 11) through the package, none eagerly, and writes the
+    K/V, output and next guess one eager forward over all 75 writes (what fp32 runs)."""
     model = tiny_model(num_hidden_layers=1, seed=3)
     prompt = torch.randint(
         5, model.config.vocab_size, (75,), generator=torch.Generator().manual_seed(4)
@@ -140,8 +141,8 @@ def test_a_catch_up_longer_than_the_package_runs_as_compiled_pieces(cache_dir) -
             compile_cache_dir=cache_dir,
         )
         proposer = engine.speculative.eagle
-        if not compiled:
-            proposer.compiled.clear()
+        assert proposer.pieces_past_package is False  # fp32
+        proposer.pieces_past_package = compiled
         calls, eager = _count_runs(proposer), _count_eager(proposer)
         rid = engine.submit(prompt.tolist(), GREEDY)
         engine.step()  # the prompt's prefill, and the head's catch-up over it
@@ -151,7 +152,7 @@ def test_a_catch_up_longer_than_the_package_runs_as_compiled_pieces(cache_dir) -
         if compiled:
             assert sum(calls.values()) == 3 and eager == [], (calls, eager)
         else:
-            assert eager == [75]
+            assert sum(calls.values()) == 0 and eager == [75], (calls, eager)
         result = engine.generate([prompt.tolist()], GREEDY)[0]  # (a second request: as before)
         assert result.output_ids == hf_greedy(model, prompt.tolist(), GREEDY.max_tokens)
     (k, token, feature), (eager_k, eager_token, eager_feature) = heads[True], heads[False]
@@ -186,9 +187,9 @@ def test_an_eagle3_head_gets_a_package_for_each_input_width(cache_dir, tmp_path)
     results = spec.generate(prompts, GREEDY)
     for prompt, result in zip(prompts, results, strict=True):
         assert result.output_ids == hf_greedy(model, prompt, GREEDY.max_tokens)
-    # chains ran on the h-wide package, catch-ups on the 3h-wide one (the 70-token prefill's
-    # in pieces of at most the packages' 32 tokens): nothing eagerly
+    # chains ran on the h-wide package, catch-ups on the 3h-wide one; only the prefill step's
+    # catch-up (70 tokens: past the packages' 32) ran eagerly (fp32: one eager forward)
     assert calls[h] > 0 and calls[3 * h] > 0, calls
-    assert eager == [], eager
+    assert all(n > forward.max_tokens for n in eager), eager
     _same_step(proposer, 3 * h, tokens=5, seed=2)
     _same_step(proposer, h, tokens=3, seed=3)
