@@ -13,8 +13,9 @@ At concurrency c, c sessions run at once (continuous batching; sessions repeat t
 when c is larger). Decode tokens/s counts the tokens of decode-only steps over those steps'
 time (prefill steps are the same work in both runs and are left out). Greedy output is
 identical with and without speculation (checked here). Speculation runs with the online policy
-(`spec.adaptive`, the default) unless --no-adaptive. Each engine serves the workload once before
-the measured pass, as a serving replica long has (--cold measures its first pass).
+(`spec.adaptive`, the default) unless --no-adaptive. Both engines are built side by side and
+their measured passes interleaved (`--repeats` rounds, 2 by default), each engine having served
+the workload once unmeasured first, as a serving replica long has (--cold: not).
 
     .venv/bin/sessionserve train-drafter            # once: writes drafters/default
     .venv/bin/python -m benchmarks.speculative [--drafter drafters/default] [--num-drafts 4]
@@ -153,19 +154,8 @@ def _agent_task(intro: str, lang: str, body: str, first: str, second: str) -> tu
 AGENT = Workload("agent", [_agent_task(*f) for f in _FILES], stop=("```",))
 
 
-def run(
-    loaded,
-    spec: SpecConfig,
-    concurrency: int,
-    max_tokens: int,
-    work: Workload,
-    compile: bool,
-    warm: bool = True,
-    eager_head: bool = False,
-) -> dict:
-    """One engine serves the workload; with `warm`, twice, measuring the second pass (a
-    serving replica's policy has long learned what pays by the time anyone measures it; a
-    fresh engine first tries both choices in each batch-size bucket it meets)."""
+def build(loaded, spec: SpecConfig, concurrency: int, compile: bool, eager_head: bool) -> Engine:
+    """An engine for one side of a comparison, its compiled packages loaded."""
     cfg = EngineConfig(
         cache=CacheConfig(num_slots=32768, max_rows=64, max_context_len=4096),
         scheduler=SchedulerConfig(max_running_requests=max(concurrency, 1)),
@@ -178,23 +168,7 @@ def run(
     spec_dec = eng.speculative
     if eager_head and spec_dec is not None and spec_dec.eagle is not None:
         spec_dec.eagle.compiled.clear()  # the head's steps run eagerly, as before it compiled
-    if warm:
-        serve(eng, work, concurrency, max_tokens)
-        if spec_dec is not None:  # acceptance figures of the measured pass only
-            spec_dec.stats, spec_dec.by_source = SpecStats(), {}
-    spent = time_drafting(spec_dec) if spec_dec is not None else {}
-    decode_s, decode_tokens, outputs = serve(eng, work, concurrency, max_tokens)
-    eng.check_memory()
-    return {
-        "decode_tps": decode_tokens / decode_s,
-        "decode_tokens": decode_tokens,
-        # the speculative decoder's own work (all steps), as a share of the decode-only time
-        "drafting_share": {k: round(v / decode_s, 4) for k, v in spent.items()},
-        "outputs": outputs,
-        "spec": eng.spec_stats.as_dict(),
-        "by_source": {k: v.as_dict() for k, v in spec_dec.by_source.items()} if spec_dec else {},
-        "policy": spec_dec.policy.summary() if spec_dec and spec_dec.policy else {},
-    }
+    return eng
 
 
 def time_drafting(spec_dec) -> dict[str, float]:
@@ -263,45 +237,62 @@ def serve(eng: Engine, work: Workload, concurrency: int, max_tokens: int) -> tup
 
 
 def compare(name: str, loaded, spec: SpecConfig, c: int, args, work: Workload, summary: dict):
-    """Plain and speculative runs, `--repeats` pairs, which engine goes first alternating
-    between pairs (a run can be slower just for coming second); prints and records
-    `speedup_{name}`: the median of the pairs' ratios (this machine's run-to-run noise is
-    +-15%, more than the gaps "never a loss" is about)."""
+    """The plain and the speculative engine side by side in this process, their measured
+    passes interleaved (`--repeats` rounds, which engine goes first alternating): this
+    machine's speed drifts by more than the gaps "never a loss" is about, and whole runs one
+    after the other read that drift as a speedup or a loss (SmolLM2, fp32, 8 requests: pairs
+    of runs 0.92 and 0.98, interleaved passes in one process 1.03, docs/benchmarks.md).
+    Records `speedup_{name}`: the median of the rounds' ratios. With `--warm` (the default)
+    each engine first serves the workload once unmeasured, as a serving replica long has."""
     if args.only and name not in args.only:
         return
+    plain, spec_eng = (
+        build(loaded, cfg, c, args.compile, args.eager_head) for cfg in (SpecConfig(), spec)
+    )
+    spec_dec = spec_eng.speculative
+    if args.warm:
+        for eng in (plain, spec_eng):
+            serve(eng, work, c, args.max_tokens)
+        spec_dec.stats, spec_dec.by_source = SpecStats(), {}  # the measured passes' only
+    spent = time_drafting(spec_dec)
     ratios, same = [], True
-    for i in range(args.repeats):  # every other pair runs the speculative engine first
-        configs = [SpecConfig(), spec] if i % 2 == 0 else [spec, SpecConfig()]
-        results = [
-            run(loaded, cfg, c, args.max_tokens, work, args.compile, args.warm, args.eager_head)
-            for cfg in configs
-        ]
-        base, got = results if i % 2 == 0 else results[::-1]
-        same = same and base["outputs"] == got["outputs"]
-        ratios.append(got["decode_tps"] / base["decode_tps"])
+    totals = {"plain": [0.0, 0], "spec": [0.0, 0]}  # decode seconds, tokens
+    for i in range(args.repeats):
+        passes = {}
+        for side in ("plain", "spec") if i % 2 == 0 else ("spec", "plain"):
+            eng = plain if side == "plain" else spec_eng
+            passes[side] = serve(eng, work, c, args.max_tokens)
+            eng.check_memory()
+            totals[side][0] += passes[side][0]
+            totals[side][1] += passes[side][1]
+        (p_s, p_tokens, p_out), (s_s, s_tokens, s_out) = passes["plain"], passes["spec"]
+        same = same and p_out == s_out
+        ratios.append((s_tokens / s_s) / (p_tokens / p_s))
+    plain_tps, spec_tps = (totals[k][1] / totals[k][0] for k in ("plain", "spec"))
     speedup = statistics.median(ratios)
     if len(ratios) > 1:
-        print(f"{name}: speedups of the {len(ratios)} pairs {[round(r, 3) for r in ratios]}")
+        print(f"{name}: speedups of the {len(ratios)} rounds {[round(r, 3) for r in ratios]}")
         summary[f"speedups_{name}"] = [round(r, 3) for r in ratios]
-    s = got["spec"]
+    s = spec_eng.spec_stats.as_dict()
+    by_source = {k: v.as_dict()["mean_accept_len"] for k, v in spec_dec.by_source.items()}
+    policy = spec_dec.policy.summary() if spec_dec.policy else {}
+    share = {k: round(v / totals["spec"][0], 4) for k, v in spent.items()}
     print(
-        f"{name}: decode {base['decode_tps']:.1f} tok/s plain, {got['decode_tps']:.1f} tok/s "
-        f"speculative -> {speedup:.2f}x; mean acceptance length {s['mean_accept_len']:.2f} "
+        f"{name}: decode {plain_tps:.1f} tok/s plain, {spec_tps:.1f} tok/s speculative -> "
+        f"{speedup:.2f}x; mean acceptance length {s['mean_accept_len']:.2f} "
         f"(accepted {s['accepted']}/{s['drafted']} drafts); histogram "
-        f"{s['accept_len_histogram']}; by source "
-        f"{ {k: v['mean_accept_len'] for k, v in got['by_source'].items()} }; "
-        f"outputs identical: {same}"
+        f"{s['accept_len_histogram']}; by source {by_source}; outputs identical: {same}"
     )
-    print(f"  policy per batch bucket: {got['policy']}")
-    print(f"  the decoder's own work, share of decode time: {got['drafting_share']}")
+    print(f"  policy per batch bucket: {policy}")
+    print(f"  the decoder's own work, share of decode time: {share}")
     summary[f"speedup_{name}"] = round(speedup, 3)
-    summary[f"plain_tps_{name}"] = round(base["decode_tps"], 2)
-    summary[f"spec_tps_{name}"] = round(got["decode_tps"], 2)
+    summary[f"plain_tps_{name}"] = round(plain_tps, 2)
+    summary[f"spec_tps_{name}"] = round(spec_tps, 2)
     summary[f"accept_len_{name}"] = s["mean_accept_len"]
     summary[f"histogram_{name}"] = s["accept_len_histogram"]
     summary[f"identical_{name}"] = same
-    summary[f"policy_{name}"] = got["policy"]
-    summary[f"drafting_share_{name}"] = got["drafting_share"]
+    summary[f"policy_{name}"] = policy
+    summary[f"drafting_share_{name}"] = share
 
 
 def main() -> int:
@@ -313,7 +304,9 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--agent-concurrency", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=1, help="plain/speculative pairs per point")
+    ap.add_argument(
+        "--repeats", type=int, default=2, help="interleaved plain/speculative rounds per point"
+    )
     ap.add_argument("--only", nargs="*", help="run only these points (e.g. agent_1 8 32)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
@@ -325,7 +318,10 @@ def main() -> int:
     )
     ap.add_argument("--no-adaptive", dest="adaptive", action="store_false")
     ap.add_argument(
-        "--cold", dest="warm", action="store_false", help="measure each engine's first pass"
+        "--cold",
+        dest="warm",
+        action="store_false",
+        help="no unmeasured pass first: the first round measures each engine's first pass",
     )
     ap.add_argument("--skip-head", action="store_true", help="only the history drafter runs")
     ap.add_argument(
@@ -383,6 +379,7 @@ def main() -> int:
             compare(str(c), loaded, head, c, args, chat, summary)
         both = head.model_copy(update={"history_drafts": True})
         compare("agent_head_history_1", loaded, both, 1, args, AGENT, summary)
+        compare("chat_head_history_1", loaded, both, 1, args, chat, summary)
         summary["accept_len"] = summary.get(f"accept_len_{args.concurrency[0]}")
     emit(summary)
     return 0
