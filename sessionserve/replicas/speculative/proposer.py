@@ -220,7 +220,7 @@ class EagleProposer:
         width = entries[0].hidden.shape[-1]
         limit = self.compiled_max_tokens
         if not self.pieces_past_package or self.compiled.get(width) is None or limit <= 0:
-            self._catch_up([*entries])
+            self._catch_up(entries)
             return
         for piece in catch_up_pieces(entries, limit):
             self._catch_up(piece)

@@ -153,7 +153,7 @@ def test_a_catch_up_longer_than_the_package_runs_as_compiled_pieces(cache_dir) -
             assert sum(calls.values()) == 3 and eager == [], (calls, eager)
         else:
             assert sum(calls.values()) == 0 and eager == [75], (calls, eager)
-        result = engine.generate([prompt.tolist()], GREEDY)[0]  # (a second request: as before)
+        result = engine.generate([prompt.tolist()], GREEDY)[0]  # the same prompt, to the end
         assert result.output_ids == hf_greedy(model, prompt.tolist(), GREEDY.max_tokens)
     (k, token, feature), (eager_k, eager_token, eager_feature) = heads[True], heads[False]
     torch.testing.assert_close(k, eager_k, atol=ATOL, rtol=ATOL)
