@@ -11,6 +11,7 @@ in-process engine uses the bench config's shape (compiled forward, 2 torch threa
     .venv/bin/python -m benchmarks.served_gap --target http://127.0.0.1:8000/v1 [--requests 4]
     .venv/bin/python -m benchmarks.served_gap --local-only     # the server stopped: no Ray up
     .venv/bin/python -m benchmarks.served_gap --local-only --batch 8   # also 8 requests at once
+    .venv/bin/python -m benchmarks.served_gap --local-only --multiturn  # serving.py's multiturn
 
 The last line is JSON: ttft_s and ms_per_token for both sides, and their ratios.
 """
@@ -26,7 +27,7 @@ import openai
 
 from benchmarks.common import emit, load, machine, setup_threads
 from benchmarks.serving import user_text
-from sessionserve.config import CacheConfig, EngineConfig, ModelConfig
+from sessionserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from sessionserve.replicas.engine import Engine
 from sessionserve.replicas.prompts import chat_input_ids
 from sessionserve.wire import SamplingParams
@@ -67,15 +68,18 @@ def in_process(
     dtype: str,
     batch: int = 0,
     batch_rates: list[float] | None = None,
+    multiturn: list[tuple[float, float]] | None = None,
 ) -> list[tuple]:
     """`n` requests one after another (TTFT, ms per token each), then with `batch` the
-    `batched` rounds, whose rates go to `batch_rates`."""
+    `batched` rounds, whose rates go to `batch_rates`, and where `multiturn` is a list, the
+    `conversations` rounds' (output tok/s, median TTFT) into it."""
     batch_rates = batch_rates if batch_rates is not None else []
     setup_threads(threads)
     model = ModelConfig(path="default", torch_threads=threads, dtype=dtype)
-    cfg = EngineConfig(
+    cfg = EngineConfig(  # the bench configs' engine (1 GiB of KV in fp32; bf16 holds twice)
         model=model,
         cache=CacheConfig(num_slots=23296, max_rows=96, max_context_len=4096),
+        scheduler=SchedulerConfig(max_running_requests=32, max_prefill_tokens=512),
         compile=True,
     )
     eng = Engine(cfg, load("default", model.torch_dtype()))
@@ -97,6 +101,10 @@ def in_process(
     for rate in batched(eng, batch, words, tokens):
         print(f"in-process, {batch} requests at once: {rate:.1f} output tok/s", flush=True)
         batch_rates.append(rate)
+    for _ in range(2 if multiturn is not None else 0):
+        rate, ttft = conversations(eng)
+        print(f"in-process multiturn: {rate:.1f} output tok/s, median TTFT {ttft:.3f} s")
+        multiturn.append((rate, ttft))
     return out
 
 
@@ -117,6 +125,53 @@ def batched(eng: Engine, n: int, words: int, tokens: int, rounds: int = 2) -> li
         if r:  # the first round is the warm-up
             rates.append(n * tokens / (time.perf_counter() - started))
     return rates
+
+
+def conversations(
+    eng: Engine, count: int = 4, turns: int = 10, answer: int = 32
+) -> tuple[float, float]:
+    """`benchmarks/serving.py`'s multiturn workload without the server: `count` sessions take
+    `turns` chat turns each (a ~150-token user message of its words, `answer` tokens back,
+    the whole conversation sent in chat mode as the served app sends it), each turn submitted
+    as soon as the conversation's last answer lands, as its client would. Output tokens/s and
+    the median time to first token (from submission: no HTTP in it)."""
+    params = SamplingParams(max_tokens=answer, temperature=0, ignore_eos=True)
+    rng = random.Random(1)  # serving.py's seed for this workload
+    history: dict[int, list[dict[str, str]]] = {c: [] for c in range(count)}
+    sids = {c: eng.open_session() for c in range(count)}
+    live: dict[str, tuple[int, float]] = {}  # request -> conversation, submitted at
+    ttfts: list[float] = []
+    taken, generated = dict.fromkeys(range(count), 0), 0
+
+    def take(conv: int) -> None:
+        history[conv].append({"role": "user", "content": user_text(rng, 100)})
+        ids = chat_input_ids(eng.tokenizer, "", history[conv])
+        rid = eng.submit(ids, params, session_id=sids[conv], mode="chat")
+        live[rid] = (conv, time.perf_counter())
+
+    started = time.perf_counter()
+    for conv in range(count):
+        take(conv)
+    seen: set[str] = set()
+    while live:
+        events = eng.step()
+        now = time.perf_counter()
+        for e in events:
+            if e.new_token_ids and e.rid not in seen:
+                seen.add(e.rid)
+                ttfts.append(now - live[e.rid][1])
+            if e.result is not None:
+                conv, _ = live.pop(e.rid)
+                generated += len(e.result.output_ids)
+                answer_text = eng.tokenizer.decode(e.result.output_ids)
+                history[conv].append({"role": "assistant", "content": answer_text})
+                taken[conv] += 1
+                if taken[conv] < turns:
+                    take(conv)
+    rate = generated / (time.perf_counter() - started)
+    for sid in sids.values():
+        eng.close_session(sid)
+    return rate, statistics.median(ttfts)
 
 
 def medians(rows: list[tuple]) -> tuple[float, float]:
@@ -145,6 +200,12 @@ def main() -> None:
         "(serving.py's single-workload prompts, with --words 200 as there)",
     )
     ap.add_argument(
+        "--multiturn",
+        action="store_true",
+        help="with --local-only: also run serving.py's multiturn workload in process (4 "
+        "sessions x 10 chat turns, 32-token answers), two rounds",
+    )
+    ap.add_argument(
         "--dtype",
         default="auto",
         help="the in-process model's (match the server's: auto is bfloat16 on CPUs with native "
@@ -155,8 +216,16 @@ def main() -> None:
         ap.error("give --target (a running server) or --local-only")
     if args.local_only:
         rates: list[float] = []
+        multiturn: list[tuple[float, float]] | None = [] if args.multiturn else None
         local = in_process(
-            args.requests, args.words, args.tokens, args.threads, args.dtype, args.batch, rates
+            args.requests,
+            args.words,
+            args.tokens,
+            args.threads,
+            args.dtype,
+            args.batch,
+            rates,
+            multiturn,
         )
         ttft, gap = medians(local)
         print(f"machine: {machine()}; in-process TTFT {ttft:.3f} s, {1000 * gap:.1f} ms/token")
@@ -168,6 +237,14 @@ def main() -> None:
                 **(
                     {f"local_tok_s_batch_{args.batch}": [round(r, 1) for r in rates]}
                     if rates
+                    else {}
+                ),
+                **(
+                    {
+                        "local_multiturn_tok_s": [round(r, 1) for r, _ in multiturn],
+                        "local_multiturn_ttft_median_s": [round(t, 3) for _, t in multiturn],
+                    }
+                    if multiturn
                     else {}
                 ),
             }
