@@ -182,8 +182,14 @@ def overview() -> Dashboard:
             ),
             Panel(
                 "Time to first token",
-                [(quantile(0.5, "ttft_seconds"), "p50"), (quantile(0.99, "ttft_seconds"), "p99")],
-                "ray_sessionserve_ttft_seconds histogram: p50 and p99 over 5 min.",
+                [
+                    (quantile(0.5, "ttft_seconds"), "p50"),
+                    (quantile(0.99, "ttft_seconds"), "p99"),
+                    (quantile(0.5, "queue_seconds"), "queued p50"),
+                ],
+                "ray_sessionserve_ttft_seconds histogram: p50 and p99 over 5 min, from arrival at "
+                "the replica; queued p50 (ray_sessionserve_queue_seconds) is the part spent "
+                "waiting to be admitted into a batch.",
                 "s",
             ),
             Panel(

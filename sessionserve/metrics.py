@@ -92,6 +92,11 @@ REPLICA_METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "sessionserve_cached_tokens": ("counter", "Prompt tokens reused, by source", ("source",)),
     "sessionserve_spec_drafted_tokens": ("counter", "Speculative tokens drafted", ()),
     "sessionserve_spec_accepted_tokens": ("counter", "Speculative tokens accepted", ()),
+    "sessionserve_queue_seconds": (
+        "histogram",
+        "Time from arrival at the replica to first admission into a batch",
+        (),
+    ),
     "sessionserve_ttft_seconds": ("histogram", "Time to first token", ()),
     "sessionserve_itl_seconds": ("histogram", "Mean inter-token latency per request", ()),
     "sessionserve_e2e_seconds": ("histogram", "Request latency, arrival to finish", ()),
@@ -194,7 +199,8 @@ class RayEngineMetrics(EngineMetrics):
             self.m["sessionserve_cached_tokens"].inc(
                 r.cached_tokens, tags=t | {"source": r.cached_source}
             )
-        if r.ttft_s is not None:
+        if r.ttft_s is not None:  # admitted and answered: its queue time is real
+            self.m["sessionserve_queue_seconds"].observe(r.queue_s, tags=t)
             self.m["sessionserve_ttft_seconds"].observe(r.ttft_s, tags=t)
             self.m["sessionserve_e2e_seconds"].observe(r.ttft_s + (r.decode_s or 0.0), tags=t)
         if r.decode_s is not None and r.completion_tokens > 1:

@@ -211,11 +211,15 @@ class Engine:
         rid: str | None = None,
         listener: Listener | None = None,
         open_missing: SessionSeed | None = None,
+        arrived_at: float | None = None,
     ) -> str:
         """Queue a request; returns its id. Raises a typed error, changing nothing, on bad
         input, a busy or closing session, or an input beyond the context. `open_missing` opens
         a session this replica does not hold, from its TTL and token log (the served app's
-        ingress has already checked it exists)."""
+        ingress has already checked it exists). `arrived_at` (`time.monotonic()`): when the
+        request reached the replica, if before this call; its queue time and time to first
+        token count from then (a served request's submit waits for the step in flight, ~70 ms
+        of a multi-turn turn's 244 on 2 cores, docs/benchmarks.md)."""
         sampling = sampling or SamplingParams()
         rid = rid or f"req-{next(_rid_counter)}"
         check_prompt_ids(input_ids, self.vocab_size)
@@ -250,6 +254,8 @@ class Engine:
                 )
                 req.log_base = log_base
                 req.grammar = grammar
+                if arrived_at is not None:
+                    req.timings.arrival = min(arrived_at, req.timings.arrival)
                 if session_id is not None:
                     req.drafting.deferred = self.sessions.take_head_backlog(session_id)
             except Exception:

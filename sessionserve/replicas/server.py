@@ -95,6 +95,7 @@ class ReplicaServer:
     # ---- generation ----
     async def generate(self, call: GenerateCall) -> AsyncIterator[TurnDelta | TurnResult]:
         """Stream `TurnDelta`s, then one `TurnResult` with the usage."""
+        arrived = time.monotonic()  # its waits from here on count in its TTFT and queue time
         ids = self._input_ids(call)
         sampling = self._sampling(call)
         tools = ToolCallParser(self.tool_syntax) if sampling.lark_grammar is not None else None
@@ -125,6 +126,7 @@ class ReplicaServer:
                 rid=rid,
                 listener=lambda e: aio.call_soon_threadsafe(deliver, e),
                 open_missing=seed,
+                arrived_at=arrived,
             )
             sent_at = None  # when the last message went (None: none yet)
             while not output.done:

@@ -35,6 +35,7 @@ def test_workload_figures_arrive_in_prometheus(served, prom) -> None:
             "ray_sessionserve_generated_tokens_total",
             'ray_sessionserve_cached_tokens_total{source="session"}',
             "ray_sessionserve_requests_total",
+            "ray_sessionserve_queue_seconds_count",
         )
     }
     generated = cached = 0
@@ -70,6 +71,12 @@ def test_workload_figures_arrive_in_prometheus(served, prom) -> None:
         "1 - sum(ray_sessionserve_kv_free_tokens) / sum(ray_sessionserve_kv_total_tokens)"
     )
     assert 0 < usage < 1
+    # every answered request's queue time, recorded with its finish
+    assert (
+        total(prom, "ray_sessionserve_queue_seconds_count")
+        - before["ray_sessionserve_queue_seconds_count"]
+        == 9
+    )
     # cumulative buckets: a rate over a burst shorter than two scrapes can be empty (NaN)
     p50 = prom.value("histogram_quantile(0.5, sum by (le) (ray_sessionserve_ttft_seconds_bucket))")
     assert p50 is not None and 0 < p50 < 10

@@ -66,6 +66,20 @@ def test_a_batched_stream_sends_the_first_token_at_once_and_the_same_answer(serv
     assert final.output_ids == plain[-1].output_ids
 
 
+def test_a_turns_time_to_first_token_counts_its_wait_for_the_engine_thread(server) -> None:
+    """A served request reaches the engine as a command that waits for the step in flight;
+    its time to first token (and queue time) count from its arrival at the replica, so they
+    include that wait. Here the engine thread is kept busy for 0.3 s by a command queued
+    first: the turn's TTFT is at least that, where counted from `Engine.submit` it was not."""
+    import time
+
+    busy = server.loop.call(time.sleep, 0.3)
+    call = GenerateCall({"max_tokens": 2, "temperature": 0, "ignore_eos": True}, prompt="w5")
+    final = asyncio.run(_collect(server.generate(call)))[-1]
+    busy.result()
+    assert final.ttft_s is not None and final.ttft_s >= 0.3
+
+
 def test_the_message_budget_stretches_the_interval_with_the_live_streams() -> None:
     from sessionserve.replicas.server import stream_interval
 
