@@ -35,12 +35,6 @@ without this the policy flipped between them and the deferred passes took 4-6% o
 time, docs/benchmarks.md.) Priced from what is owed now, not from what the last switch cost:
 a batch's tail, a few requests each owing its whole turn, owes far more than a re-check a few
 steps after the last one.
-
-Arms within `switch_margin` of each other keep the bucket's last choice: step times vary by
-more than that from step to step, so near-equal means trade places every few steps, and each
-time drafting is taken up again it pays the head's put-off pass (SmolLM2 on 2 cores, bf16, 8
-requests: arms 1.3% apart, drafting taken up in 200 of the 4-7 bucket's 428 steps, the head's
-catch-ups 4.2% of decode time, docs/benchmarks.md). Staying put loses at most the margin.
 """
 
 from __future__ import annotations
@@ -87,7 +81,6 @@ class SpecPolicy:
         explore_loss: float = 0.01,
         max_explore_every: int = 128,
         max_explore_s: float = 30.0,
-        switch_margin: float = 0.02,
     ) -> None:
         self.clock = clock
         self.explore_every = explore_every
@@ -96,10 +89,8 @@ class SpecPolicy:
         self.max_explore_s = max_explore_s
         self.smoothing = smoothing
         self.warmup_steps = warmup_steps
-        self.switch_margin = switch_margin
         self.arms: dict[tuple[int, bool], Arm] = {}
         self._since_recheck: dict[int, int] = {}
-        self._best: dict[int, bool] = {}  # per bucket: the arm it last judged the better
         # the head's passes when drafting was taken up again: running means of their seconds
         # and positions (their ratio weighs big passes most, where a pass's fixed cost fades)
         self._switch_s: float | None = None
@@ -118,19 +109,11 @@ class SpecPolicy:
         self._since_recheck[b] = n = self._since_recheck.get(b, 0) + 1
         owed_s = self.owed_s(owed_positions)
         best = self._drafting_pays(on, off, owed_s)
-        if best != self._best.get(b, best) and self._near_equal(on, off):
-            best = not best  # within the margin: keep the last judgement
-        self._best[b] = best
         owed = 0.0 if best else owed_s  # a re-check of drafting pays it
         choice = best if n < self.recheck_every(on, off, owed) else not best
         if choice != best:
             self._since_recheck[b] = 0
         return choice
-
-    def _near_equal(self, on: Arm, off: Arm) -> bool:
-        """The arms' tokens/s differ by less than `switch_margin` of the faster."""
-        fast = max(on.request_tokens_per_s, off.request_tokens_per_s)
-        return abs(on.request_tokens_per_s - off.request_tokens_per_s) < self.switch_margin * fast
 
     def owed_s(self, positions: int) -> float:
         """What the head's pass over `positions` put-off positions costs, as measured (nothing

@@ -95,26 +95,6 @@ def test_a_dear_recheck_waits_past_the_decision_cap_up_to_a_time_bound() -> None
     assert recheck_every(5.0) == 128
 
 
-def test_near_equal_arms_keep_the_last_choice() -> None:
-    """Means within `switch_margin` (2%) of each other trade places with step-time noise;
-    each trade to drafting would pay the head's put-off pass, so the bucket keeps its last
-    choice until the other arm leads by more. (Smoothing 1: each step sets its arm's mean.)"""
-
-    def picks(margin: float) -> list[bool]:
-        policy = SpecPolicy(explore_every=16, warmup_steps=1, smoothing=1.0, switch_margin=margin)
-        out = []
-        for spec_tps, plain_tps in [(101, 100), (100, 101.5), (100, 105), (106, 105), (108, 105)]:
-            policy.observe(8, True, tokens=spec_tps, seconds=1.0)
-            policy.observe(8, False, tokens=plain_tps, seconds=1.0)
-            out.append(policy.choose(8))
-        return out
-
-    # drafting 1% ahead; plain 1.5% ahead: kept; plain 5% ahead: plain; drafting 1% ahead:
-    # kept; drafting 2.9% ahead: drafting
-    assert picks(0.02) == [True, True, False, False, True]
-    assert picks(0.0) == [True, False, False, True, True]  # no margin: every trade followed
-
-
 def _choices(policy: SpecPolicy, num_decodes: int, steps: int, owed_per_step: int) -> list[bool]:
     """The policy's choices over `steps` decisions, each plain step putting the head's pass
     over `owed_per_step` more positions off, each drafting step paying what was owed."""
