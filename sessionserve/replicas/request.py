@@ -19,6 +19,8 @@ from sessionserve.wire import FinishReason, SamplingParams
 
 @dataclass
 class Timings:
+    # when the request reached the replica: `Engine.submit`, or earlier where the caller says
+    # (`arrived_at`: a served request's wait for the engine thread counts)
     arrival: float = field(default_factory=time.monotonic)
     scheduled: float | None = None  # first admitted into a batch
     first_token: float | None = None
