@@ -29,7 +29,7 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
             engine,
             directory_shards=cfg.directory.shards,
             stream_interval_ms=cfg.replica.stream_interval_ms,
-            stream_messages_per_s=cfg.replica.stream_messages_per_s,
+            stream_messages_per_s=cfg.stream_message_budget(),
         ),
         cfg.model_dump(),
     )

@@ -412,16 +412,16 @@ class ReplicaDeploymentConfig(_Strict):
         "one per token. The first token always goes at once; 0: every engine step's tokens go "
         "as they come. (On a 2-core CPU, ~30 ms a step, 50 and 0 measured the same.)",
     )
-    stream_messages_per_s: float = Field(
-        50.0,
-        ge=0,
+    stream_messages_per_s: Annotated[float, Field(ge=0)] | Literal["auto"] = Field(
+        "auto",
         description="The replica's streams together send about this many messages a second at "
         "most: with N streams live each sends at most every max(stream_interval_ms, "
-        "N / stream_messages_per_s), so 1-2 streams keep stream_interval_ms and 8 send every "
-        "160 ms. Each message costs CPU in the replica, the ingress and the proxy, taken from "
-        "the forward's cores on a small machine (2 cores, 8 streams: 71 -> 83 output tok/s "
-        "with 200 ms instead of 50, docs/benchmarks.md). Raise it on machines with cores to "
-        "spare; 0: no budget.",
+        "N / stream_messages_per_s), so at 50, 1-2 streams keep stream_interval_ms and 8 send "
+        "every 160 ms. Each message costs CPU in the replica, the ingress and the proxy, taken "
+        "from the forward's cores on a small machine (2 cores, 8 streams: 71 -> 83 output "
+        "tok/s with 200 ms instead of 50, docs/benchmarks.md). 0: no budget. auto: 50 where "
+        "the model runs on a CPU, no budget on a GPU (its forward does not share the host's "
+        "cores, and a budget of 50 would leave each of 256 streams silent for 5 s).",
     )
     graceful_shutdown_timeout_s: float = Field(
         30.0,
@@ -498,6 +498,13 @@ class AppConfig(_Strict):
     session_header: str = Field(
         "x-session-id", description="HTTP header naming the session (or body `session_id`)."
     )
+
+    def stream_message_budget(self) -> float:
+        """`replica.stream_messages_per_s` resolved for `engine.model.device` (0: none)."""
+        budget = self.replica.stream_messages_per_s
+        if budget == "auto":
+            return 50.0 if self.engine.model.device.split(":")[0] == "cpu" else 0.0
+        return budget
 
     @model_validator(mode="after")
     def _check(self) -> AppConfig:

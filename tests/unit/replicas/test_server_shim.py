@@ -94,10 +94,22 @@ def test_the_message_budget_stretches_the_interval_with_the_live_streams() -> No
 def test_the_app_hands_the_replica_its_stream_budget() -> None:
     from sessionserve.app import build_app
 
-    app = build_app({"replica": {"stream_interval_ms": 30, "stream_messages_per_s": 20}})
-    replica = app._bound_deployment.init_args[0]._bound_deployment  # Ingress(replica, config)
-    assert replica.init_kwargs["stream_interval_ms"] == 30
-    assert replica.init_kwargs["stream_messages_per_s"] == 20
+    def replica_kwargs(args: dict) -> dict:
+        app = build_app(args)
+        return app._bound_deployment.init_args[0]._bound_deployment.init_kwargs  # Ingress(r, c)
+
+    kwargs = replica_kwargs({"replica": {"stream_interval_ms": 30, "stream_messages_per_s": 20}})
+    assert kwargs["stream_interval_ms"] == 30
+    assert kwargs["stream_messages_per_s"] == 20
+    # auto: a budget where the forward shares the host's cores, none beside a GPU (where 50
+    # messages a second for 256 streams would send each one every 5 s)
+    assert replica_kwargs({})["stream_messages_per_s"] == 50
+    gpu = {"engine": {"model": {"device": "cuda"}}}
+    assert replica_kwargs(gpu)["stream_messages_per_s"] == 0
+    assert (
+        replica_kwargs(gpu | {"replica": {"stream_messages_per_s": 400}})["stream_messages_per_s"]
+        == 400
+    )
 
 
 def test_a_request_that_fails_alone_raises_a_typed_500_for_its_caller(server, monkeypatch):
