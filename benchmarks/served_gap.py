@@ -11,7 +11,7 @@ in-process engine uses the bench config's shape (compiled forward, 2 torch threa
     .venv/bin/python -m benchmarks.served_gap --target http://127.0.0.1:8000/v1 [--requests 4]
     .venv/bin/python -m benchmarks.served_gap --local-only     # the server stopped: no Ray up
     .venv/bin/python -m benchmarks.served_gap --local-only --batch 8   # also 8 requests at once
-    .venv/bin/python -m benchmarks.served_gap --local-only --multiturn  # serving.py's multiturn
+    .venv/bin/python -m benchmarks.served_gap --local-only --workloads multiturn pressure
 
 The last line is JSON: ttft_s and ms_per_token for both sides, and their ratios.
 """
@@ -22,15 +22,29 @@ import argparse
 import random
 import statistics
 import time
+from collections import deque
+from dataclasses import dataclass
 
 import openai
 
 from benchmarks.common import emit, load, machine, setup_threads
-from benchmarks.serving import user_text
+from benchmarks.serving import (
+    MULTITURN_SEED,
+    PRESSURE_SEED,
+    multiturn_order,
+    pressure_order,
+    user_text,
+)
 from sessionserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from sessionserve.replicas.engine import Engine
 from sessionserve.replicas.prompts import chat_input_ids
 from sessionserve.wire import SamplingParams
+
+# serving.py's conversation workloads at its defaults: (order, concurrency, seed)
+CONVERSATION_WORKLOADS = {
+    "multiturn": (multiturn_order(4, 10), 4, MULTITURN_SEED),
+    "pressure": (pressure_order(64, 4), 4, PRESSURE_SEED),
+}
 
 WORDS = ("river stone light garden window market letter winter music paper " * 30).split()
 
@@ -68,17 +82,18 @@ def in_process(
     dtype: str,
     batch: int = 0,
     batch_rates: list[float] | None = None,
-    multiturn: list[tuple[float, float]] | None = None,
+    workloads: dict[str, list[ConversationsRun]] | None = None,
 ) -> list[tuple]:
     """`n` requests one after another (TTFT, ms per token each), then with `batch` the
-    `batched` rounds, whose rates go to `batch_rates`, and where `multiturn` is a list, the
-    `conversations` rounds' (output tok/s, median TTFT) into it."""
+    `batched` rounds, whose rates go to `batch_rates`, then two rounds of each
+    `serving.py` conversation workload named in `workloads` (its runs go there)."""
     batch_rates = batch_rates if batch_rates is not None else []
     setup_threads(threads)
     model = ModelConfig(path="default", torch_threads=threads, dtype=dtype)
-    cfg = EngineConfig(  # the bench configs' engine (1 GiB of KV in fp32; bf16 holds twice)
+    kv_tokens = 23296 * 4 // model.torch_dtype().itemsize  # 1 GiB, as the bench configs
+    cfg = EngineConfig(  # the bench configs' engine
         model=model,
-        cache=CacheConfig(num_slots=23296, max_rows=96, max_context_len=4096),
+        cache=CacheConfig(num_slots=kv_tokens, max_rows=96, max_context_len=4096),
         scheduler=SchedulerConfig(max_running_requests=32, max_prefill_tokens=512),
         compile=True,
     )
@@ -101,10 +116,15 @@ def in_process(
     for rate in batched(eng, batch, words, tokens):
         print(f"in-process, {batch} requests at once: {rate:.1f} output tok/s", flush=True)
         batch_rates.append(rate)
-    for _ in range(2 if multiturn is not None else 0):
-        rate, ttft = conversations(eng)
-        print(f"in-process multiturn: {rate:.1f} output tok/s, median TTFT {ttft:.3f} s")
-        multiturn.append((rate, ttft))
+    for name, runs in (workloads or {}).items():
+        for _ in range(2):
+            run = conversations(eng, *CONVERSATION_WORKLOADS[name])
+            print(
+                f"in-process {name}: {run.output_tok_s:.1f} output tok/s, median TTFT "
+                f"{run.ttft_median_s:.3f} s, cached {run.cached_frac:.0%}",
+                flush=True,
+            )
+            runs.append(run)
     return out
 
 
@@ -127,31 +147,51 @@ def batched(eng: Engine, n: int, words: int, tokens: int, rounds: int = 2) -> li
     return rates
 
 
+@dataclass
+class ConversationsRun:
+    output_tok_s: float
+    ttft_median_s: float
+    cached_frac: float  # prompt tokens reused from a session or the radix cache
+
+
 def conversations(
-    eng: Engine, count: int = 4, turns: int = 10, answer: int = 32
-) -> tuple[float, float]:
-    """`benchmarks/serving.py`'s multiturn workload without the server: `count` sessions take
-    `turns` chat turns each (a ~150-token user message of its words, `answer` tokens back,
-    the whole conversation sent in chat mode as the served app sends it), each turn submitted
-    as soon as the conversation's last answer lands, as its client would. Output tokens/s and
-    the median time to first token (from submission: no HTTP in it)."""
+    eng: Engine, order: list[int], concurrency: int, seed: int, answer: int = 32
+) -> ConversationsRun:
+    """`benchmarks/serving.py`'s `conversations` without the server: conversation `order[i]`
+    takes its next chat turn (a ~150-token user message, `answer` tokens back, the whole
+    conversation sent in chat mode as the served app sends it, in a session), at most
+    `concurrency` turns holding a slot, in order: as there, a turn takes a slot first and then
+    waits for its conversation's previous turn. A turn starts as soon as it can, as its
+    client would. Times to first token count from submission (no HTTP in them)."""
     params = SamplingParams(max_tokens=answer, temperature=0, ignore_eos=True)
-    rng = random.Random(1)  # serving.py's seed for this workload
-    history: dict[int, list[dict[str, str]]] = {c: [] for c in range(count)}
-    sids = {c: eng.open_session() for c in range(count)}
+    rng = random.Random(seed)
+    history: dict[int, list[dict[str, str]]] = {}
+    sids: dict[int, str] = {}
+    queue = deque(order)
+    waiting: deque[int] = deque()  # turns holding a slot, their conversation's turn running
     live: dict[str, tuple[int, float]] = {}  # request -> conversation, submitted at
     ttfts: list[float] = []
-    taken, generated = dict.fromkeys(range(count), 0), 0
+    generated = prompt = cached = 0
 
     def take(conv: int) -> None:
-        history[conv].append({"role": "user", "content": user_text(rng, 100)})
-        ids = chat_input_ids(eng.tokenizer, "", history[conv])
+        turns = history.setdefault(conv, [])
+        turns.append({"role": "user", "content": user_text(rng, 100)})
+        if conv not in sids:
+            sids[conv] = eng.open_session()
+        ids = chat_input_ids(eng.tokenizer, "", turns)
         rid = eng.submit(ids, params, session_id=sids[conv], mode="chat")
         live[rid] = (conv, time.perf_counter())
 
+    def admit() -> None:
+        while queue and len(live) + len(waiting) < concurrency:
+            conv = queue.popleft()
+            if any(c == conv for c, _ in live.values()):
+                waiting.append(conv)
+            else:
+                take(conv)
+
     started = time.perf_counter()
-    for conv in range(count):
-        take(conv)
+    admit()
     seen: set[str] = set()
     while live:
         events = eng.step()
@@ -162,16 +202,19 @@ def conversations(
                 ttfts.append(now - live[e.rid][1])
             if e.result is not None:
                 conv, _ = live.pop(e.rid)
-                generated += len(e.result.output_ids)
-                answer_text = eng.tokenizer.decode(e.result.output_ids)
+                r = e.result
+                generated += len(r.output_ids)
+                prompt, cached = prompt + r.prompt_tokens, cached + r.cached_tokens
+                answer_text = eng.tokenizer.decode(r.output_ids)
                 history[conv].append({"role": "assistant", "content": answer_text})
-                taken[conv] += 1
-                if taken[conv] < turns:
+                if conv in waiting:  # its next turn held a slot: it goes first
+                    waiting.remove(conv)
                     take(conv)
+        admit()
     rate = generated / (time.perf_counter() - started)
     for sid in sids.values():
         eng.close_session(sid)
-    return rate, statistics.median(ttfts)
+    return ConversationsRun(rate, statistics.median(ttfts), cached / max(1, prompt))
 
 
 def medians(rows: list[tuple]) -> tuple[float, float]:
@@ -200,10 +243,13 @@ def main() -> None:
         "(serving.py's single-workload prompts, with --words 200 as there)",
     )
     ap.add_argument(
-        "--multiturn",
-        action="store_true",
-        help="with --local-only: also run serving.py's multiturn workload in process (4 "
-        "sessions x 10 chat turns, 32-token answers), two rounds",
+        "--workloads",
+        nargs="*",
+        choices=sorted(CONVERSATION_WORKLOADS),
+        default=[],
+        help="with --local-only: also run these serving.py workloads in process, two rounds "
+        "each (multiturn: 4 sessions x 10 turns; pressure: 64 x 4 turns in a random order, 4 "
+        "at a time, over the bench configs' 1 GiB of KV)",
     )
     ap.add_argument(
         "--dtype",
@@ -216,7 +262,7 @@ def main() -> None:
         ap.error("give --target (a running server) or --local-only")
     if args.local_only:
         rates: list[float] = []
-        multiturn: list[tuple[float, float]] | None = [] if args.multiturn else None
+        workloads: dict[str, list[ConversationsRun]] = {w: [] for w in args.workloads}
         local = in_process(
             args.requests,
             args.words,
@@ -225,7 +271,7 @@ def main() -> None:
             args.dtype,
             args.batch,
             rates,
-            multiturn,
+            workloads,
         )
         ttft, gap = medians(local)
         print(f"machine: {machine()}; in-process TTFT {ttft:.3f} s, {1000 * gap:.1f} ms/token")
@@ -239,14 +285,17 @@ def main() -> None:
                     if rates
                     else {}
                 ),
-                **(
-                    {
-                        "local_multiturn_tok_s": [round(r, 1) for r, _ in multiturn],
-                        "local_multiturn_ttft_median_s": [round(t, 3) for _, t in multiturn],
-                    }
-                    if multiturn
-                    else {}
-                ),
+                **{
+                    f"local_{name}": [
+                        {
+                            "output_tok_s": round(r.output_tok_s, 1),
+                            "ttft_median_s": round(r.ttft_median_s, 3),
+                            "cached_frac": round(r.cached_frac, 3),
+                        }
+                        for r in runs
+                    ]
+                    for name, runs in workloads.items()
+                },
             }
         )
         return

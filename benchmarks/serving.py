@@ -155,12 +155,28 @@ async def single(client, model: str, concurrency: int, requests: int, tag: str) 
     return run
 
 
+MULTITURN_SEED, PRESSURE_SEED = 1, 2  # the user messages' words (`user_text`)
+
+
+def multiturn_order(conversations: int, turns: int) -> list[int]:
+    """Which conversation takes each turn: all of them in lockstep, turn after turn."""
+    return [c for _ in range(turns) for c in range(conversations)]
+
+
+def pressure_order(conversations: int, turns: int) -> list[int]:
+    """Each conversation's `turns` turns in a seeded random order, so that one comes back
+    after many others have been served."""
+    order = [c for c in range(conversations) for _ in range(turns)]
+    random.Random(3).shuffle(order)
+    return order
+
+
 async def workload(name: str, client, model: str, args, tag: str) -> dict[str, Run]:
     if name == "multiturn":
-        order = [c for _ in range(args.turns) for c in range(args.conversations)]
+        order = multiturn_order(args.conversations, args.turns)
         return {
             "multiturn": await conversations(
-                client, model, order, args.conversations, args.turns, tag, seed=1
+                client, model, order, args.conversations, args.turns, tag, seed=MULTITURN_SEED
             )
         }
     if name == "single":
@@ -169,10 +185,15 @@ async def workload(name: str, client, model: str, args, tag: str) -> dict[str, R
             for c in (1, 8)
         }
     if name == "pressure":
-        order = [c for c in range(args.pressure_conversations) for _ in range(args.pressure_turns)]
-        random.Random(3).shuffle(order)
+        order = pressure_order(args.pressure_conversations, args.pressure_turns)
         run = await conversations(
-            client, model, order, args.pressure_concurrency, args.pressure_turns, tag, seed=2
+            client,
+            model,
+            order,
+            args.pressure_concurrency,
+            args.pressure_turns,
+            tag,
+            seed=PRESSURE_SEED,
         )
         return {"pressure": run}
     raise ValueError(f"unknown workload {name!r}")
