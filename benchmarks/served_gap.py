@@ -30,7 +30,9 @@ import openai
 from benchmarks.common import emit, load, machine, setup_threads
 from benchmarks.serving import (
     MULTITURN_SEED,
+    MULTITURN_SHAPE,
     PRESSURE_SEED,
+    PRESSURE_SHAPE,
     multiturn_order,
     pressure_order,
     user_text,
@@ -42,8 +44,8 @@ from sessionserve.wire import SamplingParams
 
 # serving.py's conversation workloads at its defaults: (order, concurrency, seed)
 CONVERSATION_WORKLOADS = {
-    "multiturn": (multiturn_order(4, 10), 4, MULTITURN_SEED),
-    "pressure": (pressure_order(64, 4), 4, PRESSURE_SEED),
+    "multiturn": (multiturn_order(*MULTITURN_SHAPE), MULTITURN_SHAPE[0], MULTITURN_SEED),
+    "pressure": (pressure_order(*PRESSURE_SHAPE[:2]), PRESSURE_SHAPE[2], PRESSURE_SEED),
 }
 
 WORDS = ("river stone light garden window market letter winter music paper " * 30).split()

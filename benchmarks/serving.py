@@ -156,6 +156,8 @@ async def single(client, model: str, concurrency: int, requests: int, tag: str) 
 
 
 MULTITURN_SEED, PRESSURE_SEED = 1, 2  # the user messages' words (`user_text`)
+MULTITURN_SHAPE = (4, 10)  # conversations, turns each (all at once)
+PRESSURE_SHAPE = (64, 4, 4)  # conversations, turns each, turns at a time
 
 
 def multiturn_order(conversations: int, turns: int) -> list[int]:
@@ -240,11 +242,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", action="append", required=True, help="an OpenAI base URL")
     ap.add_argument("--workloads", nargs="+", default=["multiturn", "single", "pressure"])
-    ap.add_argument("--conversations", type=int, default=4)
-    ap.add_argument("--turns", type=int, default=10)
-    ap.add_argument("--pressure-conversations", type=int, default=64)
-    ap.add_argument("--pressure-turns", type=int, default=4)
-    ap.add_argument("--pressure-concurrency", type=int, default=4)
+    ap.add_argument("--conversations", type=int, default=MULTITURN_SHAPE[0])
+    ap.add_argument("--turns", type=int, default=MULTITURN_SHAPE[1])
+    ap.add_argument("--pressure-conversations", type=int, default=PRESSURE_SHAPE[0])
+    ap.add_argument("--pressure-turns", type=int, default=PRESSURE_SHAPE[1])
+    ap.add_argument("--pressure-concurrency", type=int, default=PRESSURE_SHAPE[2])
     ap.add_argument("--api-key", default="unused")
     ap.add_argument("--save", help="also write this run's JSON here")
     ap.add_argument(
