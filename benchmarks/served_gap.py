@@ -11,7 +11,8 @@ in-process engine uses the bench config's shape (compiled forward, 2 torch threa
     .venv/bin/python -m benchmarks.served_gap --target http://127.0.0.1:8000/v1 [--requests 4]
     .venv/bin/python -m benchmarks.served_gap --local-only     # the server stopped: no Ray up
     .venv/bin/python -m benchmarks.served_gap --local-only --batch 8   # also 8 requests at once
-    .venv/bin/python -m benchmarks.served_gap --local-only --workloads multiturn pressure
+    .venv/bin/python -m benchmarks.served_gap --local-only --workloads multiturn pressure \\
+        pressure_radix   # serving.py's conversation workloads (pressure_radix: no sessions)
 
 The last line is JSON: ttft_s and ms_per_token for both sides, and their ratios.
 """
@@ -42,10 +43,14 @@ from sessionserve.replicas.engine import Engine
 from sessionserve.replicas.prompts import chat_input_ids
 from sessionserve.wire import SamplingParams
 
-# serving.py's conversation workloads at its defaults: (order, concurrency, seed)
+# serving.py's conversation workloads at its defaults: (order, concurrency, seed, sessions);
+# pressure_radix sends each turn as a plain request with the whole conversation, which only
+# the radix prefix cache (an LRU, as vLLM's) can reuse: the sessions' baseline, same engine
+_PRESSURE = (pressure_order(*PRESSURE_SHAPE[:2]), PRESSURE_SHAPE[2], PRESSURE_SEED)
 CONVERSATION_WORKLOADS = {
-    "multiturn": (multiturn_order(*MULTITURN_SHAPE), MULTITURN_SHAPE[0], MULTITURN_SEED),
-    "pressure": (pressure_order(*PRESSURE_SHAPE[:2]), PRESSURE_SHAPE[2], PRESSURE_SEED),
+    "multiturn": (multiturn_order(*MULTITURN_SHAPE), MULTITURN_SHAPE[0], MULTITURN_SEED, True),
+    "pressure": (*_PRESSURE, True),
+    "pressure_radix": (*_PRESSURE, False),
 }
 
 WORDS = ("river stone light garden window market letter winter music paper " * 30).split()
@@ -85,14 +90,16 @@ def in_process(
     batch: int = 0,
     batch_rates: list[float] | None = None,
     workloads: dict[str, list[ConversationsRun]] | None = None,
+    kv_tokens: int | None = None,
 ) -> list[tuple]:
     """`n` requests one after another (TTFT, ms per token each), then with `batch` the
     `batched` rounds, whose rates go to `batch_rates`, then two rounds of each
-    `serving.py` conversation workload named in `workloads` (its runs go there)."""
+    `serving.py` conversation workload named in `workloads` (its runs go there). KV:
+    `kv_tokens`, or 1 GiB as the bench configs."""
     batch_rates = batch_rates if batch_rates is not None else []
     setup_threads(threads)
     model = ModelConfig(path="default", torch_threads=threads, dtype=dtype)
-    kv_tokens = 23296 * 4 // model.torch_dtype().itemsize  # 1 GiB, as the bench configs
+    kv_tokens = kv_tokens or 23296 * 4 // model.torch_dtype().itemsize
     cfg = EngineConfig(  # the bench configs' engine
         model=model,
         cache=CacheConfig(num_slots=kv_tokens, max_rows=96, max_context_len=4096),
@@ -157,14 +164,21 @@ class ConversationsRun:
 
 
 def conversations(
-    eng: Engine, order: list[int], concurrency: int, seed: int, answer: int = 32
+    eng: Engine,
+    order: list[int],
+    concurrency: int,
+    seed: int,
+    sessions: bool = True,
+    answer: int = 32,
 ) -> ConversationsRun:
     """`benchmarks/serving.py`'s `conversations` without the server: conversation `order[i]`
     takes its next chat turn (a ~150-token user message, `answer` tokens back, the whole
     conversation sent in chat mode as the served app sends it, in a session), at most
     `concurrency` turns holding a slot, in order: as there, a turn takes a slot first and then
     waits for its conversation's previous turn. A turn starts as soon as it can, as its
-    client would. Times to first token count from submission (no HTTP in them)."""
+    client would. Times to first token count from submission (no HTTP in them). Without
+    `sessions` each turn is a plain request (the radix cache reuses what it still holds). The
+    radix cache is emptied first, so a round does not reuse an earlier round's prompts."""
     params = SamplingParams(max_tokens=answer, temperature=0, ignore_eos=True)
     rng = random.Random(seed)
     history: dict[int, list[dict[str, str]]] = {}
@@ -178,10 +192,13 @@ def conversations(
     def take(conv: int) -> None:
         turns = history.setdefault(conv, [])
         turns.append({"role": "user", "content": user_text(rng, 100)})
-        if conv not in sids:
-            sids[conv] = eng.open_session()
         ids = chat_input_ids(eng.tokenizer, "", turns)
-        rid = eng.submit(ids, params, session_id=sids[conv], mode="chat")
+        if not sessions:
+            rid = eng.submit(ids, params)
+        else:
+            if conv not in sids:
+                sids[conv] = eng.open_session()
+            rid = eng.submit(ids, params, session_id=sids[conv], mode="chat")
         live[rid] = (conv, time.perf_counter())
 
     def admit() -> None:
@@ -192,6 +209,7 @@ def conversations(
             else:
                 take(conv)
 
+    eng.cache.flush()
     started = time.perf_counter()
     admit()
     seen: set[str] = set()
@@ -251,7 +269,14 @@ def main() -> None:
         default=[],
         help="with --local-only: also run these serving.py workloads in process, two rounds "
         "each (multiturn: 4 sessions x 10 turns; pressure: 64 x 4 turns in a random order, 4 "
-        "at a time, over the bench configs' 1 GiB of KV)",
+        "at a time, over the bench configs' 1 GiB of KV; pressure_radix: the same as plain "
+        "requests, reused by the radix cache only)",
+    )
+    ap.add_argument(
+        "--kv-tokens",
+        type=int,
+        help="the in-process engine's KV pool in tokens (default: 1 GiB, the bench configs'); "
+        "e.g. 12800 holds ~16 of the pressure workload's conversations at their last turn",
     )
     ap.add_argument(
         "--dtype",
@@ -274,6 +299,7 @@ def main() -> None:
             args.batch,
             rates,
             workloads,
+            args.kv_tokens,
         )
         ttft, gap = medians(local)
         print(f"machine: {machine()}; in-process TTFT {ttft:.3f} s, {1000 * gap:.1f} ms/token")
