@@ -40,13 +40,18 @@ class ModelConfig(_Strict):
         None, ge=1, description="torch.set_num_threads for this replica; None leaves torch's."
     )
 
+    @property
+    def device_type(self) -> str:
+        """`device` without its index ("cpu", "cuda"): what the `auto` settings read."""
+        return self.device.split(":")[0]
+
     def torch_dtype(self) -> torch.dtype:
         """The dtype to load with: `auto` resolved for this config's device. (torch is
         imported here, not at the top: the ingress reads this module and never loads torch.)"""
         import torch
 
         if self.dtype == "auto":
-            native = torch.device(self.device).type == "cuda" or cpu_has_native_bf16()
+            native = self.device_type == "cuda" or cpu_has_native_bf16()
             return torch.bfloat16 if native else torch.float32
         return getattr(torch, self.dtype)
 
@@ -334,14 +339,14 @@ class EngineConfig(_Strict):
     def overlaps(self) -> bool:
         """`overlap_schedule` resolved for `model.device`."""
         if self.overlap_schedule == "auto":
-            return self.model.device.split(":")[0] == "cuda"
+            return self.model.device_type == "cuda"
         return self.overlap_schedule
 
     def prefill_batch_limit(self) -> int | None:
         """`scheduler.prefill_batch_tokens` resolved for `model.device` (None: no limit)."""
         limit = self.scheduler.prefill_batch_tokens
         if limit == "auto":
-            return 64 if self.model.device.split(":")[0] == "cpu" else None
+            return 64 if self.model.device_type == "cpu" else None
         return limit
 
     def prefill_package_min_tokens(self, dtype: torch.dtype) -> int:
@@ -503,7 +508,7 @@ class AppConfig(_Strict):
         """`replica.stream_messages_per_s` resolved for `engine.model.device` (0: none)."""
         budget = self.replica.stream_messages_per_s
         if budget == "auto":
-            return 50.0 if self.engine.model.device.split(":")[0] == "cpu" else 0.0
+            return 50.0 if self.engine.model.device_type == "cpu" else 0.0
         return budget
 
     @model_validator(mode="after")
