@@ -97,9 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     train = sub.add_parser(
         "train-drafter",
         help="train an EAGLE draft head for a model on this machine (resumable)",
-        description="Self-distillation: the model answers the shipped prompts, then a one-layer "
-        "EAGLE head learns to predict its next hidden state and token. Re-run the same command "
-        "to resume an interrupted run.",
+        description="Self-distillation: the model writes user turns of its own and answers "
+        "them and the shipped prompts, then a one-layer EAGLE head learns to predict its next "
+        "hidden state and token. Re-run the same command to resume an interrupted run.",
     )
     train.add_argument("--model", help="target model path (default: SmolLM2)")
     train.add_argument("--out", help="output directory (default: drafters/default)")
@@ -110,7 +110,26 @@ def main(argv: list[str] | None = None) -> int:
         "(three target layers fused, its own draft vocabulary)",
     )
     train.add_argument("--prompts", help="prompt file, one per line (default: shipped set)")
-    train.add_argument("--max-prompts", type=int, help="use only the first N prompts")
+    train.add_argument(
+        "--max-prompts", type=int, help="use only the first N prompts (0: only self-prompts)"
+    )
+    train.add_argument(
+        "--self-prompts",
+        type=int,
+        help="user turns the model writes itself and then answers (default 800; 0: only "
+        "the prompt file's)",
+    )
+    train.add_argument(
+        "--sampled-answers",
+        type=int,
+        help="answers per prompt at temperature 0.7, besides the greedy one (default 0)",
+    )
+    train.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16"],
+        help="the model's dtype for the answers and the hidden states the head learns from "
+        "(default auto: what serving picks on this machine, bf16 where the CPU has it)",
+    )
     train.add_argument("--max-new-tokens", type=int, help="answer length per prompt")
     train.add_argument("--epochs", type=int, help="passes over the data")
     train.add_argument("--lr", type=float, help="peak learning rate")

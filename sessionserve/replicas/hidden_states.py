@@ -20,19 +20,20 @@ def decoder_features(
     layers: tuple[int, ...] | None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run a transformers decoder over one flat sequence [T]: (last hidden states [T, H],
-    features [T, F]), the features being the last hidden states themselves when `layers` is
-    None, else the `output_hidden_states` at `layers` concatenated (transformers keeps only
-    the selected ones)."""
-    if layers is None:
-        out = decoder(input_ids=ids[None], position_ids=positions[None], use_cache=False, **kwargs)
-        last = out.last_hidden_state[0]
-        return last, last
+    """Run a transformers decoder over one flat sequence [T] (or a batch [B, T]): (last hidden
+    states [T, H], features [T, F]; [B, T, ...] for a batch), the features being the last
+    hidden states themselves when `layers` is None, else the `output_hidden_states` at
+    `layers` concatenated (transformers keeps only the selected ones)."""
+    flat = ids.dim() == 1
+    if flat:
+        ids, positions = ids[None], positions[None]
     out = decoder(
-        input_ids=ids[None],
-        position_ids=positions[None],
+        input_ids=ids,
+        position_ids=positions,
         use_cache=False,
-        output_hidden_states=list(layers),
+        **({} if layers is None else {"output_hidden_states": list(layers)}),
         **kwargs,
     )
-    return out.last_hidden_state[0], torch.cat([out.hidden_states[i][0] for i in layers], -1)
+    last = out.last_hidden_state
+    feats = last if layers is None else torch.cat([out.hidden_states[i] for i in layers], -1)
+    return (last[0], feats[0]) if flat else (last, feats)

@@ -1,9 +1,12 @@
 """`sessionserve train-drafter`: an EAGLE or EAGLE-3 head for a target model, trained on a CPU.
 
 Self-distillation in three phases, each resumable from files in the output directory:
-1. generate: the target answers the shipped prompts (greedy, through our own engine, batched);
-   the token sequences go to `dataset.pt`.
-2. features: one target forward per sequence gives the hidden states the head learns from
+1. generate: the target writes `self_prompts` user turns of its own (sampled from its chat
+   template's empty user turn, as Magpie does: diverse prompts no file has to ship), then
+   answers them and the shipped prompts (greedy, through our own engine, batched, in the
+   dtype it serves in); the token sequences go to `dataset.pt`.
+2. features: one target forward per sequence (in that dtype too: the head learns the states
+   and greedy tokens it will meet when served) gives the hidden states the head learns from
    (recomputed on resume: cheaper than storing them): the last one for EAGLE, three layers'
    concatenated for EAGLE-3.
 3. train: from `(x[q+1], h[q])` the head learns token `x[q+2]` (cross-entropy over the draft
@@ -40,6 +43,7 @@ log = logging.getLogger(__name__)
 DATASET = "dataset.pt"
 STATE = "train_state.pt"
 ARCHS = ("eagle", "eagle3")
+FEATURE_BATCH_TOKENS = 4096  # tokens (padding included) per forward of the features phase
 
 
 @dataclass(frozen=True)
@@ -48,10 +52,14 @@ class TrainConfig:
     out: str = "drafters/default"
     arch: str = "eagle"  # "eagle" (EAGLE-1/2 layout) or "eagle3"
     prompts: str | None = None  # a text file, one prompt per line; None = the shipped set
-    max_prompts: int | None = None
+    max_prompts: int | None = None  # the first N of them (0: none, only self-written ones)
+    # user turns the target writes itself, answered too: more varied than the shipped set,
+    # which made the head accept 4-7% more drafts on unseen prompts (docs/benchmarks.md)
+    self_prompts: int = 800
     max_new_tokens: int = 128
-    sampled_answers: int = 1  # per prompt, at temperature 0.7, besides the greedy one
-    epochs: int = 5
+    sampled_answers: int = 0  # per prompt, at temperature 0.7, besides the greedy one
+    dtype: str = "auto"  # the target's, for the text, hidden states and labels (as served)
+    epochs: int = 4
     unroll: int = 2  # chain steps trained (step 2+ feeds the head its own output)
     lr: float = 2e-3
     batch_seqs: int = 8  # sequences per optimizer step
@@ -75,15 +83,21 @@ def train_drafter(cfg: TrainConfig) -> DraftHead:
 
     if cfg.arch not in ARCHS:
         raise InvalidConfigError(f"--arch {cfg.arch!r}: choose one of {', '.join(ARCHS)}")
+    if cfg.self_prompts < 0 or cfg.sampled_answers < 0:
+        raise InvalidConfigError("--self-prompts and --sampled-answers count prompts: >= 0")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     out = Path(cfg.out).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    loaded = load_model(cfg.model)
+    loaded = load_model(cfg.model)  # fp32: the head trains beside it (its embedding, LM head)
     model = loaded.model
-    print(f"target {loaded.name}: loaded in {time.monotonic() - t0:.1f} s; output in {out}")
-    seqs, vocab = _dataset(cfg, out, loaded)
+    served = _in_serving_dtype(cfg, loaded)
+    print(
+        f"target {loaded.name}: loaded in {time.monotonic() - t0:.1f} s; text and hidden states "
+        f"in {str(served.model.dtype).removeprefix('torch.')}; output in {out}"
+    )
+    seqs, vocab = _dataset(cfg, out, served)
     layers = (
         default_feature_layers(model.config.num_hidden_layers) if cfg.arch == "eagle3" else None
     )
@@ -91,7 +105,7 @@ def train_drafter(cfg: TrainConfig) -> DraftHead:
         raise InvalidConfigError(
             f"EAGLE-3 reads the target's layers {list(layers)}: it needs at least 3 layers"
         )
-    feats, labels = _features(model, seqs, layers)
+    feats, labels = _features(served.model, seqs, layers)
     torch.manual_seed(cfg.seed)  # the head's initial weights
     if layers is None:
         drafter: DraftHead = initial_drafter(model, vocab)
@@ -112,22 +126,44 @@ def train_drafter(cfg: TrainConfig) -> DraftHead:
     return drafter
 
 
+def _in_serving_dtype(cfg: TrainConfig, loaded: Any) -> Any:
+    """The target in `cfg.dtype`, which generates the text and gives the hidden states and
+    labels: the head then learns what it will meet when served in that dtype (and bf16 runs
+    ~1.5-2x faster than fp32 on a CPU with AMX). `loaded` itself where that is fp32."""
+    from sessionserve.config import ModelConfig
+    from sessionserve.replicas.loader import load_model
+
+    try:
+        dtype = ModelConfig(path=cfg.model, dtype=cfg.dtype).torch_dtype()  # type: ignore[arg-type]
+    except ValueError as e:
+        raise InvalidConfigError(f"--dtype {cfg.dtype!r}: auto, float32 or bfloat16") from e
+    return loaded if dtype == loaded.model.dtype else load_model(cfg.model, dtype=dtype)
+
+
 # ---- phase 1: responses ----
 def _dataset(cfg: TrainConfig, out: Path, loaded: Any) -> tuple[list[list[int]], torch.Tensor]:
     path = out / DATASET
     prompts = _prompts(cfg)
-    made_for = {
+    made_for: dict[str, Any] = {
         "target": loaded.name,
         "prompts": len(prompts),
         "max_new_tokens": cfg.max_new_tokens,
         "sampled_answers": cfg.sampled_answers,
         "draft_vocab": cfg.draft_vocab,
     }
+    # (a dataset saved before these options existed resumes as it was made: --self-prompts 0
+    # --sampled-answers 1 --dtype float32, its train state with --epochs 5)
+    if cfg.self_prompts:
+        made_for |= {"self_prompts": cfg.self_prompts, "seed": cfg.seed}
+    if loaded.model.dtype != torch.float32:
+        made_for["dtype"] = str(loaded.model.dtype).removeprefix("torch.")
     if path.exists():
         data = torch.load(path, weights_only=True)
         _same_run(path, data.get("made_for"), made_for)
         print(f"generate: reusing {len(data['seqs'])} sequences from {path}")
         return data["seqs"], data["vocab"]
+    if not prompts and not cfg.self_prompts:
+        raise InvalidConfigError("no prompts to answer: --max-prompts 0 needs --self-prompts N")
     seqs = _generate(cfg, loaded, prompts)
     vocab = _draft_vocab(seqs, loaded.model.config.vocab_size, cfg.draft_vocab, loaded)
     torch.save({"seqs": seqs, "vocab": vocab, "made_for": made_for}, path)
@@ -151,18 +187,18 @@ def _prompts(cfg: TrainConfig) -> list[str]:
         prompts = [line for line in p.read_text().splitlines() if line.strip()]
     else:
         prompts = shipped_prompts()
-    if not prompts:
+    if not prompts and cfg.max_prompts is None:
         raise InvalidConfigError("the prompt file has no prompts")
-    return prompts[: cfg.max_prompts] if cfg.max_prompts else prompts
+    return prompts[: cfg.max_prompts] if cfg.max_prompts is not None else prompts
 
 
 def _generate(cfg: TrainConfig, loaded: Any, prompts: list[str]) -> list[list[int]]:
+    """The sequences to learn from: a chat-templated prompt and the target's answer each."""
     from sessionserve.config import CacheConfig, EngineConfig, SchedulerConfig
     from sessionserve.replicas.engine import Engine
     from sessionserve.wire import SamplingParams
 
     tok = loaded.tokenizer
-    inputs = [_chat_ids(tok, p) for p in prompts]
     engine = Engine(
         EngineConfig(
             cache=CacheConfig(num_slots=32768, max_rows=80),
@@ -171,6 +207,11 @@ def _generate(cfg: TrainConfig, loaded: Any, prompts: list[str]) -> list[list[in
         ),
         loaded,
     )
+    if cfg.self_prompts:
+        prompts = prompts + _self_prompts(engine, tok, cfg.self_prompts, cfg.seed, set(prompts))
+    if not prompts:
+        raise InvalidConfigError("no prompts to answer: give a prompt file (--prompts FILE)")
+    inputs = [_chat_ids(tok, p) for p in prompts]
     # greedy answers are what greedy serving meets; sampled ones widen the data (labels are
     # the target's argmax either way, see `_features`)
     jobs = [(ids, SamplingParams(max_tokens=cfg.max_new_tokens, temperature=0)) for ids in inputs]
@@ -184,20 +225,76 @@ def _generate(cfg: TrainConfig, loaded: Any, prompts: list[str]) -> list[list[in
             )
             for i, ids in enumerate(inputs)
         ]
-    inputs = [ids for ids, _ in jobs]
-    bar = tqdm(total=len(jobs), desc="generate", unit="answer", dynamic_ncols=True)
-    done: dict[str, list[int]] = {}
+    answers = _run(engine, jobs, "answers")
+    return [ids + answer.output_ids for (ids, _), answer in zip(jobs, answers, strict=True)]
+
+
+def _run(engine: Any, jobs: list[tuple[list[int], Any]], desc: str) -> list[Any]:
+    """Every job through `engine` (batched by its scheduler), with a progress bar; their
+    results in the jobs' order."""
+    bar = tqdm(total=len(jobs), desc=desc, unit="seq", dynamic_ncols=True)
+    done: dict[str, Any] = {}
     rids = [engine.submit(ids, params) for ids, params in jobs]
     generated = 0
     while engine.has_work():
         for event in engine.step():
             generated += len(event.new_token_ids)
             if event.result is not None:
-                done[event.rid] = event.result.output_ids
+                done[event.rid] = event.result
                 bar.update(1)
         bar.set_postfix(tokens=generated)
     bar.close()
-    return [inp + done[r] for inp, r in zip(inputs, rids, strict=True)]
+    return [done[r] for r in rids]
+
+
+def _self_prompts(engine: Any, tokenizer: Any, n: int, seed: int, taken: set[str]) -> list[str]:
+    """`n` user turns sampled from the target itself: its chat template up to where a user's
+    message begins, continued until the turn ends (Magpie's pre-query template). An
+    instruction-tuned model writes varied requests there, and an answer to each is what the
+    head meets when serving. Turns cut off at the length limit, empty ones and repeats are
+    dropped, so a few fewer may come back. A model without a chat template (a base model)
+    has no user turn to continue: none, with a line that says so."""
+    from sessionserve.wire import FinishReason, SamplingParams
+
+    if not getattr(tokenizer, "chat_template", None):
+        print("self-prompts: none (the model has no chat template, so no user turn to write)")
+        return []
+    prefix, end = _user_turn_template(tokenizer)
+    stop_ids = tokenizer.encode(end, add_special_tokens=False) if end else []
+    special = set(getattr(tokenizer, "all_special_ids", []))
+    by_token = len(stop_ids) > 0 and stop_ids[0] in special
+    ids = tokenizer.encode(prefix, add_special_tokens=False)
+    jobs = [
+        (
+            ids,
+            SamplingParams(
+                max_tokens=96,
+                temperature=1.0,  # top_p 1: no per-row sort of the vocabulary (2x faster here)
+                seed=seed * 1_000_003 + i,
+                stop_token_ids=(stop_ids[0],) if by_token else (),
+                stop=(end,) if end and not by_token else (),
+            ),
+        )
+        for i in range(n)
+    ]
+    kept: list[str] = []
+    for result in _run(engine, jobs, "self-prompts"):
+        text = (result.text or "").strip()  # special tokens skipped, cut before a stop string
+        if result.finish_reason == FinishReason.STOP and text and text not in taken:
+            taken.add(text)
+            kept.append(text)
+    print(f"self-prompts: kept {len(kept)} of {n} (the rest ran past 96 tokens or repeated)")
+    return kept
+
+
+def _user_turn_template(tokenizer: Any) -> tuple[str, str]:
+    """(the template's text before a user's message, the text that ends the message)."""
+    marker = "\u2063SELF-PROMPT\u2063"
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": marker}], add_generation_prompt=False, tokenize=False
+    )
+    prefix, _, after = text.partition(marker)
+    return prefix, after.strip()
 
 
 def _chat_ids(tokenizer: Any, prompt: str) -> list[int]:
@@ -235,12 +332,36 @@ def _features(
     norm, or `layers`' states concatenated: what serving hands it, `decoder_features`), and
     the target's greedy next token there: what a draft must match to be accepted."""
     model.set_attn_implementation("sdpa")  # the engine switched it to paged attention
-    decoder, head, feats, labels = model.get_decoder(), model.get_output_embeddings(), [], []
-    for s in tqdm(seqs, desc="features", unit="seq", dynamic_ncols=True):
-        last, feat = decoder_features(decoder, torch.tensor(s), torch.arange(len(s)), layers)
-        feats.append(feat.float())
-        labels.append(head(last).argmax(-1))
+    decoder, head = model.get_decoder(), model.get_output_embeddings()
+    feats: list[torch.Tensor] = [torch.empty(0)] * len(seqs)
+    labels: list[torch.Tensor] = [torch.empty(0)] * len(seqs)
+    bar = tqdm(total=len(seqs), desc="features", unit="seq", dynamic_ncols=True)
+    for batch in _length_batches(seqs, FEATURE_BATCH_TOKENS):
+        # right-padded: under the causal mask a sequence's own positions never see the pad
+        width = max(len(seqs[i]) for i in batch)
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        for row, i in enumerate(batch):
+            ids[row, : len(seqs[i])] = torch.tensor(seqs[i])
+        positions = torch.arange(width).expand(len(batch), width)
+        last, feat = decoder_features(decoder, ids, positions, layers)
+        for row, i in enumerate(batch):
+            n = len(seqs[i])
+            feats[i] = feat[row, :n].to(torch.float32, copy=True)  # (not a view of the batch)
+            labels[i] = head(last[row, :n]).argmax(-1)
+        bar.update(len(batch))
+    bar.close()
     return feats, labels
+
+
+def _length_batches(seqs: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Indices of `seqs` grouped by length (little padding), at most `max_tokens` a batch."""
+    batches: list[list[int]] = []
+    for i in sorted(range(len(seqs)), key=lambda i: len(seqs[i])):
+        if batches and (len(batches[-1]) + 1) * len(seqs[i]) <= max_tokens:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return batches
 
 
 # ---- phase 3: train ----

@@ -4,6 +4,7 @@ and an interrupted run resumes to the same weights."""
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ from sessionserve.replicas.speculative.checkpoint import load_drafter
 from sessionserve.training import drafter as training
 from sessionserve.training.drafter import TrainConfig, train_drafter
 from sessionserve.wire import SamplingParams
-from tests.models import save_tiny_model, tiny_engine
+from tests.models import save_tiny_model, tiny_engine, word_tokenizer
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
@@ -47,6 +48,9 @@ def _cfg(target_dir: Path, out: Path, **kw) -> TrainConfig:
         "batch_seqs": 4,
         "draft_vocab": 64,
         "save_every": 1,
+        "dtype": "float32",  # (auto is bf16 on a CPU with AMX: tokens would differ by machine)
+        "self_prompts": 0,
+        "sampled_answers": 1,
     }
     return TrainConfig(**(fields | kw))
 
@@ -112,8 +116,11 @@ def test_cli_trains_and_the_engine_serves_with_the_result(target_dir, tmp_path, 
     out = tmp_path / "cli-head"
     argv = ["train-drafter", "--model", str(target_dir), "--out", str(out)]
     argv += ["--prompts", str(target_dir / "prompts.txt"), "--max-new-tokens", "8"]
+    argv += ["--self-prompts", "6", "--sampled-answers", "1", "--dtype", "float32"]
     assert cli_main(argv + ["--epochs", "1", "--draft-vocab", "0"]) == 0
     assert "wrote the EAGLE head" in capsys.readouterr().out
+    made_for = torch.load(out / "dataset.pt", weights_only=True)["made_for"]
+    assert made_for["self_prompts"] == 6 and made_for["sampled_answers"] == 1
     assert "d2t" not in load_file(str(out / "model.safetensors"))  # full vocabulary
     cfg = EngineConfig(
         model=ModelConfig(path=str(target_dir), dtype="float32"),  # as trained: exact tokens
@@ -182,3 +189,61 @@ def test_eagle3_training_writes_the_published_layout_and_serves(deep_target_dir,
 def test_eagle3_needs_three_target_layers(target_dir, tmp_path) -> None:
     with pytest.raises(InvalidConfigError, match="needs at least 3 layers"):
         train_drafter(_cfg(target_dir, tmp_path / "shallow", arch="eagle3"))
+
+
+def test_self_prompts_are_written_by_the_target_then_answered(target_dir, tmp_path) -> None:
+    """Magpie-style data: the target continues its chat template's empty user turn (`w2 `)
+    until the turn ends (`w3`), then answers that prompt greedily like any other."""
+    out = tmp_path / "self"
+    cfg = _cfg(target_dir, out, max_prompts=0, self_prompts=24, sampled_answers=0, epochs=1)
+    train_drafter(cfg)
+    data = torch.load(out / "dataset.pt", weights_only=True)
+    assert data["made_for"]["self_prompts"] == 24 and data["made_for"]["prompts"] == 0
+    seqs = data["seqs"]
+    assert 0 < len(seqs) <= 24  # prompts cut off at 96 tokens or repeated are dropped
+    engine = tiny_engine(load_model(target_dir).model)
+    prompts = []
+    for seq in seqs:
+        assert seq[0] == 2  # the user turn's opening, as the template writes it
+        end = seq.index(3)  # the turn's end (the prompt stopped there), then the generation
+        assert seq[end + 1] == 4  # prompt `w4`
+        prompts.append(tuple(seq[1:end]))
+        answer = engine.generate([seq[: end + 2]], SamplingParams(max_tokens=12, temperature=0))
+        assert seq[end + 2 :] == answer[0].output_ids  # the target's own greedy answer
+    assert len(set(prompts)) == len(prompts) and all(prompts)
+    # the self-prompts are part of what a resumed run must match
+    (out / "model.safetensors").unlink()
+    with pytest.raises(InvalidConfigError, match="re-run with the same options"):
+        train_drafter(TrainConfig(**(asdict(cfg) | {"self_prompts": 12})))
+
+
+def test_a_base_model_writes_no_prompts_and_some_prompts_are_needed(target_dir, tmp_path, capsys):
+    with pytest.raises(InvalidConfigError, match="--max-prompts 0 needs --self-prompts"):
+        train_drafter(_cfg(target_dir, tmp_path / "none", max_prompts=0))
+    tok = word_tokenizer()
+    tok.chat_template = None  # a base model: no user turn to continue, so no self-prompts
+    assert training._self_prompts(None, tok, 8, 0, set()) == []
+    assert "no chat template" in capsys.readouterr().out
+    with pytest.raises(InvalidConfigError, match="--dtype 'float8'"):
+        train_drafter(_cfg(target_dir, tmp_path / "dtype", dtype="float8"))
+
+
+@pytest.mark.parametrize("layers", [None, (1, 2, 3)])
+def test_batched_features_equal_one_sequence_at_a_time(deep_target_dir, layers, monkeypatch):
+    """The features phase right-pads sequences of different lengths into one forward: each
+    sequence's states and labels are what a forward over it alone gives."""
+    from sessionserve.replicas.hidden_states import decoder_features
+
+    model = load_model(deep_target_dir).model
+    gen = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(5, 250, (n,), generator=gen).tolist() for n in (7, 30, 12, 30, 1, 19)]
+    monkeypatch.setattr(training, "FEATURE_BATCH_TOKENS", 64)  # several batches, padding
+    assert len(training._length_batches(seqs, 64)) > 1
+    feats, labels = training._features(model, seqs, layers)
+    head = model.get_output_embeddings()
+    for s, f, y in zip(seqs, feats, labels, strict=True):
+        last, alone = decoder_features(
+            model.get_decoder(), torch.tensor(s), torch.arange(len(s)), layers
+        )
+        torch.testing.assert_close(f, alone, rtol=1e-4, atol=1e-5)
+        assert torch.equal(y, head(last).argmax(-1))
