@@ -54,7 +54,7 @@ class TrainConfig:
     prompts: str | None = None  # a text file, one prompt per line; None = the shipped set
     max_prompts: int | None = None  # the first N of them (0: none, only self-written ones)
     # user turns the target writes itself, answered too: more varied than the shipped set,
-    # which made the head accept 4-7% more drafts on unseen prompts (docs/benchmarks.md)
+    # which raised the head's tokens a verify on unseen prompts 4-7% (docs/benchmarks.md)
     self_prompts: int = 800
     max_new_tokens: int = 128
     sampled_answers: int = 0  # per prompt, at temperature 0.7, besides the greedy one
