@@ -187,7 +187,7 @@ def _prompts(cfg: TrainConfig) -> list[str]:
         prompts = [line for line in p.read_text().splitlines() if line.strip()]
     else:
         prompts = shipped_prompts()
-    if not prompts and cfg.max_prompts is None:
+    if not prompts:
         raise InvalidConfigError("the prompt file has no prompts")
     return prompts[: cfg.max_prompts] if cfg.max_prompts is not None else prompts
 

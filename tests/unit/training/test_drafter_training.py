@@ -220,6 +220,10 @@ def test_self_prompts_are_written_by_the_target_then_answered(target_dir, tmp_pa
 def test_a_base_model_writes_no_prompts_and_some_prompts_are_needed(target_dir, tmp_path, capsys):
     with pytest.raises(InvalidConfigError, match="--max-prompts 0 needs --self-prompts"):
         train_drafter(_cfg(target_dir, tmp_path / "none", max_prompts=0))
+    (tmp_path / "empty.txt").write_text("\n")
+    empty = _cfg(target_dir, tmp_path / "empty", prompts=str(tmp_path / "empty.txt"))
+    with pytest.raises(InvalidConfigError, match="the prompt file has no prompts"):
+        train_drafter(TrainConfig(**(asdict(empty) | {"max_prompts": 0, "self_prompts": 4})))
     tok = word_tokenizer()
     tok.chat_template = None  # a base model: no user turn to continue, so no self-prompts
     assert training._self_prompts(None, tok, 8, 0, set()) == []
