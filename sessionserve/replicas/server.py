@@ -108,6 +108,10 @@ class ReplicaServer:
             if event.result is not None:
                 ended.set()
 
+        def listener(event: StepEvent) -> None:  # on the engine thread
+            with contextlib.suppress(RuntimeError):  # that loop is closed: no one reads it
+                aio.call_soon_threadsafe(deliver, event)
+
         rid = call.rid or uuid.uuid4().hex
         # Chat mode brings the whole conversation (the cache reuses the longest prefix it
         # holds); append mode brings the new prompt, extending this replica's history of the
@@ -124,7 +128,7 @@ class ReplicaServer:
                 session_id=call.session_id,
                 mode=call.mode,
                 rid=rid,
-                listener=lambda e: aio.call_soon_threadsafe(deliver, e),
+                listener=listener,
                 open_missing=seed,
                 arrived_at=arrived,
             )
@@ -157,8 +161,14 @@ class ReplicaServer:
                     await self._run(self.engine.abort, rid, "client disconnected")
 
     async def _run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """`fn` on the engine thread (queued before this returns, even if cancelled)."""
-        return await asyncio.wrap_future(self.loop.call(functools.partial(fn, *args, **kwargs)))
+        """`fn` on the engine thread: queued at once, and run even if this caller is cancelled
+        meanwhile (shielded: the engine loop skips a command whose future was cancelled, and
+        a client that goes away must not drop the abort or the close its cleanup queues; under
+        anyio's cancel scopes, as in an ASGI app, every await of a cancelled task is
+        cancelled again, the cleanup's included)."""
+        done = asyncio.wrap_future(self.loop.call(functools.partial(fn, *args, **kwargs)))
+        done.add_done_callback(_retrieved)  # a caller that left does not read its error
+        return await asyncio.shield(done)
 
     def _sampling(self, call: GenerateCall) -> SamplingParams:
         """The call's sampling; with tools, the grammar of the calls (and of a JSON answer)."""
@@ -328,6 +338,11 @@ class ReplicaServer:
                 self.engine.abort(rid, message)
             except RuntimeError:  # the replica's event loop is already closed
                 pass
+
+
+def _retrieved(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 def stream_interval(base_s: float, live_streams: int, messages_per_s: float) -> float:

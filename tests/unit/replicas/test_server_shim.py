@@ -156,6 +156,27 @@ def test_a_cancelled_stream_aborts_its_request(server) -> None:
     server.check_health()
 
 
+def test_a_stream_cancelled_again_at_every_await_still_aborts_its_request(server) -> None:
+    """In an ASGI app (the colocated ingress) a client that goes away cancels an anyio cancel
+    scope, which cancels the task again at each await, the stream's cleanup included: its
+    abort must still reach the engine thread (a cancelled command is skipped there)."""
+    import anyio
+
+    async def read_two_then_leave():
+        gen = server.generate(GenerateCall({"max_tokens": 900, "ignore_eos": True}, prompt=[5, 6]))
+        with anyio.CancelScope() as scope:
+            await gen.__anext__()
+            await gen.__anext__()
+            scope.cancel()
+            await gen.__anext__()  # cancelled here, and at the abort's await after it
+        await gen.aclose()
+
+    asyncio.run(read_two_then_leave())
+    terms = asyncio.run(server.memory_check())  # queued after the abort: it has run
+    assert terms["live_requests"] == 0 and not server.engine.outputs.requests
+    server.check_health()
+
+
 def test_shutdown_aborts_what_is_still_running(tmp_path) -> None:
     save_tiny_model(tmp_path)
     srv = ReplicaServer({"model": {"path": str(tmp_path)}})
