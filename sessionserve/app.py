@@ -1,7 +1,9 @@
 """`build_app(args)`: the Serve application (the `import_path` target of deploy/*.yaml), and
 each deployment's Serve options from the app config.
 
-HTTP -> Ingress (FastAPI) -> SessionReplica (Engine), routed by SessionAffinityRouter
+HTTP -> Ingress (FastAPI) -> SessionReplica (Engine), routed by SessionAffinityRouter;
+with `ingress.colocated`: HTTP -> SessionReplica (the ingress's routes and the engine in one
+process, sessionserve/colocated.py)
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from ray import serve
 from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 
 from sessionserve.api.ingress import Ingress
+from sessionserve.colocated import ColocatedServer
 from sessionserve.config import REPLICA_ENV_DEFAULTS, AppConfig
 from sessionserve.replicas.server import ReplicaServer
 from sessionserve.router.session_router import SessionAffinityRouter
@@ -21,6 +24,8 @@ POWER_OF_TWO_ROUTER = "ray.serve._private.request_router:PowerOfTwoChoicesReques
 
 def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     cfg = AppConfig.model_validate(args or {})
+    if cfg.ingress.colocated:
+        return colocated_app(cfg)
     replica = serve.deployment(ReplicaServer).options(**replica_options(cfg))
     ingress = serve.deployment(Ingress).options(**ingress_options(cfg))
     engine = cfg.engine.model_dump()
@@ -32,6 +37,21 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
             stream_messages_per_s=cfg.stream_message_budget(),
         ),
         cfg.model_dump(),
+    )
+
+
+def colocated_app(cfg: AppConfig) -> serve.Application:
+    """One deployment: the ingress's routes over the engine, in the replica's process, with
+    the replica's resources, environment and health checks and the ingress's request limit
+    (the replica's own limits apply to turns inside it: `colocated.Admission`)."""
+    opts = replica_options(cfg)
+    for routing in ("request_router_config", "max_queued_requests"):
+        del opts[routing]  # one replica, no router; turns queue inside (colocated.Admission)
+    opts["max_ongoing_requests"] = cfg.ingress.max_ongoing_requests
+    return (
+        serve.deployment(ColocatedServer)
+        .options(**opts)
+        .bind(cfg.engine.model_dump(), cfg.model_dump())
     )
 
 

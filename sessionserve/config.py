@@ -466,6 +466,15 @@ class ReplicaDeploymentConfig(_Strict):
 
 class IngressDeploymentConfig(_Strict):
     num_replicas: int = Field(1, ge=1, description="HTTP ingress replicas.")
+    colocated: bool = Field(
+        False,
+        description="Run the ingress inside the one model replica's process "
+        "(sessionserve/colocated.py): a turn crosses Serve's proxy and one replica instead of "
+        "the proxy, an ingress and a replica, which on a small CPU machine gives the forward "
+        "back the cores the extra hop takes (2 cores: +3-8% output tokens/s, "
+        "docs/benchmarks.md). Needs replica.num_replicas 1 without autoscaling and "
+        "ingress.num_replicas 1; the replica's num_cpus, env_vars and request limits apply.",
+    )
     num_cpus: float = Field(0.25, ge=0, description="CPUs per ingress replica.")
     max_ongoing_requests: int = Field(1024, ge=1, description="Requests per ingress replica.")
     max_body_bytes: int = Field(
@@ -518,4 +527,19 @@ class AppConfig(_Strict):
                 "engine.sessions.migrate_on_shutdown_s must be below "
                 "replica.graceful_shutdown_timeout_s (Serve kills the replica at that point)"
             )
+        if self.ingress.colocated:
+            extra = [
+                f"{name} (now {value})"
+                for name, value, ok in (
+                    ("replica.num_replicas: 1", self.replica.num_replicas, 1),
+                    ("replica.autoscaling: null", self.replica.autoscaling, None),
+                    ("ingress.num_replicas: 1", self.ingress.num_replicas, 1),
+                )
+                if value != ok
+            ]
+            if extra:
+                raise ValueError(
+                    "ingress.colocated runs the ingress inside the one model replica; "
+                    "set " + ", ".join(extra) + ", or colocated: false"
+                )
         return self
