@@ -76,14 +76,13 @@ class LocalStream:
 
 class _Method:
     def __init__(self, owner: LocalReplica, name: str, call: _Call) -> None:
-        self.owner, self.name, self.options = owner, name, call
+        self.owner, self.name, self.call = owner, name, call
 
     def remote(self, *args: Any, **kwargs: Any) -> Any:
-        if self.options.stream:
-            pieces = self.owner.stream(self.options.session_id, self.name, *args, **kwargs)
-            return LocalStream(pieces)
-        result = self.owner.call(self.options.session_id, self.name, *args, **kwargs)
-        return asyncio.ensure_future(result)
+        sid = self.call.session_id
+        if self.call.stream:
+            return LocalStream(self.owner.stream(sid, self.name, *args, **kwargs))
+        return asyncio.ensure_future(self.owner.call(sid, self.name, *args, **kwargs))
 
 
 @dataclass(frozen=True)
