@@ -24,7 +24,7 @@ from ray.serve.exceptions import BackPressureError
 
 from sessionserve.api.ingress import Ingress
 from sessionserve.config import AppConfig
-from sessionserve.directory.client import DirectoryClient, get_directory
+from sessionserve.directory.client import DirectoryClient
 from sessionserve.errors import UnknownReplicaError
 from sessionserve.replicas.server import ReplicaServer
 from sessionserve.router.pin_cache import PinCache
@@ -180,10 +180,9 @@ class ColocatedServer(Ingress):
             stream_messages_per_s=cfg.stream_message_budget(),
         )
         admission = Admission(cfg.replica.max_ongoing_requests, cfg.replica.max_queued_requests)
-        directory = get_directory(
-            self.server.app_name, cfg.engine.sessions.default_ttl_s, cfg.directory.shards
-        )
-        await super().__init__(LocalReplica(self.server, admission, directory), config)
+        local = LocalReplica(self.server, admission, directory=None)
+        await super().__init__(local, config)
+        local.directory = self.turns.directory  # the ingress's client: one in this process
 
     # ---- the replica's handle calls (no routes) ----
     async def memory_check(self) -> dict[str, Any]:
