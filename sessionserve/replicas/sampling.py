@@ -25,6 +25,14 @@ from sessionserve.replicas.request import TokenLogprob
 from sessionserve.wire import SamplingParams
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """The index of each row's largest logit, the first on a tie, as `argmax(-1)`: computed as
+    `max(-1).indices`, which torch documents with the same tie rule and computes 2.2-2.9x
+    faster on a CPU (torch 2.13, 2 threads: [8, 49152] fp32 96 against 279 us, [32, 49152]
+    425 against 1,075 us; equal on ties, -inf and NaN rows: tests/unit/test_sampling.py)."""
+    return logits.max(dim=-1).indices
+
+
 class SampleOutput(NamedTuple):
     token_ids: list[int]
     logprobs: list[TokenLogprob | None] | None  # per row, when any row asked for them
@@ -178,7 +186,7 @@ def sample_on_device(
         logits = logits.clone()
         for i in penalised:
             apply_penalties(logits[i], params[i], contexts[i], outputs[i])
-    chosen = logits.argmax(dim=-1)
+    chosen = greedy_tokens(logits)
     sampled = [i for i, p in enumerate(params) if not p.is_greedy]
     if sampled:
         rows = to_device(torch.tensor(sampled), logits.device)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sessionserve.replicas.sampling import draw, uniforms
+from sessionserve.replicas.sampling import draw, greedy_tokens, uniforms
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,7 @@ class Verdict:
 def accept_greedy(target_logits: torch.Tensor, drafts: list[int]) -> Verdict:
     """`target_logits` [k+1, V]: row i scores the token after draft i (row 0: after the
     last committed token)."""
-    best = target_logits.argmax(dim=-1).tolist()
+    best = greedy_tokens(target_logits).tolist()
     n = 0
     while n < len(drafts) and drafts[n] == best[n]:
         n += 1
@@ -43,7 +43,7 @@ def accept_greedy_tree(
     token after draft i. From the pending token, follow the child whose token is the target's
     argmax while there is one; returns the verdict and the kept drafts' indices (the path).
     The output is the non-speculative greedy output, as for a chain."""
-    best = target_logits.argmax(dim=-1).tolist()
+    best = greedy_tokens(target_logits).tolist()
     children: dict[int, dict[int, int]] = {}
     for i, (token, parent) in enumerate(zip(drafts, parents, strict=True)):
         children.setdefault(parent, {}).setdefault(token, i)

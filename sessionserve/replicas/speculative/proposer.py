@@ -31,7 +31,7 @@ from sessionserve.cache.session_cache import SessionCache
 from sessionserve.replicas.attention import ATTN_NAME, AttentionBackend, ForwardMeta, SeqSpec
 from sessionserve.replicas.attention.base import to_device
 from sessionserve.replicas.request import Request
-from sessionserve.replicas.sampling import draw, uniforms
+from sessionserve.replicas.sampling import draw, greedy_tokens, uniforms
 from sessionserve.replicas.speculative.draft_state import DraftState
 from sessionserve.replicas.speculative.drafter import DraftHead
 from sessionserve.replicas.step import CatchUp, Drafts
@@ -293,7 +293,7 @@ class EagleProposer:
         each greedy request's `tree_topk` best tokens and their log-probabilities. `logits`:
         the draft logits of `feats` where the compiled step already computed them."""
         logits = (self.drafter.draft_logits(feats) if logits is None else logits).float()
-        picks = logits.argmax(dim=-1)
+        picks = greedy_tokens(logits)
         dist: list[torch.Tensor | None] = [None] * len(reqs)
         for i, r in enumerate(reqs):
             if not r.sampling.is_greedy:

@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sessionserve.replicas.sampling import apply_penalties, filter_logits, sample, sample_on_device
+from sessionserve.replicas.sampling import (
+    apply_penalties,
+    filter_logits,
+    greedy_tokens,
+    sample,
+    sample_on_device,
+)
 from sessionserve.wire import FinishReason, SamplingParams
 from tests.models import EOS, hf_greedy, tiny_engine, tiny_model
 
@@ -136,3 +142,18 @@ def test_a_batch_comes_back_in_one_packed_copy_with_each_rows_logprobs() -> None
     # the same draw as the plain `sample` (one seeded generator, rewound)
     gens[2] = torch.Generator().manual_seed(3)
     assert sample(logits, params, [()] * 4, [()] * 4, gens).token_ids == host.token_ids
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_tokens_are_argmax_ties_masks_and_nan_included(dtype) -> None:
+    """`greedy_tokens` replaces `argmax(-1)` on the hot path: the same index on every row,
+    including many-way ties (the first wins), rows masked to -inf (a grammar's) and NaN."""
+    gen = torch.Generator().manual_seed(0)
+    for rows, vocab in [(1, 7), (3, 100), (8, 49152), (33, 1000)]:
+        tied = torch.randint(0, 4, (rows, vocab), generator=gen).to(dtype)
+        masked = tied.clone()
+        masked[:, ::3] = float("-inf")
+        nan = tied.clone()
+        nan[0, vocab // 2] = float("nan")
+        for logits in (tied, masked, torch.full((rows, vocab), float("-inf"), dtype=dtype), nan):
+            assert torch.equal(greedy_tokens(logits), logits.argmax(dim=-1))
