@@ -60,8 +60,8 @@ class KVPool:
         self.dtype = dtype
         sliding = set(sliding_layers)
         full = [i for i in range(shape.num_layers) if i not in sliding]
-        self._where = {layer: (False, i) for i, layer in enumerate(full)}
-        self._where.update({layer: (True, i) for i, layer in enumerate(sorted(sliding))})
+        where = {layer: (False, i) for i, layer in enumerate(full)}
+        where.update({layer: (True, i) for i, layer in enumerate(sorted(sliding))})
         heads = (shape.num_kv_heads, shape.head_dim)
         self.k = torch.zeros((len(full), pool_slots, *heads), dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
@@ -69,6 +69,17 @@ class KVPool:
             (len(sliding), sliding_slots, *heads), dtype=dtype, device=device
         )
         self.sliding_v = torch.zeros_like(self.sliding_k)
+        # each model layer's (K, V, sliding), made once: a forward asks for them per layer,
+        # and on a CPU that call runs with caches the weights just streamed through, where
+        # slicing the pool again took ~6 us a layer (SmolLM2's 30 layers: 0.2 ms a step)
+        self._layers = {
+            layer: (
+                (self.sliding_k[i], self.sliding_v[i], True)
+                if sliding
+                else (self.k[i], self.v[i], False)
+            )
+            for layer, (sliding, i) in where.items()
+        }
         # waits for forwards that may still be writing this pool (an overlapped step runs on
         # another thread): a copy into the pool from the host calls it first, so a slot freed
         # while such a forward wrote it cannot be overwritten by that forward after the copy
@@ -88,10 +99,7 @@ class KVPool:
     def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """The K and V tensors model layer `layer` reads, and whether they are the sliding
         ones (indexed by sliding slots)."""
-        sliding, i = self._where[layer]
-        if sliding:
-            return self.sliding_k[i], self.sliding_v[i], True
-        return self.k[i], self.v[i], False
+        return self._layers[layer]
 
     def write(
         self,
@@ -103,10 +111,12 @@ class KVPool:
     ) -> None:
         """Store new K/V ([n, num_kv_heads, head_dim]) of one layer at `slots` ([n]), or at
         `sliding_slots` for a sliding layer kept apart."""
-        k_pool, v_pool, sliding = self.layer_kv(layer)
+        k_pool, v_pool, sliding = self._layers[layer]
         where = sliding_slots if sliding else slots
-        k_pool.index_copy_(0, where, k.to(self.dtype))
-        v_pool.index_copy_(0, where, v.to(self.dtype))
+        if k.dtype != self.dtype or v.dtype != self.dtype:  # (a no-op `to` costs ~8 us here)
+            k, v = k.to(self.dtype), v.to(self.dtype)
+        k_pool.index_copy_(0, where, k)
+        v_pool.index_copy_(0, where, v)
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy every full-attention layer's K/V at `src` to `dst` (a verified tree's kept
