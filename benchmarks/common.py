@@ -17,7 +17,13 @@ from typing import Any
 
 import torch
 
-from sessionserve.config import CacheConfig, EngineConfig, SchedulerConfig, SessionConfig
+from sessionserve.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SessionConfig,
+)
 from sessionserve.replicas.engine import Engine
 from sessionserve.replicas.loader import LoadedModel, load_model
 
@@ -51,6 +57,26 @@ class ForwardTimer:
 
 def load(path: str = "default", dtype: torch.dtype = torch.float32) -> LoadedModel:
     return load_model(path, dtype)
+
+
+def bench_config_engine(threads: int, dtype: str, kv_tokens: int | None = None) -> Engine:
+    """The engine of `serve-cpu-bench*.yaml` in this process: the default model in `dtype`,
+    compiled (the build waited for), `threads` torch threads, `kv_tokens` of KV or 1 GiB."""
+    model = ModelConfig(path="default", torch_threads=threads, dtype=dtype)
+    cfg = EngineConfig(
+        model=model,
+        cache=CacheConfig(
+            num_slots=kv_tokens or 23296 * 4 // model.torch_dtype().itemsize,
+            max_rows=96,
+            max_context_len=4096,
+        ),
+        scheduler=SchedulerConfig(max_running_requests=32, max_prefill_tokens=512),
+        compile=True,
+    )
+    eng = Engine(cfg, load("default", model.torch_dtype()))
+    if eng.runner.compiling is not None:
+        eng.runner.compiling.join()
+    return eng
 
 
 def engine(

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import openai
 
-from benchmarks.common import emit, load, machine, setup_threads
+from benchmarks.common import bench_config_engine, emit, machine, setup_threads
 from benchmarks.serving import (
     MULTITURN_SEED,
     MULTITURN_SHAPE,
@@ -38,7 +38,6 @@ from benchmarks.serving import (
     pressure_order,
     user_text,
 )
-from sessionserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from sessionserve.replicas.engine import Engine
 from sessionserve.replicas.prompts import chat_input_ids
 from sessionserve.wire import SamplingParams
@@ -98,17 +97,7 @@ def in_process(
     `kv_tokens`, or 1 GiB as the bench configs."""
     batch_rates = batch_rates if batch_rates is not None else []
     setup_threads(threads)
-    model = ModelConfig(path="default", torch_threads=threads, dtype=dtype)
-    kv_tokens = kv_tokens or 23296 * 4 // model.torch_dtype().itemsize
-    cfg = EngineConfig(  # the bench configs' engine
-        model=model,
-        cache=CacheConfig(num_slots=kv_tokens, max_rows=96, max_context_len=4096),
-        scheduler=SchedulerConfig(max_running_requests=32, max_prefill_tokens=512),
-        compile=True,
-    )
-    eng = Engine(cfg, load("default", model.torch_dtype()))
-    if eng.runner.compiling is not None:
-        eng.runner.compiling.join()
+    eng = bench_config_engine(threads, dtype, kv_tokens)
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
     out = []
     for i in range(n):

@@ -25,8 +25,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from benchmarks.common import emit, load, machine, setup_threads
-from sessionserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from benchmarks.common import bench_config_engine, emit, machine, setup_threads
 from sessionserve.replicas.attention import paged_op
 from sessionserve.replicas.engine import Engine
 from sessionserve.wire import SamplingParams
@@ -102,20 +101,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     setup_threads(args.threads)
-    model = ModelConfig(path="default", torch_threads=args.threads, dtype=args.dtype)
-    cfg = EngineConfig(  # the bench configs' engine (1 GiB of KV)
-        model=model,
-        cache=CacheConfig(
-            num_slots=23296 * 4 // model.torch_dtype().itemsize,
-            max_rows=96,
-            max_context_len=4096,
-        ),
-        scheduler=SchedulerConfig(max_running_requests=32, max_prefill_tokens=512),
-        compile=True,
-    )
-    eng = Engine(cfg, load("default", model.torch_dtype()))
-    if eng.runner.compiling is not None:
-        eng.runner.compiling.join()
+    eng = bench_config_engine(args.threads, args.dtype)
     result: dict[str, Any] = {"benchmark": "step_phases", "machine": machine()}
     order = ["step", "forward", "attend", "kernel", "kv_write", "sample", "host_other"]
     for batch in args.batches:
