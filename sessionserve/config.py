@@ -291,6 +291,16 @@ class EngineConfig(_Strict):
         "where it is 1.05x faster or more (SmolLM2, 2 cores: 1.22-1.55x on an AMD EPYC with "
         "AVX-512, slower from 128 tokens on an AVX2 CPU). false: those steps run eagerly.",
     )
+    compile_decode: bool | Literal["auto"] = Field(
+        "auto",
+        description="With the compiled forward on a CPU, a third package for pure decode steps "
+        "(one new token per request, up to compile_max_tokens requests): the whole step in one "
+        "graph, each layer's attention over the KV pool compiled into it instead of a call "
+        "back into Python per layer, every layer's new K/V written with one copy after it. It "
+        "holds another copy of the weights. true: build (or load) and use it. auto: for models "
+        "of 50M+ parameters. Models with sliding-window layers, and CUDA, keep the compiled "
+        "forward. false: decode steps run the compiled forward.",
+    )
     compile_prefill_min_tokens: int | None = Field(
         None,
         ge=1,

@@ -118,6 +118,17 @@ class KVPool:
         k_pool.index_copy_(0, where, k)
         v_pool.index_copy_(0, where, v)
 
+    def write_layers(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store new K/V of every layer at once ([num_layers, n, num_kv_heads, head_dim] at
+        `slots` [n]): one copy for a forward whose layers did not write as they ran (a decode
+        step compiled whole). Only for a pool without sliding layers kept apart."""
+        if self.has_sliding:
+            raise NotImplementedError("writing every layer at once into a pool with sliding slots")
+        if k.dtype != self.dtype or v.dtype != self.dtype:
+            k, v = k.to(self.dtype), v.to(self.dtype)
+        self.k.index_copy_(1, slots, k)
+        self.v.index_copy_(1, slots, v)
+
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy every full-attention layer's K/V at `src` to `dst` (a verified tree's kept
         path moving to its sequence's positions; all rows are read before any is written)."""

@@ -28,7 +28,8 @@ from sessionserve.replicas.attention import (
     sliding_windows,
 )
 from sessionserve.replicas.attention.torch_backend import TorchPagedBackend
-from sessionserve.replicas.compiled_attention import HeadLayout, load_decode_kernel
+from sessionserve.replicas.compiled_attention import HeadLayout, kernel_chunks, load_decode_kernel
+from sessionserve.replicas.compiled_decode import DecodeStep, plan_decode_compile
 from sessionserve.replicas.compiled_forward import (
     CompiledForward,
     CompileJob,
@@ -130,9 +131,10 @@ def build_runner(
 def compile_forwards(
     cfg: EngineConfig, model: Any, runner: ModelRunner, eagle: EagleProposer | None = None
 ) -> None:
-    """Install the compiled forward (`engine.compile`), the prefill package
-    (`engine.compile_prefill`) and, on CPU, the EAGLE head's compiled steps that the config
-    asks for, at once or from a background build (the head's after the target's)."""
+    """Install the compiled forward (`engine.compile`), the decode step package
+    (`engine.compile_decode`), the prefill package (`engine.compile_prefill`) and, on CPU,
+    the EAGLE head's compiled steps that the config asks for, at once or from a background
+    build (the head's after the target's)."""
     plan = plan_compile(
         cfg.compile,
         model,
@@ -167,6 +169,12 @@ def compile_forwards(
         cfg.prefill_package_min_tokens(next(model.parameters()).dtype),
     )
     jobs = [CompileJob(plan, functools.partial(setattr, runner, "compiled"), model)]
+    decode = plan_decode_compile(cfg.compile_decode, plan, model, runner.kv_pool)
+    if decode.enabled:  # before the prefill package: decode steps are most of the steps
+        step = DecodeStep(model, kernel_chunks(), plan.feature_layers)
+        jobs.append(CompileJob(decode, functools.partial(setattr, runner, "compiled_decode"), step))
+    else:
+        log.debug("compile: decode steps run the compiled forward (%s)", decode.reason)
 
     def install_prefill(compiled: CompiledForward) -> None:
         """Where `compile_prefill_min_tokens` is not set, the prefill package takes the steps

@@ -310,6 +310,7 @@ def build_package(
                     # step, not 211, 1.05x a decode step of 8 or 16 rows in bf16 (ad hoc);
                     # the autotuned package's templates lost with it (0.87-0.93x)
                     "cpp.enable_concat_linear": not autotune,
+                    **getattr(module, "inductor_configs", {}),  # what a module asks for
                 },
             )
             os.replace(partial, path)

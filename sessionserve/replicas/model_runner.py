@@ -9,8 +9,9 @@ goes to the device in one copy. Pure-decode batches replay a CUDA graph when `gr
 short single-sequence extends when `extend_graphs` is, speculative decoding's verifies when
 `verify_graphs` is (see cuda_graphs.py); other steps of up
 to `engine.compile_max_tokens` tokens run the compiled forward when one is installed
-(compiled_forward.py), longer ones the prefill package when `engine.compile_prefill` installed
-one; the rest run eagerly.
+(compiled_forward.py; pure decode steps the decode step package, compiled_decode.py, where
+`engine.compile_decode` installed one), longer ones the prefill package when
+`engine.compile_prefill` installed one; the rest run eagerly.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from sessionserve.cache.kv_pool import KVPool
 from sessionserve.cache.session_cache import SessionCache
 from sessionserve.replicas.attention import AttentionBackend, ForwardMeta, SeqSpec, install
 from sessionserve.replicas.attention.base import to_device
+from sessionserve.replicas.compiled_decode import CompiledDecode
 from sessionserve.replicas.compiled_forward import CompiledForward
 from sessionserve.replicas.grammar import apply_masks, consume
 from sessionserve.replicas.hidden_states import decoder_features
@@ -60,6 +62,7 @@ class ModelRunner:
         self.verify_graphs: VerifyGraphs | None = None  # speculative decoding's verifies
         self.compiled: CompiledForward | None = None  # installed by compiled_forward.py
         self.compiled_prefill: CompiledForward | None = None  # the longer steps' package
+        self.compiled_decode: CompiledDecode | None = None  # pure decode steps, whole
         # which target hidden states the drafter reads (set by assembly.py before graphs are
         # captured): None = the last, after the final norm; else `output_hidden_states`
         # indices, concatenated (an EAGLE-3 head's three layers)
@@ -196,6 +199,20 @@ class ModelRunner:
             if out is not None:
                 return out
         n = len(batch.input_ids)
+        decode = self.compiled_decode  # in place of the forward's package, not of the
+        # prefill package where that was timed faster for steps this long (split_point)
+        if (
+            decode is not None
+            and batch.is_decode
+            and decode.accepts(n)
+            and self.compiled_for(n) is self.compiled
+        ):
+            packed = to_device(
+                torch.cat([batch.input_ids, batch.positions, batch.out_slots]), self.device
+            )
+            ids, pos, slots = packed.split(n)
+            logits, hidden = decode.run(batch.seqs, batch.device_ids(ids), pos, slots, self.kv_pool)
+            return logits, hidden if batch.want_hidden else None
         sliding = batch.sliding_out_slots
         parts = [batch.input_ids, batch.positions, batch.out_slots, batch.logit_idx]
         packed = to_device(

@@ -16,6 +16,7 @@ from transformers import AttentionInterface
 
 from sessionserve.errors import InvalidConfigError
 from sessionserve.replicas.attention.base import AttentionBackend, ForwardMeta, SeqSpec
+from sessionserve.replicas.attention.inplace_decode import InlineDecode
 from sessionserve.replicas.attention.paged_op import attend, paged_attention_op
 from sessionserve.replicas.attention.torch_backend import TorchPagedBackend
 
@@ -33,14 +34,20 @@ def paged_attention(
     scaling: float | None = None,
     dropout: float = 0.0,
     paged_meta: ForwardMeta | None = None,
+    inline_decode: InlineDecode | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """Write the new tokens' K/V into the pool, then let the backend attend over it: with the
     `paged_meta` the caller passed (eager), or, inside a compiled forward, through the opaque
-    op that reads the forward context (paged_op.py)."""
+    op that reads the forward context (paged_op.py). With `inline_decode` (the decode step
+    exported whole, compiled_decode.py), the attention is plain torch ops in the graph."""
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     window = kwargs.get("sliding_window")  # transformers passes it for sliding layers
     layer = module.layer_idx
+    if inline_decode is not None:
+        if window:
+            raise NotImplementedError("a sliding-window layer inside the compiled decode step")
+        return inline_decode.attend(layer, query, key, value, scale), None
     if paged_meta is not None:
         return attend(paged_meta, layer, query, key, value, scale, window), None
     if torch.compiler.is_compiling():

@@ -14,9 +14,10 @@ compare the compiled kernel and the SDPA path against.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 
 def decode_attention(
@@ -27,6 +28,8 @@ def decode_attention(
     lens: torch.Tensor,
     chunks: int = 1,
     scale: float = 1.0,
+    new_key: torch.Tensor | None = None,
+    new_value: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One new token per row. `query` [B, H, D] (multiplied by the softmax `scale` here, in
     fp32: scaling a bf16 query first would round it once more); `k_pool`, `v_pool`
@@ -34,8 +37,11 @@ def decode_attention(
     `slots` [B, L] pool rows, of which row b reads its first `lens[b]` (1..L; the rest is
     padding, any valid slot), L a multiple of `chunks`: the context is attended in that many
     parts, each with its own softmax maximum and sum, merged at the end (flash-decoding), so
-    that a compiled loop over the parts keeps every thread busy even for one row. Returns
-    [B, H, D] in the query's dtype, computed in fp32."""
+    that a compiled loop over the parts keeps every thread busy even for one row. With
+    `new_key`, `new_value` [B, KVH, D] (the row's own token, not yet in the pool) that token
+    is one more part of one row, and `lens` may be 0: the whole decode step compiled as one
+    graph (compiled_decode.py) attends before it writes the pool. Returns [B, H, D] in the
+    query's dtype, computed in fp32."""
     batch, width = slots.shape
     kv_heads, head_dim = k_pool.shape[1], k_pool.shape[2]
     parts = slots.view(batch, chunks, -1).transpose(0, 1)  # [C, B, L/C]
@@ -57,9 +63,18 @@ def decode_attention(
     # [C, B, KVH, G, D], likewise one V row load for the whole group
     partial = torch.stack([(weights[..., g, None] * values).sum(2) for g in range(group)], 3)
     top = top[:, :, 0]  # [C, B, KVH, G]
-    rescale = torch.exp(top - top.amax(0))
+    best = top.amax(0)
+    if new_key is not None and new_value is not None:
+        own = (q[0, :, 0] * new_key.float()[:, :, None, :]).sum(-1)  # [B, KVH, G]
+        best = torch.maximum(best, own)
+    rescale = torch.exp(top - best)
     total = (weights.sum(2) * rescale).sum(0)  # [B, KVH, G]
-    out = (partial * rescale[..., None]).sum(0) / total[..., None]
+    out = (partial * rescale[..., None]).sum(0)
+    if new_key is not None and new_value is not None:
+        own_weight = torch.exp(own - best)
+        total = total + own_weight
+        out = out + new_value.float()[:, :, None, :] * own_weight[..., None]
+    out = out / total[..., None]
     return out.reshape(query.shape).to(query.dtype)
 
 
@@ -100,3 +115,56 @@ class DecodeKernel:
         lens: torch.Tensor,
     ) -> torch.Tensor:
         return self.run(query, k_pool, v_pool, slots, lens)
+
+
+def part_padded(slots: torch.Tensor, chunks: int) -> torch.Tensor:
+    """`slots` [B, L] padded with slot 0 to a width that is a multiple of `chunks`, at least
+    `chunks` (every part at least one column wide: what the compiled kernels were exported
+    for)."""
+    width = slots.shape[1]
+    return F.pad(slots, (0, max(chunks, width + -width % chunks) - width))
+
+
+@dataclass
+class InlineDecode:
+    """A decode step's attention inside one compiled graph (compiled_decode.py): handed to
+    every layer through transformers' attention kwargs (`inline_decode=`), it attends each
+    row's new token over its old context in the pool (`slots`, `lens`) plus the token itself,
+    and collects the new K/V instead of writing them, so the graph has no side effects and
+    the caller writes every layer's rows with one copy after it."""
+
+    k_pool: torch.Tensor  # [layers, S, KVH, D]
+    v_pool: torch.Tensor
+    slots: torch.Tensor  # [B, W] each row's old context, part-padded
+    lens: torch.Tensor  # [B] how many of them it reads (0..W)
+    chunks: int
+    new_k: list[torch.Tensor] = field(default_factory=list)  # per layer [B, KVH, D]
+    new_v: list[torch.Tensor] = field(default_factory=list)
+
+    def attend(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """[1, B, H, D] from transformers' q [1, H, B, D] and k/v [1, KVH, B, D]."""
+        if layer != len(self.new_k):
+            raise RuntimeError(f"layer {layer} attended out of order (expected {len(self.new_k)})")
+        q = query[0].transpose(0, 1)
+        k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)
+        self.new_k.append(k)
+        self.new_v.append(v)
+        out = decode_attention(
+            q,
+            self.k_pool[layer],
+            self.v_pool[layer],
+            self.slots,
+            self.lens,
+            self.chunks,
+            scale,
+            k,
+            v,
+        )
+        return out[None]

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
 from sessionserve.replicas.attention.base import AttentionBackend, ForwardMeta, SeqSpec, to_device
-from sessionserve.replicas.attention.inplace_decode import DecodeKernel
+from sessionserve.replicas.attention.inplace_decode import DecodeKernel, part_padded
 
 MIN_STATIC_CTX = 64  # smallest context bucket of a static decode plan
 
@@ -319,9 +319,8 @@ def gather_rows(pool: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 def _kernel_slots(
     slots: torch.Tensor, lens: torch.Tensor, chunks: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`slots` padded (with slot 0) to a width that is a multiple of `chunks`, and `lens`."""
-    padded = F.pad(slots, (0, -slots.shape[1] % chunks))
-    return to_device(padded, device), to_device(lens, device)
+    """`slots` part-padded for `chunks` (`part_padded`), and `lens`, on the device."""
+    return to_device(part_padded(slots, chunks), device), to_device(lens, device)
 
 
 def _static_window(

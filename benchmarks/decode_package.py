@@ -1,0 +1,134 @@
+"""Decode steps through the decode step package (`engine.compile_decode`: the whole step in one
+graph, attention inside) against the compiled forward (attention an opaque op, called back
+into Python per layer), in one process, alternating.
+
+The engine is the bench configs' (`serve-cpu-bench-bf16.yaml`: the default model, compiled,
+1 GiB of KV, 2 torch threads), built (or loaded) with both packages. For each batch size, after
+a warm-up, `--rounds` pairs of rounds run B requests (a short prompt, `--tokens` greedy
+tokens each) with the package installed and then without it (`runner.compiled_decode` set
+to None: decode steps run the compiled forward); ms a step is the runner's `forward` over
+the round's pure decode steps (slot tables, forward, K/V write; sampling and scheduling are
+the same either way and not counted; `--context` N gives N-token prompts). Each pair's
+greedy outputs are compared: both paths round to bf16 at different points, so near-tied
+logits may pick different tokens, and the script reports how many requests matched
+token for token and where the first differed.
+
+    .venv/bin/python -m benchmarks.decode_package [--batches 1 8 32] [--tokens 128] [--rounds 3]
+        [--context N]
+
+Last line: JSON with `ms_forward_<B>`, `ms_decode_<B>` (medians) and `speedup_<B>`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+from benchmarks.common import bench_config_engine, emit, machine, setup_threads
+from sessionserve.replicas.engine import Engine
+from sessionserve.wire import SamplingParams
+
+PROMPT_WORDS = "river stone light garden window market letter winter music paper " * 3
+
+
+def prompts(eng: Engine, batch: int, round_: int, context: int = 0) -> list[list[int]]:
+    """`batch` distinct prompts (a new set each round: nothing reused from a cache), short or
+    of `context` tokens (the words repeated)."""
+    out = []
+    for i in range(batch):
+        ids = eng.tokenizer(f"{round_} {i} {PROMPT_WORDS}", add_special_tokens=False).input_ids
+        out.append((ids * (context // len(ids) + 1))[: max(context, len(ids))])
+    return out
+
+
+def timed_round(
+    eng: Engine, batch: int, tokens: int, round_: int, context: int = 0
+) -> tuple[float, list]:
+    """ms a decode step's forward takes (the runner's `forward` over the round's pure decode
+    steps: the slot tables, the forward and the K/V write; not the prompts' prefill) and the
+    round's greedy outputs."""
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    ids = prompts(eng, batch, round_, context)
+    runner, spent, steps = eng.runner, [0.0], [0]
+    forward = runner.forward
+
+    def timed(fb: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return forward(fb)
+        finally:
+            if fb.is_decode:
+                spent[0] += time.perf_counter() - started
+                steps[0] += 1
+
+    runner.forward = timed
+    try:
+        out = eng.generate(ids, params)
+    finally:
+        del runner.forward  # the method shows through again
+    return spent[0] * 1e3 / max(steps[0], 1), [r.output_ids for r in out]
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--context", type=int, default=0, help="prompt tokens (default: a ~35-token prompt)"
+    )
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    setup_threads(args.threads)
+    print(machine(), flush=True)
+    eng = bench_config_engine(args.threads, args.dtype)
+    package = eng.runner.compiled_decode
+    if package is None:
+        raise SystemExit("the decode step package did not install (see the log above)")
+    result: dict[str, float] = {}
+    for batch in args.batches:
+        eng.runner.compiled_decode = package
+        timed_round(eng, batch, 16, -1)  # warm-up: both paths' first calls
+        eng.runner.compiled_decode = None
+        timed_round(eng, batch, 16, -1)
+        times: dict[str, list[float]] = {"decode": [], "forward": []}
+        matched = total = 0
+        differs: list[int] = []
+        for r in range(args.rounds):
+            outs = {}
+            for name, installed in (("decode", package), ("forward", None)):
+                eng.runner.compiled_decode = installed
+                ms, outs[name] = timed_round(eng, batch, args.tokens, r, args.context)
+                times[name].append(ms)
+            for a, b in zip(outs["decode"], outs["forward"], strict=True):
+                total += 1
+                at = first_difference(a, b)
+                matched += at is None
+                if at is not None:
+                    differs.append(at)
+        dec, fwd = statistics.median(times["decode"]), statistics.median(times["forward"])
+        print(
+            f"B={batch}: decode package {dec:.2f} ms/step {times['decode']}, compiled forward "
+            f"{fwd:.2f} {times['forward']}: {fwd / dec:.2f}x; greedy outputs equal "
+            f"{matched}/{total} (first differences at tokens {sorted(differs)[:8]})",
+            flush=True,
+        )
+        result |= {
+            f"ms_decode_{batch}": round(dec, 2),
+            f"ms_forward_{batch}": round(fwd, 2),
+            f"speedup_{batch}": round(fwd / dec, 3),
+            f"equal_{batch}": matched / total,
+        }
+    eng.runner.compiled_decode = package
+    emit(result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,185 @@
+"""A decode step compiled whole on CPU: the unmodified transformers decoder and LM head with
+each layer's attention inside the graph, not an opaque op (`engine.compile_decode`).
+
+Why: in the compiled forward (compiled_forward.py) attention is `sessionserve::paged_attention`,
+a call back into Python at every layer. On a CPU each call ran ~0.1 ms of Python (the pool's
+views, the K/V write, the in-place kernel's call) on caches the layer's GEMMs had just
+flushed, 30 times a step for SmolLM2 (docs/benchmarks.md: the attention op took 3.4 ms of an
+18 ms step at one request). Here a pure decode step (one new token per row, every row
+sampled) is exported as one graph over the pool: each layer's attention is
+`inplace_decode.decode_attention` over the row's old context (its slots and lengths, inputs
+of the package) with the row's own new K/V merged in as one more part, so the pool is only
+read; the graph returns every layer's new K/V and `CompiledDecode.run` writes them with one
+copy (`KVPool.write_layers`). Inductor fuses the attention's loops with the rest.
+
+Mixed steps, prefill chunks and verifies keep the compiled forward; models with sliding-window
+layers keep it too (their KV can live apart). The package holds its own copy of the weights
+(frozen, as the forward's): one more copy of the model in memory.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+from sessionserve.cache.kv_pool import KVPool, KVShape
+from sessionserve.replicas.attention import install, sliding_windows
+from sessionserve.replicas.attention.base import SeqSpec, to_device
+from sessionserve.replicas.attention.inplace_decode import InlineDecode, part_padded
+from sessionserve.replicas.compiled_attention import kernel_chunks
+from sessionserve.replicas.compiled_forward import (
+    CompiledForward,
+    CompilePlan,
+    auto_declines,
+    package_key,
+)
+from sessionserve.replicas.hidden_states import decoder_features
+
+DECODE_FORMAT = 1  # bump when DecodeStep or InlineDecode's formula changes
+EXAMPLE_POOL_SLOTS = 4096  # the export example's pool (its size stays dynamic)
+# the example's context columns per part (dynamic too, but inductor sizes the attention's
+# loops' threading from it: compiled_attention.py's reason for serving-sized examples)
+EXAMPLE_PART_WIDTH = 96
+
+
+class DecodeStep(torch.nn.Module):
+    """What is exported: token ids and positions [B] (one new token per row), the pool's K and
+    V [layers, S, KVH, D], each row's old context slots [B, W] (W a multiple of `chunks`) and
+    lengths [B] -> logits [B, V], the drafter's features [B, F] (as `_DecoderAndHead`) and
+    the new K and V of every layer [layers, B, KVH, D]."""
+
+    # Inductor inlines a pointwise chain into each loop that reads it unless the chain has
+    # more ops than this (50 on a CPU by default): the query's rotary (cos, sin of the
+    # positions) was then computed again for every context row a query meets, inside the
+    # loop that gathers the keys. At 16 the rotated query is computed once per layer and
+    # the gather loops only load it (SmolLM2's first 4 layers, 32 rows over 304 tokens:
+    # 18.0 vs 25.9 ms a step).
+    inductor_configs = {"realize_opcount_threshold": 16}
+
+    def __init__(
+        self, model: Any, chunks: int, feature_layers: tuple[int, ...] | None = None
+    ) -> None:
+        super().__init__()
+        install(model)  # our attention function, which takes `inline_decode`
+        self.config = model.config  # for `package_key`
+        self.decoder = model.get_decoder()
+        self.lm_head = model.get_output_embeddings()
+        self.chunks = chunks
+        self.feature_layers = feature_layers
+
+    def forward(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        slots: torch.Tensor,
+        lens: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        inline = InlineDecode(k_pool, v_pool, slots, lens, self.chunks)
+        last, features = decoder_features(
+            self.decoder, ids, positions, self.feature_layers, inline_decode=inline
+        )
+        return self.lm_head(last), features, torch.stack(inline.new_k), torch.stack(inline.new_v)
+
+    def export_inputs(
+        self, example_tokens: int, max_tokens: int, device: torch.device
+    ) -> tuple[tuple[torch.Tensor, ...], tuple[dict[int, Any], ...]]:
+        """Example arguments and their dynamic dimensions: the rows (up to `max_tokens`), the
+        pool's slots and the context width (a multiple of `chunks`)."""
+        shape = KVShape.from_hf_config(self.config)
+        dtype = next(self.parameters()).dtype
+        n, width = example_tokens, EXAMPLE_PART_WIDTH * self.chunks
+        pool = torch.zeros(
+            shape.num_layers, EXAMPLE_POOL_SLOTS, shape.num_kv_heads, shape.head_dim, dtype=dtype
+        )
+        example = (
+            torch.zeros(n, dtype=torch.int64),
+            torch.arange(n) + width,
+            pool,
+            pool.clone(),
+            torch.arange(n * width).view(n, width) + 1,
+            torch.full((n,), width),
+        )
+        rows = torch.export.Dim("rows", min=1, max=max_tokens)
+        pool_slots = torch.export.Dim("pool_slots", min=2)
+        columns = self.chunks * torch.export.Dim("part_width", min=1)
+        dynamic = (
+            {0: rows},
+            {0: rows},
+            {1: pool_slots},
+            {1: pool_slots},
+            {0: rows, 1: columns},
+            {0: rows},
+        )
+        return tuple(t.to(device) for t in example), dynamic
+
+    def key_facts(self) -> dict[str, Any]:
+        """What the package depends on besides the weights and the config (`package_key`)."""
+        return {
+            "decode_step": DECODE_FORMAT,
+            "chunks": self.chunks,
+            "example_part_width": EXAMPLE_PART_WIDTH,
+            "inductor_configs": self.inductor_configs,
+            "feature_layers": list(self.feature_layers or ()),
+        }
+
+
+class CompiledDecode(CompiledForward):
+    """A loaded decode-step package: `run(seqs, ids, positions, out_slots, pool)` for a pure
+    decode step of `min_tokens..max_tokens` rows."""
+
+    def __init__(self, package: Path, max_tokens: int, min_tokens: int = 1) -> None:
+        super().__init__(package, max_tokens, min_tokens)
+        self.chunks = kernel_chunks()  # what it was exported for (the key has the threads)
+
+    def run(  # type: ignore[override] - a decode step reads the pool and the slot tables
+        self,
+        seqs: list[SeqSpec],
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        out_slots: torch.Tensor,
+        pool: KVPool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits [B, V] and features [B, F]; every layer's new K/V written to `pool` at
+        `out_slots` (device tensors [B] for ids, positions, out_slots)."""
+        old = [s.ctx_slots[:-1] for s in seqs]  # the new token's slot is the last
+        slots = part_padded(pad_sequence(old, batch_first=True), self.chunks)
+        lens = torch.tensor([len(o) for o in old])
+        device = ids.device
+        logits, features, new_k, new_v = self._fn(
+            ids, positions, pool.k, pool.v, to_device(slots, device), to_device(lens, device)
+        )
+        pool.write_layers(out_slots, new_k, new_v)
+        return logits, features
+
+
+def plan_decode_compile(
+    mode: bool | str, forward: CompilePlan, model: Any, pool: KVPool
+) -> CompilePlan:
+    """Resolve `engine.compile_decode` (auto | true | false) beside the compiled forward
+    `forward`: a package for pure decode steps of up to its `max_tokens` rows, where the
+    forward is an AOTInductor package (CPU) and every layer attends over the whole context
+    (no sliding window, no KV kept apart). auto: for models of AUTO_MIN_PARAMS+ parameters."""
+    if not forward.enabled or mode is False:
+        return CompilePlan(False, "engine.compile_decode is false or the forward is not compiled")
+    if forward.package is None:
+        return CompilePlan(False, "on CUDA decode steps replay CUDA graphs")
+    if sliding_windows(model.config) or pool.has_sliding:
+        return CompilePlan(False, "the model has sliding-window layers")
+    if mode == "auto" and (why := auto_declines(model)):
+        return CompilePlan(False, why)
+    step = DecodeStep(model, kernel_chunks(), forward.feature_layers)
+    key = package_key(step, forward.max_tokens, weights=forward.weights)
+    return CompilePlan(
+        True,
+        "engine.compile_decode",
+        Path(forward.package).parent / f"{key}.pt2",
+        forward.max_tokens,
+        forward.feature_layers,
+        role="decode step package",
+        loads_as=CompiledDecode,
+    )

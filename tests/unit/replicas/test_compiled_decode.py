@@ -1,0 +1,219 @@
+"""The decode step compiled whole (compiled_decode.py, `engine.compile_decode`): attention
+inside the graph, the new token merged into the flash-decoding sum as one more part, every
+layer's new K/V returned and written after the call.
+
+Checked without a build: the formula with the new token equals the formula over a pool the
+token was written to first (any head grouping, parts, empty contexts); `DecodeStep` run
+eagerly token by token over its own pool gives transformers' logits and hidden states of the
+whole sequence; and an engine whose runner runs `DecodeStep` eagerly as its decode package
+answers as the plain engine and as transformers' `generate` (Llama, Qwen2's q/k/v biases),
+over batches, sessions and overlap scheduling, with the strict memory check after every step.
+Then one real AOTInductor build (a tiny Llama, ~30-60 s on 2 cores): the package's steps give
+the eager engine's tokens and logprobs, on pools of any size (the package's pool dimension is
+dynamic: one exported for a fixed pool read the wrong rows of a larger one)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from sessionserve.cache import KVShape
+from sessionserve.replicas import compiled_decode
+from sessionserve.replicas.attention.inplace_decode import decode_attention
+from sessionserve.replicas.compiled_decode import CompiledDecode, DecodeStep
+from sessionserve.replicas.compiled_forward import CompilePlan
+from sessionserve.replicas.hidden_states import decoder_features
+from sessionserve.wire import SamplingParams
+from tests.models import hf_greedy, tiny_engine, tiny_model
+
+CHUNKS = 4
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (4, 1), (9, 3)])
+@pytest.mark.parametrize("chunks", [1, 4])
+def test_the_new_token_as_a_part_equals_writing_it_first(heads, kv_heads, chunks) -> None:
+    g = torch.Generator().manual_seed(heads * 10 + kv_heads + chunks)
+    batch, width, dim, slots_in_pool = 4, 4 * chunks, 16, 200
+    k_pool = torch.randn(slots_in_pool, kv_heads, dim, generator=g)
+    v_pool = torch.randn(slots_in_pool, kv_heads, dim, generator=g)
+    query = torch.randn(batch, heads, dim, generator=g)
+    new_k = torch.randn(batch, kv_heads, dim, generator=g)
+    new_v = torch.randn(batch, kv_heads, dim, generator=g)
+    slots = torch.randperm(slots_in_pool - batch, generator=g)[: batch * width].view(batch, width)
+    lens = torch.tensor([0, 1, width - 1, width])  # an empty context too: the token alone
+    got = decode_attention(query, k_pool, v_pool, slots, lens, chunks, 0.3, new_k, new_v)
+    # the reference: write each row's token to a free slot, append it to the row's context
+    own = torch.arange(slots_in_pool - batch, slots_in_pool)
+    k_pool[own], v_pool[own] = new_k, new_v
+    wide = torch.cat([slots, torch.zeros(batch, chunks, dtype=torch.int64)], 1)
+    wide[torch.arange(batch), lens] = own
+    want = decode_attention(query, k_pool, v_pool, wide, lens + 1, chunks, 0.3)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # a row with no context answers its own value (per KV head)
+    torch.testing.assert_close(got[0], new_v[0].repeat_interleave(heads // kv_heads, 0))
+
+
+def reference_model(model):
+    """`model` as transformers runs it (SDPA attention), for full-sequence references."""
+    plain = copy.deepcopy(model)
+    plain.set_attn_implementation("sdpa")
+    return plain
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_the_step_token_by_token_gives_the_whole_sequence_forward(arch) -> None:
+    """`DecodeStep` eagerly, one token a step over its own pool (each step's K/V written to
+    the token's slot, as `CompiledDecode.run` does), two rows at once: logits and the
+    feature layers' hidden states equal transformers' forward over the whole sequence."""
+    model = tiny_model(arch, seed=5)
+    layers = (0, 1)
+    step = DecodeStep(copy.deepcopy(model), CHUNKS, layers).eval()
+    shape = KVShape.from_hf_config(model.config)
+    k_pool = torch.zeros(shape.num_layers, 64, shape.num_kv_heads, shape.head_dim)
+    v_pool = torch.zeros_like(k_pool)
+    g = torch.Generator().manual_seed(1)
+    seqs = torch.randint(3, model.config.vocab_size, (2, 9), generator=g)
+    rows_slots = torch.stack([torch.arange(10, 19), torch.arange(40, 49)])  # scattered rows
+    logits, features = [], []
+    with torch.inference_mode():
+        for t in range(seqs.shape[1]):
+            old = torch.nn.functional.pad(rows_slots[:, :t], (0, CHUNKS * 3 - t))
+            out = step(seqs[:, t], torch.full((2,), t), k_pool, v_pool, old, torch.full((2,), t))
+            k_pool.index_copy_(1, rows_slots[:, t], out[2])
+            v_pool.index_copy_(1, rows_slots[:, t], out[3])
+            logits.append(out[0])
+            features.append(out[1])
+        plain = reference_model(model)
+        positions = torch.arange(seqs.shape[1]).expand(2, -1)
+        last, want_features = decoder_features(plain.get_decoder(), seqs, positions, layers)
+        want_logits = plain.get_output_embeddings()(last)
+    torch.testing.assert_close(torch.stack(logits, 1), want_logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.stack(features, 1), want_features, atol=1e-5, rtol=1e-5)
+
+
+class EagerDecode(CompiledDecode):
+    """`DecodeStep` run eagerly in a `CompiledDecode`'s place: the runner's decode path (slot
+    tables, pending tokens, the one write of every layer's K/V) without a build."""
+
+    def __init__(self, step: DecodeStep, max_tokens: int = 32) -> None:
+        self.package = None
+        self.max_tokens, self.min_tokens, self.chunks = max_tokens, 1, step.chunks
+        self.calls = 0
+
+        def run(*args: torch.Tensor) -> list[torch.Tensor]:
+            self.calls += 1
+            return list(step(*args))
+
+        self._fn = run
+
+
+def with_eager_decode(engine) -> EagerDecode:
+    runner = engine.runner
+    decode = EagerDecode(DecodeStep(runner.model, CHUNKS, runner.feature_layers).eval())
+    runner.compiled_decode = decode
+    return decode
+
+
+def session_turns(engine, turns: list[list[int]], sampled: SamplingParams) -> list[tuple]:
+    sid, history, outs = engine.open_session(), [], []
+    for turn in turns:
+        history += turn
+        (r,) = engine.generate([history], sampled, session_id=sid)
+        history += r.output_ids
+        outs.append((r.output_ids, r.cached_tokens))
+        engine.check_memory()
+    return outs
+
+
+def inputs_for(vocab: int, seed: int = 3) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (3, 30, 70)]
+
+
+def assert_same_answers(got, want, inputs, model, atol: float) -> None:
+    for a, b, prompt in zip(got, want, inputs, strict=True):
+        assert a.output_ids == b.output_ids
+        assert a.output_ids == hf_greedy(model, prompt, len(a.output_ids))[: len(a.output_ids)]
+        for x, y in zip(a.logprobs, b.logprobs, strict=True):
+            assert x.logprob == pytest.approx(y.logprob, abs=atol)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_an_engine_running_the_step_answers_as_the_plain_engine(arch, overlap) -> None:
+    model = tiny_model(arch, seed=6)
+    whole = tiny_engine(model, prefill=40, overlap=overlap)
+    decode = with_eager_decode(whole)
+    plain = tiny_engine(model, prefill=40, overlap=overlap)
+    greedy = SamplingParams(max_tokens=20, temperature=0, logprobs=True)
+    inputs = inputs_for(model.config.vocab_size)
+    got = whole.generate(inputs, greedy)
+    assert_same_answers(got, plain.generate(inputs, greedy), inputs, model, atol=1e-5)
+    assert decode.calls >= 19  # every decode step
+    g = torch.Generator().manual_seed(4)
+    turns = [torch.randint(3, 200, (n,), generator=g).tolist() for n in (30, 9, 50)]
+    sampled = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.95, seed=11)
+    results = [session_turns(e, turns, sampled) for e in (whole, plain)]
+    assert results[0] == results[1]
+    assert results[0][-1][1] > 0  # the last turn reused the session's KV
+    whole.check_memory()
+
+
+def test_plan_decode_compile_resolves_the_config(tmp_path) -> None:
+    llama, mistral = tiny_model("llama"), tiny_model("mistral", sliding_window=12)
+    forward = CompilePlan(True, "test", tmp_path / "forward.pt2", 32)
+    engine = tiny_engine(llama)
+    pool = engine.runner.kv_pool
+    plan = compiled_decode.plan_decode_compile(True, forward, llama, pool)
+    assert plan.enabled and plan.package is not None and plan.package != forward.package
+    assert plan.max_tokens == 32 and plan.loads_as is CompiledDecode
+    assert not compiled_decode.plan_decode_compile(False, forward, llama, pool).enabled
+    auto = compiled_decode.plan_decode_compile("auto", forward, llama, pool)
+    assert not auto.enabled and "not worth it" in auto.reason  # a tiny model
+    windowed = compiled_decode.plan_decode_compile(True, forward, mistral, pool)
+    assert not windowed.enabled and "sliding-window" in windowed.reason
+    on_cuda = CompilePlan(True, "test", None, 32)
+    assert not compiled_decode.plan_decode_compile(True, on_cuda, llama, pool).enabled
+    eager = CompilePlan(False, "off")
+    assert not compiled_decode.plan_decode_compile(True, eager, llama, pool).enabled
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("compiled-decode"))
+
+
+def test_the_package_answers_as_the_eager_engine_on_any_pool_size(cache_dir) -> None:
+    """A real build (compile: true, compile_decode: true), then a second engine with a pool
+    of another size loading the same package: both give the eager engine's greedy tokens
+    (and transformers'), logprobs within 1e-4 (fp32; fused kernels sum in another order),
+    every decode step through the package, the strict memory check after every step."""
+    model = tiny_model("llama", seed=4)
+    eager = tiny_engine(model, prefill=40)
+    greedy = SamplingParams(max_tokens=16, temperature=0, logprobs=True)
+    inputs = inputs_for(model.config.vocab_size, seed=7)
+    want = eager.generate(inputs, greedy)
+    for num_slots in (4096, 1536):
+        engine = tiny_engine(
+            model,
+            prefill=40,
+            num_slots=num_slots,
+            compile=True,
+            compile_decode=True,
+            compile_cache_dir=cache_dir,
+        )
+        decode = engine.runner.compiled_decode
+        assert decode is not None, "the decode step package did not install"
+        calls, inner = [0], decode._fn
+
+        def counted(*args, inner=inner, calls=calls):
+            calls[0] += 1
+            return inner(*args)
+
+        decode._fn = counted
+        got = engine.generate(inputs, greedy)
+        assert_same_answers(got, want, inputs, model, atol=1e-4)
+        assert calls[0] >= 15, num_slots
+        engine.check_memory()
