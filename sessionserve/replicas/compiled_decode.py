@@ -26,6 +26,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from sessionserve.cache.kv_pool import KVPool, KVShape
+from sessionserve.replicas.aoti_call import load_releasing_gil
 from sessionserve.replicas.attention import install, sliding_windows
 from sessionserve.replicas.attention.base import SeqSpec, to_device
 from sessionserve.replicas.attention.inplace_decode import InlineDecode, part_padded
@@ -63,7 +64,6 @@ class DecodeStep(torch.nn.Module):
         self, model: Any, chunks: int, feature_layers: tuple[int, ...] | None = None
     ) -> None:
         super().__init__()
-        install(model)  # our attention function, which takes `inline_decode`
         self.config = model.config  # for `package_key`
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
@@ -89,7 +89,10 @@ class DecodeStep(torch.nn.Module):
         self, example_tokens: int, max_tokens: int, device: torch.device
     ) -> tuple[tuple[torch.Tensor, ...], tuple[dict[int, Any], ...]]:
         """Example arguments and their dynamic dimensions: the rows (up to `max_tokens`), the
-        pool's slots and the context width (a multiple of `chunks`)."""
+        pool's slots and the context width (a multiple of `chunks`). Called before export: the
+        decoder is switched to our attention function (which takes `inline_decode`), whatever
+        it came with, as `build_package` does for the forward's package."""
+        install(self.decoder)
         shape = KVShape.from_hf_config(self.config)
         dtype = next(self.parameters()).dtype
         n, width = example_tokens, EXAMPLE_PART_WIDTH * self.chunks
@@ -133,8 +136,12 @@ class CompiledDecode(CompiledForward):
     decode step of `min_tokens..max_tokens` rows."""
 
     def __init__(self, package: Path, max_tokens: int, min_tokens: int = 1) -> None:
-        super().__init__(package, max_tokens, min_tokens)
+        self.package = package
+        self.max_tokens, self.min_tokens = max_tokens, min_tokens
         self.chunks = kernel_chunks()  # what it was exported for (the key has the threads)
+        # no Python runs inside this package: called holding the GIL, it would stop the
+        # replica's other threads for the whole step (aoti_call.py)
+        self._fn = load_releasing_gil(package)
 
     def run(  # type: ignore[override] - a decode step reads the pool and the slot tables
         self,

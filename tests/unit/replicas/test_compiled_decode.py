@@ -8,20 +8,24 @@ eagerly token by token over its own pool gives transformers' logits and hidden s
 whole sequence; and an engine whose runner runs `DecodeStep` eagerly as its decode package
 answers as the plain engine and as transformers' `generate` (Llama, Qwen2's q/k/v biases),
 over batches, sessions and overlap scheduling, with the strict memory check after every step.
-Then one real AOTInductor build (a tiny Llama, ~30-60 s on 2 cores): the package's steps give
+Then one real AOTInductor build (a tiny Llama, ~30-60 s on 2 cores, by a build process as
+`compile: auto` builds it): the package's steps give
 the eager engine's tokens and logprobs, on pools of any size (the package's pool dimension is
 dynamic: one exported for a fixed pool read the wrong rows of a larger one)."""
 
 from __future__ import annotations
 
 import copy
+import logging
 
 import pytest
 import torch
 
 from sessionserve.cache import KVShape
-from sessionserve.replicas import compiled_decode
+from sessionserve.replicas import aoti_call, compiled_decode, compiled_forward
+from sessionserve.replicas.attention import install
 from sessionserve.replicas.attention.inplace_decode import decode_attention
+from sessionserve.replicas.compiled_attention import kernel_chunks
 from sessionserve.replicas.compiled_decode import CompiledDecode, DecodeStep
 from sessionserve.replicas.compiled_forward import CompilePlan
 from sessionserve.replicas.hidden_states import decoder_features
@@ -69,7 +73,10 @@ def test_the_step_token_by_token_gives_the_whole_sequence_forward(arch) -> None:
     feature layers' hidden states equal transformers' forward over the whole sequence."""
     model = tiny_model(arch, seed=5)
     layers = (0, 1)
-    step = DecodeStep(copy.deepcopy(model), CHUNKS, layers).eval()
+    plain = reference_model(model)
+    ours = copy.deepcopy(model)
+    install(ours)  # our attention function (the runner's model has it)
+    step = DecodeStep(ours, CHUNKS, layers).eval()
     shape = KVShape.from_hf_config(model.config)
     k_pool = torch.zeros(shape.num_layers, 64, shape.num_kv_heads, shape.head_dim)
     v_pool = torch.zeros_like(k_pool)
@@ -85,7 +92,6 @@ def test_the_step_token_by_token_gives_the_whole_sequence_forward(arch) -> None:
             v_pool.index_copy_(1, rows_slots[:, t], out[3])
             logits.append(out[0])
             features.append(out[1])
-        plain = reference_model(model)
         positions = torch.arange(seqs.shape[1]).expand(2, -1)
         last, want_features = decoder_features(plain.get_decoder(), seqs, positions, layers)
         want_logits = plain.get_output_embeddings()(last)
@@ -185,6 +191,22 @@ def cache_dir(tmp_path_factory):
     return str(tmp_path_factory.mktemp("compiled-decode"))
 
 
+def built_package(engine, cache_dir: str) -> CompilePlan:
+    """The decode package plan of `engine`'s model (compile_max_tokens 32), built if the
+    module's cache lacks it as `compile: auto` builds it: by a build process (the step
+    crosses to it as a file), where engines with `compile_decode: true` then find it."""
+    runner = engine.runner
+    forward = compiled_forward.plan_compile(True, runner.model, 32, cache_dir)
+    plan = compiled_decode.plan_decode_compile(True, forward, runner.model, runner.kv_pool)
+    assert plan.package is not None
+    step = DecodeStep(copy.deepcopy(runner.model), kernel_chunks())
+    compiled_forward.build_once(
+        plan.package, lambda: compiled_forward.build_in_subprocess(step, plan), "building"
+    )
+    assert plan.package.exists()
+    return plan
+
+
 def test_the_package_answers_as_the_eager_engine_on_any_pool_size(cache_dir) -> None:
     """A real build (compile: true, compile_decode: true), then a second engine with a pool
     of another size loading the same package: both give the eager engine's greedy tokens
@@ -192,6 +214,7 @@ def test_the_package_answers_as_the_eager_engine_on_any_pool_size(cache_dir) -> 
     every decode step through the package, the strict memory check after every step."""
     model = tiny_model("llama", seed=4)
     eager = tiny_engine(model, prefill=40)
+    plan = built_package(eager, cache_dir)
     greedy = SamplingParams(max_tokens=16, temperature=0, logprobs=True)
     inputs = inputs_for(model.config.vocab_size, seed=7)
     want = eager.generate(inputs, greedy)
@@ -206,6 +229,8 @@ def test_the_package_answers_as_the_eager_engine_on_any_pool_size(cache_dir) -> 
         )
         decode = engine.runner.compiled_decode
         assert decode is not None, "the decode step package did not install"
+        assert decode.package == plan.package
+        assert isinstance(decode._fn, aoti_call.ReleasedCall)  # called without the GIL
         calls, inner = [0], decode._fn
 
         def counted(*args, inner=inner, calls=calls):
@@ -217,3 +242,39 @@ def test_the_package_answers_as_the_eager_engine_on_any_pool_size(cache_dir) -> 
         assert_same_answers(got, want, inputs, model, atol=1e-4)
         assert calls[0] >= 15, num_slots
         engine.check_memory()
+
+
+def test_the_released_call_answers_as_torchs_loader(cache_dir, monkeypatch, caplog) -> None:
+    """The package through its C entry points (ctypes, the GIL released) returns what torch's
+    loader returns for the same inputs, on a pool of another size; where that cannot load,
+    torch's loader runs it, and the log says so."""
+    model = tiny_model("llama", seed=4)
+    package = built_package(tiny_engine(model), cache_dir).package
+    shape = KVShape.from_hf_config(model.config)
+    g = torch.Generator().manual_seed(2)
+    pool = torch.randn(shape.num_layers, 700, shape.num_kv_heads, shape.head_dim, generator=g)
+    width = 3 * kernel_chunks()
+    inputs = (
+        torch.tensor([5, 9, 11]),
+        torch.tensor([4, width, 7]),
+        pool,
+        pool * 0.5,
+        torch.randint(1, 700, (3, width), generator=g),
+        torch.tensor([4, width, 7]),
+    )
+    with torch.inference_mode():
+        released = aoti_call.ReleasedCall(package)(*inputs)
+        loader = compiled_forward.load_flat(package)(*inputs)
+    assert len(released) == len(loader) == 4
+    for a, b in zip(released, loader, strict=True):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+    def broken(package):
+        raise OSError("no such symbol")
+
+    monkeypatch.setattr(aoti_call, "ReleasedCall", broken)
+    with caplog.at_level(logging.WARNING, logger=aoti_call.__name__):
+        fallback = aoti_call.load_releasing_gil(package)
+    assert "runs holding the GIL" in caplog.text
+    with torch.inference_mode():
+        torch.testing.assert_close(fallback(*inputs)[0], loader[0], atol=0, rtol=0)

@@ -44,7 +44,10 @@ def model_for(arch: str):
 
 
 def compiled_engine(model, cache_dir: str, **kw):
-    """An engine over `model` with the compiled forward installed (built on first use)."""
+    """An engine over `model` with the compiled forward installed (built on first use); its
+    decode steps run it too (`compile_decode` off: that package's tests are
+    test_compiled_decode.py; tests that fake AUTO_MIN_PARAMS would otherwise build it)."""
+    kw.setdefault("compile_decode", False)
     engine = tiny_engine(model, compile=True, compile_cache_dir=cache_dir, **kw)
     assert engine.runner.compiled is not None, "the compiled forward did not install"
     # and decode rows attend over the pool in place (test_inplace_decode.py)
@@ -274,7 +277,11 @@ def test_auto_skips_tiny_models_and_builds_big_ones_in_the_background(
     monkeypatch.setattr(compiled_forward, "AUTO_MIN_PARAMS", 0)
     monkeypatch.setattr(compiled_forward, "build_in_subprocess", build_when_released)
     engine = tiny_engine(
-        model, compile="auto", compile_prefill=False, compile_cache_dir=str(tmp_path)
+        model,
+        compile="auto",
+        compile_prefill=False,
+        compile_decode=False,
+        compile_cache_dir=str(tmp_path),
     )
     assert engine.runner.compiling is not None and engine.runner.compiled is None
     greedy = SamplingParams(max_tokens=10, temperature=0)
