@@ -221,6 +221,19 @@ def tiny_engine(
     )
 
 
+def session_turns(engine, turns: list[list[int]], sampled) -> list[tuple]:
+    """One session's turns through `engine` (the strict memory check after each): each
+    turn's (output ids, cached tokens)."""
+    sid, history, outs = engine.open_session(), [], []
+    for turn in turns:
+        history += turn
+        (r,) = engine.generate([history], sampled, session_id=sid)
+        history += r.output_ids
+        outs.append((r.output_ids, r.cached_tokens))
+        engine.check_memory()
+    return outs
+
+
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     """transformers' own generate, the reference for token-exact comparisons."""
     ids = torch.tensor([prompt], device=model.device)

@@ -30,7 +30,7 @@ from sessionserve.replicas.compiled_decode import CompiledDecode, DecodeStep
 from sessionserve.replicas.compiled_forward import CompilePlan
 from sessionserve.replicas.hidden_states import decoder_features
 from sessionserve.wire import SamplingParams
-from tests.models import hf_greedy, tiny_engine, tiny_model
+from tests.models import hf_greedy, session_turns, tiny_engine, tiny_model
 
 CHUNKS = 4
 
@@ -120,17 +120,6 @@ def with_eager_decode(engine) -> EagerDecode:
     decode = EagerDecode(DecodeStep(runner.model, CHUNKS, runner.feature_layers).eval())
     runner.compiled_decode = decode
     return decode
-
-
-def session_turns(engine, turns: list[list[int]], sampled: SamplingParams) -> list[tuple]:
-    sid, history, outs = engine.open_session(), [], []
-    for turn in turns:
-        history += turn
-        (r,) = engine.generate([history], sampled, session_id=sid)
-        history += r.output_ids
-        outs.append((r.output_ids, r.cached_tokens))
-        engine.check_memory()
-    return outs
 
 
 def inputs_for(vocab: int, seed: int = 3) -> list[list[int]]:

@@ -24,7 +24,7 @@ import torch
 from sessionserve.config import EngineConfig
 from sessionserve.replicas import compiled_forward
 from sessionserve.wire import SamplingParams
-from tests.models import hf_greedy, tiny_engine, tiny_model
+from tests.models import hf_greedy, session_turns, tiny_engine, tiny_model
 
 ARCHS = {
     "llama": {},
@@ -122,19 +122,6 @@ def test_compiled_batches_match_eager_and_transformers(arch, cache_dir) -> None:
     # every decode step (at most 3 rows) ran compiled: one per token after the first, at least
     assert steps[0] >= max(len(g.output_ids) for g in got) - 1
     compiled.check_memory()
-
-
-def session_turns(engine, turns: list[list[int]], sampled: SamplingParams) -> list[tuple]:
-    """One session's turns through `engine` (the strict memory check after each): each
-    turn's (output ids, cached tokens)."""
-    sid, history, outs = engine.open_session(), [], []
-    for turn in turns:
-        history += turn
-        (r,) = engine.generate([history], sampled, session_id=sid)
-        history += r.output_ids
-        outs.append((r.output_ids, r.cached_tokens))
-        engine.check_memory()
-    return outs
 
 
 def test_compiled_session_turns_and_seeded_samples_match_eager(cache_dir) -> None:
