@@ -43,7 +43,7 @@ _new_capsule.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
 class ReleasedCall:
     """A CPU package's model as a function of its positional tensors (its flat outputs
     returned), called with the GIL released. One call at a time (the container has one
-    model; a second caller waits in the library, not holding the GIL)."""
+    model; a second caller waits on a lock, which it does without the GIL)."""
 
     def __init__(self, package: Path) -> None:
         library = _extract_library(package)
