@@ -28,8 +28,8 @@ from sessionserve.replicas.attention import (
     sliding_windows,
 )
 from sessionserve.replicas.attention.torch_backend import TorchPagedBackend
-from sessionserve.replicas.compiled_attention import HeadLayout, kernel_chunks, load_decode_kernel
-from sessionserve.replicas.compiled_decode import DecodeStep, plan_decode_compile
+from sessionserve.replicas.compiled_attention import HeadLayout, load_decode_kernel
+from sessionserve.replicas.compiled_decode import plan_decode_compile
 from sessionserve.replicas.compiled_forward import (
     CompiledForward,
     CompileJob,
@@ -169,9 +169,8 @@ def compile_forwards(
         cfg.prefill_package_min_tokens(next(model.parameters()).dtype),
     )
     jobs = [CompileJob(plan, functools.partial(setattr, runner, "compiled"), model)]
-    decode = plan_decode_compile(cfg.compile_decode, plan, model, runner.kv_pool)
-    if decode.enabled:  # before the prefill package: decode steps are most of the steps
-        step = DecodeStep(model, kernel_chunks(), plan.feature_layers)
+    decode, step = plan_decode_compile(cfg.compile_decode, plan, model, runner.kv_pool)
+    if step is not None:  # before the prefill package: decode steps are most of the steps
         jobs.append(CompileJob(decode, functools.partial(setattr, runner, "compiled_decode"), step))
     else:
         log.debug("compile: decode steps run the compiled forward (%s)", decode.reason)

@@ -166,22 +166,25 @@ class CompiledDecode(CompiledForward):
 
 def plan_decode_compile(
     mode: bool | str, forward: CompilePlan, model: Any, pool: KVPool
-) -> CompilePlan:
+) -> tuple[CompilePlan, DecodeStep | None]:
     """Resolve `engine.compile_decode` (auto | true | false) beside the compiled forward
     `forward`: a package for pure decode steps of up to its `max_tokens` rows, where the
     forward is an AOTInductor package (CPU) and every layer attends over the whole context
-    (no sliding window, no KV kept apart). auto: for models of AUTO_MIN_PARAMS+ parameters."""
+    (no sliding window, no KV kept apart). auto: for models of AUTO_MIN_PARAMS+ parameters.
+    Returns the plan and, when enabled, the step it compiles (the one its key was taken
+    from)."""
     if not forward.enabled or mode is False:
-        return CompilePlan(False, "engine.compile_decode is false or the forward is not compiled")
+        why = "engine.compile_decode is false or the forward is not compiled"
+        return CompilePlan(False, why), None
     if forward.package is None:
-        return CompilePlan(False, "on CUDA decode steps replay CUDA graphs")
+        return CompilePlan(False, "on CUDA decode steps replay CUDA graphs"), None
     if sliding_windows(model.config) or pool.has_sliding:
-        return CompilePlan(False, "the model has sliding-window layers")
+        return CompilePlan(False, "the model has sliding-window layers"), None
     if mode == "auto" and (why := auto_declines(model)):
-        return CompilePlan(False, why)
+        return CompilePlan(False, why), None
     step = DecodeStep(model, kernel_chunks(), forward.feature_layers)
     key = package_key(step, forward.max_tokens, weights=forward.weights)
-    return CompilePlan(
+    plan = CompilePlan(
         True,
         "engine.compile_decode",
         Path(forward.package).parent / f"{key}.pt2",
@@ -190,3 +193,4 @@ def plan_decode_compile(
         role="decode step package",
         loads_as=CompiledDecode,
     )
+    return plan, step

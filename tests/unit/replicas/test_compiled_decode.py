@@ -161,18 +161,20 @@ def test_plan_decode_compile_resolves_the_config(tmp_path) -> None:
     forward = CompilePlan(True, "test", tmp_path / "forward.pt2", 32)
     engine = tiny_engine(llama)
     pool = engine.runner.kv_pool
-    plan = compiled_decode.plan_decode_compile(True, forward, llama, pool)
+    plan, step = compiled_decode.plan_decode_compile(True, forward, llama, pool)
+    assert isinstance(step, DecodeStep)  # the step the key was taken from, compiled as is
+    assert step.key_facts()["decode_step"] == compiled_decode.DECODE_FORMAT
     assert plan.enabled and plan.package is not None and plan.package != forward.package
     assert plan.max_tokens == 32 and plan.loads_as is CompiledDecode
-    assert not compiled_decode.plan_decode_compile(False, forward, llama, pool).enabled
-    auto = compiled_decode.plan_decode_compile("auto", forward, llama, pool)
+    assert not compiled_decode.plan_decode_compile(False, forward, llama, pool)[0].enabled
+    auto = compiled_decode.plan_decode_compile("auto", forward, llama, pool)[0]
     assert not auto.enabled and "not worth it" in auto.reason  # a tiny model
-    windowed = compiled_decode.plan_decode_compile(True, forward, mistral, pool)
+    windowed = compiled_decode.plan_decode_compile(True, forward, mistral, pool)[0]
     assert not windowed.enabled and "sliding-window" in windowed.reason
     on_cuda = CompilePlan(True, "test", None, 32)
-    assert not compiled_decode.plan_decode_compile(True, on_cuda, llama, pool).enabled
+    assert not compiled_decode.plan_decode_compile(True, on_cuda, llama, pool)[0].enabled
     eager = CompilePlan(False, "off")
-    assert not compiled_decode.plan_decode_compile(True, eager, llama, pool).enabled
+    assert not compiled_decode.plan_decode_compile(True, eager, llama, pool)[0].enabled
 
 
 @pytest.fixture(scope="module")
@@ -186,7 +188,7 @@ def built_package(engine, cache_dir: str) -> CompilePlan:
     crosses to it as a file), where engines with `compile_decode: true` then find it."""
     runner = engine.runner
     forward = compiled_forward.plan_compile(True, runner.model, 32, cache_dir)
-    plan = compiled_decode.plan_decode_compile(True, forward, runner.model, runner.kv_pool)
+    plan, _ = compiled_decode.plan_decode_compile(True, forward, runner.model, runner.kv_pool)
     assert plan.package is not None
     step = DecodeStep(copy.deepcopy(runner.model), kernel_chunks())
     compiled_forward.build_once(
