@@ -1,4 +1,4 @@
-"""The in-place decode attention kernel alone: today's formulation against the one before it.
+"""The in-place decode attention kernel alone: today's formulation against another one.
 
 `replicas/compiled_attention.py` compiles `decode_attention` (`attention/inplace_decode.py`)
 with AOTInductor. Until 2026-11-25 it was exported from a toy example (2 rows of 2 slots a
@@ -7,18 +7,21 @@ on one thread, and its scores broadcast the query over the group of query heads 
 head, which inductor compiled into a loop that loads and converts each K row once per query
 head. This builds both kernels in this run (seconds each, in a temporary directory), calls
 them on the same pool (random 16-slot pages) and rows, rounds alternating, and checks that
-they agree.
+they agree. `--against` picks the other formulation: `broadcast` (the one before, default),
+`matmul` (scores and weighted sum as batched matmuls over the gathered rows, which inductor
+hands to oneDNN) or `sdpa` (torch's SDPA over the gathered rows, with a length mask).
 
 With `--engine-points`, the same two kernels also take turns inside the engine (the default
 model, compiled forward, in the same dtype): ms per decode step of B requests over L-token
 contexts, alternating rounds on the same requests (what a served decode step gains).
 
     .venv/bin/python -m benchmarks.decode_attention [--points 1x300 8x300 1x2000 8x2000]
-        [--engine-points 1x300 8x300 4x1000]
+        [--engine-points 1x300 8x300 4x1000] [--against broadcast | matmul | sdpa]
 
 Defaults: SmolLM2-135M's head layout (9 query heads, 3 KV heads, 64 wide) in bf16.
-Last line: JSON with `us_now_{B}x{L}`, `us_before_{B}x{L}` and `speedup_{B}x{L}` (the kernel
-alone), and `step_ms_now_{B}x{L}`, `step_ms_before_{B}x{L}`, `step_speedup_{B}x{L}`.
+Last line: JSON with `against`, `us_now_{B}x{L}`, `us_before_{B}x{L}` (the other formulation)
+and `speedup_{B}x{L}` (the kernel alone), and `step_ms_now_{B}x{L}`, `step_ms_before_{B}x{L}`,
+`step_speedup_{B}x{L}`.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from benchmarks.common import (
     alternate_decode_steps,
@@ -74,12 +78,57 @@ class BroadcastGroup(torch.nn.Module):
         return out.reshape(query.shape).to(query.dtype)
 
 
-def build_both(layout: HeadLayout, where: Path) -> dict[str, object]:
+class GatheredMatmul(torch.nn.Module):
+    """Each row's K and V rows gathered, then scores and the weighted sum as batched matmuls
+    (GEMMs with the tokens as one side, no per-token horizontal sums) and a masked softmax."""
+
+    def __init__(self, chunks: int, scale: float) -> None:
+        super().__init__()
+        self.scale = scale
+
+    def forward(self, query, k_pool, v_pool, slots, lens):  # noqa: ANN001, ANN201 - as the kernel
+        batch, width = slots.shape
+        kv_heads, head_dim = k_pool.shape[1], k_pool.shape[2]
+        keys = k_pool[slots].permute(0, 2, 1, 3)  # [B, KVH, W, D]
+        values = v_pool[slots].permute(0, 2, 1, 3)
+        q = (query.float() * self.scale).to(query.dtype).view(batch, kv_heads, -1, head_dim)
+        scores = torch.matmul(q, keys.transpose(-1, -2)).float()  # [B, KVH, G, W]
+        seen = torch.arange(width, device=slots.device)[None, :] < lens[:, None]
+        scores = scores.masked_fill(~seen[:, None, None, :], float("-inf"))
+        out = torch.matmul(torch.softmax(scores, -1).to(values.dtype), values)
+        return out.reshape(query.shape).to(query.dtype)
+
+
+class GatheredSdpa(torch.nn.Module):
+    """Each row's K and V rows gathered, then torch's SDPA with a length mask (the torch
+    backend's general path, in one graph)."""
+
+    def __init__(self, chunks: int, scale: float) -> None:
+        super().__init__()
+        self.scale = scale
+
+    def forward(self, query, k_pool, v_pool, slots, lens):  # noqa: ANN001, ANN201 - as the kernel
+        width = slots.shape[1]
+        keys, values = k_pool[slots].transpose(1, 2), v_pool[slots].transpose(1, 2)
+        seen = torch.arange(width, device=slots.device)[None, :] < lens[:, None]
+        out = F.scaled_dot_product_attention(
+            query[:, :, None], keys, values, seen[:, None, None], scale=self.scale, enable_gqa=True
+        )
+        return out.reshape(query.shape)
+
+
+AGAINST = {"broadcast": BroadcastGroup, "matmul": GatheredMatmul, "sdpa": GatheredSdpa}
+
+
+def build_both(layout: HeadLayout, where: Path, against: str = "broadcast") -> dict[str, object]:
     started = time.monotonic()
     now_path, before_path = where / "now.pt2", where / "before.pt2"
     build_kernel(now_path, layout)
-    baseline = BroadcastGroup(kernel_chunks(), layout.scale)
-    build_kernel(before_path, layout, baseline, example_rows=2, example_part_width=2)
+    baseline = AGAINST[against](kernel_chunks(), layout.scale)
+    if against == "broadcast":  # built from the toy example it was built from then
+        build_kernel(before_path, layout, baseline, example_rows=2, example_part_width=2)
+    else:
+        build_kernel(before_path, layout, baseline)
     print(f"built both kernels in {time.monotonic() - started:.0f} s", flush=True)
 
     def load(path: Path):  # noqa: ANN202 - called as the engine's DecodeKernel calls it
@@ -157,15 +206,21 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--calls", type=int, default=50)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--against", choices=sorted(AGAINST), default="broadcast")
     args = ap.parse_args()
     setup_threads(args.threads)
     layout = HeadLayout(
         args.heads, args.kv_heads, args.head_dim, f"torch.{args.dtype}", args.head_dim**-0.5
     )
-    summary = {"benchmark": "decode_attention", "machine": machine(), "dtype": args.dtype}
+    summary = {
+        "benchmark": "decode_attention",
+        "machine": machine(),
+        "dtype": args.dtype,
+        "against": args.against,
+    }
     with tempfile.TemporaryDirectory() as tmp, torch.inference_mode():
-        kernels = build_both(layout, Path(tmp))
-        header = ("batch x context", "now us", "before us", "speedup", "max diff")
+        kernels = build_both(layout, Path(tmp), args.against)
+        header = ("batch x context", "now us", f"{args.against} us", "speedup", "max diff")
         print("{:>16} {:>8} {:>10} {:>8} {:>9}".format(*header))
         for i, point in enumerate(args.points):
             batch, context = (int(x) for x in point.split("x"))
@@ -184,7 +239,8 @@ def main() -> None:
             summary[f"max_diff_{point}"] = diff.max().item()
         if args.engine_points:
             loaded = load("default", getattr(torch, args.dtype))
-            print(f"{'engine B x L':>16} {'now ms':>8} {'before ms':>10} {'speedup':>8}")
+            other = f"{args.against} ms"
+            print(f"{'engine B x L':>16} {'now ms':>8} {other:>10} {'speedup':>8}")
         for point in args.engine_points:
             batch, context = (int(x) for x in point.split("x"))
             ms = engine_step_ms(
