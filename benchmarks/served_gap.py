@@ -14,17 +14,22 @@ in-process engine uses the bench config's shape (compiled forward, 2 torch threa
     .venv/bin/python -m benchmarks.served_gap --local-only --workloads multiturn pressure \\
         pressure_radix   # serving.py's conversation workloads (pressure_radix: no sessions)
 
-The last line is JSON: ttft_s and ms_per_token for both sides, and their ratios.
+The conversation workloads also say where their time went: per compiled package (the
+forward's, the decode step's, the prefill's) its calls, ms a call and share of the wall time.
+The last line is JSON: ttft_s and ms_per_token for both sides, and their ratios (with
+--local-only, the in-process figures, and per workload round `ms_<package>` and
+`share_<package>`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import statistics
 import time
-from collections import deque
-from dataclasses import dataclass
+from collections import Counter, deque
+from dataclasses import dataclass, field
 
 import openai
 
@@ -38,6 +43,7 @@ from benchmarks.serving import (
     pressure_order,
     user_text,
 )
+from benchmarks.step_phases import timed
 from sessionserve.replicas.engine import Engine
 from sessionserve.replicas.prompts import chat_input_ids
 from sessionserve.wire import SamplingParams
@@ -117,9 +123,13 @@ def in_process(
     for name, runs in (workloads or {}).items():
         for _ in range(2):
             run = conversations(eng, *CONVERSATION_WORKLOADS[name])
+            split = ", ".join(
+                f"{label} {n} x {ms:.1f} ms ({share:.0%})"
+                for label, (n, ms, share) in run.packages.items()
+            )
             print(
                 f"in-process {name}: {run.output_tok_s:.1f} output tok/s, median TTFT "
-                f"{run.ttft_median_s:.3f} s, cached {run.cached_frac:.0%}",
+                f"{run.ttft_median_s:.3f} s, cached {run.cached_frac:.0%}; packages: {split}",
                 flush=True,
             )
             runs.append(run)
@@ -150,6 +160,9 @@ class ConversationsRun:
     output_tok_s: float
     ttft_median_s: float
     cached_frac: float  # prompt tokens reused from a session or the radix cache
+    # per compiled package that ran (forward, decode, prefill): calls, ms a call, share of
+    # the run's wall time (what a turn's time goes to: decode steps or prefills)
+    packages: dict[str, tuple[int, float, float]] = field(default_factory=dict)
 
 
 def conversations(
@@ -199,31 +212,47 @@ def conversations(
                 take(conv)
 
     eng.cache.flush()
+    seconds: Counter = Counter()
+    calls: Counter = Counter()
+    runner = eng.runner
+    packages = {
+        "forward": runner.compiled,
+        "decode": runner.compiled_decode,
+        "prefill": runner.compiled_prefill,
+    }
+    timers = contextlib.ExitStack()
+    for label, package in packages.items():
+        if package is not None:
+            timers.enter_context(timed(package, "run", label, seconds, calls))
     started = time.perf_counter()
     admit()
     seen: set[str] = set()
-    while live:
-        events = eng.step()
-        now = time.perf_counter()
-        for e in events:
-            if e.new_token_ids and e.rid not in seen:
-                seen.add(e.rid)
-                ttfts.append(now - live[e.rid][1])
-            if e.result is not None:
-                conv, _ = live.pop(e.rid)
-                r = e.result
-                generated += len(r.output_ids)
-                prompt, cached = prompt + r.prompt_tokens, cached + r.cached_tokens
-                answer_text = eng.tokenizer.decode(r.output_ids)
-                history[conv].append({"role": "assistant", "content": answer_text})
-                if conv in waiting:  # its next turn held a slot: it goes first
-                    waiting.remove(conv)
-                    take(conv)
-        admit()
-    rate = generated / (time.perf_counter() - started)
+    with timers:
+        while live:
+            events = eng.step()
+            now = time.perf_counter()
+            for e in events:
+                if e.new_token_ids and e.rid not in seen:
+                    seen.add(e.rid)
+                    ttfts.append(now - live[e.rid][1])
+                if e.result is not None:
+                    conv, _ = live.pop(e.rid)
+                    r = e.result
+                    generated += len(r.output_ids)
+                    prompt, cached = prompt + r.prompt_tokens, cached + r.cached_tokens
+                    answer_text = eng.tokenizer.decode(r.output_ids)
+                    history[conv].append({"role": "assistant", "content": answer_text})
+                    if conv in waiting:  # its next turn held a slot: it goes first
+                        waiting.remove(conv)
+                        take(conv)
+            admit()
+    wall = time.perf_counter() - started
     for sid in sids.values():
         eng.close_session(sid)
-    return ConversationsRun(rate, statistics.median(ttfts), cached / max(1, prompt))
+    shares = {k: (calls[k], 1e3 * seconds[k] / calls[k], seconds[k] / wall) for k in calls}
+    return ConversationsRun(
+        generated / wall, statistics.median(ttfts), cached / max(1, prompt), shares
+    )
 
 
 def medians(rows: list[tuple]) -> tuple[float, float]:
@@ -308,6 +337,14 @@ def main() -> None:
                             "output_tok_s": round(r.output_tok_s, 1),
                             "ttft_median_s": round(r.ttft_median_s, 3),
                             "cached_frac": round(r.cached_frac, 3),
+                            **{
+                                f"ms_{label}": round(ms, 2)
+                                for label, (_, ms, _) in r.packages.items()
+                            },
+                            **{
+                                f"share_{label}": round(share, 3)
+                                for label, (_, _, share) in r.packages.items()
+                            },
                         }
                         for r in runs
                     ]

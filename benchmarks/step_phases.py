@@ -34,8 +34,11 @@ PROMPT_WORDS = "river stone light garden window market letter winter music paper
 
 
 @contextlib.contextmanager
-def timed(owner: Any, name: str, label: str, totals: Counter) -> Iterator[None]:
-    """`owner.name` adds its seconds to `totals[label]` until the block ends."""
+def timed(
+    owner: Any, name: str, label: str, totals: Counter, calls: Counter | None = None
+) -> Iterator[None]:
+    """`owner.name` adds its seconds to `totals[label]` (and a call to `calls[label]`) until
+    the block ends."""
     inner: Callable[..., Any] = getattr(owner, name)
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -44,6 +47,8 @@ def timed(owner: Any, name: str, label: str, totals: Counter) -> Iterator[None]:
             return inner(*args, **kwargs)
         finally:
             totals[label] += time.perf_counter() - started
+            if calls is not None:
+                calls[label] += 1
 
     own = name in vars(owner)  # an instance's (or module's) own attribute, not a method
     setattr(owner, name, wrapper)
