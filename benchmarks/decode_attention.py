@@ -9,14 +9,16 @@ head. This builds both kernels in this run (seconds each, in a temporary directo
 them on the same pool (random 16-slot pages) and rows, rounds alternating, and checks that
 they agree. `--against` picks the other formulation: `broadcast` (the one before, default),
 `matmul` (scores and weighted sum as batched matmuls over the gathered rows, which inductor
-hands to oneDNN) or `sdpa` (torch's SDPA over the gathered rows, with a length mask).
+hands to oneDNN), `sdpa` (torch's SDPA over the gathered rows, with a length mask) or
+`page_transposed` (the K pool stored with each page's keys transposed, so scores can run
+across a page's tokens; the kernel alone, the pool converted once outside the timing).
 
 With `--engine-points`, the same two kernels also take turns inside the engine (the default
 model, compiled forward, in the same dtype): ms per decode step of B requests over L-token
 contexts, alternating rounds on the same requests (what a served decode step gains).
 
     .venv/bin/python -m benchmarks.decode_attention [--points 1x300 8x300 1x2000 8x2000]
-        [--engine-points 1x300 8x300 4x1000] [--against broadcast | matmul | sdpa]
+        [--engine-points 1x300 8x300 4x1000] [--against broadcast | matmul | sdpa | page_transposed]
 
 Defaults: SmolLM2-135M's head layout (9 query heads, 3 KV heads, 64 wide) in bf16.
 Last line: JSON with `against`, `us_now_{B}x{L}`, `us_before_{B}x{L}` (the other formulation)
@@ -29,6 +31,7 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -117,25 +120,106 @@ class GatheredSdpa(torch.nn.Module):
         return out.reshape(query.shape)
 
 
-AGAINST = {"broadcast": BroadcastGroup, "matmul": GatheredMatmul, "sdpa": GatheredSdpa}
+class PageTransposedKeys(torch.nn.Module):
+    """The K pool stored [pages, KVH, D, PAGE] (each page's keys transposed, as CPU attention
+    kernels lay them out) so that a page's 16 scores can be computed across its tokens, with
+    no per-token horizontal sum; V stays [S, KVH, D]. Takes each row's pages, not slots."""
+
+    def __init__(self, chunks: int, scale: float) -> None:
+        super().__init__()
+        self.chunks, self.scale = chunks, scale
+
+    def forward(self, query, kt_pool, v_pool, pages, lens):  # noqa: ANN001, ANN201 - as the kernel
+        batch, kv_heads, head_dim = pages.shape[0], kt_pool.shape[1], kt_pool.shape[2]
+        parts = pages.view(batch, self.chunks, -1).transpose(0, 1)  # [C, B, NP/C]
+        q = (query.float() * self.scale).view(1, batch, 1, kv_heads, -1, head_dim)
+        group = q.shape[4]
+        keys = kt_pool[parts].float()  # [C, B, NP/C, KVH, D, PAGE]
+        scores = torch.stack([(q[..., g, :, None] * keys).sum(-2) for g in range(group)], -1)
+        chunks, _, per_part = scores.shape[:3]  # [C, B, NP/C, KVH, PAGE, G] -> token order
+        scores = scores.permute(0, 1, 2, 4, 3, 5).reshape(chunks, batch, -1, kv_heads, group)
+        position = torch.arange(scores.shape[2] * chunks, device=pages.device)
+        seen = position.view(chunks, 1, -1) < lens[None, :, None]
+        scores = scores.masked_fill(~seen[..., None, None], float("-inf"))
+        top = scores.amax(2, keepdim=True).clamp(min=torch.finfo(torch.float32).min)
+        weights = torch.exp(scores - top)
+        slots = parts[..., None] * PAGE + torch.arange(PAGE, device=pages.device)
+        values = v_pool[slots.reshape(chunks, batch, per_part * PAGE)].float()
+        partial = torch.stack([(weights[..., g, None] * values).sum(2) for g in range(group)], 3)
+        top = top[:, :, 0]
+        rescale = torch.exp(top - top.amax(0))
+        total = (weights.sum(2) * rescale).sum(0)
+        out = (partial * rescale[..., None]).sum(0) / total[..., None]
+        return out.reshape(query.shape).to(query.dtype)
+
+
+def build_page_transposed(path: Path, layout: HeadLayout) -> Callable[..., torch.Tensor]:
+    """`PageTransposedKeys` exported as the kernel is (rows, pages and pool dynamic), called
+    with the kernel's arguments: the pool is transposed and the slots turned into pages once
+    per pool (outside the timed calls; a real pool would be written in that layout)."""
+    dtype, chunks = getattr(torch, layout.dtype.removeprefix("torch.")), kernel_chunks()
+    kv_heads, dim, pages = layout.num_kv_heads, layout.head_dim, 4096
+    example = (
+        torch.zeros(2, layout.num_heads, dim, dtype=dtype),
+        torch.zeros(pages, kv_heads, dim, PAGE, dtype=dtype),
+        torch.zeros(pages * PAGE, kv_heads, dim, dtype=dtype),
+        torch.zeros(2, chunks * 6, dtype=torch.int64),
+        torch.full((2,), chunks * 6 * PAGE),
+    )
+    rows, n_pages = torch.export.Dim("rows", min=1), torch.export.Dim("pages", min=2)
+    n_slots, width = torch.export.Dim("slots", min=2), chunks * torch.export.Dim("width", min=1)
+    program = torch.export.export(
+        PageTransposedKeys(chunks, layout.scale),
+        example,
+        dynamic_shapes=({0: rows}, {0: n_pages}, {0: n_slots}, {0: rows, 1: width}, {0: rows}),
+    )
+    torch._inductor.aoti_compile_and_package(
+        program, package_path=str(path), inductor_configs={"compile_threads": 1}
+    )
+    package = load_flat(path)
+    converted: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def run(query, k_pool, v_pool, slots, lens):  # noqa: ANN001, ANN202 - as the kernel
+        if id(k_pool) not in converted:  # whole pages only (inputs() gives every row pages)
+            shape = (k_pool.shape[0] // PAGE, PAGE, kv_heads, dim)
+            kt_pool = k_pool.view(shape).permute(0, 2, 3, 1).contiguous()
+            width = -(-slots.shape[1] // (PAGE * chunks)) * PAGE * chunks
+            padded = torch.nn.functional.pad(slots, (0, width - slots.shape[1]))
+            converted[id(k_pool)] = kt_pool, padded[:, ::PAGE] // PAGE
+        kt_pool, pages_ = converted[id(k_pool)]
+        return package(query, kt_pool, v_pool, pages_, lens)[0]
+
+    return run
+
+
+AGAINST = {
+    "broadcast": BroadcastGroup,
+    "matmul": GatheredMatmul,
+    "sdpa": GatheredSdpa,
+    "page_transposed": PageTransposedKeys,
+}
 
 
 def build_both(layout: HeadLayout, where: Path, against: str = "broadcast") -> dict[str, object]:
     started = time.monotonic()
     now_path, before_path = where / "now.pt2", where / "before.pt2"
     build_kernel(now_path, layout)
-    baseline = AGAINST[against](kernel_chunks(), layout.scale)
-    if against == "broadcast":  # built from the toy example it was built from then
-        build_kernel(before_path, layout, baseline, example_rows=2, example_part_width=2)
-    else:
-        build_kernel(before_path, layout, baseline)
-    print(f"built both kernels in {time.monotonic() - started:.0f} s", flush=True)
 
     def load(path: Path):  # noqa: ANN202 - called as the engine's DecodeKernel calls it
         package = load_flat(path)
         return lambda *args: package(*args)[0]
 
-    return {"now": load(now_path), "before": load(before_path)}
+    if against == "page_transposed":  # its own inputs: exported apart
+        other = build_page_transposed(before_path, layout)
+    else:
+        baseline = AGAINST[against](kernel_chunks(), layout.scale)
+        if against == "broadcast":  # built from the toy example it was built from then
+            build_kernel(before_path, layout, baseline, example_rows=2, example_part_width=2)
+        else:
+            build_kernel(before_path, layout, baseline)
+        other = load(before_path)
+    print(f"built both kernels in {time.monotonic() - started:.0f} s", flush=True)
+    return {"now": load(now_path), "before": other}
 
 
 def inputs(layout: HeadLayout, batch: int, context: int, pool_slots: int, seed: int):
@@ -208,6 +292,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--against", choices=sorted(AGAINST), default="broadcast")
     args = ap.parse_args()
+    if args.engine_points and args.against == "page_transposed":
+        ap.error("page_transposed is timed alone: the engine's pool is not stored that way")
     setup_threads(args.threads)
     layout = HeadLayout(
         args.heads, args.kv_heads, args.head_dim, f"torch.{args.dtype}", args.head_dim**-0.5
