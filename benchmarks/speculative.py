@@ -24,7 +24,9 @@ the workload once unmeasured first, as a serving replica long has (--cold: not).
 
 Last line: JSON with accept_len (mean tokens per verify step, EAGLE's tau, head, chat, first
 concurrency), speedup_1/_8/_32 (head, chat: decode tokens/s with / without speculation),
-speedup_agent_1 (history drafter, agent workload) and the policy's per-bucket measurements.
+speedup_agent_1 (history drafter, agent workload), the policy's per-bucket measurements and
+the speculative engine's forwards timed by kind (`forward_ms_<point>`: ms a decode, a verify
+and a prompt step, and `verify_over_decode`, what a verify costs over a decode here).
 """
 
 from __future__ import annotations
@@ -190,6 +192,33 @@ def time_drafting(spec_dec) -> dict[str, float]:
     return spent
 
 
+def time_forwards(runner) -> dict[str, list[float]]:
+    """Seconds and count of the runner's forwards by kind, summed from now on: `decode` (one
+    new token a request), `verify` (several sampled positions a request: drafts checked) and
+    `other` (prompts). With the decode step package a pure decode runs that package and a
+    verify the forward's (compiled_decode.py), so their ratio is what a verify costs here."""
+    spent = {"decode": [0.0, 0], "verify": [0.0, 0], "other": [0.0, 0]}
+    forward = runner.forward
+
+    def timed(batch):
+        t = time.perf_counter()
+        try:
+            return forward(batch)
+        finally:
+            kind = (
+                "decode"
+                if batch.is_decode
+                else "verify"
+                if len(batch.logit_idx) > len(batch.seqs)
+                else "other"
+            )
+            spent[kind][0] += time.perf_counter() - t
+            spent[kind][1] += 1
+
+    runner.forward = timed
+    return spent
+
+
 def serve(eng: Engine, work: Workload, concurrency: int, max_tokens: int) -> tuple:
     """Each task's two turns on its own session, `concurrency` sessions at a time: decode-only
     seconds, their tokens, and the answers."""
@@ -255,6 +284,7 @@ def compare(name: str, loaded, spec: SpecConfig, c: int, args, work: Workload, s
             serve(eng, work, c, args.max_tokens)
         spec_dec.stats, spec_dec.by_source = SpecStats(), {}  # the measured passes' only
     spent = time_drafting(spec_dec)
+    forwards = time_forwards(spec_eng.runner)
     ratios, same = [], True
     totals = {"plain": [0.0, 0], "spec": [0.0, 0]}  # decode seconds, tokens
     for i in range(args.repeats):
@@ -285,6 +315,10 @@ def compare(name: str, loaded, spec: SpecConfig, c: int, args, work: Workload, s
     )
     print(f"  policy per batch bucket: {policy}")
     print(f"  the decoder's own work, share of decode time: {share}")
+    ms = {k: round(1e3 * t / n, 2) for k, (t, n) in forwards.items() if n}
+    if "decode" in ms and "verify" in ms:
+        ms["verify_over_decode"] = round(ms["verify"] / ms["decode"], 3)
+    print(f"  the speculative engine's forwards, ms a step by kind: {ms}")
     summary[f"speedup_{name}"] = round(speedup, 3)
     summary[f"plain_tps_{name}"] = round(plain_tps, 2)
     summary[f"spec_tps_{name}"] = round(spec_tps, 2)
@@ -293,6 +327,7 @@ def compare(name: str, loaded, spec: SpecConfig, c: int, args, work: Workload, s
     summary[f"identical_{name}"] = same
     summary[f"policy_{name}"] = policy
     summary[f"drafting_share_{name}"] = share
+    summary[f"forward_ms_{name}"] = ms
 
 
 def main() -> int:
