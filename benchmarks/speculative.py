@@ -200,20 +200,19 @@ def time_forwards(runner) -> dict[str, list[float]]:
     spent = {"decode": [0.0, 0], "verify": [0.0, 0], "other": [0.0, 0]}
     forward = runner.forward
 
+    def kind(batch) -> str:
+        if batch.is_decode:
+            return "decode"
+        return "verify" if len(batch.logit_idx) > len(batch.seqs) else "other"
+
     def timed(batch):
         t = time.perf_counter()
         try:
             return forward(batch)
         finally:
-            kind = (
-                "decode"
-                if batch.is_decode
-                else "verify"
-                if len(batch.logit_idx) > len(batch.seqs)
-                else "other"
-            )
-            spent[kind][0] += time.perf_counter() - t
-            spent[kind][1] += 1
+            seconds_calls = spent[kind(batch)]
+            seconds_calls[0] += time.perf_counter() - t
+            seconds_calls[1] += 1
 
     runner.forward = timed
     return spent

@@ -135,13 +135,13 @@ class CompiledDecode(CompiledForward):
     """A loaded decode-step package: `run(seqs, ids, positions, out_slots, pool)` for a pure
     decode step of `min_tokens..max_tokens` rows."""
 
+    # no Python runs inside this package: called holding the GIL, it would stop the
+    # replica's other threads for the whole step (aoti_call.py)
+    load = staticmethod(load_releasing_gil)
+
     def __init__(self, package: Path, max_tokens: int, min_tokens: int = 1) -> None:
-        self.package = package
-        self.max_tokens, self.min_tokens = max_tokens, min_tokens
+        super().__init__(package, max_tokens, min_tokens)
         self.chunks = kernel_chunks()  # what it was exported for (the key has the threads)
-        # no Python runs inside this package: called holding the GIL, it would stop the
-        # replica's other threads for the whole step (aoti_call.py)
-        self._fn = load_releasing_gil(package)
 
     def run(  # type: ignore[override] - a decode step reads the pool and the slot tables
         self,

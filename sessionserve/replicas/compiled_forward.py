@@ -132,11 +132,14 @@ class CompiledForward:
     """A loaded package: `run(ids, positions, logit_idx, meta)` as `ModelRunner.forward`'s
     eager path computes it, for steps of `min_tokens..max_tokens` tokens."""
 
+    # how the package is loaded (the decode step package's: without holding the GIL)
+    load: Callable[[Path], Callable[..., list[torch.Tensor]]] = staticmethod(load_flat)
+
     def __init__(self, package: Path, max_tokens: int, min_tokens: int = 1) -> None:
         self.package = package
         self.max_tokens = max_tokens
         self.min_tokens = min_tokens
-        self._fn = load_flat(package)
+        self._fn = self.load(package)
 
     def accepts(self, num_tokens: int) -> bool:
         return self.min_tokens <= num_tokens <= self.max_tokens
