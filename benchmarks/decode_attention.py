@@ -11,14 +11,17 @@ they agree. `--against` picks the other formulation: `broadcast` (the one before
 `matmul` (scores and weighted sum as batched matmuls over the gathered rows, which inductor
 hands to oneDNN), `sdpa` (torch's SDPA over the gathered rows, with a length mask) or
 `page_transposed` (the K pool stored with each page's keys transposed, so scores can run
-across a page's tokens; the kernel alone, the pool converted once outside the timing).
+across a page's tokens; the kernel alone, the pool converted once outside the timing) or
+`cpu_kernel` (not a formulation: the hand-written AVX-512 kernel the decode step package
+calls, attention/cpu_decode_kernel.py; a speedup under 1 means it is faster).
 
 With `--engine-points`, the same two kernels also take turns inside the engine (the default
 model, compiled forward, in the same dtype): ms per decode step of B requests over L-token
 contexts, alternating rounds on the same requests (what a served decode step gains).
 
     .venv/bin/python -m benchmarks.decode_attention [--points 1x300 8x300 1x2000 8x2000]
-        [--engine-points 1x300 8x300 4x1000] [--against broadcast | matmul | sdpa | page_transposed]
+        [--engine-points 1x300 8x300 4x1000]
+        [--against broadcast | matmul | sdpa | page_transposed | cpu_kernel]
 
 Defaults: SmolLM2-135M's head layout (9 query heads, 3 KV heads, 64 wide) in bf16.
 Last line: JSON with `against`, `us_now_{B}x{L}`, `us_before_{B}x{L}` (the other formulation)
@@ -46,6 +49,7 @@ from benchmarks.common import (
     setup_threads,
 )
 from benchmarks.paged_gather import compiled_engine
+from sessionserve.replicas.attention import cpu_decode_kernel
 from sessionserve.replicas.attention.inplace_decode import DecodeKernel
 from sessionserve.replicas.compiled_attention import HeadLayout, build_kernel, kernel_chunks
 from sessionserve.replicas.compiled_forward import load_flat
@@ -192,11 +196,20 @@ def build_page_transposed(path: Path, layout: HeadLayout) -> Callable[..., torch
     return run
 
 
+def cpu_kernel_as_kernel(layout: HeadLayout) -> Callable[..., torch.Tensor]:
+    """The hand-written CPU kernel (attention/cpu_decode_kernel.py) as the engine's torch
+    backend calls it: no own token, the rows' K/V in the pool."""
+    if not cpu_decode_kernel.load():
+        raise SystemExit(f"the CPU decode kernel is not usable: {cpu_decode_kernel.why_not()}")
+    return cpu_decode_kernel.over_the_pool(layout.scale)
+
+
 AGAINST = {
     "broadcast": BroadcastGroup,
     "matmul": GatheredMatmul,
     "sdpa": GatheredSdpa,
     "page_transposed": PageTransposedKeys,
+    "cpu_kernel": None,  # not a formulation: the hand-written kernel
 }
 
 
@@ -211,6 +224,8 @@ def build_both(layout: HeadLayout, where: Path, against: str = "broadcast") -> d
 
     if against == "page_transposed":  # its own inputs: exported apart
         other = build_page_transposed(before_path, layout)
+    elif against == "cpu_kernel":
+        other = cpu_kernel_as_kernel(layout)
     else:
         baseline = AGAINST[against](kernel_chunks(), layout.scale)
         if against == "broadcast":  # built from the toy example it was built from then

@@ -13,10 +13,16 @@ greedy outputs are compared: both paths round to bf16 at different points, so ne
 logits may pick different tokens, and the script reports how many requests matched
 token for token and where the first differed.
 
-    .venv/bin/python -m benchmarks.decode_package [--batches 1 8 32] [--tokens 128] [--rounds 3]
-        [--context N]
+With `--against inductor_attention` the other side is a second decode step package, its
+attention compiled by inductor from `inplace_decode.decode_attention` (what the package ran
+before the hand-written CPU kernel, `attention/cpu_decode_kernel.py`; built here if the cache
+lacks it, ~5 minutes); the engine's own package must then use the kernel.
 
-Last line: JSON with `ms_forward_<B>`, `ms_decode_<B>` (medians) and `speedup_<B>`.
+    .venv/bin/python -m benchmarks.decode_package [--batches 1 8 32] [--tokens 128] [--rounds 3]
+        [--context N] [--against forward | inductor_attention]
+
+Last line: JSON with `against`, `ms_forward_<B>` (the other side), `ms_decode_<B>` (medians)
+and `speedup_<B>`.
 """
 
 from __future__ import annotations
@@ -27,6 +33,14 @@ import time
 from typing import Any
 
 from benchmarks.common import bench_config_engine, emit, machine, setup_threads
+from sessionserve.replicas.assembly import compiled_max_tokens
+from sessionserve.replicas.attention.cpu_decode_kernel import why_not
+from sessionserve.replicas.compiled_decode import (
+    CompiledDecode,
+    plan_decode_compile,
+    use_attention_kernel,
+)
+from sessionserve.replicas.compiled_forward import build_in_subprocess, load_or_build, plan_compile
 from sessionserve.replicas.engine import Engine
 from sessionserve.wire import SamplingParams
 
@@ -71,6 +85,27 @@ def timed_round(
     return spent[0] * 1e3 / max(steps[0], 1), [r.output_ids for r in out]
 
 
+def inductor_attention_package(eng: Engine) -> CompiledDecode:
+    """The engine's decode step package once more, its attention compiled by inductor instead
+    of the hand-written CPU kernel (built by a build process if the cache lacks it)."""
+    runner, cfg = eng.runner, eng.config
+    if not use_attention_kernel(runner.model, runner.kv_pool):
+        raise SystemExit(f"the engine's package does not use the CPU kernel: {why_not()}")
+    forward = plan_compile(
+        True,
+        runner.model,
+        compiled_max_tokens(cfg, runner),
+        cfg.compile_cache_dir,
+        runner.feature_layers,
+    )
+    plan, step = plan_decode_compile(True, forward, runner.model, runner.kv_pool, False)
+    assert step is not None
+    compiled = load_or_build(plan, step, build_in_subprocess)
+    if compiled is None:
+        raise SystemExit("the inductor-attention package did not build (see the log above)")
+    return compiled  # type: ignore[return-value] - plan.loads_as is CompiledDecode
+
+
 def first_difference(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
 
@@ -83,6 +118,7 @@ def main() -> None:
     parser.add_argument(
         "--context", type=int, default=0, help="prompt tokens (default: a ~35-token prompt)"
     )
+    parser.add_argument("--against", choices=["forward", "inductor_attention"], default="forward")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
@@ -92,18 +128,19 @@ def main() -> None:
     package = eng.runner.compiled_decode
     if package is None:
         raise SystemExit("the decode step package did not install (see the log above)")
-    result: dict[str, float] = {}
+    other = None if args.against == "forward" else inductor_attention_package(eng)
+    result: dict[str, Any] = {"against": args.against}
     for batch in args.batches:
         eng.runner.compiled_decode = package
         timed_round(eng, batch, 16, -1)  # warm-up: both paths' first calls
-        eng.runner.compiled_decode = None
+        eng.runner.compiled_decode = other
         timed_round(eng, batch, 16, -1)
         times: dict[str, list[float]] = {"decode": [], "forward": []}
         matched = total = 0
         differs: list[int] = []
         for r in range(args.rounds):
             outs = {}
-            for name, installed in (("decode", package), ("forward", None)):
+            for name, installed in (("decode", package), ("forward", other)):
                 eng.runner.compiled_decode = installed
                 ms, outs[name] = timed_round(eng, batch, args.tokens, r, args.context)
                 times[name].append(ms)
@@ -115,12 +152,12 @@ def main() -> None:
                     differs.append(at)
         dec, fwd = statistics.median(times["decode"]), statistics.median(times["forward"])
         print(
-            f"B={batch}: decode package {dec:.2f} ms/step {times['decode']}, compiled forward "
+            f"B={batch}: decode package {dec:.2f} ms/step {times['decode']}, {args.against} "
             f"{fwd:.2f} {times['forward']}: {fwd / dec:.2f}x; greedy outputs equal "
             f"{matched}/{total} (first differences at tokens {sorted(differs)[:8]})",
             flush=True,
         )
-        result |= {
+        result |= {  # "forward": the other side
             f"ms_decode_{batch}": round(dec, 2),
             f"ms_forward_{batch}": round(fwd, 2),
             f"speedup_{batch}": round(fwd / dec, 3),

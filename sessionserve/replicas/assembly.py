@@ -28,7 +28,7 @@ from sessionserve.replicas.attention import (
     sliding_windows,
 )
 from sessionserve.replicas.attention.torch_backend import TorchPagedBackend
-from sessionserve.replicas.compiled_attention import HeadLayout, load_decode_kernel
+from sessionserve.replicas.compiled_attention import HeadLayout, decode_kernel_for
 from sessionserve.replicas.compiled_decode import plan_decode_compile
 from sessionserve.replicas.compiled_forward import (
     CompiledForward,
@@ -204,8 +204,8 @@ def install_decode_kernel(
     backend: AttentionBackend, model: Any, pool: KVPool, cache_dir: Path
 ) -> None:
     """Give a torch backend the in-place decode attention kernel for `model`'s head layout
-    (built once per layout, threads and CPU; the head's layout is the target's, so it shares
-    the target's kernel)."""
+    (the CPU kernel, or the compiled formula built once per layout, threads and CPU; the
+    head's layout is the target's, so it shares the target's kernel)."""
     if not isinstance(backend, TorchPagedBackend):
         return
     shape = KVShape.from_hf_config(model.config)
@@ -216,7 +216,7 @@ def install_decode_kernel(
         str(pool.dtype),
         attention_scale(model, shape.head_dim),
     )
-    backend.decode_kernel = load_decode_kernel(layout, cache_dir)
+    backend.decode_kernel = decode_kernel_for(layout, cache_dir)
 
 
 def compiled_max_tokens(cfg: EngineConfig, runner: ModelRunner) -> int:

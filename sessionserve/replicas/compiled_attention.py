@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 import sessionserve
+from sessionserve.replicas.attention import cpu_decode_kernel
 from sessionserve.replicas.attention.inplace_decode import DecodeAttention, DecodeKernel
 from sessionserve.replicas.compiled_forward import build_once, builder_tag, load_flat
 
@@ -103,6 +104,21 @@ def build_kernel(
     finally:
         partial.unlink(missing_ok=True)
     log.info("compile: built %s in %.0f s", path.name, time.monotonic() - started)
+
+
+def decode_kernel_for(layout: HeadLayout, cache_dir: Path) -> DecodeKernel | None:
+    """What decode rows attend with in place: the hand-written CPU kernel where it supports
+    the layout and loads on this machine (attention/cpu_decode_kernel.py, 1.6-1.7x the
+    compiled formula over pools larger than the caches: docs/benchmarks.md), else the
+    compiled formula (`load_decode_kernel`)."""
+    dtype = getattr(torch, layout.dtype.removeprefix("torch."))
+    heads, kv_heads = layout.num_heads, layout.num_kv_heads
+    if cpu_decode_kernel.supports(layout.head_dim, heads, kv_heads, dtype):
+        if cpu_decode_kernel.load():
+            log.info("compile: decode rows attend over the KV pool in place (the CPU kernel)")
+            run = cpu_decode_kernel.over_the_pool(layout.scale)
+            return DecodeKernel(run, kernel_chunks(), layout.scale)
+    return load_decode_kernel(layout, cache_dir)
 
 
 def load_decode_kernel(layout: HeadLayout, cache_dir: Path) -> DecodeKernel | None:

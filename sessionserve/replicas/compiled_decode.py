@@ -27,7 +27,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from sessionserve.cache.kv_pool import KVPool, KVShape
 from sessionserve.replicas.aoti_call import load_releasing_gil
-from sessionserve.replicas.attention import install, sliding_windows
+from sessionserve.replicas.attention import cpu_decode_kernel, install, sliding_windows
 from sessionserve.replicas.attention.base import SeqSpec, to_device
 from sessionserve.replicas.attention.inplace_decode import InlineDecode, part_padded
 from sessionserve.replicas.compiled_attention import kernel_chunks
@@ -58,10 +58,14 @@ class DecodeStep(torch.nn.Module):
     # loop that gathers the keys. At 16 the rotated query is computed once per layer and
     # the gather loops only load it (SmolLM2's first 4 layers, 32 rows over 304 tokens:
     # 18.0 vs 25.9 ms a step).
-    inductor_configs = {"realize_opcount_threshold": 16}
+    BASE_INDUCTOR_CONFIGS = {"realize_opcount_threshold": 16}
 
     def __init__(
-        self, model: Any, chunks: int, feature_layers: tuple[int, ...] | None = None
+        self,
+        model: Any,
+        chunks: int,
+        feature_layers: tuple[int, ...] | None = None,
+        attention_kernel: bool = False,
     ) -> None:
         super().__init__()
         self.config = model.config  # for `package_key`
@@ -69,6 +73,18 @@ class DecodeStep(torch.nn.Module):
         self.lm_head = model.get_output_embeddings()
         self.chunks = chunks
         self.feature_layers = feature_layers
+        # the layers attend through the hand-written CPU kernel (cpu_decode_kernel.py)
+        # instead of inductor's code for `decode_attention`
+        self.attention_kernel = attention_kernel
+
+    @property
+    def inductor_configs(self) -> dict[str, Any]:
+        """What `build_package` compiles this step with."""
+        if not self.attention_kernel:
+            return dict(self.BASE_INDUCTOR_CONFIGS)
+        if not cpu_decode_kernel.load():  # a build process loads it here
+            raise RuntimeError(f"the CPU decode attention kernel: {cpu_decode_kernel.why_not()}")
+        return {**self.BASE_INDUCTOR_CONFIGS, **cpu_decode_kernel.aot_configs()}
 
     def forward(
         self,
@@ -79,7 +95,7 @@ class DecodeStep(torch.nn.Module):
         slots: torch.Tensor,
         lens: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        inline = InlineDecode(k_pool, v_pool, slots, lens, self.chunks)
+        inline = InlineDecode(k_pool, v_pool, slots, lens, self.chunks, self.attention_kernel)
         last, features = decoder_features(
             self.decoder, ids, positions, self.feature_layers, inline_decode=inline
         )
@@ -126,8 +142,11 @@ class DecodeStep(torch.nn.Module):
             "decode_step": DECODE_FORMAT,
             "chunks": self.chunks,
             "example_part_width": EXAMPLE_PART_WIDTH,
-            "inductor_configs": self.inductor_configs,
+            "inductor_configs": self.BASE_INDUCTOR_CONFIGS,
             "feature_layers": list(self.feature_layers or ()),
+            # the C function the package calls by name (its code lives in the kernel's
+            # library, rebuilt on its own when its source changes)
+            "attention_kernel": self.attention_kernel and cpu_decode_kernel.C_SHIM,
         }
 
 
@@ -140,6 +159,9 @@ class CompiledDecode(CompiledForward):
     load = staticmethod(load_releasing_gil)
 
     def __init__(self, package: Path, max_tokens: int, min_tokens: int = 1) -> None:
+        # a package built with the CPU kernel calls it by name: the op must exist first
+        # (where it cannot be loaded, no package here was built with it)
+        cpu_decode_kernel.load()
         super().__init__(package, max_tokens, min_tokens)
         self.chunks = kernel_chunks()  # what it was exported for (the key has the threads)
 
@@ -165,14 +187,19 @@ class CompiledDecode(CompiledForward):
 
 
 def plan_decode_compile(
-    mode: bool | str, forward: CompilePlan, model: Any, pool: KVPool
+    mode: bool | str,
+    forward: CompilePlan,
+    model: Any,
+    pool: KVPool,
+    attention_kernel: bool | None = None,
 ) -> tuple[CompilePlan, DecodeStep | None]:
     """Resolve `engine.compile_decode` (auto | true | false) beside the compiled forward
     `forward`: a package for pure decode steps of up to its `max_tokens` rows, where the
     forward is an AOTInductor package (CPU) and every layer attends over the whole context
     (no sliding window, no KV kept apart). auto: for models of AUTO_MIN_PARAMS+ parameters.
     Returns the plan and, when enabled, the step it compiles (the one its key was taken
-    from)."""
+    from). `attention_kernel` None: the CPU kernel where `use_attention_kernel` says so
+    (benchmarks and tests pick)."""
     if not forward.enabled or mode is False:
         why = "engine.compile_decode is false or the forward is not compiled"
         return CompilePlan(False, why), None
@@ -182,7 +209,9 @@ def plan_decode_compile(
         return CompilePlan(False, "the model has sliding-window layers"), None
     if mode == "auto" and (why := auto_declines(model)):
         return CompilePlan(False, why), None
-    step = DecodeStep(model, kernel_chunks(), forward.feature_layers)
+    if attention_kernel is None:
+        attention_kernel = use_attention_kernel(model, pool)
+    step = DecodeStep(model, kernel_chunks(), forward.feature_layers, attention_kernel)
     key = package_key(step, forward.max_tokens, weights=forward.weights)
     plan = CompilePlan(
         True,
@@ -194,3 +223,15 @@ def plan_decode_compile(
         loads_as=CompiledDecode,
     )
     return plan, step
+
+
+def use_attention_kernel(model: Any, pool: KVPool) -> bool:
+    """Whether the decode step attends through the hand-written CPU kernel: where it builds
+    and loads on this machine (AVX-512 and a C++ compiler; otherwise the reason is logged)
+    and supports the model's head layout and dtype. 1.6-1.7x inductor's code for the same
+    attention over pools larger than the caches (docs/benchmarks.md)."""
+    shape = KVShape.from_hf_config(model.config)
+    heads = model.config.num_attention_heads
+    if not cpu_decode_kernel.supports(shape.head_dim, heads, shape.num_kv_heads, pool.k.dtype):
+        return False
+    return cpu_decode_kernel.load()

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from sessionserve.replicas.attention import cpu_decode_kernel
+
 
 def decode_attention(
     query: torch.Tensor,
@@ -138,6 +140,9 @@ class InlineDecode:
     slots: torch.Tensor  # [B, W] each row's old context, part-padded
     lens: torch.Tensor  # [B] how many of them it reads (0..W)
     chunks: int
+    # attend with the hand-written CPU kernel (cpu_decode_kernel.py), an opaque op in the
+    # graph, instead of `decode_attention`'s formula compiled by inductor
+    kernel: bool = False
     new_k: list[torch.Tensor] = field(default_factory=list)  # per layer [B, KVH, D]
     new_v: list[torch.Tensor] = field(default_factory=list)
 
@@ -156,6 +161,11 @@ class InlineDecode:
         k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)
         self.new_k.append(k)
         self.new_v.append(v)
+        if self.kernel:
+            out = cpu_decode_kernel.decode_attend(
+                q, self.k_pool[layer], self.v_pool[layer], self.slots, self.lens, k, v, scale
+            )
+            return out[None]
         out = decode_attention(
             q,
             self.k_pool[layer],

@@ -11,7 +11,8 @@ over batches, sessions and overlap scheduling, with the strict memory check afte
 Then one real AOTInductor build (a tiny Llama, ~30-60 s on 2 cores, by a build process as
 `compile: auto` builds it): the package's steps give
 the eager engine's tokens and logprobs, on pools of any size (the package's pool dimension is
-dynamic: one exported for a fixed pool read the wrong rows of a larger one)."""
+dynamic: one exported for a fixed pool read the wrong rows of a larger one), its attention
+the hand-written CPU kernel where this machine builds it (test_cpu_decode_kernel.py)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import torch
 
 from sessionserve.cache import KVShape
 from sessionserve.replicas import aoti_call, compiled_decode, compiled_forward
-from sessionserve.replicas.attention import install
+from sessionserve.replicas.attention import cpu_decode_kernel, install
 from sessionserve.replicas.attention.inplace_decode import decode_attention
 from sessionserve.replicas.compiled_attention import kernel_chunks
 from sessionserve.replicas.compiled_decode import CompiledDecode, DecodeStep
@@ -115,9 +116,10 @@ class EagerDecode(CompiledDecode):
         self._fn = run
 
 
-def with_eager_decode(engine) -> EagerDecode:
+def with_eager_decode(engine, attention_kernel: bool = False) -> EagerDecode:
     runner = engine.runner
-    decode = EagerDecode(DecodeStep(runner.model, CHUNKS, runner.feature_layers).eval())
+    step = DecodeStep(runner.model, CHUNKS, runner.feature_layers, attention_kernel)
+    decode = EagerDecode(step.eval())
     runner.compiled_decode = decode
     return decode
 
@@ -135,12 +137,17 @@ def assert_same_answers(got, want, inputs, model, atol: float) -> None:
             assert x.logprob == pytest.approx(y.logprob, abs=atol)
 
 
+@pytest.mark.parametrize("attention", ["formula", "cpu_kernel"])
 @pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_an_engine_running_the_step_answers_as_the_plain_engine(arch, overlap) -> None:
+def test_an_engine_running_the_step_answers_as_the_plain_engine(arch, overlap, attention) -> None:
+    """Its layers attending through `decode_attention` (what inductor compiles) or the
+    hand-written CPU kernel (cpu_decode_kernel.py, where this machine can build it)."""
+    if attention == "cpu_kernel" and not cpu_decode_kernel.load():
+        pytest.skip(f"the CPU decode kernel cannot be used here: {cpu_decode_kernel.why_not()}")
     model = tiny_model(arch, seed=6)
     whole = tiny_engine(model, prefill=40, overlap=overlap)
-    decode = with_eager_decode(whole)
+    decode = with_eager_decode(whole, attention == "cpu_kernel")
     plain = tiny_engine(model, prefill=40, overlap=overlap)
     greedy = SamplingParams(max_tokens=20, temperature=0, logprobs=True)
     inputs = inputs_for(model.config.vocab_size)
@@ -188,9 +195,11 @@ def built_package(engine, cache_dir: str) -> CompilePlan:
     crosses to it as a file), where engines with `compile_decode: true` then find it."""
     runner = engine.runner
     forward = compiled_forward.plan_compile(True, runner.model, 32, cache_dir)
-    plan, _ = compiled_decode.plan_decode_compile(True, forward, runner.model, runner.kv_pool)
-    assert plan.package is not None
-    step = DecodeStep(copy.deepcopy(runner.model), kernel_chunks())
+    plan, step = compiled_decode.plan_decode_compile(True, forward, runner.model, runner.kv_pool)
+    assert plan.package is not None and step is not None
+    # where the machine can build it, the package attends through the CPU kernel's C shim
+    assert step.attention_kernel == cpu_decode_kernel.load()
+    step = copy.deepcopy(step)  # the build swaps the parameters for fake ones while it traces
     compiled_forward.build_once(
         plan.package, lambda: compiled_forward.build_in_subprocess(step, plan), "building"
     )

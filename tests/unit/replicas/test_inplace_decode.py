@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from sessionserve.cache import KVShape
 from sessionserve.replicas import compiled_attention
-from sessionserve.replicas.attention import attention_scale
+from sessionserve.replicas.attention import attention_scale, cpu_decode_kernel
 from sessionserve.replicas.attention.inplace_decode import DecodeKernel, decode_attention
 from sessionserve.replicas.attention.torch_backend import gather_rows
 from sessionserve.wire import SamplingParams
@@ -92,6 +92,19 @@ def kernel(kernel_dir) -> DecodeKernel:
     built = compiled_attention.load_decode_kernel(LAYOUT, kernel_dir)
     assert built is not None, "the kernel did not build"
     return built
+
+
+@pytest.fixture(scope="module", params=["compiled", "cpu_kernel"])
+def any_kernel(request, kernel_dir) -> DecodeKernel:
+    """The compiled formula's package, and the hand-written CPU kernel where this machine
+    builds it (what `decode_kernel_for` installs on such a machine)."""
+    if request.param == "compiled":
+        return request.getfixturevalue("kernel")
+    if not cpu_decode_kernel.load():
+        pytest.skip(f"the CPU decode kernel cannot be used here: {cpu_decode_kernel.why_not()}")
+    chosen = compiled_attention.decode_kernel_for(LAYOUT, kernel_dir)
+    assert chosen is not None and chosen.run.__module__ == cpu_decode_kernel.__name__
+    return chosen
 
 
 @pytest.mark.parametrize("batch,parts", [(1, 1), (2, 1), (1, 3), (7, 5), (16, 12)])
@@ -185,13 +198,13 @@ def formula_kernel(model, chunks: int) -> DecodeKernel:
     [("llama", {}), ("mistral", {"sliding_window": 12})],
     ids=["llama", "mistral-window-apart"],
 )
-def test_an_engine_decoding_in_place_answers_as_the_copying_engine(arch, kw, kernel) -> None:
+def test_an_engine_decoding_in_place_answers_as_the_copying_engine(arch, kw, any_kernel) -> None:
     """Batches of decode rows of different lengths, then session turns, through the compiled
-    kernel: greedy tokens equal the copying engine's and transformers'; logprobs within 1e-5;
-    the strict memory check after every step (tiny_engine's default)."""
+    kernel or the CPU kernel: greedy tokens equal the copying engine's and transformers';
+    logprobs within 1e-5; the strict memory check after every step (tiny_engine's default)."""
     model = tiny_model(arch, seed=6, **kw)
     in_place, copying = tiny_engine(model, prefill=40), tiny_engine(model, prefill=40)
-    calls = with_kernel(in_place, kernel)
+    calls = with_kernel(in_place, any_kernel)
     greedy = SamplingParams(max_tokens=20, temperature=0, logprobs=True)
     g = torch.Generator().manual_seed(3)
     inputs = [torch.randint(3, 200, (n,), generator=g).tolist() for n in (3, 30, 70)]

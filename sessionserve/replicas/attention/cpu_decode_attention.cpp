@@ -1,0 +1,337 @@
+// Decode attention over the paged KV pool in place, for x86 CPUs with AVX-512.
+//
+// What it computes is `inplace_decode.decode_attention` with a row's own new token (one new
+// query token per row, its context read through its slot table, plus the token's own K/V,
+// which is not in the pool yet). Why a hand-written kernel: inductor compiles that formula
+// into loops that end every context token's dot product in a horizontal sum per query head
+// and run the softmax as separate passes over stored scores; over multi-turn contexts
+// (~1,500 tokens) the attention was 40-50% of a decode step (docs/benchmarks.md, stop 57).
+// Here a block of 16 tokens is scored, its softmax is taken on one vector (online, as flash
+// decoding does), and its V rows are accumulated while hot, each K and V row loaded once for
+// all the query heads that share it. Long contexts are split into parts that run on
+// separate threads and are merged at the end, so one row keeps every thread busy.
+//
+// Built at run time by cpu_decode_kernel.py (g++ -mavx512f ...), loaded with
+// torch.ops.load_library; its fake (shape) implementation is registered there, in Python.
+// AOTInductor packages call it through the C function at the end (its "C shim"), not the
+// dispatcher: a package run through its C entry points (aoti_call.py) has no proxy executor
+// to dispatch custom ops with.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/csrc/inductor/aoti_torch/c/shim.h>
+#include <torch/csrc/inductor/aoti_torch/utils.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+extern "C" __m512 Sleef_expf16_u10(__m512);  // exported by libtorch_cpu (ATen's vec::exp)
+
+namespace {
+
+constexpr int kLanes = 16;         // floats in a vector, tokens in a block
+constexpr int kMaxGroup = 16;      // query heads per KV head
+constexpr int64_t kMinPart = 64;   // context tokens below which a part is not split further
+constexpr int64_t kPartsPerThread = 4;
+constexpr int64_t kKeyAhead = 4 * kLanes;  // tokens
+constexpr int64_t kValueAhead = 2 * kLanes;
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+template <typename T>
+inline void prefetch_row(const T* p, int n) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int b = 0; b < n * static_cast<int>(sizeof(T)); b += 64) _mm_prefetch(c + b, _MM_HINT_T0);
+}
+
+// The 16 sums of 16 vectors' lanes (out[t] = sum of v[t]'s lanes), by a transposing tree:
+// ~3 instructions a vector, against ~8 for a horizontal sum of each.
+inline __m512 sum_lanes16(const float (*v)[kLanes]) {
+  __m512 pairs[8];
+  for (int j = 0; j < 8; ++j) {  // per 128-bit lane: 2 vectors' partial sums, 2 each
+    const __m512 a = _mm512_load_ps(v[2 * j]), b = _mm512_load_ps(v[2 * j + 1]);
+    pairs[j] = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  }
+  __m512 quads[4];
+  for (int j = 0; j < 4; ++j) {  // per 128-bit lane: 4 vectors' partial sums
+    const __m512d a = _mm512_castps_pd(pairs[2 * j]), b = _mm512_castps_pd(pairs[2 * j + 1]);
+    quads[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  __m512 halves[2];
+  for (int j = 0; j < 2; ++j) {  // add 128-bit lanes pairwise
+    const __m512 a = quads[2 * j], b = quads[2 * j + 1];
+    halves[j] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(2, 0, 2, 0)),
+                              _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+  }
+  return _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// One part of one row's context for one KV head: the running maximum `m`, the sum of
+// exp(score - m) `l` and the weighted sum of V `acc`, per query head of the group.
+struct Part {
+  int64_t row, kv_head, start, len;
+};
+
+template <typename T, int DV>
+void attend_part(const float* q,  // [group, DV * 16], already scaled
+                 int group, const T* k_head, const T* v_head, int64_t slot_stride,
+                 const int64_t* slots, int64_t len, float* out) {  // [group, 2 + D]
+  constexpr int D = DV * kLanes;
+  __m512 qv[kMaxGroup][DV];
+  __m512 acc[kMaxGroup][DV];
+  float m[kMaxGroup], l[kMaxGroup];
+  alignas(64) float s[kMaxGroup][kLanes];
+  alignas(64) float dots[kMaxGroup][kLanes][kLanes] = {};  // per query head, token: lanes to sum
+  for (int g = 0; g < group; ++g) {
+    for (int i = 0; i < DV; ++i) {
+      qv[g][i] = _mm512_loadu_ps(q + g * D + i * kLanes);
+      acc[g][i] = _mm512_setzero_ps();
+    }
+    m[g] = -std::numeric_limits<float>::infinity();
+    l[g] = 0.f;
+  }
+  for (int64_t t0 = 0; t0 < len; t0 += kLanes) {
+    const int n = static_cast<int>(std::min<int64_t>(kLanes, len - t0));
+    for (int t = 0; t < n; ++t) {
+      // memory latency, not arithmetic, bounds this loop over a pool larger than the
+      // caches: fetch the keys two blocks ahead and the values one block ahead
+      if (t0 + t + kKeyAhead < len) prefetch_row(k_head + slots[t0 + t + kKeyAhead] * slot_stride, D);
+      if (t0 + t + kValueAhead < len) prefetch_row(v_head + slots[t0 + t + kValueAhead] * slot_stride, D);
+      const T* k = k_head + slots[t0 + t] * slot_stride;
+      __m512 kv[DV];
+      for (int i = 0; i < DV; ++i) kv[i] = load16(k + i * kLanes);
+      for (int g = 0; g < group; ++g) {
+        __m512 dot = _mm512_mul_ps(qv[g][0], kv[0]);
+        for (int i = 1; i < DV; ++i) dot = _mm512_fmadd_ps(qv[g][i], kv[i], dot);
+        _mm512_store_ps(dots[g][t], dot);
+      }
+    }
+    const __mmask16 valid = n == kLanes ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
+    const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int g = 0; g < group; ++g) {
+      // a short last block's other lanes hold what earlier blocks left: masked out here
+      const __m512 sv = _mm512_mask_mov_ps(neg_inf, valid, sum_lanes16(dots[g]));
+      const float top = std::max(m[g], _mm512_reduce_max_ps(sv));
+      const float alpha = std::exp(m[g] - top);  // 0 for the first block (m = -inf)
+      const __m512 p =
+          _mm512_maskz_mov_ps(valid, Sleef_expf16_u10(_mm512_sub_ps(sv, _mm512_set1_ps(top))));
+      l[g] = l[g] * alpha + _mm512_reduce_add_ps(p);
+      m[g] = top;
+      const __m512 a = _mm512_set1_ps(alpha);
+      for (int i = 0; i < DV; ++i) acc[g][i] = _mm512_mul_ps(acc[g][i], a);
+      _mm512_store_ps(s[g], p);
+    }
+    for (int t = 0; t < n; ++t) {
+      const T* v = v_head + slots[t0 + t] * slot_stride;
+      __m512 vv[DV];
+      for (int i = 0; i < DV; ++i) vv[i] = load16(v + i * kLanes);
+      for (int g = 0; g < group; ++g) {
+        const __m512 w = _mm512_set1_ps(s[g][t]);
+        for (int i = 0; i < DV; ++i) acc[g][i] = _mm512_fmadd_ps(w, vv[i], acc[g][i]);
+      }
+    }
+  }
+  for (int g = 0; g < group; ++g) {
+    float* o = out + g * (2 + D);
+    o[0] = m[g];
+    o[1] = l[g];
+    for (int i = 0; i < DV; ++i) _mm512_storeu_ps(o + 2 + i * kLanes, acc[g][i]);
+  }
+}
+
+template <typename T, int DV>
+void run(const at::Tensor& q,        // [B, H, D] float, scaled
+         const at::Tensor& k_pool,   // [S, KVH, D] T
+         const at::Tensor& v_pool,
+         const at::Tensor& slots,    // [B, W] int64, contiguous
+         const std::vector<int64_t>& lens,
+         const at::Tensor& new_key,  // [B, KVH, D] float
+         const at::Tensor& new_value,
+         at::Tensor& out) {          // [B, H, D] float
+  constexpr int D = DV * kLanes;
+  const int64_t batch = q.size(0), heads = q.size(1), kv_heads = k_pool.size(1);
+  const int group = static_cast<int>(heads / kv_heads);
+  const int64_t width = slots.size(1);
+  const int64_t slot_stride = k_pool.stride(0);
+  const int64_t head_stride = k_pool.stride(1);
+  const int64_t v_slot_stride = v_pool.stride(0), v_head_stride = v_pool.stride(1);
+  TORCH_CHECK(slot_stride == v_slot_stride && head_stride == v_head_stride,
+              "decode_attend: K and V pools must share a layout");
+
+  int64_t total = 0;
+  for (int64_t b = 0; b < batch; ++b) total += lens[b];
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t want = threads * kPartsPerThread;
+  const int64_t part_len =
+      std::max<int64_t>(kMinPart, (total * kv_heads + want - 1) / std::max<int64_t>(want, 1));
+  std::vector<Part> parts;
+  std::vector<int64_t> first(batch * kv_heads + 1, 0);  // parts of (row, kv head) i
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      for (int64_t s = 0; s < lens[b]; s += part_len) {
+        parts.push_back({b, h, s, std::min(part_len, lens[b] - s)});
+      }
+      first[b * kv_heads + h + 1] = static_cast<int64_t>(parts.size());
+    }
+  }
+  const int64_t n_parts = static_cast<int64_t>(parts.size());
+  std::vector<float> partial(static_cast<size_t>(std::max<int64_t>(n_parts, 1)) * group * (2 + D));
+
+  const float* qp = q.data_ptr<float>();
+  const T* kp = k_pool.data_ptr<T>();
+  const T* vp = v_pool.data_ptr<T>();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  at::parallel_for(0, n_parts, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) {
+      const Part& p = parts[i];
+      attend_part<T, DV>(qp + (p.row * heads + p.kv_head * group) * D, group,
+                         kp + p.kv_head * head_stride, vp + p.kv_head * head_stride,
+                         slot_stride, sp + p.row * width + p.start, p.len,
+                         partial.data() + i * group * (2 + D));
+    }
+  });
+
+  // merge each (row, KV head)'s parts and the row's own token (if given)
+  const bool own_token = new_key.numel() > 0;
+  const float* nk = new_key.data_ptr<float>();
+  const float* nv = new_value.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) {
+      const int64_t b = i / kv_heads, h = i % kv_heads;
+      for (int g = 0; g < group; ++g) {
+        float own = -std::numeric_limits<float>::infinity();
+        if (own_token) {
+          const float* qg = qp + (b * heads + h * group + g) * D;
+          const float* own_k = nk + (b * kv_heads + h) * D;
+          __m512 dot = _mm512_setzero_ps();
+          for (int d = 0; d < D; d += kLanes)
+            dot = _mm512_fmadd_ps(_mm512_loadu_ps(qg + d), _mm512_loadu_ps(own_k + d), dot);
+          own = _mm512_reduce_add_ps(dot);
+        }
+        float top = own;
+        for (int64_t j = first[i]; j < first[i + 1]; ++j)
+          top = std::max(top, partial[(j * group + g) * (2 + D)]);
+        __m512 sum[DV];
+        float total_w = 0.f;
+        for (int v = 0; v < DV; ++v) sum[v] = _mm512_setzero_ps();
+        if (own_token) {
+          const float own_w = std::exp(own - top);
+          const float* own_v = nv + (b * kv_heads + h) * D;
+          total_w = own_w;
+          for (int v = 0; v < DV; ++v)
+            sum[v] = _mm512_mul_ps(_mm512_set1_ps(own_w), _mm512_loadu_ps(own_v + v * kLanes));
+        }
+        for (int64_t j = first[i]; j < first[i + 1]; ++j) {
+          const float* pj = partial.data() + (j * group + g) * (2 + D);
+          const float w = std::exp(pj[0] - top);
+          total_w += pj[1] * w;
+          const __m512 wv = _mm512_set1_ps(w);
+          for (int v = 0; v < DV; ++v)
+            sum[v] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(pj + 2 + v * kLanes), sum[v]);
+        }
+        const __m512 inv = _mm512_set1_ps(1.f / total_w);
+        float* o = op + (b * heads + h * group + g) * D;
+        for (int v = 0; v < DV; ++v) _mm512_storeu_ps(o + v * kLanes, _mm512_mul_ps(sum[v], inv));
+      }
+    }
+  });
+}
+
+template <typename T>
+void dispatch_width(int64_t head_dim, const at::Tensor& q, const at::Tensor& k,
+                    const at::Tensor& v, const at::Tensor& slots,
+                    const std::vector<int64_t>& lens, const at::Tensor& nk,
+                    const at::Tensor& nv, at::Tensor& out) {
+  switch (head_dim) {
+    case 16: return run<T, 1>(q, k, v, slots, lens, nk, nv, out);
+    case 32: return run<T, 2>(q, k, v, slots, lens, nk, nv, out);
+    case 64: return run<T, 4>(q, k, v, slots, lens, nk, nv, out);
+    case 80: return run<T, 5>(q, k, v, slots, lens, nk, nv, out);
+    case 96: return run<T, 6>(q, k, v, slots, lens, nk, nv, out);
+    case 128: return run<T, 8>(q, k, v, slots, lens, nk, nv, out);
+    default: TORCH_CHECK(false, "decode_attend: head_dim ", head_dim, " is not supported");
+  }
+}
+
+// query [B, H, D]; k_pool, v_pool [S, KVH, D] (any slot and head strides, D contiguous);
+// slots [B, W] int64, of which row b reads its first lens[b]; new_key, new_value [B, KVH, D]
+// (the rows' own tokens, not in the pool yet) or empty (the rows' tokens are in their
+// contexts already: lens >= 1). Returns [B, H, D] in the query's dtype.
+at::Tensor decode_attend(const at::Tensor& query, const at::Tensor& k_pool,
+                         const at::Tensor& v_pool, const at::Tensor& slots,
+                         const at::Tensor& lens, const at::Tensor& new_key,
+                         const at::Tensor& new_value, double scale) {
+  TORCH_CHECK(query.dim() == 3 && k_pool.dim() == 3 && v_pool.dim() == 3,
+              "decode_attend: query [B, H, D] and pools [S, KVH, D] expected");
+  TORCH_CHECK(k_pool.scalar_type() == v_pool.scalar_type(), "decode_attend: K/V dtypes differ");
+  TORCH_CHECK(k_pool.stride(2) == 1 && v_pool.stride(2) == 1,
+              "decode_attend: the pools' last dimension must be contiguous");
+  const int64_t heads = query.size(1), kv_heads = k_pool.size(1), head_dim = k_pool.size(2);
+  TORCH_CHECK(heads % kv_heads == 0 && heads / kv_heads <= kMaxGroup,
+              "decode_attend: query heads must be a multiple (<= 16x) of KV heads");
+  TORCH_CHECK(query.size(2) == head_dim, "decode_attend: query and pool head_dim differ");
+  const at::Tensor q = (query.to(at::kFloat) * scale).contiguous();
+  const at::Tensor nk = new_key.to(at::kFloat).contiguous();
+  const at::Tensor nv = new_value.to(at::kFloat).contiguous();
+  const at::Tensor s = slots.to(at::kLong).contiguous();
+  const at::Tensor l = lens.to(at::kLong).contiguous();
+  const std::vector<int64_t> lengths(l.data_ptr<int64_t>(), l.data_ptr<int64_t>() + l.numel());
+  const bool own_token = nk.numel() > 0;
+  const int64_t batch = query.size(0);
+  TORCH_CHECK(s.dim() == 2 && s.size(0) == batch && l.numel() == batch,
+              "decode_attend: slots [B, W] and lens [B] expected for B = ", batch, " rows");
+  TORCH_CHECK(!own_token || (nk.sizes() == at::IntArrayRef({batch, kv_heads, head_dim}) &&
+                             nv.sizes() == nk.sizes()),
+              "decode_attend: new_key and new_value must be [B, KVH, D] or empty");
+  for (int64_t n : lengths)
+    TORCH_CHECK(n >= (own_token ? 0 : 1) && n <= s.size(1),
+                "decode_attend: lens must lie in ", own_token ? 0 : 1,
+                "..slots.size(1) (0 only with the row's own new_key/new_value)");
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  if (k_pool.scalar_type() == at::kBFloat16) {
+    dispatch_width<c10::BFloat16>(head_dim, q, k_pool, v_pool, s, lengths, nk, nv, out);
+  } else {
+    TORCH_CHECK(k_pool.scalar_type() == at::kFloat, "decode_attend: pools must be fp32 or bf16");
+    dispatch_width<float>(head_dim, q, k_pool, v_pool, s, lengths, nk, nv, out);
+  }
+  return out.to(query.scalar_type());
+}
+
+}  // namespace
+
+extern "C" AOTI_TORCH_EXPORT AOTITorchError aoti_torch_cpu_decode_attend(
+    AtenTensorHandle query, AtenTensorHandle k_pool, AtenTensorHandle v_pool,
+    AtenTensorHandle slots, AtenTensorHandle lens, AtenTensorHandle new_key,
+    AtenTensorHandle new_value, double scale, AtenTensorHandle* ret) {
+  using torch::aot_inductor::resolve_tensor_dispatch_flags;
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    at::Tensor out = decode_attend(
+        resolve_tensor_dispatch_flags(query), resolve_tensor_dispatch_flags(k_pool),
+        resolve_tensor_dispatch_flags(v_pool), resolve_tensor_dispatch_flags(slots),
+        resolve_tensor_dispatch_flags(lens), resolve_tensor_dispatch_flags(new_key),
+        resolve_tensor_dispatch_flags(new_value), scale);
+    *ret = torch::aot_inductor::new_tensor_handle(std::move(out));
+  });
+}
+
+TORCH_LIBRARY_FRAGMENT(sessionserve, m) {
+  m.def(
+      "decode_attend(Tensor query, Tensor k_pool, Tensor v_pool, Tensor slots, Tensor lens, "
+      "Tensor new_key, Tensor new_value, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(sessionserve, CPU, m) { m.impl("decode_attend", &decode_attend); }

@@ -1,0 +1,129 @@
+"""The hand-written CPU decode attention (attention/cpu_decode_kernel.py): built and loaded on
+a machine with AVX-512 and a C++ compiler, it computes what `inplace_decode.decode_attention`
+computes (the row's own token merged in), for any head layout it supports, fp32 and bf16
+pools, empty and long contexts (split into parts across threads), strided pool views; bad
+input is a clear error; where it cannot be used, the decode step package keeps inductor's
+formula and says why. Its use inside a built package is checked in test_compiled_decode.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sessionserve.replicas.attention import cpu_decode_kernel
+from sessionserve.replicas.attention.inplace_decode import decode_attention, part_padded
+from sessionserve.replicas.compiled_decode import plan_decode_compile, use_attention_kernel
+from sessionserve.replicas.compiled_forward import CompilePlan
+from tests.models import tiny_engine, tiny_model
+
+
+@pytest.fixture(scope="module")
+def kernel() -> None:
+    if not cpu_decode_kernel.load():
+        pytest.skip(f"the CPU decode kernel cannot be used here: {cpu_decode_kernel.why_not()}")
+
+
+@pytest.fixture
+def threads(request):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+def case(heads: int, kv_heads: int, dim: int, lens: list[int], dtype: torch.dtype, seed: int):
+    """Inputs as the decode step hands them over: a layer's view of a [layers, S, KVH, D]
+    pool, each row's context scattered over 16-slot pages, new K/V as transposed views."""
+    g = torch.Generator().manual_seed(seed)
+    batch, width, slots_in_pool = len(lens), max(max(lens), 1), 16384
+    pools = [torch.randn(2, slots_in_pool, kv_heads, dim, generator=g).to(dtype) for _ in "kv"]
+    pages = torch.randperm(slots_in_pool // 16 - 1, generator=g)[: batch * (-(-width // 16))] + 1
+    slots = (pages.view(batch, -1)[..., None] * 16 + torch.arange(16)).view(batch, -1)
+    slots = slots[:, :width].contiguous()
+    query = torch.randn(1, heads, batch, dim, generator=g).to(dtype)[0].transpose(0, 1)
+    new = [torch.randn(1, kv_heads, batch, dim, generator=g).to(dtype) for _ in "kv"]
+    new_k, new_v = (t[0].transpose(0, 1) for t in new)
+    return query, pools[0][1], pools[1][1], slots, torch.tensor(lens), new_k, new_v
+
+
+@pytest.mark.usefixtures("kernel")
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "heads,kv_heads,dim",
+    [(4, 2, 16), (9, 3, 64), (8, 2, 128), (4, 4, 32), (6, 1, 80), (16, 1, 96)],
+)
+def test_the_kernel_computes_the_formula(heads, kv_heads, dim, dtype, threads) -> None:
+    scale = dim**-0.5
+    for seed, lens in enumerate([[0], [1], [15, 16, 17], [700, 3], [0, 1500, 40, 1]]):
+        query, k_pool, v_pool, slots, lens_t, new_k, new_v = case(
+            heads, kv_heads, dim, lens, dtype, seed
+        )
+        got = cpu_decode_kernel.decode_attend(
+            query, k_pool, v_pool, slots, lens_t, new_k, new_v, scale
+        )
+        want = decode_attention(
+            query, k_pool, v_pool, part_padded(slots, 4), lens_t, 4, scale, new_k, new_v
+        )
+        assert got.dtype == dtype and got.shape == query.shape
+        if dtype == torch.float32:  # only the order of the sums differs
+            torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-6)
+        else:  # both computed in fp32, rounded once: at most one bf16 step apart
+            torch.testing.assert_close(got.float(), want.float(), atol=1e-3, rtol=2**-7)
+
+
+@pytest.mark.usefixtures("kernel")
+def test_bad_input_is_a_clear_error() -> None:
+    query, k_pool, v_pool, slots, lens, new_k, new_v = case(4, 2, 16, [5, 9], torch.float32, 0)
+    with pytest.raises(RuntimeError, match="lens must lie in"):
+        cpu_decode_kernel.decode_attend(
+            query, k_pool, v_pool, slots, lens + 100, new_k, new_v, 0.25
+        )
+    odd = torch.randn(64, 2, 24)
+    with pytest.raises(RuntimeError, match="head_dim 24 is not supported"):
+        cpu_decode_kernel.decode_attend(
+            torch.randn(2, 4, 24), odd, odd, slots, lens, new_k[..., :8].repeat(1, 1, 3),
+            new_v[..., :8].repeat(1, 1, 3), 0.25,
+        )  # fmt: skip
+    with pytest.raises(RuntimeError, match="K/V dtypes differ"):
+        cpu_decode_kernel.decode_attend(
+            query, k_pool, v_pool.to(torch.bfloat16), slots, lens, new_k, new_v, 0.25
+        )
+    assert not cpu_decode_kernel.supports(24, 4, 2, torch.float32)
+    assert not cpu_decode_kernel.supports(64, 40, 2, torch.float32)  # 20 heads per KV head
+    assert not cpu_decode_kernel.supports(64, 4, 2, torch.float16)
+
+
+def test_without_the_kernel_the_step_keeps_inductors_formula(monkeypatch, caplog, tmp_path):
+    """Disabled (or unbuildable), `load()` says why once and the decode step package is
+    planned with the compiled formula; the plan's key differs, so packages do not mix."""
+    monkeypatch.setattr(cpu_decode_kernel, "_state", {})
+    monkeypatch.setenv(cpu_decode_kernel.DISABLE_ENV, "0")
+    model = tiny_model("llama")
+    pool = tiny_engine(model).runner.kv_pool
+    forward = CompilePlan(True, "test", tmp_path / "forward.pt2", 32)
+    with caplog.at_level("WARNING", logger=cpu_decode_kernel.__name__):
+        assert not use_attention_kernel(model, pool)
+    assert f"{cpu_decode_kernel.DISABLE_ENV}=0" in cpu_decode_kernel.why_not()
+    assert "kernel not used" in caplog.text
+    plan, step = plan_decode_compile(True, forward, model, pool)
+    assert step is not None and not step.attention_kernel
+    with_kernel, step_k = plan_decode_compile(True, forward, model, pool, attention_kernel=True)
+    assert step_k is not None and step_k.attention_kernel
+    assert with_kernel.package != plan.package
+    with pytest.raises(RuntimeError, match="not available"):
+        cpu_decode_kernel.decode_attend(*case(4, 2, 16, [3], torch.float32, 0), 0.25)
+
+
+@pytest.mark.usefixtures("kernel")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_without_an_own_token_it_computes_the_formula_over_the_pool(dtype) -> None:
+    """Empty new K/V: every row's token is in its context already (the compiled forward's
+    decode rows, whose K/V were written first); a row must then read at least one slot."""
+    query, k_pool, v_pool, slots, lens, _, _ = case(9, 3, 64, [1, 300, 17], dtype, 5)
+    none = query.new_empty(0)
+    got = cpu_decode_kernel.decode_attend(query, k_pool, v_pool, slots, lens, none, none, 0.125)
+    want = decode_attention(query, k_pool, v_pool, part_padded(slots, 4), lens, 4, 0.125)
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-3, rtol=2**-7)
+    with pytest.raises(RuntimeError, match="0 only with the row's own"):
+        cpu_decode_kernel.decode_attend(query, k_pool, v_pool, slots, lens * 0, none, none, 0.1)
