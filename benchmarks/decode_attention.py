@@ -13,7 +13,7 @@ hands to oneDNN), `sdpa` (torch's SDPA over the gathered rows, with a length mas
 `page_transposed` (the K pool stored with each page's keys transposed, so scores can run
 across a page's tokens; the kernel alone, the pool converted once outside the timing) or
 `cpu_kernel` (not a formulation: the hand-written AVX-512 kernel the decode step package
-calls, attention/cpu_decode_kernel.py; a speedup under 1 means it is faster).
+calls, replicas/attention/cpu_decode_kernel.py; a speedup under 1 means it is faster).
 
 With `--engine-points`, the same two kernels also take turns inside the engine (the default
 model, compiled forward, in the same dtype): ms per decode step of B requests over L-token
@@ -197,7 +197,7 @@ def build_page_transposed(path: Path, layout: HeadLayout) -> Callable[..., torch
 
 
 def cpu_kernel_as_kernel(layout: HeadLayout) -> Callable[..., torch.Tensor]:
-    """The hand-written CPU kernel (attention/cpu_decode_kernel.py) as the engine's torch
+    """The hand-written CPU kernel (replicas/attention/cpu_decode_kernel.py) as the engine's torch
     backend calls it: no own token, the rows' K/V in the pool."""
     if not cpu_decode_kernel.load():
         raise SystemExit(f"the CPU decode kernel is not usable: {cpu_decode_kernel.why_not()}")
