@@ -15,8 +15,8 @@ token for token and where the first differed.
 
 With `--against inductor_attention` the other side is a second decode step package, its
 attention compiled by inductor from `inplace_decode.decode_attention` (what the package ran
-before the hand-written CPU kernel, `replicas/attention/cpu_decode_kernel.py`; built here if the cache
-lacks it, ~5 minutes); the engine's own package must then use the kernel.
+before the hand-written CPU kernel, `replicas/attention/cpu_decode_kernel.py`; built here if
+the cache lacks it, ~5 minutes); the engine's own package must then use the kernel.
 
     .venv/bin/python -m benchmarks.decode_package [--batches 1 8 32] [--tokens 128] [--rounds 3]
         [--context N] [--against forward | inductor_attention]
