@@ -117,7 +117,8 @@ def decode_kernel_for(layout: HeadLayout, cache_dir: Path) -> DecodeKernel | Non
         if cpu_decode_kernel.load():
             log.info("compile: decode rows attend over the KV pool in place (the CPU kernel)")
             run = cpu_decode_kernel.over_the_pool(layout.scale)
-            return DecodeKernel(run, kernel_chunks(), layout.scale)
+            tokens = cpu_decode_kernel.max_query_tokens(heads, kv_heads)
+            return DecodeKernel(run, kernel_chunks(), layout.scale, tokens)
     return load_decode_kernel(layout, cache_dir)
 
 

@@ -36,7 +36,7 @@ extern "C" __m512 Sleef_expf16_u10(__m512);  // exported by libtorch_cpu (ATen's
 namespace {
 
 constexpr int kLanes = 16;         // floats in a vector, tokens in a block
-constexpr int kMaxGroup = 16;      // query heads per KV head
+constexpr int kMaxGroup = 32;      // query heads per KV head x query tokens per row
 constexpr int64_t kMinPart = 64;   // context tokens below which a part is not split further
 constexpr int64_t kPartsPerThread = 4;
 constexpr int64_t kKeyAhead = 4 * kLanes;  // tokens
@@ -94,8 +94,10 @@ void attend_part(const float* q,  // [group, DV * 16], already scaled
   __m512 acc[kMaxGroup][DV];
   float m[kMaxGroup], l[kMaxGroup];
   alignas(64) float s[kMaxGroup][kLanes];
-  alignas(64) float dots[kMaxGroup][kLanes][kLanes] = {};  // per query head, token: lanes to sum
+  alignas(64) float dots[kMaxGroup][kLanes][kLanes];  // per query head and token: lanes to sum
   for (int g = 0; g < group; ++g) {
+    // a short last block sums lanes of rows no token wrote: defined, then masked out
+    std::fill(&dots[g][0][0], &dots[g][0][0] + kLanes * kLanes, 0.f);
     for (int i = 0; i < DV; ++i) {
       qv[g][i] = _mm512_loadu_ps(q + g * D + i * kLanes);
       acc[g][i] = _mm512_setzero_ps();
@@ -152,43 +154,53 @@ void attend_part(const float* q,  // [group, DV * 16], already scaled
   }
 }
 
+// A row's T query tokens (T = 1 for decode, k + 1 for a chain verify) attend over its
+// context: all of them over the common part (context positions 0..common-1), then each
+// causally over the T tail tokens (the row's own: token t sees tail tokens 0..t).
+struct Rows {
+  int64_t batch, tokens;             // B rows of T query tokens each
+  std::vector<int64_t> common;       // per row, the context all its tokens see
+  bool tail_given;                   // the tail's K/V are new_key/new_value, not in the pool
+};
+
 template <typename T, int DV>
-void run(const at::Tensor& q,        // [B, H, D] float, scaled
+void run(const at::Tensor& q,        // [B, KVH, T * G, D] float, scaled
          const at::Tensor& k_pool,   // [S, KVH, D] T
          const at::Tensor& v_pool,
          const at::Tensor& slots,    // [B, W] int64, contiguous
-         const std::vector<int64_t>& lens,
-         const at::Tensor& new_key,  // [B, KVH, D] float
+         const Rows& rows,
+         const at::Tensor& new_key,  // [B * T, KVH, D] float, or empty (the tail is in the pool)
          const at::Tensor& new_value,
-         at::Tensor& out) {          // [B, H, D] float
+         at::Tensor& out) {          // [B * T, H, D] float
   constexpr int D = DV * kLanes;
-  const int64_t batch = q.size(0), heads = q.size(1), kv_heads = k_pool.size(1);
-  const int group = static_cast<int>(heads / kv_heads);
+  const int64_t batch = rows.batch, tokens = rows.tokens, kv_heads = k_pool.size(1);
+  const int width_group = static_cast<int>(q.size(2));  // T * G query heads per KV head
+  const int group = static_cast<int>(width_group / tokens);
+  const int64_t heads = kv_heads * group;
   const int64_t width = slots.size(1);
   const int64_t slot_stride = k_pool.stride(0);
   const int64_t head_stride = k_pool.stride(1);
-  const int64_t v_slot_stride = v_pool.stride(0), v_head_stride = v_pool.stride(1);
-  TORCH_CHECK(slot_stride == v_slot_stride && head_stride == v_head_stride,
+  TORCH_CHECK(slot_stride == v_pool.stride(0) && head_stride == v_pool.stride(1),
               "decode_attend: K and V pools must share a layout");
 
   int64_t total = 0;
-  for (int64_t b = 0; b < batch; ++b) total += lens[b];
+  for (int64_t b = 0; b < batch; ++b) total += rows.common[b];
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   const int64_t want = threads * kPartsPerThread;
-  const int64_t part_len =
-      std::max<int64_t>(kMinPart, (total * kv_heads + want - 1) / std::max<int64_t>(want, 1));
+  const int64_t part_len = std::max<int64_t>(kMinPart, (total * kv_heads + want - 1) / want);
   std::vector<Part> parts;
   std::vector<int64_t> first(batch * kv_heads + 1, 0);  // parts of (row, kv head) i
   for (int64_t b = 0; b < batch; ++b) {
     for (int64_t h = 0; h < kv_heads; ++h) {
-      for (int64_t s = 0; s < lens[b]; s += part_len) {
-        parts.push_back({b, h, s, std::min(part_len, lens[b] - s)});
+      for (int64_t s = 0; s < rows.common[b]; s += part_len) {
+        parts.push_back({b, h, s, std::min(part_len, rows.common[b] - s)});
       }
       first[b * kv_heads + h + 1] = static_cast<int64_t>(parts.size());
     }
   }
   const int64_t n_parts = static_cast<int64_t>(parts.size());
-  std::vector<float> partial(static_cast<size_t>(std::max<int64_t>(n_parts, 1)) * group * (2 + D));
+  const int64_t stride_part = width_group * (2 + D);
+  std::vector<float> partial(static_cast<size_t>(std::max<int64_t>(n_parts, 1)) * stride_part);
 
   const float* qp = q.data_ptr<float>();
   const T* kp = k_pool.data_ptr<T>();
@@ -197,55 +209,71 @@ void run(const at::Tensor& q,        // [B, H, D] float, scaled
   at::parallel_for(0, n_parts, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t i = lo; i < hi; ++i) {
       const Part& p = parts[i];
-      attend_part<T, DV>(qp + (p.row * heads + p.kv_head * group) * D, group,
+      attend_part<T, DV>(qp + (p.row * kv_heads + p.kv_head) * width_group * D, width_group,
                          kp + p.kv_head * head_stride, vp + p.kv_head * head_stride,
                          slot_stride, sp + p.row * width + p.start, p.len,
-                         partial.data() + i * group * (2 + D));
+                         partial.data() + i * stride_part);
     }
   });
 
-  // merge each (row, KV head)'s parts and the row's own token (if given)
-  const bool own_token = new_key.numel() > 0;
+  // merge each (row, KV head)'s parts with its tail, causally
   const float* nk = new_key.data_ptr<float>();
   const float* nv = new_value.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t i = lo; i < hi; ++i) {
       const int64_t b = i / kv_heads, h = i % kv_heads;
-      for (int g = 0; g < group; ++g) {
-        float own = -std::numeric_limits<float>::infinity();
-        if (own_token) {
-          const float* qg = qp + (b * heads + h * group + g) * D;
-          const float* own_k = nk + (b * kv_heads + h) * D;
-          __m512 dot = _mm512_setzero_ps();
-          for (int d = 0; d < D; d += kLanes)
-            dot = _mm512_fmadd_ps(_mm512_loadu_ps(qg + d), _mm512_loadu_ps(own_k + d), dot);
-          own = _mm512_reduce_add_ps(dot);
+      float tail_scores[kMaxGroup];
+      for (int64_t t = 0; t < tokens; ++t) {
+        for (int g = 0; g < group; ++g) {
+          const int idx = static_cast<int>(t * group + g);
+          const float* qg = qp + ((b * kv_heads + h) * width_group + idx) * D;
+          float top = -std::numeric_limits<float>::infinity();
+          for (int64_t j = 0; j <= t; ++j) {  // the tail tokens this one sees
+            __m512 dot = _mm512_setzero_ps();
+            if (rows.tail_given) {
+              const float* k = nk + ((b * tokens + j) * kv_heads + h) * D;
+              for (int d = 0; d < D; d += kLanes)
+                dot = _mm512_fmadd_ps(_mm512_loadu_ps(qg + d), _mm512_loadu_ps(k + d), dot);
+            } else {
+              const T* k = kp + sp[b * width + rows.common[b] + j] * slot_stride + h * head_stride;
+              for (int d = 0; d < D; d += kLanes)
+                dot = _mm512_fmadd_ps(_mm512_loadu_ps(qg + d), load16(k + d), dot);
+            }
+            tail_scores[j] = _mm512_reduce_add_ps(dot);
+            top = std::max(top, tail_scores[j]);
+          }
+          for (int64_t j = first[i]; j < first[i + 1]; ++j)
+            top = std::max(top, partial[j * stride_part + idx * (2 + D)]);
+          __m512 sum[DV];
+          for (int v = 0; v < DV; ++v) sum[v] = _mm512_setzero_ps();
+          float total_w = 0.f;
+          for (int64_t j = 0; j <= t; ++j) {
+            const float w = std::exp(tail_scores[j] - top);
+            total_w += w;
+            const __m512 wv = _mm512_set1_ps(w);
+            if (rows.tail_given) {
+              const float* v = nv + ((b * tokens + j) * kv_heads + h) * D;
+              for (int d = 0; d < DV; ++d)
+                sum[d] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(v + d * kLanes), sum[d]);
+            } else {
+              const T* v = vp + sp[b * width + rows.common[b] + j] * slot_stride + h * head_stride;
+              for (int d = 0; d < DV; ++d)
+                sum[d] = _mm512_fmadd_ps(wv, load16(v + d * kLanes), sum[d]);
+            }
+          }
+          for (int64_t j = first[i]; j < first[i + 1]; ++j) {
+            const float* pj = partial.data() + j * stride_part + idx * (2 + D);
+            const float w = std::exp(pj[0] - top);
+            total_w += pj[1] * w;
+            const __m512 wv = _mm512_set1_ps(w);
+            for (int d = 0; d < DV; ++d)
+              sum[d] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(pj + 2 + d * kLanes), sum[d]);
+          }
+          const __m512 inv = _mm512_set1_ps(1.f / total_w);
+          float* o = op + ((b * tokens + t) * heads + h * group + g) * D;
+          for (int d = 0; d < DV; ++d) _mm512_storeu_ps(o + d * kLanes, _mm512_mul_ps(sum[d], inv));
         }
-        float top = own;
-        for (int64_t j = first[i]; j < first[i + 1]; ++j)
-          top = std::max(top, partial[(j * group + g) * (2 + D)]);
-        __m512 sum[DV];
-        float total_w = 0.f;
-        for (int v = 0; v < DV; ++v) sum[v] = _mm512_setzero_ps();
-        if (own_token) {
-          const float own_w = std::exp(own - top);
-          const float* own_v = nv + (b * kv_heads + h) * D;
-          total_w = own_w;
-          for (int v = 0; v < DV; ++v)
-            sum[v] = _mm512_mul_ps(_mm512_set1_ps(own_w), _mm512_loadu_ps(own_v + v * kLanes));
-        }
-        for (int64_t j = first[i]; j < first[i + 1]; ++j) {
-          const float* pj = partial.data() + (j * group + g) * (2 + D);
-          const float w = std::exp(pj[0] - top);
-          total_w += pj[1] * w;
-          const __m512 wv = _mm512_set1_ps(w);
-          for (int v = 0; v < DV; ++v)
-            sum[v] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(pj + 2 + v * kLanes), sum[v]);
-        }
-        const __m512 inv = _mm512_set1_ps(1.f / total_w);
-        float* o = op + (b * heads + h * group + g) * D;
-        for (int v = 0; v < DV; ++v) _mm512_storeu_ps(o + v * kLanes, _mm512_mul_ps(sum[v], inv));
       }
     }
   });
@@ -253,60 +281,72 @@ void run(const at::Tensor& q,        // [B, H, D] float, scaled
 
 template <typename T>
 void dispatch_width(int64_t head_dim, const at::Tensor& q, const at::Tensor& k,
-                    const at::Tensor& v, const at::Tensor& slots,
-                    const std::vector<int64_t>& lens, const at::Tensor& nk,
-                    const at::Tensor& nv, at::Tensor& out) {
+                    const at::Tensor& v, const at::Tensor& slots, const Rows& rows,
+                    const at::Tensor& nk, const at::Tensor& nv, at::Tensor& out) {
   switch (head_dim) {
-    case 16: return run<T, 1>(q, k, v, slots, lens, nk, nv, out);
-    case 32: return run<T, 2>(q, k, v, slots, lens, nk, nv, out);
-    case 64: return run<T, 4>(q, k, v, slots, lens, nk, nv, out);
-    case 80: return run<T, 5>(q, k, v, slots, lens, nk, nv, out);
-    case 96: return run<T, 6>(q, k, v, slots, lens, nk, nv, out);
-    case 128: return run<T, 8>(q, k, v, slots, lens, nk, nv, out);
+    case 16: return run<T, 1>(q, k, v, slots, rows, nk, nv, out);
+    case 32: return run<T, 2>(q, k, v, slots, rows, nk, nv, out);
+    case 64: return run<T, 4>(q, k, v, slots, rows, nk, nv, out);
+    case 80: return run<T, 5>(q, k, v, slots, rows, nk, nv, out);
+    case 96: return run<T, 6>(q, k, v, slots, rows, nk, nv, out);
+    case 128: return run<T, 8>(q, k, v, slots, rows, nk, nv, out);
     default: TORCH_CHECK(false, "decode_attend: head_dim ", head_dim, " is not supported");
   }
 }
 
-// query [B, H, D]; k_pool, v_pool [S, KVH, D] (any slot and head strides, D contiguous);
-// slots [B, W] int64, of which row b reads its first lens[b]; new_key, new_value [B, KVH, D]
-// (the rows' own tokens, not in the pool yet) or empty (the rows' tokens are in their
-// contexts already: lens >= 1). Returns [B, H, D] in the query's dtype.
+// query [B * T, H, D]: B rows (slots [B, W] int64, of which row b reads its first lens[b])
+// of T query tokens each, consecutive; k_pool, v_pool [S, KVH, D] (any slot and head
+// strides, D contiguous). new_key, new_value [B * T, KVH, D]: the rows' own new tokens, not
+// in the pool yet, attended causally after the row's lens[b] context slots (lens >= 0); or
+// empty: the rows' tokens are the last T of their contexts already (lens >= T). Token t of a
+// row sees its context and its own tokens 0..t. Returns [B * T, H, D] in the query's dtype.
 at::Tensor decode_attend(const at::Tensor& query, const at::Tensor& k_pool,
                          const at::Tensor& v_pool, const at::Tensor& slots,
                          const at::Tensor& lens, const at::Tensor& new_key,
                          const at::Tensor& new_value, double scale) {
   TORCH_CHECK(query.dim() == 3 && k_pool.dim() == 3 && v_pool.dim() == 3,
-              "decode_attend: query [B, H, D] and pools [S, KVH, D] expected");
+              "decode_attend: query [B * T, H, D] and pools [S, KVH, D] expected");
   TORCH_CHECK(k_pool.scalar_type() == v_pool.scalar_type(), "decode_attend: K/V dtypes differ");
   TORCH_CHECK(k_pool.stride(2) == 1 && v_pool.stride(2) == 1,
               "decode_attend: the pools' last dimension must be contiguous");
   const int64_t heads = query.size(1), kv_heads = k_pool.size(1), head_dim = k_pool.size(2);
-  TORCH_CHECK(heads % kv_heads == 0 && heads / kv_heads <= kMaxGroup,
-              "decode_attend: query heads must be a multiple (<= 16x) of KV heads");
   TORCH_CHECK(query.size(2) == head_dim, "decode_attend: query and pool head_dim differ");
-  const at::Tensor q = (query.to(at::kFloat) * scale).contiguous();
+  TORCH_CHECK(slots.dim() == 2 && lens.numel() == slots.size(0) && slots.size(0) > 0 &&
+                  query.size(0) % slots.size(0) == 0,
+              "decode_attend: slots [B, W] and lens [B] expected, with B dividing the query's ",
+              query.size(0), " rows");
+  const int64_t batch = slots.size(0), tokens = query.size(0) / batch;
+  TORCH_CHECK(heads % kv_heads == 0 && (heads / kv_heads) * tokens <= kMaxGroup,
+              "decode_attend: query heads must be a multiple of KV heads, and (query heads per KV "
+              "head) x (tokens per row) at most ", kMaxGroup);
+  const int64_t group = heads / kv_heads;
+  const at::Tensor q = (query.to(at::kFloat) * scale)
+                           .view({batch, tokens, kv_heads, group, head_dim})
+                           .permute({0, 2, 1, 3, 4})
+                           .contiguous()
+                           .view({batch, kv_heads, tokens * group, head_dim});
   const at::Tensor nk = new_key.to(at::kFloat).contiguous();
   const at::Tensor nv = new_value.to(at::kFloat).contiguous();
   const at::Tensor s = slots.to(at::kLong).contiguous();
   const at::Tensor l = lens.to(at::kLong).contiguous();
-  const std::vector<int64_t> lengths(l.data_ptr<int64_t>(), l.data_ptr<int64_t>() + l.numel());
-  const bool own_token = nk.numel() > 0;
-  const int64_t batch = query.size(0);
-  TORCH_CHECK(s.dim() == 2 && s.size(0) == batch && l.numel() == batch,
-              "decode_attend: slots [B, W] and lens [B] expected for B = ", batch, " rows");
-  TORCH_CHECK(!own_token || (nk.sizes() == at::IntArrayRef({batch, kv_heads, head_dim}) &&
-                             nv.sizes() == nk.sizes()),
-              "decode_attend: new_key and new_value must be [B, KVH, D] or empty");
-  for (int64_t n : lengths)
-    TORCH_CHECK(n >= (own_token ? 0 : 1) && n <= s.size(1),
-                "decode_attend: lens must lie in ", own_token ? 0 : 1,
-                "..slots.size(1) (0 only with the row's own new_key/new_value)");
-  at::Tensor out = at::empty(q.sizes(), q.options());
+  Rows rows{batch, tokens, {}, nk.numel() > 0};
+  TORCH_CHECK(!rows.tail_given ||
+                  (nk.sizes() == at::IntArrayRef({batch * tokens, kv_heads, head_dim}) &&
+                   nv.sizes() == nk.sizes()),
+              "decode_attend: new_key and new_value must be [B * T, KVH, D] or empty");
+  const int64_t least = rows.tail_given ? 0 : tokens;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t n = l.data_ptr<int64_t>()[b];
+    TORCH_CHECK(n >= least && n <= s.size(1), "decode_attend: lens must lie in ", least,
+                "..slots.size(1) (under T only with the rows' own new_key/new_value)");
+    rows.common.push_back(rows.tail_given ? n : n - tokens);
+  }
+  at::Tensor out = at::empty({batch * tokens, heads, head_dim}, q.options());
   if (k_pool.scalar_type() == at::kBFloat16) {
-    dispatch_width<c10::BFloat16>(head_dim, q, k_pool, v_pool, s, lengths, nk, nv, out);
+    dispatch_width<c10::BFloat16>(head_dim, q, k_pool, v_pool, s, rows, nk, nv, out);
   } else {
     TORCH_CHECK(k_pool.scalar_type() == at::kFloat, "decode_attend: pools must be fp32 or bf16");
-    dispatch_width<float>(head_dim, q, k_pool, v_pool, s, lengths, nk, nv, out);
+    dispatch_width<float>(head_dim, q, k_pool, v_pool, s, rows, nk, nv, out);
   }
   return out.to(query.scalar_type());
 }

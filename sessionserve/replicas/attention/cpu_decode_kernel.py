@@ -30,7 +30,7 @@ from sessionserve.replicas.loader import cache_root
 
 SOURCE = Path(__file__).with_name("cpu_decode_attention.cpp")
 HEAD_DIMS = (16, 32, 64, 80, 96, 128)  # what the kernel is instantiated for
-MAX_GROUP = 16  # query heads per KV head
+MAX_GROUP = 32  # query heads per KV head, times the query tokens per row
 DTYPES = (torch.float32, torch.bfloat16)  # the pool's
 FLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", "-mavx512f", "-mavx512bw",
          "-mavx512dq", "-mavx512vl", "-mfma")  # fmt: skip
@@ -67,6 +67,11 @@ def supports(head_dim: int, heads: int, kv_heads: int, dtype: torch.dtype) -> bo
     )
 
 
+def max_query_tokens(heads: int, kv_heads: int) -> int:
+    """How many query tokens a row may have (a chain verify's k + 1)."""
+    return MAX_GROUP // (heads // kv_heads)
+
+
 def decode_attend(
     query: torch.Tensor,
     k_pool: torch.Tensor,
@@ -77,10 +82,12 @@ def decode_attend(
     new_value: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """`inplace_decode.decode_attention` with the row's own token (`new_key`, `new_value`
-    [B, KVH, D]; or empty tensors where the token is in the row's context already), any
-    number of parts: query [B, H, D], pools [S, KVH, D], slots [B, W], lens [B]. Loads the
-    op first if this process has not (a package's build process, tests)."""
+    """`inplace_decode.decode_attention` for rows of T query tokens (query [B * T, H, D],
+    a row's tokens consecutive; T = 1 for decode, k + 1 for a chain verify), each token
+    seeing its row's context (slots [B, W], lens [B]; pools [S, KVH, D]) and its row's tokens
+    up to itself: their K/V `new_key`, `new_value` [B * T, KVH, D] after the row's lens[b]
+    slots, or, given empty, the row's last T context slots. Loads the op first if this
+    process has not (a package's build process, tests)."""
     if not load():
         raise RuntimeError(f"the CPU decode attention kernel is not available: {why_not()}")
     return torch.ops.sessionserve.decode_attend(
@@ -105,8 +112,9 @@ def aot_configs() -> dict[str, object]:
 
 def over_the_pool(scale: float) -> Callable[..., torch.Tensor]:
     """The kernel called as `inplace_decode.DecodeKernel` calls a kernel: (query, k_pool,
-    v_pool, slots, lens), every row's new token in its context already (the torch backend's
-    decode rows, whose K/V were written before the layer attends)."""
+    v_pool, slots, lens), every row's new tokens the last of its context already (the torch
+    backend's decode and chain-verify rows, whose K/V were written before the layer
+    attends)."""
 
     def run(query, k_pool, v_pool, slots, lens):  # noqa: ANN001, ANN202 - as DecodeKernel
         none = query.new_empty(0)

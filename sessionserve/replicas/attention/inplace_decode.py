@@ -107,6 +107,9 @@ class DecodeKernel:
     run: Callable[..., torch.Tensor]
     chunks: int
     scale: float
+    # query tokens a row may have: 1 (the formula), more for the CPU kernel (a chain
+    # verify's rows, each token seeing its row's context up to itself)
+    max_query_tokens: int = 1
 
     def __call__(
         self,

@@ -14,8 +14,9 @@ Metadata is built on the host with whole-tensor ops and copied to the device onc
 (no per-sequence device writes, no device-to-host reads inside the layers).
 
 Where the compiled forward runs (CPU), decode groups (one new token per row) instead call a
-compiled kernel that reads the pool in place (`decode_kernel`, attention/inplace_decode.py):
-no gathered copy of their K/V.
+kernel that reads the pool in place (`decode_kernel`, attention/inplace_decode.py): no
+gathered copy of their K/V; the CPU kernel (cpu_decode_kernel.py) takes chain verifies' rows
+(k + 1 tokens each) too.
 """
 
 from __future__ import annotations
@@ -46,9 +47,10 @@ class _Group:
     # per sliding window: its layers' context slots [B, Wmax] and mask [B, 1, q, Wmax] (absent:
     # they read `ctx_slots` with `mask`, the window covering every context)
     decode: dict[int | None, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    # decode groups (q 1, no tree) where `decode_kernel` is installed: for the full layers (key
-    # None) and each window in `windowed`, the slots [B, W] (W a multiple of the kernel's
-    # chunks) and per row how many of them it reads [B]
+    # groups of up to `decode_kernel.max_query_tokens` tokens a row, no tree, where the kernel
+    # is installed: for the full layers (key None) and, for decode rows (q 1), each window in
+    # `windowed`, the slots [B, W] (W a multiple of the kernel's chunks) and per row how many
+    # of them it reads [B]
     rows: tuple[int, int] | None = None  # a decode group's rows when they are one range of
     # the flat batch [start, end) (they are: the scheduler puts decodes first): sliced, not
     # indexed
@@ -128,17 +130,22 @@ class TorchPagedBackend(AttentionBackend):
             mask = to_device(mask[:, None], device)
         group = _Group(to_device(token_idx, device), to_device(ctx_slots, device), mask)
         kernel = self.decode_kernel
-        if kernel is not None and q == 1 and all(s.tree_mask is None for s in seqs):
+        if (
+            kernel is not None
+            and q <= kernel.max_query_tokens
+            and all(s.tree_mask is None for s in seqs)
+        ):
             group.decode[None] = _kernel_slots(ctx_slots, lens, kernel.chunks, device)
-            if starts == list(range(starts[0], starts[0] + len(starts))):
-                group.rows = (starts[0], starts[0] + len(starts))
+            if starts == list(range(starts[0], starts[0] + q * len(starts), q)):
+                group.rows = (starts[0], starts[0] + q * len(starts))
         for w in windows:
             cols = window_columns(seqs, q, w)
             narrow = pad_sequence(cols, batch_first=True)
             lens_w = torch.tensor([c.numel() for c in cols])
             mask_w = context_mask(lens_w, q, narrow.shape[1], w)[:, None]
             group.windowed[w] = (to_device(narrow, device), to_device(mask_w, device))
-            if group.decode:  # a decode row sees all of its last `window` positions
+            if group.decode and q == 1:  # a decode row sees all of its last `window`
+                # positions (a verify's tokens each see other ones: they keep the mask)
                 group.decode[w] = _kernel_slots(narrow, lens_w, kernel.chunks, device)
         return group
 
@@ -259,8 +266,8 @@ class TorchPagedBackend(AttentionBackend):
                 if g.rows is not None:
                     s, e = g.rows
                     out[s:e] = kernel(q_tokens[s:e].contiguous(), k_pool, v_pool, *g.decode[key])
-                else:
-                    rows = g.token_idx[:, 0]
+                else:  # a row's tokens consecutive, as the kernel takes them
+                    rows = g.token_idx.reshape(-1)
                     out[rows] = kernel(q_tokens[rows], k_pool, v_pool, *g.decode[key])
                 continue
             qg = q_tokens[g.token_idx].transpose(1, 2)  # [B, H, q, D]

@@ -14,7 +14,8 @@ from sessionserve.replicas.attention import cpu_decode_kernel
 from sessionserve.replicas.attention.inplace_decode import decode_attention, part_padded
 from sessionserve.replicas.compiled_decode import plan_decode_compile, use_attention_kernel
 from sessionserve.replicas.compiled_forward import CompilePlan
-from tests.models import tiny_engine, tiny_model
+from sessionserve.wire import SamplingParams
+from tests.models import hf_greedy, tiny_engine, tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +91,7 @@ def test_bad_input_is_a_clear_error() -> None:
             query, k_pool, v_pool.to(torch.bfloat16), slots, lens, new_k, new_v, 0.25
         )
     assert not cpu_decode_kernel.supports(24, 4, 2, torch.float32)
-    assert not cpu_decode_kernel.supports(64, 40, 2, torch.float32)  # 20 heads per KV head
+    assert not cpu_decode_kernel.supports(64, 80, 2, torch.float32)  # 40 heads per KV head
     assert not cpu_decode_kernel.supports(64, 4, 2, torch.float16)
 
 
@@ -125,5 +126,102 @@ def test_without_an_own_token_it_computes_the_formula_over_the_pool(dtype) -> No
     got = cpu_decode_kernel.decode_attend(query, k_pool, v_pool, slots, lens, none, none, 0.125)
     want = decode_attention(query, k_pool, v_pool, part_padded(slots, 4), lens, 4, 0.125)
     torch.testing.assert_close(got.float(), want.float(), atol=1e-3, rtol=2**-7)
-    with pytest.raises(RuntimeError, match="0 only with the row's own"):
+    with pytest.raises(RuntimeError, match="under T only with the rows' own"):
         cpu_decode_kernel.decode_attend(query, k_pool, v_pool, slots, lens * 0, none, none, 0.1)
+
+
+def per_token_reference(query, k_pool, v_pool, slots, lens, tokens, scale, new_k=None, new_v=None):
+    """Rows of `tokens` query tokens, each token as its own row of the formula: its row's
+    context, then the row's tokens up to itself (written to spare slots when given apart)."""
+    batch = slots.shape[0]
+    if new_k is not None:  # the reference reads them from the pool, after the context
+        k_pool, v_pool = k_pool.clone(), v_pool.clone()
+        spare = torch.arange(k_pool.shape[0] - batch * tokens, k_pool.shape[0])
+        k_pool[spare], v_pool[spare] = new_k, new_v
+        wide = torch.cat([slots, torch.zeros(batch, tokens, dtype=slots.dtype)], 1)
+        for b in range(batch):
+            wide[b, lens[b] : lens[b] + tokens] = spare[b * tokens : (b + 1) * tokens]
+        slots, lens = wide, lens + tokens
+    rows = slots.repeat_interleave(tokens, 0)
+    seen = (lens - tokens).repeat_interleave(tokens) + torch.arange(tokens).repeat(batch) + 1
+    return decode_attention(query, k_pool, v_pool, part_padded(rows, 4), seen, 4, scale)
+
+
+@pytest.mark.usefixtures("kernel")
+@pytest.mark.parametrize("tail", ["in_pool", "given"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("tokens", [2, 5])
+def test_rows_of_several_tokens_attend_causally(tokens, dtype, tail) -> None:
+    """A chain verify's rows (k + 1 tokens each, consecutive): every token sees its row's
+    context and the row's tokens up to itself, read from the pool (the torch backend's
+    verify rows) or given as new K/V."""
+    g = torch.Generator().manual_seed(tokens)
+    lens = [tokens, 40, 700]
+    query, k_pool, v_pool, slots, lens_t, _, _ = case(9, 3, 64, lens, dtype, tokens)
+    batch = len(lens)
+    query = torch.randn(batch * tokens, 9, 64, generator=g).to(dtype)
+    if tail == "given":
+        new_k, new_v = (torch.randn(batch * tokens, 3, 64, generator=g).to(dtype) for _ in "kv")
+        got = cpu_decode_kernel.decode_attend(
+            query, k_pool, v_pool, slots, lens_t, new_k, new_v, 0.125
+        )
+        want = per_token_reference(
+            query, k_pool, v_pool, slots, lens_t, tokens, 0.125, new_k, new_v
+        )
+    else:
+        none = query.new_empty(0)
+        got = cpu_decode_kernel.decode_attend(
+            query, k_pool, v_pool, slots, lens_t, none, none, 0.125
+        )
+        want = per_token_reference(query, k_pool, v_pool, slots, lens_t, tokens, 0.125)
+    assert got.shape == query.shape
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-6)
+    else:
+        torch.testing.assert_close(got.float(), want.float(), atol=1e-3, rtol=2**-7)
+    too_many = cpu_decode_kernel.max_query_tokens(9, 3) + 1
+    wide_query = torch.zeros(batch * too_many, 9, 64, dtype=dtype)
+    with pytest.raises(RuntimeError, match="at most 32"):
+        none = query.new_empty(0)
+        cpu_decode_kernel.decode_attend(
+            wide_query, k_pool, v_pool, slots, lens_t, none, none, 0.125
+        )
+
+
+@pytest.mark.usefixtures("kernel")
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_verify_rows_through_the_kernel_answer_as_transformers(arch, tmp_path) -> None:
+    """With the CPU kernel installed as the torch backend's decode kernel, history drafts'
+    verify steps (k + 1 tokens a row) and short session turns go through it: greedy outputs
+    equal transformers', with the strict memory check after every step."""
+    from sessionserve.replicas.assembly import install_decode_kernel
+
+    model = tiny_model(arch, seed=6)
+    engine = tiny_engine(model, history_drafts=True)
+    runner = engine.runner
+    install_decode_kernel(runner.backend, runner.model, runner.kv_pool, tmp_path)
+    kernel = runner.backend.decode_kernel
+    assert kernel is not None and kernel.max_query_tokens > 1
+    widths: list[int] = []
+
+    def counted(query, *rest):
+        widths.append(query.shape[0] // rest[2].shape[0])  # query tokens a row
+        return kernel.run(query, *rest)
+
+    runner.backend.decode_kernel = type(kernel)(
+        counted, kernel.chunks, kernel.scale, kernel.max_query_tokens
+    )
+    prompts = [[5, 6, 7, 8] * 6, [9, 10, 11] * 5 + [12]]
+    for prompt in prompts:
+        (r,) = engine.generate([prompt], SamplingParams(max_tokens=16, temperature=0))
+        assert r.output_ids == hf_greedy(model, prompt, 16)[: len(r.output_ids)]
+    assert engine.spec_stats.steps > 0 and max(widths) > 1  # verifies went through it
+    history: list[int] = []
+    sid = engine.open_session()
+    for turn in range(3):
+        new = [20 + turn, 21, 22]  # short turns: prefill chunks of 3 over the history
+        (r,) = engine.generate([new], SamplingParams(max_tokens=5, temperature=0), session_id=sid)
+        history += new
+        assert r.output_ids == hf_greedy(model, history, 5)[: len(r.output_ids)], turn
+        history += r.output_ids
+    engine.check_memory()
