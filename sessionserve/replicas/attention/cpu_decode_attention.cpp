@@ -335,11 +335,18 @@ at::Tensor decode_attend(const at::Tensor& query, const at::Tensor& k_pool,
                    nv.sizes() == nk.sizes()),
               "decode_attend: new_key and new_value must be [B * T, KVH, D] or empty");
   const int64_t least = rows.tail_given ? 0 : tokens;
+  const int64_t pool_slots = std::min(k_pool.size(0), v_pool.size(0));
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t n = l.data_ptr<int64_t>()[b];
     TORCH_CHECK(n >= least && n <= s.size(1), "decode_attend: lens must lie in ", least,
                 "..slots.size(1) (under T only with the rows' own new_key/new_value)");
     rows.common.push_back(rows.tail_given ? n : n - tokens);
+    // the rows are read through these without further checks: a bad slot is an error here,
+    // not a read outside the pool (~1 ns a slot)
+    const int64_t* row = s.data_ptr<int64_t>() + b * s.size(1);
+    for (int64_t j = 0; j < n; ++j)
+      TORCH_CHECK(row[j] >= 0 && row[j] < pool_slots, "decode_attend: slot ", row[j],
+                  " of row ", b, " is outside the pool's ", pool_slots, " slots");
   }
   at::Tensor out = at::empty({batch * tokens, heads, head_dim}, q.options());
   if (k_pool.scalar_type() == at::kBFloat16) {

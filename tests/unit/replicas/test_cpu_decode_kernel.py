@@ -80,7 +80,11 @@ def test_bad_input_is_a_clear_error() -> None:
         cpu_decode_kernel.decode_attend(
             query, k_pool, v_pool, slots, lens + 100, new_k, new_v, 0.25
         )
-    odd = torch.randn(64, 2, 24)
+    outside = slots.clone()
+    outside[1, 3] = k_pool.shape[0]  # one past the pool
+    with pytest.raises(RuntimeError, match="slot 16384 of row 1 is outside the pool"):
+        cpu_decode_kernel.decode_attend(query, k_pool, v_pool, outside, lens, new_k, new_v, 0.25)
+    odd = torch.randn(k_pool.shape[0], 2, 24)
     with pytest.raises(RuntimeError, match="head_dim 24 is not supported"):
         cpu_decode_kernel.decode_attend(
             torch.randn(2, 4, 24), odd, odd, slots, lens, new_k[..., :8].repeat(1, 1, 3),
