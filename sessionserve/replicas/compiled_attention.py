@@ -107,18 +107,17 @@ def build_kernel(
 
 
 def decode_kernel_for(layout: HeadLayout, cache_dir: Path) -> DecodeKernel | None:
-    """What decode rows attend with in place: the hand-written CPU kernel where it supports
-    the layout and loads on this machine (attention/cpu_decode_kernel.py, 1.6-1.7x the
-    compiled formula over pools larger than the caches: docs/benchmarks.md), else the
-    compiled formula (`load_decode_kernel`)."""
+    """What decode rows attend with in place: the hand-written CPU kernel where it is usable
+    here (attention/cpu_decode_kernel.py, 1.42-1.50x the compiled formula over multi-turn
+    contexts: docs/benchmarks.md; it also takes chain verifies' rows), else the compiled
+    formula (`load_decode_kernel`)."""
     dtype = getattr(torch, layout.dtype.removeprefix("torch."))
     heads, kv_heads = layout.num_heads, layout.num_kv_heads
-    if cpu_decode_kernel.supports(layout.head_dim, heads, kv_heads, dtype):
-        if cpu_decode_kernel.load():
-            log.info("compile: decode rows attend over the KV pool in place (the CPU kernel)")
-            run = cpu_decode_kernel.over_the_pool(layout.scale)
-            tokens = cpu_decode_kernel.max_query_tokens(heads, kv_heads)
-            return DecodeKernel(run, kernel_chunks(), layout.scale, tokens)
+    if cpu_decode_kernel.usable(layout.head_dim, heads, kv_heads, dtype):
+        log.info("compile: decode rows attend over the KV pool in place (the CPU kernel)")
+        run = cpu_decode_kernel.over_the_pool(layout.scale)
+        tokens = cpu_decode_kernel.max_query_tokens(heads, kv_heads)
+        return DecodeKernel(run, kernel_chunks(), layout.scale, tokens)
     return load_decode_kernel(layout, cache_dir)
 
 

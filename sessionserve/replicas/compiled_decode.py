@@ -226,12 +226,10 @@ def plan_decode_compile(
 
 
 def use_attention_kernel(model: Any, pool: KVPool) -> bool:
-    """Whether the decode step attends through the hand-written CPU kernel: where it builds
-    and loads on this machine (AVX-512 and a C++ compiler; otherwise the reason is logged)
-    and supports the model's head layout and dtype. 1.6-1.7x inductor's code for the same
-    attention over pools larger than the caches (docs/benchmarks.md)."""
+    """Whether the decode step attends through the hand-written CPU kernel
+    (`cpu_decode_kernel.usable`: the layout and dtype supported, the kernel built and loaded
+    here; otherwise the reason is logged). 1.42-1.50x inductor's code for the same attention
+    over multi-turn contexts (docs/benchmarks.md)."""
     shape = KVShape.from_hf_config(model.config)
     heads = model.config.num_attention_heads
-    if not cpu_decode_kernel.supports(shape.head_dim, heads, shape.num_kv_heads, pool.k.dtype):
-        return False
-    return cpu_decode_kernel.load()
+    return cpu_decode_kernel.usable(shape.head_dim, heads, shape.num_kv_heads, pool.k.dtype)

@@ -79,12 +79,13 @@ inline __m512 sum_lanes16(const float (*v)[kLanes]) {
                        _mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// One part of one row's context for one KV head: the running maximum `m`, the sum of
-// exp(score - m) `l` and the weighted sum of V `acc`, per query head of the group.
+// A piece of work: context positions start..start+len-1 of one row, for one KV head.
 struct Part {
   int64_t row, kv_head, start, len;
 };
 
+// One part for the query heads sharing its KV head: per head, the running maximum `m`, the
+// sum of exp(score - m) `l` and the weighted sum of V `acc`, written to `out` as [m, l, acc].
 template <typename T, int DV>
 void attend_part(const float* q,  // [group, DV * 16], already scaled
                  int group, const T* k_head, const T* v_head, int64_t slot_stride,
@@ -109,9 +110,11 @@ void attend_part(const float* q,  // [group, DV * 16], already scaled
     const int n = static_cast<int>(std::min<int64_t>(kLanes, len - t0));
     for (int t = 0; t < n; ++t) {
       // memory latency, not arithmetic, bounds this loop over a pool larger than the
-      // caches: fetch the keys two blocks ahead and the values one block ahead
-      if (t0 + t + kKeyAhead < len) prefetch_row(k_head + slots[t0 + t + kKeyAhead] * slot_stride, D);
-      if (t0 + t + kValueAhead < len) prefetch_row(v_head + slots[t0 + t + kValueAhead] * slot_stride, D);
+      // caches: fetch the keys kKeyAhead tokens ahead and the values kValueAhead
+      if (t0 + t + kKeyAhead < len)
+        prefetch_row(k_head + slots[t0 + t + kKeyAhead] * slot_stride, D);
+      if (t0 + t + kValueAhead < len)
+        prefetch_row(v_head + slots[t0 + t + kValueAhead] * slot_stride, D);
       const T* k = k_head + slots[t0 + t] * slot_stride;
       __m512 kv[DV];
       for (int i = 0; i < DV; ++i) kv[i] = load16(k + i * kLanes);
@@ -236,7 +239,8 @@ void run(const at::Tensor& q,        // [B, KVH, T * G, D] float, scaled
               for (int d = 0; d < D; d += kLanes)
                 dot = _mm512_fmadd_ps(_mm512_loadu_ps(qg + d), _mm512_loadu_ps(k + d), dot);
             } else {
-              const T* k = kp + sp[b * width + rows.common[b] + j] * slot_stride + h * head_stride;
+              const T* k =
+                  kp + sp[b * width + rows.common[b] + j] * slot_stride + h * head_stride;
               for (int d = 0; d < D; d += kLanes)
                 dot = _mm512_fmadd_ps(_mm512_loadu_ps(qg + d), load16(k + d), dot);
             }
@@ -257,7 +261,8 @@ void run(const at::Tensor& q,        // [B, KVH, T * G, D] float, scaled
               for (int d = 0; d < DV; ++d)
                 sum[d] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(v + d * kLanes), sum[d]);
             } else {
-              const T* v = vp + sp[b * width + rows.common[b] + j] * slot_stride + h * head_stride;
+              const T* v =
+                  vp + sp[b * width + rows.common[b] + j] * slot_stride + h * head_stride;
               for (int d = 0; d < DV; ++d)
                 sum[d] = _mm512_fmadd_ps(wv, load16(v + d * kLanes), sum[d]);
             }
@@ -272,7 +277,8 @@ void run(const at::Tensor& q,        // [B, KVH, T * G, D] float, scaled
           }
           const __m512 inv = _mm512_set1_ps(1.f / total_w);
           float* o = op + ((b * tokens + t) * heads + h * group + g) * D;
-          for (int d = 0; d < DV; ++d) _mm512_storeu_ps(o + d * kLanes, _mm512_mul_ps(sum[d], inv));
+          for (int d = 0; d < DV; ++d)
+            _mm512_storeu_ps(o + d * kLanes, _mm512_mul_ps(sum[d], inv));
         }
       }
     }

@@ -67,6 +67,11 @@ def supports(head_dim: int, heads: int, kv_heads: int, dtype: torch.dtype) -> bo
     )
 
 
+def usable(head_dim: int, heads: int, kv_heads: int, dtype: torch.dtype) -> bool:
+    """`supports` the layout and `load()`s here (built first if needed)."""
+    return supports(head_dim, heads, kv_heads, dtype) and load()
+
+
 def max_query_tokens(heads: int, kv_heads: int) -> int:
     """How many query tokens a row may have (a chain verify's k + 1)."""
     return MAX_GROUP // (heads // kv_heads)
