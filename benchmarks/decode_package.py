@@ -18,11 +18,18 @@ attention compiled by inductor from `inplace_decode.decode_attention` (what the 
 before the hand-written CPU kernel, `replicas/attention/cpu_decode_kernel.py`; built here if
 the cache lacks it, ~5 minutes); the engine's own package must then use the kernel.
 
+With `--verify T` it times verify steps instead (B rows of T new tokens over `--context` old
+tokens each, every token's logits wanted, as a chain verify of k = T - 1 drafts), built by
+hand and run through the runner's `forward` with the package (its attention the CPU kernel,
+which takes rows of several tokens) and without it (the forward's package, or the prefill
+package for steps past `compile_max_tokens`), alternating.
+
     .venv/bin/python -m benchmarks.decode_package [--batches 1 8 32] [--tokens 128] [--rounds 3]
-        [--context N] [--against forward | inductor_attention]
+        [--context N] [--against forward | inductor_attention] [--verify T]
 
 Last line: JSON with `against`, `ms_forward_<B>` (the other side), `ms_decode_<B>` (medians)
-and `speedup_<B>`.
+and `speedup_<B>`; with `--verify`: `ms_verify_decode_<B>`, `ms_verify_forward_<B>`,
+`speedup_verify_<B>`.
 """
 
 from __future__ import annotations
@@ -32,8 +39,11 @@ import statistics
 import time
 from typing import Any
 
+import torch
+
 from benchmarks.common import bench_config_engine, emit, machine, setup_threads
 from sessionserve.replicas.assembly import compiled_max_tokens
+from sessionserve.replicas.attention.base import SeqSpec
 from sessionserve.replicas.attention.cpu_decode_kernel import why_not
 from sessionserve.replicas.compiled_decode import (
     CompiledDecode,
@@ -42,6 +52,7 @@ from sessionserve.replicas.compiled_decode import (
 )
 from sessionserve.replicas.compiled_forward import build_in_subprocess, load_or_build, plan_compile
 from sessionserve.replicas.engine import Engine
+from sessionserve.replicas.step import ForwardBatch
 from sessionserve.wire import SamplingParams
 
 PROMPT_WORDS = "river stone light garden window market letter winter music paper " * 3
@@ -106,6 +117,59 @@ def inductor_attention_package(eng: Engine) -> CompiledDecode:
     return compiled  # type: ignore[return-value] - plan.loads_as is CompiledDecode
 
 
+def verify_batch(eng: Engine, batch: int, width: int, context: int, seed: int) -> ForwardBatch:
+    """A step of `batch` rows of `width` new tokens each (a chain verify's k + 1: every token's
+    logits and features wanted) over `context` old tokens a row, on random distinct slots of
+    the engine's pool (the runner alone: nothing else uses this pool meanwhile)."""
+    g = torch.Generator().manual_seed(seed)
+    total = context + width
+    slots = torch.randperm(eng.runner.kv_pool.k.shape[1] - 1, generator=g)[: batch * total] + 1
+    seqs, ids, positions, out_slots = [], [], [], []
+    for b in range(batch):
+        ctx = slots[b * total : (b + 1) * total]
+        seqs.append(SeqSpec(width, ctx))
+        ids.append(torch.randint(100, 20000, (width,), generator=g))
+        positions.append(torch.arange(context, total))
+        out_slots.append(ctx[context:])
+    n = batch * width
+    return ForwardBatch(
+        torch.cat(ids), torch.cat(positions), torch.cat(out_slots), seqs, torch.arange(n), True
+    )
+
+
+def timed_verifies(
+    eng: Engine, package: CompiledDecode, batch: int, width: int, context: int, rounds: int
+) -> dict[str, Any]:
+    """ms a verify step's forward takes through the package and without it (the forward's
+    package, or the prefill package past its limit), alternating, `rounds` pairs of 8 steps
+    after a warm-up. (The step's inputs are random tokens over zeroed K/V: their logits are
+    no test of agreement; tests/unit/replicas/test_compiled_decode.py checks that.)"""
+    runner = eng.runner
+    fb = verify_batch(eng, batch, width, context, seed=batch * 100 + width)
+    times: dict[str, list[float]] = {"decode": [], "forward": []}
+    for r in range(rounds + 1):
+        for name, installed in (("decode", package), ("forward", None)):
+            runner.compiled_decode = installed
+            started = time.perf_counter()
+            for _ in range(8):
+                runner.forward(fb)
+            if r:  # the first pair warms up
+                times[name].append((time.perf_counter() - started) * 1e3 / 8)
+    runner.compiled_decode = package
+    dec, fwd = statistics.median(times["decode"]), statistics.median(times["forward"])
+    print(
+        f"verify B={batch} x {width} over {context}: decode package {dec:.2f} ms/step "
+        f"{[round(t, 2) for t in times['decode']]}, without {fwd:.2f} "
+        f"{[round(t, 2) for t in times['forward']]}: {fwd / dec:.2f}x",
+        flush=True,
+    )
+    return {
+        f"ms_verify_decode_{batch}": round(dec, 2),
+        f"ms_verify_forward_{batch}": round(fwd, 2),
+        f"speedup_verify_{batch}": round(fwd / dec, 3),
+    }
+
+
 def first_difference(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
 
@@ -119,6 +183,13 @@ def main() -> None:
         "--context", type=int, default=0, help="prompt tokens (default: a ~35-token prompt)"
     )
     parser.add_argument("--against", choices=["forward", "inductor_attention"], default="forward")
+    parser.add_argument(
+        "--verify",
+        type=int,
+        default=0,
+        metavar="T",
+        help="time verify steps of T tokens a row (over --context tokens, default 300) instead",
+    )
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
@@ -128,6 +199,19 @@ def main() -> None:
     package = eng.runner.compiled_decode
     if package is None:
         raise SystemExit("the decode step package did not install (see the log above)")
+    if args.verify:
+        if package.query_tokens < args.verify:
+            raise SystemExit(
+                f"the package takes rows of at most {package.query_tokens} tokens "
+                f"(the CPU kernel: {why_not() or 'loaded'})"
+            )
+        verify: dict[str, Any] = {"verify_tokens": args.verify}
+        for batch in args.batches:
+            verify |= timed_verifies(
+                eng, package, batch, args.verify, args.context or 300, args.rounds
+            )
+        emit(verify)
+        return
     other = None if args.against == "forward" else inductor_attention_package(eng)
     result: dict[str, Any] = {"against": args.against}
     for batch in args.batches:

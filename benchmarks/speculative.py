@@ -195,8 +195,9 @@ def time_drafting(spec_dec) -> dict[str, float]:
 def time_forwards(runner) -> dict[str, list[float]]:
     """Seconds and count of the runner's forwards by kind, summed from now on: `decode` (one
     new token a request), `verify` (several sampled positions a request: drafts checked) and
-    `other` (prompts). With the decode step package a pure decode runs that package and a
-    verify the forward's (compiled_decode.py), so their ratio is what a verify costs here."""
+    `other` (prompts). With the decode step package both run that package where its
+    attention is the CPU kernel (else a verify runs the forward's; compiled_decode.py), so
+    their ratio is what a verify costs here."""
     spent = {"decode": [0.0, 0], "verify": [0.0, 0], "other": [0.0, 0]}
     forward = runner.forward
 

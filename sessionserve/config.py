@@ -293,10 +293,12 @@ class EngineConfig(_Strict):
     )
     compile_decode: bool | Literal["auto"] = Field(
         "auto",
-        description="With the compiled forward on a CPU, a third package for pure decode steps "
+        description="With the compiled forward on a CPU, a third package for decode steps "
         "(one new token per request, up to compile_max_tokens requests): the whole step in one "
         "graph, each layer's attention over the KV pool compiled into it instead of a call "
-        "back into Python per layer, every layer's new K/V written with one copy after it. It "
+        "back into Python per layer, every layer's new K/V written with one copy after it. "
+        "Where its attention is the hand-written CPU kernel (AVX-512), it also runs chain "
+        "verifies and short turns (a few new tokens per request, rows padded alike). It "
         "holds another copy of the weights. true: build (or load) and use it. auto: for models "
         "of 50M+ parameters. Models with sliding-window layers, and CUDA, keep the compiled "
         "forward. false: decode steps run the compiled forward.",

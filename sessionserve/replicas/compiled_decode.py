@@ -5,20 +5,25 @@ Why: in the compiled forward (compiled_forward.py) attention is `sessionserve::p
 a call back into Python at every layer. On a CPU each call ran ~0.1 ms of Python (the pool's
 views, the K/V write, the in-place kernel's call) on caches the layer's GEMMs had just
 flushed, 30 times a step for SmolLM2 (docs/benchmarks.md: the attention op took 3.4 ms of an
-18 ms step at one request). Here a pure decode step (one new token per row, every row
-sampled) is exported as one graph over the pool: each layer's attention is
-`inplace_decode.decode_attention` over the row's old context (its slots and lengths, inputs
-of the package) with the row's own new K/V merged in as one more part, so the pool is only
-read; the graph returns every layer's new K/V and `CompiledDecode.run` writes them with one
-copy (`KVPool.write_layers`). Inductor fuses the attention's loops with the rest.
+18 ms step at one request). Here a decode step is exported as one graph over the pool: each
+layer's attention is `inplace_decode.decode_attention` over the row's old context (its slots
+and lengths, inputs of the package) with the row's own new K/V merged in as one more part, so
+the pool is only read; the graph returns every layer's new K/V and `CompiledDecode.run` writes
+them with one copy (`KVPool.write_layers`). Inductor fuses the attention's loops with the rest.
 
-Mixed steps, prefill chunks and verifies keep the compiled forward; models with sliding-window
-layers keep it too (their KV can live apart). The package holds its own copy of the weights
-(frozen, as the forward's): one more copy of the model in memory.
+Where the layers attend through the hand-written CPU kernel (cpu_decode_kernel.py), a row may
+have several new tokens, each seeing its row's context and its row's tokens up to itself: a
+chain verify's k + 1 tokens, a short session turn. The same package then runs those steps
+(rows padded to one width; the padding's outputs dropped) instead of the compiled forward,
+whose attention calls back into Python at every layer. Mixed steps with longer prefill chunks,
+tree verifies and models with sliding-window layers (their KV can live apart) keep the
+compiled forward. The package holds its own copy of the weights (frozen, as the forward's):
+one more copy of the model in memory.
 """
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +44,7 @@ from sessionserve.replicas.compiled_forward import (
 )
 from sessionserve.replicas.hidden_states import decoder_features
 
-DECODE_FORMAT = 1  # bump when DecodeStep or InlineDecode's formula changes
+DECODE_FORMAT = 2  # bump when DecodeStep's inputs or InlineDecode's formula change
 EXAMPLE_POOL_SLOTS = 4096  # the export example's pool (its size stays dynamic)
 # the example's context columns per part (dynamic too, but inductor sizes the attention's
 # loops' threading from it: compiled_attention.py's reason for serving-sized examples)
@@ -47,10 +52,11 @@ EXAMPLE_PART_WIDTH = 96
 
 
 class DecodeStep(torch.nn.Module):
-    """What is exported: token ids and positions [B] (one new token per row), the pool's K and
-    V [layers, S, KVH, D], each row's old context slots [B, W] (W a multiple of `chunks`) and
-    lengths [B] -> logits [B, V], the drafter's features [B, F] (as `_DecoderAndHead`) and
-    the new K and V of every layer [layers, B, KVH, D]."""
+    """What is exported: token ids and positions [N] (rows of T new tokens each, N = B * T; T
+    = 1 without the CPU kernel), the pool's K and V [layers, S, KVH, D], each row's old
+    context slots [B, W] (W a multiple of `chunks`) and lengths [B], the tokens whose logits
+    are wanted [R] -> logits [R, V], the drafter's features [N, F] (as `_DecoderAndHead`) and
+    the new K and V of every layer [layers, N, KVH, D]."""
 
     # Inductor inlines a pointwise chain into each loop that reads it unless the chain has
     # more ops than this (50 on a CPU by default): the query's rotary (cos, sin of the
@@ -76,6 +82,13 @@ class DecodeStep(torch.nn.Module):
         # the layers attend through the hand-written CPU kernel (cpu_decode_kernel.py)
         # instead of inductor's code for `decode_attention`
         self.attention_kernel = attention_kernel
+        # new tokens a row may have: the kernel's limit (T * G query rows), 1 for the formula
+        heads, kv_heads = self.config.num_attention_heads, KVShape.from_hf_config(self.config)
+        self.query_tokens = (
+            cpu_decode_kernel.max_query_tokens(heads, kv_heads.num_kv_heads)
+            if attention_kernel
+            else 1
+        )
 
     @property
     def inductor_configs(self) -> dict[str, Any]:
@@ -94,20 +107,24 @@ class DecodeStep(torch.nn.Module):
         v_pool: torch.Tensor,
         slots: torch.Tensor,
         lens: torch.Tensor,
+        logit_idx: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         inline = InlineDecode(k_pool, v_pool, slots, lens, self.chunks, self.attention_kernel)
         last, features = decoder_features(
             self.decoder, ids, positions, self.feature_layers, inline_decode=inline
         )
-        return self.lm_head(last), features, torch.stack(inline.new_k), torch.stack(inline.new_v)
+        logits = self.lm_head(last[logit_idx])
+        return logits, features, torch.stack(inline.new_k), torch.stack(inline.new_v)
 
     def export_inputs(
         self, example_tokens: int, max_tokens: int, device: torch.device
     ) -> tuple[tuple[torch.Tensor, ...], tuple[dict[int, Any], ...]]:
-        """Example arguments and their dynamic dimensions: the rows (up to `max_tokens`), the
-        pool's slots and the context width (a multiple of `chunks`). Called before export: the
-        decoder is switched to our attention function (which takes `inline_decode`), whatever
-        it came with, as `build_package` does for the forward's package."""
+        """Example arguments and their dynamic dimensions: the tokens (up to `max_tokens`),
+        the rows (their own dimension where a row may have several tokens), the pool's
+        slots, the context width (a multiple of `chunks`) and the logits' rows. Called before
+        export: the decoder is switched to our attention function (which takes
+        `inline_decode`), whatever it came with, as `build_package` does for the forward's
+        package."""
         install(self.decoder)
         shape = KVShape.from_hf_config(self.config)
         dtype = next(self.parameters()).dtype
@@ -122,17 +139,23 @@ class DecodeStep(torch.nn.Module):
             pool.clone(),
             torch.arange(n * width).view(n, width) + 1,
             torch.full((n,), width),
+            torch.arange(n),
         )
-        rows = torch.export.Dim("rows", min=1, max=max_tokens)
+        # the example's sizes stay the decode step's (n tokens, n rows: the GEMMs are laid out
+        # for them); the dimensions are distinct symbols all the same
+        tokens = torch.export.Dim("tokens", min=1, max=max_tokens)
+        rows = torch.export.Dim("rows", min=1, max=max_tokens) if self.query_tokens > 1 else tokens
+        logit_rows = torch.export.Dim("logit_rows", min=1, max=max_tokens)
         pool_slots = torch.export.Dim("pool_slots", min=2)
         columns = self.chunks * torch.export.Dim("part_width", min=1)
         dynamic = (
-            {0: rows},
-            {0: rows},
+            {0: tokens},
+            {0: tokens},
             {1: pool_slots},
             {1: pool_slots},
             {0: rows, 1: columns},
             {0: rows},
+            {0: logit_rows},
         )
         return tuple(t.to(device) for t in example), dynamic
 
@@ -144,6 +167,7 @@ class DecodeStep(torch.nn.Module):
             "example_part_width": EXAMPLE_PART_WIDTH,
             "inductor_configs": self.BASE_INDUCTOR_CONFIGS,
             "feature_layers": list(self.feature_layers or ()),
+            "query_tokens": self.query_tokens,
             # the C function the package calls by name (its code lives in the kernel's
             # library, rebuilt on its own when its source changes)
             "attention_kernel": self.attention_kernel and cpu_decode_kernel.C_SHIM,
@@ -151,19 +175,40 @@ class DecodeStep(torch.nn.Module):
 
 
 class CompiledDecode(CompiledForward):
-    """A loaded decode-step package: `run(seqs, ids, positions, out_slots, pool)` for a pure
-    decode step of `min_tokens..max_tokens` rows."""
+    """A loaded decode-step package: `run(seqs, ids, positions, out_slots, logit_idx, pool)`
+    for a step of rows of at most `query_tokens` new tokens each, `min_tokens..max_tokens`
+    tokens in all once padded (`padded_tokens` says whether a step is one)."""
 
     # no Python runs inside this package: called holding the GIL, it would stop the
     # replica's other threads for the whole step (aoti_call.py)
     load = staticmethod(load_releasing_gil)
 
-    def __init__(self, package: Path, max_tokens: int, min_tokens: int = 1) -> None:
+    def __init__(
+        self, package: Path, max_tokens: int, min_tokens: int = 1, query_tokens: int = 1
+    ) -> None:
         # a package built with the CPU kernel calls it by name: the op must exist first
         # (where it cannot be loaded, no package here was built with it)
         cpu_decode_kernel.load()
         super().__init__(package, max_tokens, min_tokens)
         self.chunks = kernel_chunks()  # what it was exported for (the key has the threads)
+        self.query_tokens = query_tokens  # DecodeStep.query_tokens of its build
+
+    def padded_tokens(self, seqs: list[SeqSpec], sliding: bool = False) -> int | None:
+        """The tokens of a step of these rows once each is padded to the widest, where this
+        package runs it: rows adding 1..query_tokens tokens causally (no tree), no sliding
+        slots, at most `max_tokens` tokens in all (the forward's package's range: past it the
+        two packages measured alike, benchmarks/decode_package.py --verify). None: it does
+        not."""
+        width = max(s.q_len for s in seqs)
+        tokens = len(seqs) * width
+        if (
+            sliding
+            or width > self.query_tokens
+            or not self.accepts(tokens)
+            or any(s.tree_mask is not None for s in seqs)
+        ):
+            return None
+        return tokens
 
     def run(  # type: ignore[override] - a decode step reads the pool and the slot tables
         self,
@@ -171,19 +216,56 @@ class CompiledDecode(CompiledForward):
         ids: torch.Tensor,
         positions: torch.Tensor,
         out_slots: torch.Tensor,
+        logit_idx: torch.Tensor,
         pool: KVPool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits [B, V] and features [B, F]; every layer's new K/V written to `pool` at
-        `out_slots` (device tensors [B] for ids, positions, out_slots)."""
-        old = [s.ctx_slots[:-1] for s in seqs]  # the new token's slot is the last
+        """Logits [R, V] of the tokens `logit_idx` [R] and every token's features [N, F];
+        every layer's new K/V written to `pool` at `out_slots` (device tensors [N] for ids,
+        positions and out_slots: the rows' tokens one row after another)."""
+        old = [s.ctx_slots[: s.ctx_len - s.q_len] for s in seqs]  # the new tokens' are last
         slots = part_padded(pad_sequence(old, batch_first=True), self.chunks)
         lens = torch.tensor([len(o) for o in old])
         device = ids.device
+        widths = [s.q_len for s in seqs]
+        kept = padded_rows(widths)
+        if kept is not None:  # rows of unequal widths: pad each to the widest
+            kept = to_device(kept, device)
+            ids = ids.new_zeros(len(seqs) * max(widths)).index_copy_(0, kept, ids)
+            # a padding token stands at its row's last position (not past the model's
+            # positions); it comes after its row's tokens, so none of them sees it
+            ends = torch.tensor(widths).cumsum(0) - 1
+            positions = (
+                positions[to_device(ends, device)]
+                .repeat_interleave(max(widths))
+                .index_copy_(0, kept, positions)
+            )
+            logit_idx = kept[logit_idx]
+        wanted = len(logit_idx)  # none: a prefill chunk alone (the package returns >= 1)
         logits, features, new_k, new_v = self._fn(
-            ids, positions, pool.k, pool.v, to_device(slots, device), to_device(lens, device)
+            ids,
+            positions,
+            pool.k,
+            pool.v,
+            to_device(slots, device),
+            to_device(lens, device),
+            logit_idx if wanted else logit_idx.new_zeros(1),
         )
+        logits = logits[:wanted]
+        if kept is not None:
+            features, new_k, new_v = features[kept], new_k[:, kept], new_v[:, kept]
         pool.write_layers(out_slots, new_k, new_v)
         return logits, features
+
+
+def padded_rows(widths: list[int]) -> torch.Tensor | None:
+    """Where each of the rows' tokens (row b has `widths[b]`) sits once every row is padded
+    to the widest: indices into [B * max(widths)]; None when the rows are equal (no padding)."""
+    width = max(widths)
+    if all(w == width for w in widths):
+        return None
+    columns = torch.arange(width)
+    starts = torch.arange(len(widths)) * width
+    return (starts[:, None] + columns)[columns < torch.tensor(widths)[:, None]]
 
 
 def plan_decode_compile(
@@ -194,7 +276,8 @@ def plan_decode_compile(
     attention_kernel: bool | None = None,
 ) -> tuple[CompilePlan, DecodeStep | None]:
     """Resolve `engine.compile_decode` (auto | true | false) beside the compiled forward
-    `forward`: a package for pure decode steps of up to its `max_tokens` rows, where the
+    `forward`: a package for decode steps of up to its `max_tokens` rows (and, through the
+    CPU kernel, verifies and short turns: `DecodeStep.query_tokens`), where the
     forward is an AOTInductor package (CPU) and every layer attends over the whole context
     (no sliding window, no KV kept apart). auto: for models of AUTO_MIN_PARAMS+ parameters.
     Returns the plan and, when enabled, the step it compiles (the one its key was taken
@@ -220,7 +303,7 @@ def plan_decode_compile(
         forward.max_tokens,
         forward.feature_layers,
         role="decode step package",
-        loads_as=CompiledDecode,
+        loads_as=functools.partial(CompiledDecode, query_tokens=step.query_tokens),
     )
     return plan, step
 

@@ -355,7 +355,8 @@ class CompilePlan:
     only_if_faster: bool = False  # `compile_prefill: auto`: timed against eager first
     weights: str | None = None  # `weights_digest` of the model, for the next plan's key
     role: str = "forward"  # what the log calls it ("prefill package": compile_prefill's)
-    loads_as: type[CompiledForward] = CompiledForward  # the EAGLE head's: CompiledHead
+    # (package, max_tokens, min_tokens) -> the loaded package; the EAGLE head's: CompiledHead
+    loads_as: Callable[[Path, int, int], CompiledForward] = CompiledForward
 
 
 def plan_compile(

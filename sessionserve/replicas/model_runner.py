@@ -9,8 +9,9 @@ goes to the device in one copy. Pure-decode batches replay a CUDA graph when `gr
 short single-sequence extends when `extend_graphs` is, speculative decoding's verifies when
 `verify_graphs` is (see cuda_graphs.py); other steps of up
 to `engine.compile_max_tokens` tokens run the compiled forward when one is installed
-(compiled_forward.py; pure decode steps the decode step package, compiled_decode.py, where
-`engine.compile_decode` installed one), longer ones the prefill package when
+(compiled_forward.py; decode steps the decode step package, compiled_decode.py, where
+`engine.compile_decode` installed one, and through the CPU kernel verifies and short turns
+too), longer ones the prefill package when
 `engine.compile_prefill` installed one; the rest run eagerly.
 """
 
@@ -199,19 +200,14 @@ class ModelRunner:
             if out is not None:
                 return out
         n = len(batch.input_ids)
-        decode = self.compiled_decode  # in place of the forward's package, not of the
-        # prefill package where that was timed faster for steps this long (split_point)
-        if (
-            decode is not None
-            and batch.is_decode
-            and decode.accepts(n)
-            and self.compiled_for(n) is self.compiled
-        ):
-            packed = to_device(
-                torch.cat([batch.input_ids, batch.positions, batch.out_slots]), self.device
+        decode = self.compiled_decode
+        if decode is not None and self._takes_decode_package(decode, batch):
+            parts = [batch.input_ids, batch.positions, batch.out_slots, batch.logit_idx]
+            ids, pos, slots, logit_idx = to_device(torch.cat(parts), self.device).split(
+                [n, n, n, len(batch.logit_idx)]
             )
-            ids, pos, slots = packed.split(n)
-            logits, hidden = decode.run(batch.seqs, batch.device_ids(ids), pos, slots, self.kv_pool)
+            ids = batch.device_ids(ids)
+            logits, hidden = decode.run(batch.seqs, ids, pos, slots, logit_idx, self.kv_pool)
             return logits, hidden if batch.want_hidden else None
         sliding = batch.sliding_out_slots
         parts = [batch.input_ids, batch.positions, batch.out_slots, batch.logit_idx]
@@ -236,6 +232,14 @@ class ModelRunner:
             last, hidden = self.decode_hidden(ids, pos, meta)
             logits = head_logits(self.lm_head, last[logit_idx])  # oneDNN on CPU
         return logits, hidden if batch.want_hidden else None
+
+    def _takes_decode_package(self, decode: CompiledDecode, batch: ForwardBatch) -> bool:
+        """Whether `batch` runs the decode step package (decode steps; through the CPU kernel
+        also verifies and short turns, `CompiledDecode.padded_tokens`) in place of the
+        forward's package: not where the prefill package was timed faster for steps this
+        long (prefill_choice.split_point)."""
+        tokens = decode.padded_tokens(batch.seqs, batch.sliding_out_slots is not None)
+        return tokens is not None and self.compiled_for(tokens) is self.compiled
 
     def captures(self, batch: ForwardBatch) -> bool:
         """Would `forward(batch)` capture a CUDA graph first? While a stream captures, no

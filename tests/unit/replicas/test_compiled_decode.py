@@ -25,11 +25,13 @@ import torch
 from sessionserve.cache import KVShape
 from sessionserve.replicas import aoti_call, compiled_decode, compiled_forward
 from sessionserve.replicas.attention import cpu_decode_kernel, install
+from sessionserve.replicas.attention.base import SeqSpec
 from sessionserve.replicas.attention.inplace_decode import decode_attention
 from sessionserve.replicas.compiled_attention import kernel_chunks
 from sessionserve.replicas.compiled_decode import CompiledDecode, DecodeStep
 from sessionserve.replicas.compiled_forward import CompilePlan
 from sessionserve.replicas.hidden_states import decoder_features
+from sessionserve.replicas.step import ForwardBatch
 from sessionserve.wire import SamplingParams
 from tests.models import hf_greedy, session_turns, tiny_engine, tiny_model
 
@@ -88,7 +90,8 @@ def test_the_step_token_by_token_gives_the_whole_sequence_forward(arch) -> None:
     with torch.inference_mode():
         for t in range(seqs.shape[1]):
             old = torch.nn.functional.pad(rows_slots[:, :t], (0, CHUNKS * 3 - t))
-            out = step(seqs[:, t], torch.full((2,), t), k_pool, v_pool, old, torch.full((2,), t))
+            t2 = torch.full((2,), t)
+            out = step(seqs[:, t], t2, k_pool, v_pool, old, t2, torch.arange(2))
             k_pool.index_copy_(1, rows_slots[:, t], out[2])
             v_pool.index_copy_(1, rows_slots[:, t], out[3])
             logits.append(out[0])
@@ -107,6 +110,7 @@ class EagerDecode(CompiledDecode):
     def __init__(self, step: DecodeStep, max_tokens: int = 32) -> None:
         self.package = None
         self.max_tokens, self.min_tokens, self.chunks = max_tokens, 1, step.chunks
+        self.query_tokens = step.query_tokens
         self.calls = 0
 
         def run(*args: torch.Tensor) -> list[torch.Tensor]:
@@ -163,6 +167,101 @@ def test_an_engine_running_the_step_answers_as_the_plain_engine(arch, overlap, a
     whole.check_memory()
 
 
+@pytest.fixture
+def kernel() -> None:
+    if not cpu_decode_kernel.load():
+        pytest.skip(f"the CPU decode kernel cannot be used here: {cpu_decode_kernel.why_not()}")
+
+
+@pytest.mark.usefixtures("kernel")
+def test_rows_of_unequal_widths_answer_as_the_forward() -> None:
+    """Through the CPU kernel a step's rows may add several tokens each (1, 3, 2 and 4 here,
+    one row with no old context): padded to the widest, the step's logits (of the tokens
+    asked for), features and every layer's written K/V equal the eager forward's."""
+    model = tiny_model("llama", seed=7)
+    runner = tiny_engine(model).runner
+    pool = runner.kv_pool
+    g = torch.Generator().manual_seed(0)
+    pool.k.copy_(torch.randn(pool.k.shape, generator=g))
+    pool.v.copy_(torch.randn(pool.v.shape, generator=g))
+    widths, old = [1, 3, 2, 4], [7, 20, 0, 5]
+    free = torch.randperm(pool.k.shape[1] - 1, generator=g) + 1
+    seqs, ids, positions, out_slots, start = [], [], [], [], 0
+    for q, o in zip(widths, old, strict=True):
+        ctx = free[start : start + o + q]
+        start += o + q
+        seqs.append(SeqSpec(q, ctx))
+        ids += torch.randint(3, model.config.vocab_size, (q,), generator=g).tolist()
+        positions += range(o, o + q)
+        out_slots.append(ctx[o:])
+    wanted = torch.tensor([0, 2, 3, 5, 6, 7, 8, 9])  # not the third row's first token
+    batch = ForwardBatch(
+        torch.tensor(ids), torch.tensor(positions), torch.cat(out_slots), seqs, wanted, True
+    )
+    runner.compiled_decode = None
+    want_logits, want_hidden = runner.forward(batch)
+    want_k, want_v = pool.k[:, batch.out_slots].clone(), pool.v[:, batch.out_slots].clone()
+    pool.k[:, batch.out_slots] = 0
+    pool.v[:, batch.out_slots] = 0
+    decode = with_eager_decode(tiny_engine(model), attention_kernel=True)
+    assert decode.query_tokens >= 4 and decode.padded_tokens(seqs) == 4 * 4
+    runner.compiled_decode = decode
+    got_logits, got_hidden = runner.forward(batch)
+    assert decode.calls == 1
+    torch.testing.assert_close(got_logits, want_logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_hidden, want_hidden, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(pool.k[:, batch.out_slots], want_k, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(pool.v[:, batch.out_slots], want_v, atol=1e-5, rtol=1e-5)
+    # a tree, a row wider than the kernel takes, sliding slots or more tokens than the
+    # forward's package takes are not the package's
+    tree = SeqSpec(2, seqs[0].ctx_slots, torch.ones(2, 2, dtype=torch.bool))
+    assert decode.padded_tokens([tree]) is None
+    assert decode.padded_tokens([SeqSpec(decode.query_tokens + 1, free[:40])]) is None
+    assert decode.padded_tokens(seqs, sliding=True) is None
+    assert decode.padded_tokens([seqs[1]] * (decode.max_tokens // 3 + 1)) is None  # too many
+
+
+@pytest.mark.usefixtures("kernel")
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+def test_verifies_and_short_turns_run_the_step(overlap) -> None:
+    """History drafts' verifies (k + 1 tokens a row, rows with and without drafts padded
+    alike) and short session turns run the decode step (its layers on the CPU kernel): greedy
+    answers equal the plain engine's and transformers', the strict memory check after every
+    step."""
+    model = tiny_model("llama", seed=6)
+    engine = tiny_engine(model, history_drafts=True, overlap=overlap)
+    decode = with_eager_decode(engine, attention_kernel=True)
+    plain = tiny_engine(model, overlap=overlap)
+    shapes: list[tuple[int, int]] = []  # (tokens, rows) of each call
+    inner = decode._fn
+
+    def counted(*args):
+        shapes.append((args[0].numel(), args[4].shape[0]))
+        return inner(*args)
+
+    decode._fn = counted
+    greedy = SamplingParams(max_tokens=16, temperature=0)
+    prompts = [[5, 6, 7, 8] * 6, [9, 10, 11] * 5 + [12], [30, 31, 32]]
+    got = engine.generate(prompts, greedy)
+    for a, b, prompt in zip(got, plain.generate(prompts, greedy), prompts, strict=True):
+        assert a.output_ids == b.output_ids == hf_greedy(model, prompt, 16)[: len(a.output_ids)]
+    assert engine.spec_stats.steps > 0
+    assert any(tokens > rows for tokens, rows in shapes)  # verifies ran the step
+    sid = engine.open_session()
+    history: list[int] = []
+    for turn in range(3):
+        new = [20 + turn, 21, 22]  # short turns: 3 new tokens over the history
+        calls = len(shapes)
+        (r,) = engine.generate([new], SamplingParams(max_tokens=5, temperature=0), session_id=sid)
+        # the turn's prefill ran the step (after the first turn with the last answer's
+        # last token, whose K/V no step has computed yet)
+        assert (3 + (turn > 0), 1) in shapes[calls:], turn
+        history += new
+        assert r.output_ids == hf_greedy(model, history, 5)[: len(r.output_ids)], turn
+        history += r.output_ids
+    engine.check_memory()
+
+
 def test_plan_decode_compile_resolves_the_config(tmp_path) -> None:
     llama, mistral = tiny_model("llama"), tiny_model("mistral", sliding_window=12)
     forward = CompilePlan(True, "test", tmp_path / "forward.pt2", 32)
@@ -172,7 +271,8 @@ def test_plan_decode_compile_resolves_the_config(tmp_path) -> None:
     assert isinstance(step, DecodeStep)  # the step the key was taken from, compiled as is
     assert step.key_facts()["decode_step"] == compiled_decode.DECODE_FORMAT
     assert plan.enabled and plan.package is not None and plan.package != forward.package
-    assert plan.max_tokens == 32 and plan.loads_as is CompiledDecode
+    assert plan.max_tokens == 32 and plan.loads_as.func is CompiledDecode
+    assert plan.loads_as.keywords == {"query_tokens": step.query_tokens}
     assert not compiled_decode.plan_decode_compile(False, forward, llama, pool)[0].enabled
     auto = compiled_decode.plan_decode_compile("auto", forward, llama, pool)[0]
     assert not auto.enabled and "not worth it" in auto.reason  # a tiny model
@@ -244,6 +344,38 @@ def test_the_package_answers_as_the_eager_engine_on_any_pool_size(cache_dir) -> 
         engine.check_memory()
 
 
+def test_the_package_runs_verifies_through_the_kernel(cache_dir) -> None:
+    """Built with the CPU kernel, the real package also runs history drafts' verifies (rows
+    of several tokens): greedy answers equal the eager engine's and transformers'."""
+    model = tiny_model("llama", seed=4)
+    plan = built_package(tiny_engine(model), cache_dir)
+    if not cpu_decode_kernel.load():
+        pytest.skip(f"built without the CPU kernel here: {cpu_decode_kernel.why_not()}")
+    engine = tiny_engine(
+        model,
+        history_drafts=True,
+        compile=True,
+        compile_decode=True,
+        compile_cache_dir=cache_dir,
+    )
+    decode = engine.runner.compiled_decode
+    assert decode is not None and decode.package == plan.package and decode.query_tokens > 1
+    shapes, inner = [], decode._fn
+
+    def counted(*args):
+        shapes.append((args[0].numel(), args[4].shape[0]))
+        return inner(*args)
+
+    decode._fn = counted
+    greedy = SamplingParams(max_tokens=16, temperature=0)
+    prompts = [[5, 6, 7, 8] * 6, [9, 10, 11] * 5 + [12]]
+    got = engine.generate(prompts, greedy)
+    for r, prompt in zip(got, prompts, strict=True):
+        assert r.output_ids == hf_greedy(model, prompt, 16)[: len(r.output_ids)]
+    assert engine.spec_stats.steps > 0 and any(t > rows for t, rows in shapes)
+    engine.check_memory()
+
+
 def test_the_released_call_answers_as_torchs_loader(cache_dir, monkeypatch, caplog) -> None:
     """The package through its C entry points (ctypes, the GIL released) returns what torch's
     loader returns for the same inputs, on a pool of another size; where that cannot load,
@@ -261,6 +393,7 @@ def test_the_released_call_answers_as_torchs_loader(cache_dir, monkeypatch, capl
         pool * 0.5,
         torch.randint(1, 700, (3, width), generator=g),
         torch.tensor([4, width, 7]),
+        torch.tensor([2, 0]),
     )
     with torch.inference_mode():
         released = aoti_call.ReleasedCall(package)(*inputs)
