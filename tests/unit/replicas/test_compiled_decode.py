@@ -167,6 +167,19 @@ def test_an_engine_running_the_step_answers_as_the_plain_engine(arch, overlap, a
     whole.check_memory()
 
 
+def recorded_shapes(decode: CompiledDecode) -> list[tuple[int, int]]:
+    """From now on, the (tokens, rows) of each call of `decode`'s package."""
+    shapes: list[tuple[int, int]] = []
+    inner = decode._fn
+
+    def counted(*args: torch.Tensor) -> list[torch.Tensor]:
+        shapes.append((args[0].numel(), args[4].shape[0]))
+        return inner(*args)
+
+    decode._fn = counted
+    return shapes
+
+
 @pytest.fixture
 def kernel() -> None:
     if not cpu_decode_kernel.load():
@@ -232,14 +245,7 @@ def test_verifies_and_short_turns_run_the_step(overlap) -> None:
     engine = tiny_engine(model, history_drafts=True, overlap=overlap)
     decode = with_eager_decode(engine, attention_kernel=True)
     plain = tiny_engine(model, overlap=overlap)
-    shapes: list[tuple[int, int]] = []  # (tokens, rows) of each call
-    inner = decode._fn
-
-    def counted(*args):
-        shapes.append((args[0].numel(), args[4].shape[0]))
-        return inner(*args)
-
-    decode._fn = counted
+    shapes = recorded_shapes(decode)
     greedy = SamplingParams(max_tokens=16, temperature=0)
     prompts = [[5, 6, 7, 8] * 6, [9, 10, 11] * 5 + [12], [30, 31, 32]]
     got = engine.generate(prompts, greedy)
@@ -360,13 +366,7 @@ def test_the_package_runs_verifies_through_the_kernel(cache_dir) -> None:
     )
     decode = engine.runner.compiled_decode
     assert decode is not None and decode.package == plan.package and decode.query_tokens > 1
-    shapes, inner = [], decode._fn
-
-    def counted(*args):
-        shapes.append((args[0].numel(), args[4].shape[0]))
-        return inner(*args)
-
-    decode._fn = counted
+    shapes = recorded_shapes(decode)
     greedy = SamplingParams(max_tokens=16, temperature=0)
     prompts = [[5, 6, 7, 8] * 6, [9, 10, 11] * 5 + [12]]
     got = engine.generate(prompts, greedy)
