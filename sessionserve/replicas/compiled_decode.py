@@ -83,9 +83,9 @@ class DecodeStep(torch.nn.Module):
         # instead of inductor's code for `decode_attention`
         self.attention_kernel = attention_kernel
         # new tokens a row may have: the kernel's limit (T * G query rows), 1 for the formula
-        heads, kv_heads = self.config.num_attention_heads, KVShape.from_hf_config(self.config)
+        shape = KVShape.from_hf_config(self.config)
         self.query_tokens = (
-            cpu_decode_kernel.max_query_tokens(heads, kv_heads.num_kv_heads)
+            cpu_decode_kernel.max_query_tokens(self.config.num_attention_heads, shape.num_kv_heads)
             if attention_kernel
             else 1
         )

@@ -200,15 +200,6 @@ class ModelRunner:
             if out is not None:
                 return out
         n = len(batch.input_ids)
-        decode = self.compiled_decode
-        if decode is not None and self._takes_decode_package(decode, batch):
-            parts = [batch.input_ids, batch.positions, batch.out_slots, batch.logit_idx]
-            ids, pos, slots, logit_idx = to_device(torch.cat(parts), self.device).split(
-                [n, n, n, len(batch.logit_idx)]
-            )
-            ids = batch.device_ids(ids)
-            logits, hidden = decode.run(batch.seqs, ids, pos, slots, logit_idx, self.kv_pool)
-            return logits, hidden if batch.want_hidden else None
         sliding = batch.sliding_out_slots
         parts = [batch.input_ids, batch.positions, batch.out_slots, batch.logit_idx]
         packed = to_device(
@@ -218,6 +209,10 @@ class ModelRunner:
             [n, n, n, len(batch.logit_idx)] + [n] * (sliding is not None)
         )
         ids = batch.device_ids(ids)
+        decode = self.compiled_decode
+        if decode is not None and self._takes_decode_package(decode, batch):
+            logits, hidden = decode.run(batch.seqs, ids, pos, slots, logit_idx, self.kv_pool)
+            return logits, hidden if batch.want_hidden else None
         meta = ForwardMeta(
             self.backend,
             self.kv_pool,
