@@ -336,6 +336,12 @@ def main() -> int:
     ap.add_argument("--num-drafts", type=int, default=4, help="chain length k (tree depth)")
     ap.add_argument("--tree-topk", type=int, default=1, help="EAGLE-2 trees above 1 (head)")
     ap.add_argument("--tree-budget", type=int, default=8, help="tree drafts verified")
+    ap.add_argument(
+        "--min-confidence",
+        type=float,
+        default=SpecConfig().min_draft_confidence,
+        help="the head's chains stop below this product of their drafts' probabilities (0: k)",
+    )
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--agent-concurrency", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -384,6 +390,7 @@ def main() -> int:
         "k": args.num_drafts,
         "tree_topk": args.tree_topk,
         "tree_budget": args.tree_budget,
+        "min_confidence": args.min_confidence,
         "max_tokens": args.max_tokens,
         "prompts": "seen" if args.seen_prompts else "unseen",
         "compile": args.compile,
@@ -409,6 +416,7 @@ def main() -> int:
             adaptive=adaptive,
             tree_topk=args.tree_topk,
             tree_budget=args.tree_budget,
+            min_draft_confidence=args.min_confidence,
         )
         for c in args.concurrency:
             compare(str(c), loaded, head, c, args, chat, summary)

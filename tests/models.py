@@ -142,6 +142,7 @@ def tiny_engine(
     history_drafts: bool = False,
     history_min_match: int = 2,
     adaptive: bool = False,
+    min_draft_confidence: float = 0.0,
     carried_catch_up_mib: float = 64.0,
     device: str | None = None,
     cuda_graphs: bool = True,
@@ -163,11 +164,12 @@ def tiny_engine(
     """An engine (checking memory every step unless told otherwise) around a (copy of a) tiny
     model, on `device` (default: the test device). `drafter`: a function making an EAGLE head
     for the copied model (e.g. `mimic_drafter`), to speculate (`tree_topk` > 1: trees of
-    `tree_budget` drafts). `history_drafts`: draft from
-    each sequence's own history too; `adaptive`: the online drafting policy (off here, so a
-    test's drafts do not depend on timing). `overlap`: `engine.overlap_schedule`.
-    `metrics`, `reclaim_sessions_at_limit`: as
-    `Engine` takes them (a served replica's exporter; its session reclaiming)."""
+    `tree_budget` drafts). `history_drafts`: draft from each sequence's own history too;
+    `adaptive`: the online drafting policy (off here, so a test's drafts do not depend on
+    timing); `min_draft_confidence`: 0 here, so the head's chains are full (a tiny random
+    head is rarely confident). `overlap`: `engine.overlap_schedule`. `metrics`,
+    `reclaim_sessions_at_limit`: as `Engine` takes them (a served replica's exporter; its
+    session reclaiming)."""
     device = device or engine_device()
     model = copy.deepcopy(model) if model is not None else tiny_model()
     head = drafter(model) if drafter is not None else None  # built on CPU, moved with it
@@ -197,6 +199,7 @@ def tiny_engine(
             history_drafts=history_drafts,
             history_min_match=history_min_match,
             adaptive=adaptive,
+            min_draft_confidence=min_draft_confidence,
             carried_catch_up_mib=carried_catch_up_mib,
         ),
         attention_backend=backend,

@@ -252,6 +252,7 @@ def build_speculative(
             spec.num_drafts,
             vocab,
             tree_topk=tree.topk if tree else 1,
+            min_confidence=spec.min_draft_confidence,
         )
     if spec.history_drafts:
         history = HistoryProposer(

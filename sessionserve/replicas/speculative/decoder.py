@@ -19,9 +19,10 @@ and a step scheduled before that choice does not make a new one when it lands.
 
 Drafts come from an EAGLE head (proposer.py), from the sequence's own history (history.py), or
 from either, per request and step: the source whose recent acceptance promises more tokens.
-With `adaptive`, a request drafts no more than its recent verifies accepted plus one, and the
-policy (policy.py) turns drafting off for the batch sizes where it measures no gain. With a
-`tree` shape, greedy requests that draft from the head draft a tree (proposer.py) instead of a
+With `adaptive`, a history chain is no longer than its recent verifies accepted plus one (the
+head's chains stop by their own drafts' probabilities, proposer.py), and the policy
+(policy.py) turns drafting off for the batch sizes where it measures no gain. With a `tree`
+shape, greedy requests that draft from the head draft a tree (proposer.py) instead of a
 chain; the kept path's KV moves to its sequence's positions before it is committed.
 
 It owns the drafters' share of the step: proposals, acceptance, committing a verify's accepted
@@ -174,9 +175,14 @@ class SpeculativeDecoder:
         return sum(rate**i for i in range(1, n + 1))
 
     def _cap(self, req: Request, source: DraftSource) -> int:
-        """With a policy, a request drafts at most what its recent verifies kept, plus one."""
+        """With a policy, a history chain is at most what its recent verifies kept, plus one.
+        The head's chains are not capped so: each stops where its own drafts' probability
+        falls (`EagleProposer.min_confidence`), which tells a likely run from an unlikely one
+        per step, where a record of past verifies only knows the average (SmolLM2's head on a
+        CPU keeps ~0.5 drafts a verify, so the cap held its chains to 1-2 drafts; stopped by
+        confidence they draft 2.8, and verifying those costs little more, docs/benchmarks.md)."""
         record = req.drafting.record(source)
-        if self.policy is None or record.verifies == 0:
+        if self.policy is None or record.verifies == 0 or source == "eagle":
             return self.limit
         return int(record.run) + 1
 

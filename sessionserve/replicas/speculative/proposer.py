@@ -76,6 +76,7 @@ class EagleProposer:
         num_drafts: int,
         vocab_size: int,
         tree_topk: int = 1,
+        min_confidence: float = 0.0,
     ) -> None:
         self.drafter = drafter
         self.pool = pool
@@ -84,6 +85,10 @@ class EagleProposer:
         self.num_drafts = num_drafts
         self.vocab_size = vocab_size
         self.tree_topk = tree_topk
+        # a chain goes on past a draft only while the product of its drafts' probabilities
+        # under the head (what EAGLE-2 ranks tree nodes by: it tracks their acceptance) is at
+        # least this: a draft unlikely to be kept costs a head step and a verify column
+        self.min_confidence = min_confidence
         self.grows_trees = tree_topk > 1  # greedy requests keep their best first drafts
         self.device = next(drafter.parameters()).device
         drafter.config._attn_implementation = ATTN_NAME
@@ -129,8 +134,13 @@ class EagleProposer:
         chains = [[r.draft.token] for r in reqs]
         probs = [[r.draft.probs] for r in reqs]
         feats = [r.draft.feature for r in reqs]
+        confidence = [r.draft.confidence for r in reqs]  # of each chain so far
         for j in range(1, max(lengths, default=0)):
-            active = [i for i, n in enumerate(lengths) if n > j]
+            active = [
+                i for i, n in enumerate(lengths) if n > j and confidence[i] >= self.min_confidence
+            ]
+            if not active:
+                break
             ids, pos, out_slots, seqs = [], [], [], []
             for i in active:
                 r = reqs[i]
@@ -142,14 +152,15 @@ class EagleProposer:
             hidden = torch.stack([feats[i] for i in active])
             rows = list(range(len(active)))
             out, logits = self._forward(ids, hidden, pos, torch.cat(out_slots), seqs, rows)
-            tokens, dist, _ = self._choose(out, [reqs[i] for i in active], logits)
+            picked = self._choose(out, [reqs[i] for i in active], logits)
             for row, i in enumerate(active):
-                chains[i].append(tokens[row])
-                probs[i].append(dist[row])
+                chains[i].append(picked.tokens[row])
+                probs[i].append(picked.dists[row])
                 feats[i] = out[row]
+                confidence[i] *= picked.confidence[row]
         result = []
         for i, r in enumerate(reqs):
-            n = lengths[i]
+            n = min(lengths[i], len(chains[i]))  # a chain its confidence stopped is shorter
             p = None if r.sampling.is_greedy else torch.stack(probs[i][:n])
             result.append(Drafts(chains[i][:n], p))
         return result
@@ -245,9 +256,15 @@ class EagleProposer:
             return
         feats = out.index_select(0, to_device(torch.tensor(rows), out.device))
         reqs = [entries[i].req for i in wanting]
-        tokens, dist, candidates = self._choose(feats, reqs, logits)
+        picked = self._choose(feats, reqs, logits)
         for row, r in enumerate(reqs):
-            r.draft = DraftState(tokens[row], feats[row], dist[row], candidates[row])
+            r.draft = DraftState(
+                picked.tokens[row],
+                feats[row],
+                picked.dists[row],
+                picked.candidates[row],
+                picked.confidence[row],
+            )
 
     # ---- internals ----
     def _forward(
@@ -286,19 +303,20 @@ class EagleProposer:
         feats: torch.Tensor,
         reqs: Sequence[Request],
         logits: torch.Tensor | None = None,
-    ) -> tuple[list[int], list[torch.Tensor | None], list[tuple[list[int], list[float]] | None]]:
+    ) -> HeadPicks:
         """Greedy requests take the argmax; sampled ones draw from softmax(logits / T) and
-        keep that distribution (over the target vocabulary) for the acceptance test; the
-        second list holds it per request (None for greedy ones). With trees, the third holds
-        each greedy request's `tree_topk` best tokens and their log-probabilities. `logits`:
-        the draft logits of `feats` where the compiled step already computed them."""
+        keep that distribution (over the target vocabulary) for the acceptance test. With
+        trees, each greedy request's `tree_topk` best tokens and their log-probabilities too.
+        `logits`: the draft logits of `feats` where the compiled step already computed them."""
         logits = (self.drafter.draft_logits(feats) if logits is None else logits).float()
         picks = greedy_tokens(logits)
+        confidence = logits.softmax(-1).amax(-1).tolist()  # the argmax's probability
         dist: list[torch.Tensor | None] = [None] * len(reqs)
         for i, r in enumerate(reqs):
             if not r.sampling.is_greedy:
                 p = (logits[i] / r.sampling.temperature).softmax(-1)
                 picks[i] = draw(p[None], uniforms([r.draft_generator]))[0]
+                confidence[i] = p[picks[i]].item()  # the drawn token's
                 dist[i] = self.drafter.target_probs(p, self.vocab_size)
         candidates: list[tuple[list[int], list[float]] | None] = [None] * len(reqs)
         if self.grows_trees:
@@ -307,7 +325,19 @@ class EagleProposer:
             for i, r in enumerate(reqs):
                 if r.sampling.is_greedy:
                     candidates[i] = (ids[i], scores[i])
-        return self.drafter.to_target(picks).tolist(), dist, candidates
+        return HeadPicks(self.drafter.to_target(picks).tolist(), dist, candidates, confidence)
+
+
+@dataclass
+class HeadPicks:
+    """The head's choice for each row: the token (a target id), the distribution a sampled
+    row drew it from (over the target vocabulary; None for greedy rows), a greedy row's best
+    first-level candidates when growing trees, and the chosen token's probability."""
+
+    tokens: list[int]
+    dists: list[torch.Tensor | None]
+    candidates: list[tuple[list[int], list[float]] | None]
+    confidence: list[float]
 
 
 @dataclass

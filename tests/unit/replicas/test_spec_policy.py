@@ -307,17 +307,35 @@ def test_the_decoder_tells_the_policy_what_the_requests_owe_the_head(drafting: b
         assert decisions == [0] + [len(prompt) + i for i in range(len(decisions) - 1)]
 
 
-def test_a_request_whose_drafts_fail_drafts_one_at_a_time() -> None:
-    """An untrained head is nearly always wrong: with the policy on (and verifies as cheap as
-    plain steps, so drafting stays on), each chain shrinks to what was kept plus one."""
+def test_an_unsure_heads_chains_stop_after_one_draft() -> None:
+    """An untrained head is nearly always wrong, and unsure: its drafts' probabilities are
+    far below the default `min_draft_confidence`, so with the policy on (and verifies as
+    cheap as plain steps, so drafting stays on) every chain stops after its first draft."""
     model = tiny_model(seed=5)
-    engine = tiny_engine(model, drafter=random_drafter, num_drafts=4, adaptive=True)
+    engine = tiny_engine(
+        model, drafter=random_drafter, num_drafts=4, adaptive=True, min_draft_confidence=0.1
+    )
     FakeClock(engine, plain=1.0, verify=1.0)
     prompts = _prompts(2)
     for prompt, r in zip(prompts, engine.generate(prompts, GREEDY), strict=True):
         assert r.output_ids == hf_greedy(model, prompt, GREEDY.max_tokens)
         assert r.spec_steps > 8
-        # the first verify drafts 4; after full rejections, 1 per step
+    stats = engine.spec_stats
+    assert stats.drafted == stats.steps, stats
+
+
+def test_history_chains_that_fail_shrink_to_what_was_kept_plus_one() -> None:
+    """History drafts have no probability to stop by: with the policy on, a request's history
+    chain is at most what its recent verifies kept, plus one: after a rejection, one draft
+    (without the cap these chains drafted 46 tokens in 28 verifies)."""
+    model = tiny_model(seed=5)
+    engine = tiny_engine(model, history_drafts=True, num_drafts=4, adaptive=True)
+    FakeClock(engine, plain=1.0, verify=1.0)
+    prompts = [[7, 8, 9, 10, 11] * 12, [40, 41, 42] * 20]  # histories full of matches
+    for prompt, r in zip(prompts, engine.generate(prompts, GREEDY), strict=True):
+        assert r.output_ids == hf_greedy(model, prompt, GREEDY.max_tokens)
+        assert r.spec_steps > 4
+        # the first verify drafts up to 4; after full rejections, 1 per step
         assert r.spec_drafted <= 4 + 2 + (r.spec_steps - 2) * 1 + 2 * r.spec_accepted
     stats = engine.spec_stats
     assert stats.drafted < 1.5 * stats.steps, stats

@@ -51,6 +51,86 @@ def test_greedy_speculation_equals_generate_with_uneven_acceptance(
         spec.close()
 
 
+def _recorded_chains(engine) -> list[tuple[list[int], list[float]]]:
+    """Each chain the head proposes from now on (one request a step), with its drafts'
+    probabilities under the head as the proposer saw them: the first from the request's
+    `DraftState` (checked against the head's own softmax of its feature), the rest from the
+    head's picks inside `propose`."""
+    eagle = engine.speculative.eagle
+    propose, choose = eagle.propose, eagle._choose
+    chains: list[tuple[list[int], list[float]]] = []
+    picks: list[float] = []
+
+    def recording_choose(*args, **kwargs):
+        picked = choose(*args, **kwargs)
+        picks.extend(picked.confidence)
+        return picked
+
+    def recording_propose(reqs, lengths):
+        assert len(reqs) == 1, "one request at a time: its picks are the chain's"
+        draft = reqs[0].draft
+        with torch.no_grad():
+            own = eagle.drafter.draft_logits(draft.feature[None]).float().softmax(-1).max()
+        assert draft.confidence == pytest.approx(own.item(), rel=1e-4)
+        picks.clear()
+        picks.append(draft.confidence)
+        (chain,) = propose(reqs, lengths)
+        chains.append((chain.tokens, picks[: len(chain.tokens)]))
+        return [chain]
+
+    eagle._choose, eagle.propose = recording_choose, recording_propose
+    return chains
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_chains_stop_where_the_heads_confidence_falls(overlap: bool) -> None:
+    """With `min_draft_confidence`, a chain drafts on past a draft only while the product of
+    its drafts' probabilities under the head is at the threshold: each chain is full or ends
+    at the draft that took the product below it, chains end at every length, the output is
+    still generate's token for token, and the draft slots a short chain left unused are
+    freed (the strict memory check runs every step)."""
+    model = tiny_model(num_hidden_layers=1, seed=3, init_std=0.4)  # a head confident at times
+    prompts = _prompts(0, (5, 17, 33, 40))
+    k = 4
+
+    def run(min_confidence: float):
+        engine = tiny_engine(
+            model,
+            drafter=mimic_drafter,
+            page_size=16,
+            prefill=24,
+            overlap=overlap,
+            min_draft_confidence=min_confidence,
+        )
+        chains = _recorded_chains(engine)
+        results = [engine.generate([p], GREEDY)[0] for p in prompts]  # one request a step
+        engine.close()
+        return results, chains
+
+    _, full = run(0.0)
+    assert all(len(tokens) == k for tokens, _ in full)
+    # a threshold among the products the head reached at which, by the rule, chains would
+    # end after one draft and run full alike (they differ little in the second run)
+    running = [torch.cumprod(torch.tensor(c, dtype=torch.float64), 0) for _, c in full]
+
+    def ends(threshold: float) -> int:
+        ones = sum(float(r[0]) < threshold for r in running)
+        fulls = sum(float(r[k - 2]) >= threshold for r in running)
+        return min(ones, fulls)
+
+    threshold = max((float(r[j]) for r in running for j in range(k - 1)), key=ends)
+    results, chains = run(threshold)
+    for prompt, r in zip(prompts, results, strict=True):
+        assert r.output_ids == hf_greedy(model, prompt, GREEDY.max_tokens)
+    assert sum(r.spec_drafted for r in results) == sum(len(t) for t, _ in chains)
+    for tokens, conf in chains:
+        running = torch.cumprod(torch.tensor(conf, dtype=torch.float64), 0)
+        assert all(running[: len(tokens) - 1] >= threshold * (1 - 1e-6)), conf  # drafted on
+        assert len(tokens) == k or running[-1] < threshold * (1 + 1e-6), conf  # then stopped
+    lengths = {len(tokens) for tokens, _ in chains}
+    assert lengths >= {1, k} and len(lengths) >= 3, lengths
+
+
 def test_random_drafter_on_a_deeper_model_changes_nothing() -> None:
     model = tiny_model(seed=5)  # two layers: an untrained head is nearly always wrong
     prompts = _prompts(1, (9, 30))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 import torch
 
 from sessionserve.replicas.speculative.acceptance import accept_sampled
@@ -87,11 +88,21 @@ def _exact_marginals(model, prompt: list[int], temperature: float) -> list[torch
     return [p1, p2, p3]
 
 
-def test_engine_speculative_sampling_matches_the_target_distribution() -> None:
+@pytest.mark.parametrize("min_confidence", [0.0, 0.5])
+def test_engine_speculative_sampling_matches_the_target_distribution(
+    min_confidence: float,
+) -> None:
+    """Also with chains that stop where the drawn drafts' probability under the head falls
+    (`min_draft_confidence`): the stop depends on the drafts alone, so the output is still
+    distributed as the target's."""
     vocab, temperature, runs = 12, 1.0, 2_400
     model = tiny_model(num_hidden_layers=1, seed=11, vocab_size=vocab, init_std=0.2)
     engine = tiny_engine(
-        model, drafter=lambda m: mimic_drafter(m, noise=0.15, seed=2), num_drafts=3, max_rows=64
+        model,
+        drafter=lambda m: mimic_drafter(m, noise=0.15, seed=2),
+        num_drafts=3,
+        max_rows=64,
+        min_draft_confidence=min_confidence,
     )
     prompt = [3, 7, 2, 9, 4]
     counts = torch.zeros(3, vocab)
@@ -108,6 +119,8 @@ def test_engine_speculative_sampling_matches_the_target_distribution() -> None:
                 counts[pos, tok] += 1
     stats = engine.spec_stats
     assert 0 < stats.accepted < stats.drafted  # drafts both kept and rejected
+    if min_confidence:  # chains of every length: some stopped early, some ran to 3
+        assert stats.steps < stats.drafted < 3 * stats.steps, (stats.drafted, stats.steps)
     for pos, exact in enumerate(_exact_marginals(model, prompt, temperature)):
         assert counts[pos].sum() == runs
         p_value = chi_square_p_value(counts[pos], exact)
