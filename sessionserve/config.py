@@ -212,10 +212,12 @@ class SpecConfig(_Strict):
     )
     adaptive: bool = Field(
         True,
-        description="Measure decode tokens/s with and without drafts per batch size while "
-        "serving, and draft only where it is faster (re-checking the other choice every 16th "
-        "to 128th step, rarer the dearer a re-check, up to 30 s of steps apart where one is "
-        "dearer still); cap each history chain at what its recent verifies kept, plus one (an "
+        description="Measure, per batch size while serving, the tokens a drafting step yields "
+        "and what it costs over a plain step (from neighbouring steps, so a machine's drifting "
+        "speed cancels out), and draft only where that is faster (re-checking the other choice "
+        "every 16th to 128th step, rarer the dearer a re-check, up to 30 s of steps apart "
+        "where one is dearer still); cap each history chain at what its recent verifies kept, "
+        "plus one (an "
         "EAGLE head's chains stop by `min_draft_confidence`). false: every eligible request "
         "drafts every step, history chains in full.",
     )

@@ -74,6 +74,8 @@ class StepMark:
     started: float | None
     caught_up_deferred: bool = False
     head_s: float = 0.0  # the head's catch-up pass of this step (timed with a policy)
+    head_positions: int = 0  # the positions that pass covered
+    put_off: int = 0  # positions committed this step whose pass waits instead
 
 
 @dataclass(frozen=True)
@@ -312,6 +314,8 @@ class SpeculativeDecoder:
             if puts_off and d.deferred_len(s.start) < MAX_DEFERRED:
                 d.defer(s.start, hidden)  # no guess needed next step: catch up when one is
                 req.draft = None
+                if mark is not None:
+                    mark.put_off += end - s.start
                 continue
             start, hidden = d.take_deferred(s.start, hidden)
             if mark is not None:
@@ -322,10 +326,10 @@ class SpeculativeDecoder:
         self.eagle.catch_up(entries)
         if policy is not None and mark is not None:
             mark.head_s = policy.clock() - started
+            mark.head_positions = sum(e.end - e.start for e in entries)
             if mark.caught_up_deferred:  # what taking drafting up again costs (policy.py):
                 # the head's pass over the positions deferred while the batch did not draft
-                positions = sum(e.end - e.start for e in entries)
-                policy.observe_switch(positions, mark.head_s)
+                policy.observe_switch(mark.head_positions, mark.head_s)
 
     def _owed(self, s: ScheduledSeq) -> int:
         """Positions before this step whose head pass `s`'s request put off and would pay
@@ -357,7 +361,9 @@ class SpeculativeDecoder:
         ran is the price of the drafting step after it, `observe_switch`). Excluding such a
         step instead left the plain figure unmeasured while drafting led: a plain re-check
         between drafting steps always pays the pass over the step before it (its positions
-        wait because the re-check does not draft), so no re-check ever updated it."""
+        wait because the re-check does not draft), so no re-check ever updated it. A drafting
+        step whose own positions' pass waits (the next step does not draft) says so, and the
+        policy prices that pass in."""
         mark = self._marks.pop(batch.step, None)
         if self.policy is None or mark is None:
             return
@@ -369,4 +375,12 @@ class SpeculativeDecoder:
         started = mark.started if last_end is None else max(mark.started, last_end)
         seconds = now - started - (0.0 if speculated else mark.head_s)
         tokens = sum(len(emitted[0]) for emitted in out.emitted.values())
-        self.policy.observe(len(batch.seqs), speculated, tokens, seconds)
+        self.policy.observe(
+            len(batch.seqs),
+            speculated,
+            tokens,
+            seconds,
+            mark.head_s,
+            mark.head_positions,
+            mark.put_off,
+        )

@@ -3,24 +3,40 @@
 Whether speculation speeds decoding up depends on what a verify costs next to a plain step
 (the hardware, the batch size, whether the forward is compiled or graphed) and on how much the
 drafts are accepted (the model, the drafter, the workload): neither is known before serving.
-So the engine measures both. Decode-only steps are timed from the first draft to the last
-commit, and each step's emitted tokens per second per decoding request goes into one of two
-running means for its batch-size bucket: steps that verified drafts and steps that did not.
-Per request, because a bucket spans batch sizes (4-7, 8-15, ...) and a turn's tail shrinks
-through them: per step, an arm last measured at 7 requests would read 7/4 of one measured at
-4 for the same speed (SmolLM2 on 2 cores, 8 requests, bf16: drafting took 70 of ~195 steps at
-4-7, each 37-43 ms against plain steps' 28-30, and lost). The next step speculates
-when that arm is the faster one, except every n-th decision in a bucket, which takes the other
-arm so its mean stays current; a bucket starts by trying both. A re-check of the slower arm
-loses its gap (1 - slow / fast tokens/s) of a step that lasts its own step time, so it costs
+So the engine measures both, per batch-size bucket, from decode-only steps timed from the first
+draft to the last commit, split into the two things that vary on different time scales:
+- **Yield**: tokens a step per decoding request, for each arm (1 for plain steps). A workload's
+  acceptance changes slowly, one verify's varies from 1 to 5 tokens: a slow running mean
+  (~200 drafting steps). A short one (~10-20) is not only noisy but low: the policy stops
+  drafting when it dips and then samples drafting rarely, so it stays low for long (SmolLM2's
+  head kept 1.40 tokens a verify where the short mean, averaged over decisions, read 1.30).
+  Per request, because a bucket spans batch sizes (4-7, 8-15, ...) and a turn's tail shrinks
+  through them.
+- **Cost**: what a drafting step lasts over a plain one, from *paired* samples only: a step of
+  the arm the policy is re-checking over the median of the other arm's steps just before it;
+  the median of the last `COST_WINDOW` such samples. A machine's speed drifts (a shared 2-core
+  VM: plain steps went from 14 to 29 ms within one run), and the arm being re-checked is
+  measured every hundred steps or so: compared by their own running means, the two arms were
+  measured at different speeds of the machine, and drafting that measured 1.2x faster in
+  adjacent steps read 0.7x (SmolLM2, one request, bf16, docs/benchmarks.md). A ratio of
+  neighbouring steps cancels the drift.
+Drafting's speed over plain decoding is then (its yield / plain's) / cost. The next step
+speculates when that is above 1, except every n-th decision in a bucket, which takes the other
+arm so the ratio stays current; a bucket starts by trying both. A re-check of the slower arm
+loses its gap (1 - slow / fast speed) of a step that lasts its own step time, so it costs
 about gap * (slow step / fast step) fast steps, and re-checking every n-th step costs that / n
 of throughput: n = max(`explore_every`, that / `explore_loss`), at most `max_explore_every`
 decisions or, where more, `max_explore_s` of the faster arm's steps (a 16% gap at equal step
 times is re-checked every 16 steps; a verify at 8 decodes that yields half the tokens/s in
 steps 2.5x as long, every 125: about 1% of throughput either way). The cap bounds how stale
-the other arm gets; in time rather than decisions alone because a dear re-check (below: one
-that pays two steps' worth of put-off work at 32 requests) would otherwise cost 2% where
+the ratio gets; in time rather than decisions alone because a dear re-check (below: one that
+pays two steps' worth of put-off work at 32 requests) would otherwise cost 2% where
 `explore_loss` aims at 1%.
+
+A drafting step normally includes the head's pass over what it committed (the next step's
+guess needs it); a re-check of drafting followed by plain steps puts that pass off, so its
+time lacks it: the policy adds what that pass cost on drafting steps that ran it (per bucket),
+or a re-check would make drafting look cheaper than drafting is.
 
 Taking drafting up again has a price of its own: while requests do not draft, the head's
 pass over their new positions waits (and a session turn that ends without drafting leaves its
@@ -28,7 +44,8 @@ pass to the session's next turn), and taking drafting up pays for all of it (the
 before the first that drafts runs that pass, since the next step wants a guess; decoder.py:
 no arm's timing includes it). So at each decision the decoder says how many
 positions the decoding requests owe the head, and the policy prices them at what the head's
-passes cost per position when drafting was taken up before (`observe_switch`): drafting is
+passes cost per extra position when drafting was taken up before (`observe_switch`,
+`PassCost`): drafting is
 taken up only where its gain over `explore_every` steps pays that back, and a re-check of
 drafting counts it in its cost. (SmolLM2 on 2 cores, 8 requests, arms within a few percent:
 without this the policy flipped between them and the deferred passes took 4-6% of decode
@@ -39,9 +56,13 @@ steps after the last one.
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+COST_WINDOW = 9  # paired samples the cost ratio is the median of
 
 
 def smoothed(last: float | None, value: float, smoothing: float) -> float:
@@ -51,18 +72,102 @@ def smoothed(last: float | None, value: float, smoothing: float) -> float:
 
 @dataclass
 class Arm:
-    request_tokens_per_s: float = 0.0  # tokens a second per decoding request
-    step_s: float = 0.0  # what one of its steps lasts: a re-check's cost scales with it
-    steps: int = 0
+    """One choice (draft, or not) in one bucket."""
 
-    def observe(self, tokens: float, seconds: float, smoothing: float) -> None:
-        """One step's `tokens` per decoding request in `seconds`."""
-        first = self.steps == 0
-        self.request_tokens_per_s = smoothed(
-            None if first else self.request_tokens_per_s, tokens / seconds, smoothing
-        )
-        self.step_s = smoothed(None if first else self.step_s, seconds, smoothing)
+    tokens: float = 0.0  # tokens a step per decoding request: a slow running mean
+    step_s: float = 0.0  # what one of its steps lasts: a quick running mean
+    steps: int = 0
+    recent: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=5))
+
+    def observe(
+        self, at: int, tokens: float, seconds: float, yield_smoothing: float, smoothing: float
+    ) -> None:
+        """Its step number `at` of the bucket: `tokens` per decoding request in `seconds`."""
         self.steps += 1
+        self.tokens = smoothed(
+            None if self.steps == 1 else self.tokens, tokens, max(1 / self.steps, yield_smoothing)
+        )
+        self.step_s = smoothed(None if self.steps == 1 else self.step_s, seconds, smoothing)
+        self.recent.append((at, seconds))
+
+    def recent_s(self, now: int, window: int) -> list[float]:
+        """Its steps' seconds among the bucket's last `window` steps."""
+        return [s for at, s in self.recent if now - at <= window]
+
+    @property
+    def last(self) -> int:
+        return self.recent[-1][0] if self.recent else -1
+
+
+@dataclass
+class Bucket:
+    """One batch-size bucket's record: both arms, and the paired cost ratio."""
+
+    on: Arm = field(default_factory=Arm)
+    off: Arm = field(default_factory=Arm)
+    observed: int = 0  # steps observed in this bucket
+    costs: deque[float] = field(default_factory=lambda: deque(maxlen=COST_WINDOW))
+    head_pass_s: float | None = None  # the head's pass on drafting steps that ran it
+    since_recheck: int = 0  # decisions since its last re-check
+
+    @property
+    def cost_ratio(self) -> float | None:
+        """What a drafting step lasts over a plain one, at the same speed of the machine: the
+        median of the last paired samples (a re-check that lands just after the machine
+        changed speed is paired across the change, off by that much: the median ignores it,
+        and follows a real change within a few re-checks)."""
+        return statistics.median(self.costs) if self.costs else None
+
+    def speed_ratio(self) -> float | None:
+        """Drafting's decode speed over plain decoding's."""
+        cost = self.cost_ratio
+        if cost is None or self.off.tokens <= 0:
+            return None
+        return self.on.tokens / self.off.tokens / cost
+
+    def step_s(self, speculated: bool) -> float:
+        """A step of that arm at the machine's speed now: the arm measured last, the other
+        from it by the cost ratio."""
+        fresh = self.on if self.on.last >= self.off.last else self.off
+        cost = self.cost_ratio or 1.0
+        if speculated == (fresh is self.on):
+            return fresh.step_s
+        return fresh.step_s * cost if speculated else fresh.step_s / cost
+
+
+class PassCost:
+    """What one more position adds to the head's pass: the slope of seconds over positions
+    through recent passes (decayed sums, a weighted least-squares line). A pass has a fixed
+    cost (one head forward, its next guess) that a ratio of seconds to positions spreads over
+    the positions: most passes when drafting is taken up again cover a few positions (a plain
+    re-check between drafting steps), so that ratio priced a 200-position backlog at 0.6 ms a
+    position, 6 plain steps, and re-checks of drafting after plain runs came every 1,500
+    steps (SmolLM2, one request, bf16). Where the passes seen are all about one size the
+    slope is unknown, and the ratio (an upper bound) stands in."""
+
+    def __init__(self, smoothing: float) -> None:
+        self.decay = 1.0 - smoothing
+        self.w = self.x = self.y = self.xx = self.xy = 0.0
+
+    def observe(self, positions: int, seconds: float) -> None:
+        d = self.decay
+        self.w = d * self.w + 1.0
+        self.x = d * self.x + positions
+        self.y = d * self.y + seconds
+        self.xx = d * self.xx + positions * positions
+        self.xy = d * self.xy + positions * seconds
+
+    def per_position(self) -> float:
+        """Seconds a position (0 before any pass was seen)."""
+        if self.w <= 0 or self.x <= 0:
+            return 0.0
+        mean_x, mean_y = self.x / self.w, self.y / self.w
+        ratio = mean_y / mean_x
+        var = self.xx / self.w - mean_x * mean_x
+        if var < (0.5 * mean_x) ** 2:  # passes of about one size: no slope to read
+            return ratio
+        slope = (self.xy / self.w - mean_x * mean_y) / var
+        return ratio if slope < 0 else min(slope, ratio)  # (below 0: the machine's drift)
 
 
 def bucket(num_decodes: int) -> int:
@@ -81,6 +186,8 @@ class SpecPolicy:
         explore_loss: float = 0.01,
         max_explore_every: int = 128,
         max_explore_s: float = 30.0,
+        yield_smoothing: float = 0.005,
+        pair_window: int = 8,
     ) -> None:
         self.clock = clock
         self.explore_every = explore_every
@@ -88,89 +195,121 @@ class SpecPolicy:
         self.max_explore_every = max_explore_every
         self.max_explore_s = max_explore_s
         self.smoothing = smoothing
+        self.yield_smoothing = yield_smoothing  # (a running mean of all steps until 1/n < it)
+        self.pair_window = pair_window  # a pair's steps are at most this many steps apart
         self.warmup_steps = warmup_steps
-        self.arms: dict[tuple[int, bool], Arm] = {}
-        self._since_recheck: dict[int, int] = {}
-        # the head's passes when drafting was taken up again: running means of their seconds
-        # and positions (their ratio weighs big passes most, where a pass's fixed cost fades)
-        self._switch_s: float | None = None
-        self._switch_positions: float | None = None
+        self.buckets: dict[int, Bucket] = {}
+        self.passes = PassCost(smoothing)  # the head's passes when drafting was taken up
 
-    def arm(self, num_decodes: int, speculated: bool) -> Arm:
-        return self.arms.setdefault((bucket(num_decodes), speculated), Arm())
+    def bucket(self, num_decodes: int) -> Bucket:
+        return self.buckets.setdefault(bucket(num_decodes), Bucket())
 
     def choose(self, num_decodes: int, owed_positions: int = 0) -> bool:
         """Should the next step, with about `num_decodes` decoding requests that owe the head
         `owed_positions` put-off positions between them, draft?"""
-        on, off, b = self.arm(num_decodes, True), self.arm(num_decodes, False), bucket(num_decodes)
-        if on.steps < self.warmup_steps or off.steps < self.warmup_steps:
-            return on.steps < self.warmup_steps  # drafting's warm-up first
-        # decisions since this bucket's last re-check
-        self._since_recheck[b] = n = self._since_recheck.get(b, 0) + 1
+        b = self.bucket(num_decodes)
+        if b.on.steps < self.warmup_steps or b.off.steps < self.warmup_steps:
+            return b.on.steps < self.warmup_steps  # drafting's warm-up first
+        speed = b.speed_ratio()
+        if speed is None:  # (no pair yet: the arms' steps were never neighbours)
+            return b.on.last < b.off.last  # take the one measured longest ago
+        b.since_recheck += 1
         owed_s = self.owed_s(owed_positions)
-        best = self._drafting_pays(on, off, owed_s)
+        best = self._drafting_pays(b, speed, owed_s)
         owed = 0.0 if best else owed_s  # a re-check of drafting pays it
-        choice = best if n < self.recheck_every(on, off, owed) else not best
+        choice = best if b.since_recheck < self.recheck_every(b, owed) else not best
         if choice != best:
-            self._since_recheck[b] = 0
+            b.since_recheck = 0
         return choice
 
     def owed_s(self, positions: int) -> float:
         """What the head's pass over `positions` put-off positions costs, as measured (nothing
         before the first measurement: taking drafting up once measures it)."""
-        if not self._switch_s or not self._switch_positions:
-            return 0.0
-        return positions * self._switch_s / self._switch_positions
+        return positions * self.passes.per_position()
 
-    def _drafting_pays(self, on: Arm, off: Arm, owed_s: float) -> bool:
-        """Drafting's tokens/s is the higher, by enough to pay back the head's pass it owes
-        (`owed_s`) within `explore_every` steps."""
-        if on.request_tokens_per_s < off.request_tokens_per_s:
+    def _drafting_pays(self, b: Bucket, speed: float, owed_s: float) -> bool:
+        """Drafting is the faster, by enough to pay back the head's pass it owes (`owed_s`)
+        within `explore_every` steps."""
+        if speed < 1.0:
             return False
-        if owed_s <= 0 or on.request_tokens_per_s <= 0:
+        if owed_s <= 0:
             return True
-        gain = (
-            (1.0 - off.request_tokens_per_s / on.request_tokens_per_s)
-            * on.step_s
-            * self.explore_every
-        )
+        gain = (1.0 - 1.0 / speed) * b.step_s(True) * self.explore_every
         return gain >= owed_s
 
-    def recheck_every(self, on: Arm, off: Arm, owed_s: float = 0.0) -> int:
-        """Decisions between re-checks of the other arm: more, the more one costs (its
-        tokens/s gap, in steps as long as its own, plus `owed_s` of work it pays first,
-        counted in the faster arm's steps)."""
-        fast, slow = (on, off) if on.request_tokens_per_s >= off.request_tokens_per_s else (off, on)
-        if fast.request_tokens_per_s <= 0 or fast.step_s <= 0:
+    def recheck_every(self, b: Bucket, owed_s: float = 0.0) -> int:
+        """Decisions between re-checks of the other arm: more, the more one costs (its speed
+        gap, in steps as long as its own, plus `owed_s` of work it pays first, counted in the
+        faster arm's steps)."""
+        speed = b.speed_ratio()
+        if speed is None or speed <= 0:
             return self.explore_every
-        gap = 1.0 - slow.request_tokens_per_s / fast.request_tokens_per_s
-        cost = (gap * slow.step_s + owed_s) / fast.step_s  # fast steps lost per re-check
+        fast_s, slow_s = b.step_s(speed >= 1.0), b.step_s(speed < 1.0)
+        if fast_s <= 0:
+            return self.explore_every
+        gap = 1.0 - min(speed, 1.0 / speed)
+        cost = (gap * slow_s + owed_s) / fast_s  # fast steps lost per re-check
         every = max(self.explore_every, round(cost / self.explore_loss))
-        cap = max(self.max_explore_every, int(self.max_explore_s / fast.step_s))
+        cap = max(self.max_explore_every, int(self.max_explore_s / fast_s))
         return min(every, cap)
 
     def observe_switch(self, positions: int, seconds: float) -> None:
         """Taking drafting up again made the head catch up on `positions` positions (put off
         and new) in `seconds`."""
         if positions > 0 and seconds > 0:
-            self._switch_s = smoothed(self._switch_s, seconds, self.smoothing)
-            self._switch_positions = smoothed(self._switch_positions, positions, self.smoothing)
+            self.passes.observe(positions, seconds)
 
-    def observe(self, num_decodes: int, speculated: bool, tokens: int, seconds: float) -> None:
+    def observe(
+        self,
+        num_decodes: int,
+        speculated: bool,
+        tokens: int,
+        seconds: float,
+        head_s: float = 0.0,
+        head_positions: int = 0,
+        put_off_positions: int = 0,
+    ) -> None:
         """One decode-only step of `num_decodes` requests: `tokens` emitted in `seconds`,
-        drafts verified or not."""
-        if seconds > 0 and num_decodes > 0:
-            arm = self.arm(num_decodes, speculated)
-            arm.observe(tokens / num_decodes, seconds, self.smoothing)
+        drafts verified or not. A drafting step's `seconds` include the head's pass over the
+        `head_positions` it committed (`head_s` of them); `put_off_positions` of them waited
+        instead (the next step does not draft), and are priced at what the pass cost. (A
+        plain step's are timed without its pass: the decoder's `finish_step`.)"""
+        if seconds <= 0 or num_decodes <= 0:
+            return
+        b = self.bucket(num_decodes)
+        if speculated and put_off_positions == 0 and head_positions > 0:
+            b.head_pass_s = smoothed(b.head_pass_s, head_s, self.smoothing)
+        elif speculated and put_off_positions > 0 and b.head_pass_s:
+            share = put_off_positions / (put_off_positions + head_positions)
+            seconds += b.head_pass_s * share
+        b.observed += 1
+        arm, other = (b.on, b.off) if speculated else (b.off, b.on)
+        neighbours = other.recent_s(b.observed, self.pair_window)
+        mine = arm.recent_s(b.observed, self.pair_window)
+        if neighbours and len(neighbours) >= len(mine):
+            # the other arm ran just before, and more often: a step of this one next to the
+            # median of those is a paired sample (a plain step after a drafting re-check is
+            # not: paired with that one step, it would count the re-check's noise twice)
+            paired = statistics.median(neighbours)
+            b.costs.append(seconds / paired if speculated else paired / seconds)
+        arm.observe(b.observed, tokens / num_decodes, seconds, self.yield_smoothing, self.smoothing)
 
     def summary(self) -> dict[str, dict[str, float]]:
-        """Per bucket (its smallest batch size): each arm's mean tokens/s per decoding
-        request, and its steps."""
+        """Per bucket (its smallest batch size): each arm's tokens/s per decoding request at
+        the machine's speed now (the arm measured last by its own steps, the other through
+        the paired cost ratio) and its steps, and drafting's cost and speed over plain."""
         out: dict[str, dict[str, float]] = {}
-        for (b, spec), arm in sorted(self.arms.items()):
-            if arm.steps:
-                key = "spec" if spec else "plain"
-                row = out.setdefault(str(1 << (b - 1)), {})
-                row[f"{key}_request_tokens_per_s"] = round(arm.request_tokens_per_s, 2)
-                row[f"{key}_steps"] = arm.steps
+        for b, rec in sorted(self.buckets.items()):
+            row: dict[str, float] = {}
+            for key, arm, speculated in (("plain", rec.off, False), ("spec", rec.on, True)):
+                if arm.steps:
+                    step_s = rec.step_s(speculated)
+                    row[f"{key}_request_tokens_per_s"] = round(arm.tokens / step_s, 2)
+                    row[f"{key}_steps"] = arm.steps
+            speed = rec.speed_ratio()
+            if speed is not None:
+                row["cost_ratio"] = round(rec.cost_ratio or 0.0, 3)
+                row["speed_ratio"] = round(speed, 3)
+            if row:
+                out[str(1 << (b - 1))] = row
         return out
