@@ -105,10 +105,14 @@ class Bucket:
 
     on: Arm = field(default_factory=Arm)
     off: Arm = field(default_factory=Arm)
-    observed: int = 0  # steps observed in this bucket
     costs: deque[float] = field(default_factory=lambda: deque(maxlen=COST_WINDOW))
     head_pass_s: float | None = None  # the head's pass on drafting steps that ran it
     since_recheck: int = 0  # decisions since its last re-check
+
+    @property
+    def observed(self) -> int:
+        """Steps observed in this bucket (a step's number in it: `Arm.recent`)."""
+        return self.on.steps + self.off.steps
 
     @property
     def cost_ratio(self) -> float | None:
@@ -282,17 +286,17 @@ class SpecPolicy:
         elif speculated and put_off_positions > 0 and b.head_pass_s:
             share = put_off_positions / (put_off_positions + head_positions)
             seconds += b.head_pass_s * share
-        b.observed += 1
+        now = b.observed + 1  # this step's number in the bucket
         arm, other = (b.on, b.off) if speculated else (b.off, b.on)
-        neighbours = other.recent_s(b.observed, self.pair_window)
-        mine = arm.recent_s(b.observed, self.pair_window)
+        neighbours = other.recent_s(now, self.pair_window)
+        mine = arm.recent_s(now, self.pair_window)
         if neighbours and len(neighbours) >= len(mine):
             # the other arm ran just before, and more often: a step of this one next to the
             # median of those is a paired sample (a plain step after a drafting re-check is
             # not: paired with that one step, it would count the re-check's noise twice)
             paired = statistics.median(neighbours)
             b.costs.append(seconds / paired if speculated else paired / seconds)
-        arm.observe(b.observed, tokens / num_decodes, seconds, self.yield_smoothing, self.smoothing)
+        arm.observe(now, tokens / num_decodes, seconds, self.yield_smoothing, self.smoothing)
 
     def summary(self) -> dict[str, dict[str, float]]:
         """Per bucket (its smallest batch size): each arm's tokens/s per decoding request at
