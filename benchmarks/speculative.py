@@ -13,18 +13,22 @@ At concurrency c, c sessions run at once (continuous batching; sessions repeat t
 when c is larger). Decode tokens/s counts the tokens of decode-only steps over those steps'
 time (prefill steps are the same work in both runs and are left out). Greedy output is
 identical with and without speculation (checked here). Speculation runs with the online policy
-(`spec.adaptive`, the default) unless --no-adaptive. Both engines are built side by side and
-their measured passes interleaved (`--repeats` rounds, 2 by default), each engine having served
-the workload once unmeasured first, as a serving replica long has (--cold: not).
+(`spec.adaptive`, the default) unless --no-adaptive; --forced-too adds a third engine that
+drafts on every step, so the policy and what the drafts are worth are read in the same rounds.
+The engines are built side by side and their measured passes interleaved (`--repeats` rounds, 2
+by default, their order rotating), each engine having served the workload once unmeasured
+first, as a serving replica long has (--cold: not).
 
     .venv/bin/sessionserve train-drafter            # once: writes drafters/default
     .venv/bin/python -m benchmarks.speculative [--drafter drafters/default] [--num-drafts 4]
         [--tree-topk 2 --tree-budget 8]    # EAGLE-2 trees from the head (greedy requests)
         [--dtype bfloat16]                 # weights and KV in bf16 (default float32)
+        [--forced-too]                     # and drafting forced on, in the same rounds
 
 Last line: JSON with accept_len (mean tokens per verify step, EAGLE's tau, head, chat, first
 concurrency), speedup_1/_8/_32 (head, chat: decode tokens/s with / without speculation),
-speedup_agent_1 (history drafter, agent workload), the policy's per-bucket measurements and
+speedup_agent_1 (history drafter, agent workload), with --forced-too the same keys prefixed
+forced_ (speedup_forced_1, ...), the policy's per-bucket measurements and
 the speculative engine's forwards timed by kind (`forward_ms_<point>`: ms a decode, a verify
 and a prompt step, and `verify_over_decode`, what a verify costs over a decode here).
 """
@@ -267,67 +271,100 @@ def serve(eng: Engine, work: Workload, concurrency: int, max_tokens: int) -> tup
 
 def compare(name: str, loaded, spec: SpecConfig, c: int, args, work: Workload, summary: dict):
     """The plain and the speculative engine side by side in this process, their measured
-    passes interleaved (`--repeats` rounds, which engine goes first alternating): this
-    machine's speed drifts by more than the gaps "never a loss" is about, and whole runs one
-    after the other read that drift as a speedup or a loss (SmolLM2, fp32, 8 requests: pairs
-    of runs 0.92 and 0.98, interleaved passes in one process 1.03, docs/benchmarks.md).
-    Records `speedup_{name}`: the median of the rounds' ratios. With `--warm` (the default)
-    each engine first serves the workload once unmeasured, as a serving replica long has."""
+    passes interleaved (`--repeats` rounds, the engines' order rotating): this machine's speed
+    drifts by more than the gaps "never a loss" is about, and whole runs one after the other
+    read that drift as a speedup or a loss (SmolLM2, fp32, 8 requests: pairs of runs 0.92 and
+    0.98, interleaved passes in one process 1.03, docs/benchmarks.md). With `--forced-too` a
+    third engine drafts on every step (the policy off) in the same rounds: what the drafts are
+    worth next to what the policy makes of them. Records `speedup_{name}` (and
+    `speedup_forced_{name}`): the median of the rounds' ratios over the plain engine's pass
+    of the same round. With `--warm` (the default) each engine first serves the workload once
+    unmeasured, as a serving replica long has."""
     if args.only and name not in args.only:
         return
-    plain, spec_eng = (
-        build(loaded, cfg, c, args.compile, args.eager_head) for cfg in (SpecConfig(), spec)
-    )
-    spec_dec = spec_eng.speculative
+    arms = {"plain": SpecConfig(), "spec": spec}
+    if args.forced_too and spec.adaptive:
+        arms["forced"] = spec.model_copy(update={"adaptive": False})
+    engines = {
+        arm: build(loaded, cfg, c, args.compile, args.eager_head) for arm, cfg in arms.items()
+    }
+    spec_arms = [arm for arm in engines if arm != "plain"]
     if args.warm:
-        for eng in (plain, spec_eng):
+        for eng in engines.values():
             serve(eng, work, c, args.max_tokens)
-        spec_dec.stats, spec_dec.by_source = SpecStats(), {}  # the measured passes' only
-    spent = time_drafting(spec_dec)
-    forwards = time_forwards(spec_eng.runner)
-    ratios, same = [], True
-    totals = {"plain": [0.0, 0], "spec": [0.0, 0]}  # decode seconds, tokens
+        for arm in spec_arms:  # the measured passes' only
+            engines[arm].speculative.stats, engines[arm].speculative.by_source = SpecStats(), {}
+    spent = {arm: time_drafting(engines[arm].speculative) for arm in spec_arms}
+    forwards = {arm: time_forwards(engines[arm].runner) for arm in spec_arms}
+    ratios: dict[str, list[float]] = {arm: [] for arm in spec_arms}
+    same = dict.fromkeys(spec_arms, True)
+    totals = {arm: [0.0, 0] for arm in engines}  # decode seconds, tokens
+    order = list(engines)
     for i in range(args.repeats):
+        shift = i % len(order)
         passes = {}
-        for side in ("plain", "spec") if i % 2 == 0 else ("spec", "plain"):
-            eng = plain if side == "plain" else spec_eng
-            passes[side] = serve(eng, work, c, args.max_tokens)
-            eng.check_memory()
-            totals[side][0] += passes[side][0]
-            totals[side][1] += passes[side][1]
-        (p_s, p_tokens, p_out), (s_s, s_tokens, s_out) = passes["plain"], passes["spec"]
-        same = same and p_out == s_out
-        ratios.append((s_tokens / s_s) / (p_tokens / p_s))
-    plain_tps, spec_tps = (totals[k][1] / totals[k][0] for k in ("plain", "spec"))
+        for arm in order[shift:] + order[:shift]:
+            passes[arm] = serve(engines[arm], work, c, args.max_tokens)
+            engines[arm].check_memory()
+            totals[arm][0] += passes[arm][0]
+            totals[arm][1] += passes[arm][1]
+        p_s, p_tokens, p_out = passes["plain"]
+        for arm in spec_arms:
+            s_s, s_tokens, s_out = passes[arm]
+            same[arm] = same[arm] and p_out == s_out
+            ratios[arm].append((s_tokens / s_s) / (p_tokens / p_s))
+    plain_tps = totals["plain"][1] / totals["plain"][0]
+    summary[f"plain_tps_{name}"] = round(plain_tps, 2)
+    for arm in spec_arms:
+        key = name if arm == "spec" else f"forced_{name}"
+        _report(
+            key,
+            engines[arm],
+            plain_tps,
+            totals[arm],
+            ratios[arm],
+            same[arm],
+            spent[arm],
+            forwards[arm],
+            summary,
+        )
+
+
+def _report(key, eng, plain_tps, total, ratios, same, spent, forwards, summary: dict) -> None:
+    """Print and record one speculative engine's figures against the plain engine's."""
+    spec_dec = eng.speculative
+    spec_tps = total[1] / total[0]
     speedup = statistics.median(ratios)
     if len(ratios) > 1:
-        print(f"{name}: speedups of the {len(ratios)} rounds {[round(r, 3) for r in ratios]}")
-        summary[f"speedups_{name}"] = [round(r, 3) for r in ratios]
-    s = spec_eng.spec_stats.as_dict()
+        print(f"{key}: speedups of the {len(ratios)} rounds {[round(r, 3) for r in ratios]}")
+        summary[f"speedups_{key}"] = [round(r, 3) for r in ratios]
+    s = eng.spec_stats.as_dict()
     by_source = {k: v.as_dict()["mean_accept_len"] for k, v in spec_dec.by_source.items()}
     policy = spec_dec.policy.summary() if spec_dec.policy else {}
-    share = {k: round(v / totals["spec"][0], 4) for k, v in spent.items()}
+    share = {k: round(v / total[0], 4) for k, v in spent.items()}
     print(
-        f"{name}: decode {plain_tps:.1f} tok/s plain, {spec_tps:.1f} tok/s speculative -> "
+        f"{key}: decode {plain_tps:.1f} tok/s plain, {spec_tps:.1f} tok/s speculative -> "
         f"{speedup:.2f}x; mean acceptance length {s['mean_accept_len']:.2f} "
-        f"(accepted {s['accepted']}/{s['drafted']} drafts); histogram "
-        f"{s['accept_len_histogram']}; by source {by_source}; outputs identical: {same}"
+        f"(accepted {s['accepted']}/{s['drafted']} drafts in {s['verify_steps']} verifies); "
+        f"histogram {s['accept_len_histogram']}; by source {by_source}; "
+        f"outputs identical: {same}"
     )
-    print(f"  policy per batch bucket: {policy}")
+    if policy:
+        print(f"  policy per batch bucket: {policy}")
     print(f"  the decoder's own work, share of decode time: {share}")
     ms = {k: round(1e3 * t / n, 2) for k, (t, n) in forwards.items() if n}
     if "decode" in ms and "verify" in ms:
         ms["verify_over_decode"] = round(ms["verify"] / ms["decode"], 3)
     print(f"  the speculative engine's forwards, ms a step by kind: {ms}")
-    summary[f"speedup_{name}"] = round(speedup, 3)
-    summary[f"plain_tps_{name}"] = round(plain_tps, 2)
-    summary[f"spec_tps_{name}"] = round(spec_tps, 2)
-    summary[f"accept_len_{name}"] = s["mean_accept_len"]
-    summary[f"histogram_{name}"] = s["accept_len_histogram"]
-    summary[f"identical_{name}"] = same
-    summary[f"policy_{name}"] = policy
-    summary[f"drafting_share_{name}"] = share
-    summary[f"forward_ms_{name}"] = ms
+    summary[f"speedup_{key}"] = round(speedup, 3)
+    summary[f"spec_tps_{key}"] = round(spec_tps, 2)
+    summary[f"accept_len_{key}"] = s["mean_accept_len"]
+    summary[f"verifies_{key}"] = s["verify_steps"]
+    summary[f"histogram_{key}"] = s["accept_len_histogram"]
+    summary[f"identical_{key}"] = same
+    summary[f"policy_{key}"] = policy
+    summary[f"drafting_share_{key}"] = share
+    summary[f"forward_ms_{key}"] = ms
 
 
 def main() -> int:
@@ -358,6 +395,11 @@ def main() -> int:
         help="run the EAGLE head's steps eagerly (its compiled steps are what --compile adds)",
     )
     ap.add_argument("--no-adaptive", dest="adaptive", action="store_false")
+    ap.add_argument(
+        "--forced-too",
+        action="store_true",
+        help="also run each point drafting on every step, interleaved with plain and the policy",
+    )
     ap.add_argument(
         "--cold",
         dest="warm",
