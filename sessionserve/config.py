@@ -198,7 +198,9 @@ class SpecConfig(_Strict):
         "this; 0 = always `num_drafts`. A draft that is unlikely to be kept still costs a head "
         "step and a verify column: with SmolLM2's trained head on a CPU, 0.1 kept the same 1.48 "
         "tokens a verify with 2.8 drafts instead of 4 (docs/benchmarks.md). The first draft "
-        "is always verified; CUDA chain graphs draft all `num_drafts`.",
+        "is always verified; CUDA chain graphs draft all `num_drafts`. A tree (`tree_topk` "
+        "above 1) likewise expands only nodes whose path is this likely, and verifies a node "
+        "only if it is its parent's best child or is this likely itself.",
     )
     carried_catch_up_mib: float = Field(
         64.0,

@@ -20,6 +20,7 @@ past the committed ones as scratch, which the catch-up then overwrites.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -172,7 +173,12 @@ class EagleProposer:
     ) -> list[Drafts]:
         """A tree of at most `budget` drafts, `depths[i]` levels deep, for each greedy
         request (its DraftState has `candidates`; slots for `scratch_slots(depth, budget)`
-        drafts past its pending token are allocated)."""
+        drafts past its pending token are allocated). With `min_confidence` the tree stops
+        where the chain would: only nodes whose path is that likely are expanded, and a
+        node is verified if it is its parent's best child or is that likely itself (with
+        `tree_topk` 1, exactly the chain), so an unsure step verifies a few drafts, not the
+        whole budget."""
+        floor = math.log(self.min_confidence) if self.min_confidence > 0 else -math.inf
         trees, committed = [], []  # committed: the entries every node of a request sees
         for r, depth in zip(reqs, depths, strict=True):  # a scratch slot per expanded node
             first = r.num_tokens - 1
@@ -184,7 +190,7 @@ class EagleProposer:
                 (i, node)
                 for i, t in enumerate(trees)
                 if depths[i] > level
-                for node in t.frontier(level, self.tree_topk)
+                for node in t.frontier(level, self.tree_topk, floor)
             ]
             if not rows:
                 break
@@ -208,7 +214,7 @@ class EagleProposer:
             picks = self.drafter.to_target(top.indices).tolist()
             for row, (i, node) in enumerate(rows):
                 trees[i].expand(node, out[row], picks[row], top.values[row].tolist())
-        return [t.select(budget) for t in trees]
+        return [t.select(budget, floor) for t in trees]
 
     def scratch_slots(self, depth: int, budget: int) -> int:
         """Draft slots a tree `depth` levels deep needs past the pending token: its
@@ -343,13 +349,14 @@ class HeadPicks:
 @dataclass
 class _Tree:
     """One request's tree while it grows: every node drafted so far (token, parent, level,
-    score = log-probability of its path), and for expanded nodes their drafter entry's slot
-    and output (the input feature of their children)."""
+    score = log-probability of its path, rank among its siblings), and for expanded nodes
+    their drafter entry's slot and output (the input feature of their children)."""
 
     tokens: list[int]
     parents: list[int]
     levels: list[int]
     scores: list[float]
+    ranks: list[int]
     scratch: torch.Tensor  # the slots expanded nodes' entries take, in order
     entry_slot: dict[int, torch.Tensor]
     output: dict[int, torch.Tensor]
@@ -360,11 +367,13 @@ class _Tree:
         assert draft.candidates is not None, "a tree needs the head's first-level candidates"
         ids, scores = draft.candidates
         ids, scores = ids[:topk], scores[:topk]
-        return cls(list(ids), [-1] * len(ids), [1] * len(ids), list(scores), scratch, {}, {})
+        n = len(ids)
+        return cls(list(ids), [-1] * n, [1] * n, list(scores), list(range(n)), scratch, {}, {})
 
-    def frontier(self, level: int, topk: int) -> list[int]:
-        """The `topk` most likely nodes of `level` (those expanded next)."""
-        nodes = [i for i, lv in enumerate(self.levels) if lv == level]
+    def frontier(self, level: int, topk: int, floor: float = -math.inf) -> list[int]:
+        """The `topk` most likely nodes of `level` whose path's log-probability is at least
+        `floor` (those expanded next)."""
+        nodes = [i for i, lv in enumerate(self.levels) if lv == level and self.scores[i] >= floor]
         return sorted(nodes, key=lambda i: -self.scores[i])[:topk]
 
     def claim_entry(self, node: int) -> torch.Tensor:
@@ -390,17 +399,22 @@ class _Tree:
 
     def expand(self, node: int, output: torch.Tensor, tokens: list[int], logps: list[float]):
         self.output[node] = output
-        for token, lp in zip(tokens, logps, strict=True):
+        for rank, (token, lp) in enumerate(zip(tokens, logps, strict=True)):
+            self.ranks.append(rank)
             self.tokens.append(token)
             self.parents.append(node)
             self.levels.append(self.levels[node] + 1)
             self.scores.append(self.scores[node] + min(lp, 0.0))  # never above the parent
 
-    def select(self, budget: int) -> Drafts:
-        """The `budget` most likely nodes (a child is never likelier than its parent, and ties
-        go to the shallower node, so the set keeps every kept node's ancestors), parents
-        before children."""
-        best = sorted(range(len(self.tokens)), key=lambda i: (-self.scores[i], self.levels[i]))
+    def select(self, budget: int, floor: float = -math.inf) -> Drafts:
+        """The `budget` most likely nodes among those worth verifying (each its parent's best
+        child, or at least `floor` likely: a node's parent was expanded, so it was that
+        likely), parents before children. A child is never likelier than its parent, and ties
+        go to the shallower node, so the set keeps every kept node's ancestors."""
+        worth = [
+            i for i in range(len(self.tokens)) if self.ranks[i] == 0 or self.scores[i] >= floor
+        ]
+        best = sorted(worth, key=lambda i: (-self.scores[i], self.levels[i]))
         kept = sorted(best[:budget], key=lambda i: (self.levels[i], i))
         index = {node: j for j, node in enumerate(kept)}
         parents = [-1 if self.parents[n] < 0 else index[self.parents[n]] for n in kept]

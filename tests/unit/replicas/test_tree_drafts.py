@@ -6,11 +6,15 @@ aborts and the head's KV under trees: test_speculative_decoding.py, parametrized
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from sessionserve.errors import InvalidConfigError
 from sessionserve.replicas.speculative.acceptance import accept_greedy_tree
+from sessionserve.replicas.speculative.draft_state import DraftState
+from sessionserve.replicas.speculative.proposer import _Tree
 from sessionserve.replicas.step import Drafts
 from sessionserve.wire import SamplingParams
 from tests.models import hf_greedy, mimic_drafter, random_drafter, tiny_engine, tiny_model
@@ -110,13 +114,23 @@ def test_the_head_catches_up_on_the_kept_paths_hidden_states() -> None:
         torch.testing.assert_close(hidden, dense[start:end], atol=1e-4, rtol=1e-4)
 
 
-def test_a_one_branch_tree_drafts_the_chain() -> None:
+# the tiny heads' probabilities are flat (~0.02 a token): 4e-4 stops about half the chains at
+# their second or third draft
+@pytest.mark.parametrize("confidence", [0.0, 4e-4])
+def test_a_one_branch_tree_drafts_the_chain(confidence) -> None:
     """With one branch per node a tree is a chain: the tree code (entries in scratch slots,
-    each attending to its ancestors) must draft exactly what the chain code drafts."""
+    each attending to its ancestors) must draft exactly what the chain code drafts, where
+    the chain stops by the head's confidence too."""
     model = target()
     runs = []
     for tree in (False, True):
-        engine = tiny_engine(model, drafter=head, tree_topk=2 if tree else 1, tree_budget=4)
+        engine = tiny_engine(
+            model,
+            drafter=head,
+            tree_topk=2 if tree else 1,
+            tree_budget=4,
+            min_draft_confidence=confidence,
+        )
         if tree:
             engine.speculative.eagle.tree_topk = 1  # first-level candidates: the best one
         drafted, inner = [], engine.speculative.propose
@@ -132,6 +146,54 @@ def test_a_one_branch_tree_drafts_the_chain() -> None:
         runs.append((outputs, [sorted(d.values()) for d in drafted]))
     assert runs[0] == runs[1]
     assert sum(len(d) for d in runs[0][1]) > 10
+    lengths = {len(c) for step in runs[0][1] for c in step}
+    assert (lengths != {4}) == (confidence > 0)  # stopped chains are shorter than the budget
+    assert confidence == 0 or len(lengths) > 1  # and not all stopped at the first draft
+
+
+def test_a_tree_stops_where_its_paths_are_unlikely() -> None:
+    """With a confidence floor a node is expanded only if its path is that likely, and
+    verified only if it is its parent's best child or that likely itself."""
+    draft = DraftState(token=5, feature=torch.zeros(2), candidates=([5, 6], [-0.1, -3.0]))
+    tree = _Tree.first_level(draft, 2, torch.arange(8))
+    floor = math.log(0.3)
+    assert tree.frontier(1, 2, floor) == [0]  # node 1 (p 0.05) is not expanded
+    tree.claim_entry(0)
+    tree.expand(0, torch.zeros(2), [7, 8], [-0.2, -2.5])  # paths: 0.74, 0.07
+    assert tree.frontier(2, 2, floor) == [2]
+    tree.claim_entry(2)
+    tree.expand(2, torch.zeros(2), [9, 10], [-2.0, -2.2])  # paths: 0.10, 0.08 (both unlikely)
+    assert tree.frontier(3, 2, floor) == []
+    kept = tree.select(8, floor)
+    # the best child of each expanded node and the root's best candidate: a chain of 3
+    assert kept.tokens == [5, 7, 9] and kept.parents == [-1, 0, 1]
+    everything = tree.select(8)  # no floor: every node, likeliest first within budget
+    assert sorted(everything.tokens) == [5, 6, 7, 8, 9, 10]
+    assert tree.select(3).tokens == [5, 7, 9]
+
+
+@pytest.mark.parametrize("confidence", [0.0, 4e-4])
+def test_trees_stopped_by_confidence_keep_the_greedy_output(confidence) -> None:
+    model = target()
+    plain = tiny_engine(model).generate(PROMPTS, GREEDY)
+    engine = tiny_engine(
+        model, drafter=head, tree_topk=2, tree_budget=8, min_draft_confidence=confidence
+    )
+    sizes, inner = [], engine.speculative.eagle.propose_tree
+
+    def recording(*args):
+        out = inner(*args)
+        sizes.extend(len(t.tokens) for t in out)
+        return out
+
+    engine.speculative.eagle.propose_tree = recording
+    got = engine.generate(PROMPTS, GREEDY)
+    assert [r.output_ids for r in got] == [r.output_ids for r in plain]
+    assert sizes and engine.speculative.stats.accepted > 0
+    if confidence:  # unsure steps verify fewer drafts than the budget
+        assert min(sizes) < max(sizes) <= 8
+    else:
+        assert set(sizes) == {8}
 
 
 def test_sampled_requests_draft_chains_and_keep_their_seeded_answer() -> None:
