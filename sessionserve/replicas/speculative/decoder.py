@@ -282,7 +282,7 @@ class SpeculativeDecoder:
         it does not (the policy turned drafting off, the request copies its history, or it
         cannot draft), their pass waits (with the hidden states) until a guess is wanted or
         the request ends, so the head costs nothing on steps that do not use it; a session
-        turn that ends with drafting off leaves it to the session's next turn. Skipped:
+        turn that ends with it waiting leaves it to the session's next turn. Skipped:
         failed requests, and (overlap scheduling) requests that ended while this step ran:
         their KV is gone, and its slots may be another request's."""
         skip = {u.req.rid for u in updates if u.error}
@@ -340,12 +340,15 @@ class SpeculativeDecoder:
         return d.deferred_len(s.start)
 
     def _leaves_to_next_turn(self, req: Request, hidden: torch.Tensor) -> bool:
-        """Whether a session turn ending with drafting off leaves the head's catch-up to the
-        session's next turn (its owner carries `req.drafting.deferred` there): the pass then
-        runs only if a later turn drafts from the head, and never for a session's last turn.
-        Within `may_carry`'s memory budget; with drafting on the turn catches up now."""
+        """Whether a session turn ending with a put-off catch-up leaves it to the session's
+        next turn (its owner carries `req.drafting.deferred` there): the pass then runs only
+        if a later turn drafts from the head, and never for a session's last turn. Within
+        `may_carry`'s memory budget. Also where the coming step drafts: a turn that ends as
+        its batch shrinks to sizes where drafting pays would otherwise pay for the positions
+        it put off while the batch was larger, for no step of its own (8 requests, SmolLM2:
+        half the head's put-off passes, docs/benchmarks.md)."""
         d = req.drafting
-        if req.session_id is None or self.drafting or d.deferred is None:
+        if req.session_id is None or d.deferred is None:
             return False
         return self.may_carry(d.deferred.nbytes + hidden.numel() * hidden.element_size())
 

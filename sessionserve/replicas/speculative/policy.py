@@ -39,8 +39,8 @@ time lacks it: the policy adds what that pass cost on drafting steps that ran it
 or a re-check would make drafting look cheaper than drafting is.
 
 Taking drafting up again has a price of its own: while requests do not draft, the head's
-pass over their new positions waits (and a session turn that ends without drafting leaves its
-pass to the session's next turn), and taking drafting up pays for all of it (the step
+pass over their new positions waits (and a session turn that ends with it waiting leaves it
+to the session's next turn), and taking drafting up pays for all of it (the step
 before the first that drafts runs that pass, since the next step wants a guess; decoder.py:
 no arm's timing includes it). So at each decision the decoder says how many
 positions the decoding requests owe the head, and the policy prices them at what the head's

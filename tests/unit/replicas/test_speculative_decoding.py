@@ -391,6 +391,42 @@ def test_a_turn_that_ends_keeps_the_policys_choice_and_its_backlog(monkeypatch) 
     assert terms.free == terms.total
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_turn_ending_as_drafting_resumes_carries_its_backlog(monkeypatch, overlap) -> None:
+    """Drafting off while two turns decode, on once one is left (as the policy turns it on
+    where a batch's tail is small): the turn that ends then leaves its put-off pass to its
+    session's next turn instead of paying it, and the one that goes on pays its own. The
+    next turn that drafts catches up the carried positions with its prompt and answers as
+    transformers does."""
+    model = tiny_model(seed=3)
+    engine = tiny_engine(model, drafter=random_drafter, page_size=1, adaptive=True, overlap=overlap)
+    monkeypatch.setattr(engine.speculative.policy, "choose", lambda n, owed: n < 2)
+    passes = _head_passes(engine)
+    short, long = engine.open_session(), engine.open_session()
+    first, other, second = _prompts(25, (12, 10, 7))
+    rs = engine.submit(first, SamplingParams(max_tokens=6, temperature=0), session_id=short)
+    rl = engine.submit(other, SamplingParams(max_tokens=20, temperature=0), session_id=long)
+    engine.run_until_idle()
+    r1, r2 = engine.take_result(rs), engine.take_result(rl)
+    assert r2.spec_steps > 0  # the long turn drafted once it decoded alone
+    committed = len(first) + len(r1.output_ids) - 1
+    backlog = engine.sessions.records[short].head_backlog
+    assert backlog is not None and (backlog.start, backlog.end) == (0, committed)
+    assert (0, committed) not in passes  # the short turn did not pay it
+    assert any(start == 0 for start, _ in passes)  # the long one paid its own
+    passes.clear()
+    (r3,) = engine.generate([second], GREEDY, session_id=short)
+    history = first + r1.output_ids + second
+    assert r3.output_ids == hf_greedy(model, history, GREEDY.max_tokens)
+    assert passes[0] == (0, committed + 1 + len(second))
+    assert engine.sessions.records[short].head_backlog is None
+    for sid in (short, long):
+        engine.close_session(sid)
+    engine.cache.flush()
+    terms = engine.checker.check_idle()
+    assert terms.free == terms.total
+
+
 def test_a_carried_catch_up_keeps_only_what_the_next_turn_kept() -> None:
     """The next turn computes from where its KV reuse ends: a chat turn that rewrote the
     history's tail cuts the carried positions there (mid-chunk too), a turn that kept none of
