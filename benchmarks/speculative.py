@@ -39,7 +39,7 @@ import argparse
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -282,77 +282,86 @@ def compare(name: str, loaded, spec: SpecConfig, c: int, args, work: Workload, s
     unmeasured, as a serving replica long has."""
     if args.only and name not in args.only:
         return
-    arms = {"plain": SpecConfig(), "spec": spec}
+    configs = {"plain": SpecConfig(), "spec": spec}
     if args.forced_too and spec.adaptive:
-        arms["forced"] = spec.model_copy(update={"adaptive": False})
-    engines = {
-        arm: build(loaded, cfg, c, args.compile, args.eager_head) for arm, cfg in arms.items()
+        configs["forced"] = spec.model_copy(update={"adaptive": False})
+    arms = {
+        k: _Arm(build(loaded, cfg, c, args.compile, args.eager_head)) for k, cfg in configs.items()
     }
-    spec_arms = [arm for arm in engines if arm != "plain"]
+    speculative = {k: a for k, a in arms.items() if k != "plain"}
     if args.warm:
-        for eng in engines.values():
-            serve(eng, work, c, args.max_tokens)
-        for arm in spec_arms:  # the measured passes' only
-            engines[arm].speculative.stats, engines[arm].speculative.by_source = SpecStats(), {}
-    spent = {arm: time_drafting(engines[arm].speculative) for arm in spec_arms}
-    forwards = {arm: time_forwards(engines[arm].runner) for arm in spec_arms}
-    ratios: dict[str, list[float]] = {arm: [] for arm in spec_arms}
-    same = dict.fromkeys(spec_arms, True)
-    totals = {arm: [0.0, 0] for arm in engines}  # decode seconds, tokens
-    order = list(engines)
+        for arm in arms.values():
+            serve(arm.engine, work, c, args.max_tokens)
+        for arm in speculative.values():  # the measured passes' only
+            arm.engine.speculative.stats, arm.engine.speculative.by_source = SpecStats(), {}
+    for arm in speculative.values():
+        arm.spent = time_drafting(arm.engine.speculative)
+        arm.forwards = time_forwards(arm.engine.runner)
+    order = list(arms)
     for i in range(args.repeats):
         shift = i % len(order)
         passes = {}
-        for arm in order[shift:] + order[:shift]:
-            passes[arm] = serve(engines[arm], work, c, args.max_tokens)
-            engines[arm].check_memory()
-            totals[arm][0] += passes[arm][0]
-            totals[arm][1] += passes[arm][1]
+        for k in order[shift:] + order[:shift]:
+            passes[k] = arms[k].serve(work, c, args.max_tokens)
         p_s, p_tokens, p_out = passes["plain"]
-        for arm in spec_arms:
-            s_s, s_tokens, s_out = passes[arm]
-            same[arm] = same[arm] and p_out == s_out
-            ratios[arm].append((s_tokens / s_s) / (p_tokens / p_s))
-    plain_tps = totals["plain"][1] / totals["plain"][0]
+        for k, arm in speculative.items():
+            s_s, s_tokens, s_out = passes[k]
+            arm.same = arm.same and p_out == s_out
+            arm.ratios.append((s_tokens / s_s) / (p_tokens / p_s))
+    plain_tps = arms["plain"].tokens_per_s
     summary[f"plain_tps_{name}"] = round(plain_tps, 2)
-    for arm in spec_arms:
-        key = name if arm == "spec" else f"forced_{name}"
-        _report(
-            key,
-            engines[arm],
-            plain_tps,
-            totals[arm],
-            ratios[arm],
-            same[arm],
-            spent[arm],
-            forwards[arm],
-            summary,
-        )
+    for k, arm in speculative.items():
+        _report(name if k == "spec" else f"forced_{name}", arm, plain_tps, summary)
 
 
-def _report(key, eng, plain_tps, total, ratios, same, spent, forwards, summary: dict) -> None:
+@dataclass
+class _Arm:
+    """One engine of a comparison and what its measured passes added up to."""
+
+    engine: Engine
+    seconds: float = 0.0  # decode-only seconds over the measured passes
+    tokens: int = 0
+    ratios: list[float] = field(default_factory=list)  # its speed over plain's, per round
+    same: bool = True  # its outputs equal plain's in every round
+    spent: dict[str, float] = field(default_factory=dict)  # time_drafting's
+    forwards: dict[str, list[float]] = field(default_factory=dict)  # time_forwards'
+
+    def serve(self, work: Workload, concurrency: int, max_tokens: int) -> tuple:
+        out = serve(self.engine, work, concurrency, max_tokens)
+        self.engine.check_memory()
+        self.seconds += out[0]
+        self.tokens += out[1]
+        return out
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds
+
+
+def _report(key: str, arm: _Arm, plain_tps: float, summary: dict) -> None:
     """Print and record one speculative engine's figures against the plain engine's."""
-    spec_dec = eng.speculative
-    spec_tps = total[1] / total[0]
-    speedup = statistics.median(ratios)
-    if len(ratios) > 1:
-        print(f"{key}: speedups of the {len(ratios)} rounds {[round(r, 3) for r in ratios]}")
-        summary[f"speedups_{key}"] = [round(r, 3) for r in ratios]
-    s = eng.spec_stats.as_dict()
+    spec_dec = arm.engine.speculative
+    spec_tps = arm.tokens_per_s
+    speedup = statistics.median(arm.ratios)
+    if len(arm.ratios) > 1:
+        rounds = [round(r, 3) for r in arm.ratios]
+        print(f"{key}: speedups of the {len(rounds)} rounds {rounds}")
+        summary[f"speedups_{key}"] = rounds
+    s = arm.engine.spec_stats.as_dict()
     by_source = {k: v.as_dict()["mean_accept_len"] for k, v in spec_dec.by_source.items()}
     policy = spec_dec.policy.summary() if spec_dec.policy else {}
-    share = {k: round(v / total[0], 4) for k, v in spent.items()}
+    share = {k: round(v / arm.seconds, 4) for k, v in arm.spent.items()}
     print(
         f"{key}: decode {plain_tps:.1f} tok/s plain, {spec_tps:.1f} tok/s speculative -> "
         f"{speedup:.2f}x; mean acceptance length {s['mean_accept_len']:.2f} "
         f"(accepted {s['accepted']}/{s['drafted']} drafts in {s['verify_steps']} verifies); "
         f"histogram {s['accept_len_histogram']}; by source {by_source}; "
-        f"outputs identical: {same}"
+        f"outputs identical: {arm.same}"
     )
     if policy:
         print(f"  policy per batch bucket: {policy}")
     print(f"  the decoder's own work, share of decode time: {share}")
-    ms = {k: round(1e3 * t / n, 2) for k, (t, n) in forwards.items() if n}
+    ms = {k: round(1e3 * t / n, 2) for k, (t, n) in arm.forwards.items() if n}
     if "decode" in ms and "verify" in ms:
         ms["verify_over_decode"] = round(ms["verify"] / ms["decode"], 3)
     print(f"  the speculative engine's forwards, ms a step by kind: {ms}")
@@ -361,7 +370,7 @@ def _report(key, eng, plain_tps, total, ratios, same, spent, forwards, summary: 
     summary[f"accept_len_{key}"] = s["mean_accept_len"]
     summary[f"verifies_{key}"] = s["verify_steps"]
     summary[f"histogram_{key}"] = s["accept_len_histogram"]
-    summary[f"identical_{key}"] = same
+    summary[f"identical_{key}"] = arm.same
     summary[f"policy_{key}"] = policy
     summary[f"drafting_share_{key}"] = share
     summary[f"forward_ms_{key}"] = ms
