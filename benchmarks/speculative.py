@@ -389,7 +389,13 @@ def main() -> int:
         help="the head's chains stop below this product of their drafts' probabilities (0: k)",
     )
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
-    ap.add_argument("--agent-concurrency", type=int, nargs="+", default=[1, 8])
+    ap.add_argument(
+        "--agent-concurrency",
+        type=int,
+        nargs="+",
+        default=[1, 8],
+        help="concurrencies of the history drafter's points (agent_<c>, chat_history_<c>)",
+    )
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument(
         "--repeats", type=int, default=2, help="interleaved plain/speculative rounds per point"
@@ -459,7 +465,8 @@ def main() -> int:
     history = SpecConfig(num_drafts=k, history_drafts=True, adaptive=adaptive)
     for c in args.agent_concurrency:
         compare(f"agent_{c}", loaded, history, c, args, AGENT, summary)
-    compare("chat_history_1", loaded, history, 1, args, chat, summary)
+    for c in args.agent_concurrency:  # history drafts are `serve run`'s default on chat too
+        compare(f"chat_history_{c}", loaded, history, c, args, chat, summary)
     if not args.skip_head:
         head = SpecConfig(
             drafter_path=args.drafter,

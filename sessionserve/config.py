@@ -218,10 +218,10 @@ class SpecConfig(_Strict):
         "and what it costs over a plain step (from neighbouring steps, so a machine's drifting "
         "speed cancels out), and draft only where that is faster (re-checking the other choice "
         "every 16th to 128th step, rarer the dearer a re-check, up to 30 s of steps apart "
-        "where one is dearer still); cap each history chain at what its recent verifies kept, "
-        "plus one (an "
-        "EAGLE head's chains stop by `min_draft_confidence`). false: every eligible request "
-        "drafts every step, history chains in full.",
+        "where one is dearer still); stop each history chain where its recent verifies say a "
+        "draft is less likely to be kept than `min_draft_confidence` (an EAGLE head's chains "
+        "stop there by their own probabilities). false: every eligible request drafts every "
+        "step, history chains in full.",
     )
 
     @model_validator(mode="after")

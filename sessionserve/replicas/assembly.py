@@ -268,6 +268,7 @@ def build_speculative(
         policy,
         tree=tree,
         target_pool=runner.kv_pool,
+        min_confidence=spec.min_draft_confidence,
     )
 
 

@@ -19,8 +19,9 @@ and a step scheduled before that choice does not make a new one when it lands.
 
 Drafts come from an EAGLE head (proposer.py), from the sequence's own history (history.py), or
 from either, per request and step: the source whose recent acceptance promises more tokens.
-With `adaptive`, a history chain is no longer than its recent verifies accepted plus one (the
-head's chains stop by their own drafts' probabilities, proposer.py), and the policy
+With `adaptive`, a history chain stops where its record (how often its first draft, and a draft
+after a kept one, were kept) says a draft is less likely to be kept than `min_confidence`, where
+the head's chains stop by their own drafts' probabilities (proposer.py), and the policy
 (policy.py) turns drafting off for the batch sizes where it measures no gain. With a `tree`
 shape, greedy requests that draft from the head draft a tree (proposer.py) instead of a
 chain; the kept path's KV moves to its sequence's positions before it is committed.
@@ -98,6 +99,7 @@ class SpeculativeDecoder:
         policy: SpecPolicy | None = None,
         tree: TreeShape | None = None,
         target_pool: KVPool | None = None,
+        min_confidence: float = 0.0,
     ) -> None:
         if eagle is None and history is None:
             raise ValueError("speculative decoding needs an EAGLE head or history drafts")
@@ -107,6 +109,9 @@ class SpeculativeDecoder:
         self.on_verify = on_verify  # told each verify's acceptance length (metrics)
         self.limit = limit  # the context limit: no drafts past it
         self.policy = policy  # None: always draft, full chains
+        # with a policy, a history chain's drafts stop where their chance of being kept falls
+        # below this (`_cap`); the head's chains stop there by their own probabilities
+        self.min_confidence = min_confidence
         if tree is not None and (eagle is None or target_pool is None):
             raise ValueError("tree drafts need an EAGLE head and the target's KV pool")
         self.tree = tree
@@ -150,7 +155,7 @@ class SpeculativeDecoder:
         if not offers:
             return 0
         _, n, d.source = max(offers)
-        n = min(n, self._cap(req, d.source))
+        n = self._cap(req, d.source, n)
         if d.source == "eagle" and self._drafts_tree(req, n):
             d.tree_depth = n
             return self.eagle.scratch_slots(n, self.tree.budget)
@@ -172,21 +177,21 @@ class SpeculativeDecoder:
         return self.drafting or (p.seed is not None and not p.is_greedy)
 
     def _expected(self, req: Request, source: DraftSource, n: int) -> float:
-        """Drafts expected to be kept from a chain of `n` at this source's recent rate."""
-        rate = req.drafting.record(source).rate
-        return sum(rate**i for i in range(1, n + 1))
+        """Drafts expected to be kept from a chain of `n` by this source's recent record."""
+        return req.drafting.record(source).expected(n)
 
-    def _cap(self, req: Request, source: DraftSource) -> int:
-        """With a policy, a history chain is at most what its recent verifies kept, plus one.
-        The head's chains are not capped so: each stops where its own drafts' probability
-        falls (`EagleProposer.min_confidence`), which tells a likely run from an unlikely one
-        per step, where a record of past verifies only knows the average (SmolLM2's head on a
-        CPU keeps ~0.5 drafts a verify, so the cap held its chains to 1-2 drafts; stopped by
-        confidence they draft 2.8, and verifying those costs little more, docs/benchmarks.md)."""
+    def _cap(self, req: Request, source: DraftSource, n: int) -> int:
+        """Of `n` drafts offered, how many to verify. With a policy, a history chain stops
+        where its drafts' chance of being kept (by its record: `SourceRecord.kept_through`)
+        falls below `min_confidence`, the floor the head's chains stop at by their own
+        probabilities (proposer.py): a draft unlikely to be kept costs a verify column. (Capped
+        at what recent verifies kept on average, plus one, as before, the chains of an answer
+        that loops, kept all or nothing, were cut short: 1.40x against 1.54x drafting in full,
+        chat at one request, SmolLM2 bf16, docs/benchmarks.md.)"""
         record = req.drafting.record(source)
         if self.policy is None or record.verifies == 0 or source == "eagle":
-            return self.limit
-        return int(record.run) + 1
+            return n
+        return record.likely_len(n, self.min_confidence)
 
     def propose(self, batch: ScheduledBatch) -> dict[str, Drafts]:
         """Drafts (chains, or trees) for the decodes that speculate this step (by request id);

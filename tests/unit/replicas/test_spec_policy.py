@@ -6,12 +6,14 @@ forward advances it by a cost the test sets, so a verify can be made cheap or de
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from concurrent.futures import Future
 
 import pytest
 import torch
 
 from sessionserve.replicas.speculative.policy import SpecPolicy, bucket
+from sessionserve.replicas.step import Drafts
 from sessionserve.wire import SamplingParams
 from tests.models import hf_greedy, mimic_drafter, random_drafter, tiny_engine, tiny_model
 
@@ -434,21 +436,73 @@ def test_an_unsure_heads_chains_stop_after_one_draft() -> None:
     assert stats.drafted == stats.steps, stats
 
 
-def test_history_chains_that_fail_shrink_to_what_was_kept_plus_one() -> None:
-    """History drafts have no probability to stop by: with the policy on, a request's history
-    chain is at most what its recent verifies kept, plus one: after a rejection, one draft
-    (without the cap these chains drafted 46 tokens in 28 verifies)."""
+def _scripted_history(engine, prompt: list[int], answer: list[int], wrong: Callable) -> list:
+    """History drafts from a script: the answer's true next 4 tokens, with draft j of the
+    request's v-th verify made wrong where `wrong(v, j)`; returns each verify's chain length."""
+    history, lengths = engine.speculative.history, []
+    vocab = history.vocab_size
+
+    def draft_len(req, limit: int) -> int:
+        at = req.num_tokens - len(prompt)  # the answer's index of the first draft
+        true = answer[at : at + min(4, limit - req.num_tokens)]
+        v = len(lengths)
+        req.drafting.history_tokens = [
+            (t + 1) % vocab if wrong(v, j) else t for j, t in enumerate(true)
+        ]
+        return len(true)
+
+    def propose(req, length: int):
+        lengths.append(length)
+        return Drafts(req.drafting.history_tokens[:length], None)
+
+    history.draft_len, history.propose = draft_len, propose
+    return lengths
+
+
+@pytest.mark.parametrize("floor", [0.0, 0.1])
+def test_history_chains_stop_where_their_second_draft_keeps_failing(floor: float) -> None:
+    """History drafts have no probability to stop by: with the policy on, a request's chain
+    stops where its record says a draft is less likely to be kept than
+    `min_draft_confidence`. Here every first draft is right and every second wrong: with the
+    default floor the chains come down to one draft after the first verify (a second is
+    tried again once the evidence against it has faded); with none they stay four long
+    (capped at what verifies kept on average plus one, as before, they stayed two long).
+    The answer is the plain one either way."""
     model = tiny_model(seed=5)
-    engine = tiny_engine(model, history_drafts=True, num_drafts=4, adaptive=True)
+    engine = tiny_engine(
+        model, history_drafts=True, num_drafts=4, adaptive=True, min_draft_confidence=floor
+    )
     FakeClock(engine, plain=1.0, verify=1.0)
-    prompts = [[7, 8, 9, 10, 11] * 12, [40, 41, 42] * 20]  # histories full of matches
-    for prompt, r in zip(prompts, engine.generate(prompts, GREEDY), strict=True):
-        assert r.output_ids == hf_greedy(model, prompt, GREEDY.max_tokens)
-        assert r.spec_steps > 4
-        # the first verify drafts up to 4; after full rejections, 1 per step
-        assert r.spec_drafted <= 4 + 2 + (r.spec_steps - 2) * 1 + 2 * r.spec_accepted
-    stats = engine.spec_stats
-    assert stats.drafted < 1.5 * stats.steps, stats
+    (prompt,) = _prompts(1)
+    answer = hf_greedy(model, prompt, GREEDY.max_tokens)
+    lengths = _scripted_history(engine, prompt, answer, lambda v, j: j >= 1)
+    (r,) = engine.generate([prompt], GREEDY)
+    assert r.output_ids == answer
+    assert len(lengths) > 10
+    if floor:
+        later = lengths[2:]  # one draft, but for a second tried again now and then
+        assert lengths[0] == 4 and max(later) <= 2, lengths
+        assert later.count(1) >= 3 * later.count(2), lengths
+    else:
+        assert set(lengths[:-1]) == {4}, lengths
+
+
+def test_history_chains_kept_all_or_nothing_stay_whole() -> None:
+    """An answer that loops keeps a history chain whole or not at all; its drafts after a
+    kept first one are always kept, so its chains stay four long with the policy on (capped
+    at the drafts its verifies kept on average plus one, as before, they were cut to 3)."""
+    model = tiny_model(seed=5)
+    engine = tiny_engine(
+        model, history_drafts=True, num_drafts=4, adaptive=True, min_draft_confidence=0.1
+    )
+    FakeClock(engine, plain=1.0, verify=1.0)
+    (prompt,) = _prompts(1)
+    answer = hf_greedy(model, prompt, GREEDY.max_tokens)
+    lengths = _scripted_history(engine, prompt, answer, lambda v, j: v % 3 == 1)
+    (r,) = engine.generate([prompt], GREEDY)
+    assert r.output_ids == answer
+    assert len(lengths) > 6
+    assert set(lengths[:-1]) == {4}, lengths
 
 
 def test_a_seeded_answer_does_not_depend_on_what_the_policy_measured() -> None:
