@@ -67,9 +67,9 @@ class SourceRecord:
     is kept, and how often a draft is kept after the one before it was. A source that repeats
     a loop keeps all of a chain or none of it (SmolLM2's chat answers: history chains of 4
     kept whole in 46% of verifies, none in 31%), which one acceptance rate reads as ~55% a
-    draft and so stops its chains short. Counts decay by `RECORD_DECAY` a verify, so a request that
-    stops matching (or starts) is noticed within a few steps, and a chain cut short tries its
-    longer drafts again once the evidence against them has faded."""
+    draft and so stops its chains short. Counts decay by `RECORD_DECAY` a verify, so a
+    request that stops matching (or starts) is noticed within a few steps, and a chain cut
+    short tries its longer drafts again once the evidence against them has faded."""
 
     verifies: int = 0
     first_kept: float = 0.0
