@@ -12,6 +12,7 @@ from concurrent.futures import Future
 import pytest
 import torch
 
+from sessionserve.replicas.speculative.draft_state import SourceRecord
 from sessionserve.replicas.speculative.policy import SpecPolicy, bucket
 from sessionserve.replicas.step import Drafts
 from sessionserve.wire import SamplingParams
@@ -434,6 +435,27 @@ def test_an_unsure_heads_chains_stop_after_one_draft() -> None:
         assert r.spec_steps > 8
     stats = engine.spec_stats
     assert stats.drafted == stats.steps, stats
+
+
+def test_a_source_record_reads_a_chain_draft_by_draft() -> None:
+    """A verify judges a chain's drafts in order up to the first rejected one: chains kept
+    whole or not at all read as likely to the end (half their drafts kept on average), a
+    chain whose second draft always fails reads as worth one draft."""
+    whole = SourceRecord()
+    whole.observe(3, 3)  # the first kept, and the two after it, each after a kept one
+    assert (whole.first_kept, whole.next_kept, whole.next_tried) == (1, 2, 2)
+    for _ in range(8):
+        whole.observe(4, 4)
+        whole.observe(4, 0)  # the first rejected: nothing after it was judged
+    assert 0.4 < whole.first < 0.6 and whole.then > 0.9
+    assert whole.likely_len(4, 0.1) == 4
+    assert whole.expected(4) > 1.6  # the old per-draft rate (0.5) said 0.94
+    second_fails = SourceRecord()
+    for _ in range(10):
+        second_fails.observe(2, 1)
+    assert second_fails.first > 0.9 and second_fails.then < 0.1
+    assert second_fails.likely_len(4, 0.1) == 1
+    assert second_fails.likely_len(4, 0.0) == 4
 
 
 def _scripted_history(engine, prompt: list[int], answer: list[int], wrong: Callable) -> list:
