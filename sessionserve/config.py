@@ -164,9 +164,10 @@ class SpecConfig(_Strict):
     )
     history_drafts: bool = Field(
         False,
-        description="Also draft from each sequence's own earlier tokens: the tokens that "
-        "followed the most recent earlier occurrence of its last few tokens, searched over the "
-        "request and its whole session history (no weights, no forward). Pays where answers "
+        description="Also draft from each sequence's own earlier tokens: what followed the "
+        "earlier occurrences of its last few tokens (token by token the continuation most of "
+        "them agree on, the most recent breaking ties), searched over the request and its "
+        "whole session history (no weights, no forward). Pays where answers "
         "repeat their context: agents quoting tool output, code edits, JSON. With an EAGLE "
         "head too, each request drafts from the source whose recent acceptance is higher.",
     )

@@ -1,12 +1,16 @@
 """Drafts from the sequence's own earlier tokens (n-gram or "prompt lookup" drafting).
 
 The longest recent suffix of the sequence (`max_match` tokens, down to `min_match`) is looked
-up in everything before it, and the tokens that followed its most recent earlier occurrence are
-the drafts. No weights and no forward: it costs one vectorised scan of the request's token log
-per step. It pays where output repeats what the context holds, which is what agents do (tool
-output quoted back, code edited in place, JSON keys) and what a session holds the most of: its
-whole history is on the replica, so every earlier turn is searchable. vLLM's `ngram` and
-SGLang's n-gram drafters do the same; Snowflake's suffix trees (`arctic-inference`) ship as a
+up in everything before it, and the drafts are what followed its earlier occurrences: token by
+token, the one most of the occurrences agreeing so far went on with (the most recent breaks
+ties), as suffix decoding weighs continuations by how often they occurred. Neither the most
+recent occurrence alone (this drafter before) nor the earliest (vLLM's `ngram`) does as well
+across workloads: an agent's edit follows the latest copy of its file, a chat's repeated
+phrases their usual continuation (docs/benchmarks.md). No weights and no forward: it costs a
+few vectorised scans of the request's token log per step. It pays where output repeats what
+the context holds, which is what agents do (tool output quoted back, code edited in place,
+JSON keys) and what a session holds the most of: its whole history is on the replica, so
+every earlier turn is searchable. Snowflake's suffix trees (`arctic-inference`) ship as a
 source build against vLLM, and transformers' `PromptLookupCandidateGenerator` takes the
 leftmost match of a batch-1 tensor, so neither is used here.
 
@@ -25,9 +29,28 @@ from sessionserve.replicas.step import Drafts
 
 
 def continuation(tokens: np.ndarray, max_drafts: int, min_match: int, max_match: int) -> np.ndarray:
-    """The tokens that followed the most recent earlier occurrence of the longest suffix of
-    `tokens` (between `min_match` and `max_match` long) that occurred before; at most
-    `max_drafts`, empty when no suffix of `min_match` tokens occurred before."""
+    """What followed the earlier occurrences of the longest suffix of `tokens` (between
+    `min_match` and `max_match` long) that occurred before, at most `max_drafts` tokens: at each
+    depth the token most of the occurrences still agreeing so far continue with (ties: the most
+    recent one's); empty when no suffix of `min_match` tokens occurred before."""
+    begins = _after_occurrences(tokens, min_match, max_match)
+    n, drafts = len(tokens), []
+    while len(begins) and len(drafts) < max_drafts:
+        begins = begins[begins + len(drafts) < n]  # a continuation may run into the suffix
+        if not len(begins):
+            break
+        following = tokens[begins + len(drafts)]
+        values, counts = np.unique(following, return_counts=True)
+        tied = values[counts == counts.max()]
+        pick = following[np.flatnonzero(np.isin(following, tied))[-1]]  # begins ascend
+        drafts.append(pick)
+        begins = begins[following == pick]
+    return np.asarray(drafts, dtype=tokens.dtype)
+
+
+def _after_occurrences(tokens: np.ndarray, min_match: int, max_match: int) -> np.ndarray:
+    """Where each earlier occurrence of the longest suffix of `tokens` (`max_match` down to
+    `min_match` tokens) that occurred before ends, ascending; empty when none did."""
     n = len(tokens)
     for size in range(min(max_match, n - 1), min_match - 1, -1):
         suffix = tokens[n - size :]
@@ -38,9 +61,8 @@ def continuation(tokens: np.ndarray, max_drafts: int, min_match: int, max_match:
                 break
             starts = starts[tokens[starts + j] == suffix[j]]
         if len(starts):
-            begin = int(starts[-1]) + size
-            return tokens[begin : begin + max_drafts]
-    return tokens[:0]
+            return starts + size
+    return np.empty(0, dtype=np.int64)
 
 
 class HistoryProposer:

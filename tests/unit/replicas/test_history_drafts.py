@@ -30,8 +30,8 @@ def _look(tokens: list[int], k: int = 4, lo: int = 2, hi: int = 4) -> list[int]:
     return continuation(np.array(tokens, dtype=np.int32), k, lo, hi).tolist()
 
 
-def test_continuation_follows_the_most_recent_longest_match() -> None:
-    # "1 2" occurs twice; its most recent earlier occurrence is followed by 7 8
+def test_continuation_follows_the_longest_match() -> None:
+    # "1 2" occurs twice, followed by 3 and by 7: a tie, which the most recent one breaks
     assert _look([1, 2, 3, 4, 1, 2, 7, 8, 9, 1, 2]) == [7, 8, 9, 1]
     # the 3-token suffix "5 1 2" is preferred to the more recent "1 2"
     assert _look([5, 1, 2, 6, 6, 1, 2, 8, 5, 1, 2]) == [6, 6, 1, 2]
@@ -42,6 +42,17 @@ def test_continuation_follows_the_most_recent_longest_match() -> None:
     assert _look([9, 1, 2, 1]) == []  # "2 1" never occurred; one token is below min_match
     assert _look([9, 1, 2, 1], lo=1) == [2, 1]
     assert _look([7]) == [] and _look([]) == []
+
+
+def test_continuation_takes_what_most_occurrences_agree_on() -> None:
+    # "1 2" was followed by 3 twice and by 4 once (the most recent): 3; then of the two
+    # occurrences followed by 3, one went on with 5 and the most recent with 6 (a tie): 6
+    assert _look([1, 2, 3, 5, 1, 2, 3, 6, 1, 2, 4, 9, 1, 2]) == [3, 6, 1, 2]
+    # depth by depth among the occurrences that agreed so far: 3 (three of five), then 8 (two
+    # of those three), though the most recent occurrence went on with 4 and its 3 with 5
+    assert _look([1, 2, 4, 7, 1, 2, 3, 8, 1, 2, 3, 8, 1, 2, 3, 5, 1, 2, 4, 9, 1, 2], k=2) == [3, 8]
+    # a longer suffix still wins over a more frequent shorter one
+    assert _look([5, 1, 2, 6, 1, 2, 3, 1, 2, 3, 5, 1, 2]) == [6, 1, 2, 3]
 
 
 def _loops(model, n: int = 6) -> list[list[int]]:
