@@ -35,16 +35,25 @@ def continuation(tokens: np.ndarray, max_drafts: int, min_match: int, max_match:
     recent one's); empty when no suffix of `min_match` tokens occurred before."""
     begins = _after_occurrences(tokens, min_match, max_match)
     n, drafts = len(tokens), []
-    while len(begins) and len(drafts) < max_drafts:
+    while len(drafts) < max_drafts:
         begins = begins[begins + len(drafts) < n]  # a continuation may run into the suffix
-        if not len(begins):
+        if len(begins) <= 1:  # one occurrence left (most matches): the rest is its own
+            if len(begins):
+                start = int(begins[0]) + len(drafts)
+                drafts.extend(tokens[start : start + max_drafts - len(drafts)])
             break
         following = tokens[begins + len(drafts)]
-        values, counts = np.unique(following, return_counts=True)
-        tied = values[counts == counts.max()]
-        pick = following[np.flatnonzero(np.isin(following, tied))[-1]]  # begins ascend
+        agree = following == following[-1]
+        if agree.all():  # all of them (a loop): no vote to count
+            pick = following[-1]
+        else:
+            values, counts = np.unique(following, return_counts=True)
+            tied = values[counts == counts.max()]
+            # ties: the most recent occurrence's (begins ascend)
+            pick = following[np.flatnonzero(np.isin(following, tied))[-1]]
+            agree = following == pick
         drafts.append(pick)
-        begins = begins[following == pick]
+        begins = begins[agree]
     return np.asarray(drafts, dtype=tokens.dtype)
 
 
