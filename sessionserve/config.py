@@ -169,7 +169,8 @@ class SpecConfig(_Strict):
         "them agree on, the most recent breaking ties), searched over the request and its "
         "whole session history (no weights, no forward). Pays where answers "
         "repeat their context: agents quoting tool output, code edits, JSON. With an EAGLE "
-        "head too, each request drafts from the source whose recent acceptance is higher.",
+        "head too, each request drafts from the source whose record (how often its drafts "
+        "were kept) promises more tokens.",
     )
     history_min_match: int = Field(
         2, ge=1, le=16, description="Shortest suffix the history drafter looks up (tokens)."

@@ -18,7 +18,7 @@ So the policy's choice made when step N lands applies to the first step schedule
 and a step scheduled before that choice does not make a new one when it lands.
 
 Drafts come from an EAGLE head (proposer.py), from the sequence's own history (history.py), or
-from either, per request and step: the source whose recent acceptance promises more tokens.
+from either, per request and step: the source whose record promises more tokens.
 With `adaptive`, a history chain stops where its record (how often its first draft, and a draft
 after a kept one, were kept) says a draft is less likely to be kept than `min_confidence`, where
 the head's chains stop by their own drafts' probabilities (proposer.py), and the policy
