@@ -10,8 +10,12 @@ Two workloads, each run plain and speculative in the same process on the same fo
   answer is started for the model (the code fence and the file's first line) and stops at the
   closing fence. Drafts from the session's own history (no head).
 At concurrency c, c sessions run at once (continuous batching; sessions repeat the prompt list
-when c is larger). Decode tokens/s counts the tokens of decode-only steps over those steps'
-time (prefill steps are the same work in both runs and are left out). Greedy output is
+when c is larger). By default each group of c sessions starts its turns together, so a turn's
+batch shrinks to its slowest answers at the end, where speculation that speeds some answers
+up leaves the rest less batched; --refill submits the next turn as soon as one ends, as a
+busy server sees it (with --sessions above c, the batch stays full until the work runs out).
+Decode tokens/s counts the tokens of decode-only steps over those steps' time (prefill steps
+are the same work in both runs and are left out). Greedy output is
 identical with and without speculation (checked here). Speculation runs with the online policy
 (`spec.adaptive`, the default) unless --no-adaptive; --forced-too adds a third engine that
 drafts on every step, so the policy and what the drafts are worth are read in the same rounds.
@@ -24,6 +28,7 @@ first, as a serving replica long has (--cold: not).
         [--tree-topk 2 --tree-budget 8]    # EAGLE-2 trees from the head (greedy requests)
         [--dtype bfloat16]                 # weights and KV in bf16 (default float32)
         [--forced-too]                     # and drafting forced on, in the same rounds
+        [--refill --sessions 24]           # turns submitted as others end: a busy server
 
 Last line: JSON with accept_len (mean tokens per verify step, EAGLE's tau, head, chat, first
 concurrency), speedup_1/_8/_32 (head, chat: decode tokens/s with / without speculation),
@@ -223,47 +228,86 @@ def time_forwards(runner) -> dict[str, list[float]]:
     return spent
 
 
-def serve(eng: Engine, work: Workload, concurrency: int, max_tokens: int) -> tuple:
+def serve(
+    eng: Engine,
+    work: Workload,
+    concurrency: int,
+    max_tokens: int,
+    refill: bool = False,
+    sessions: int | None = None,
+) -> tuple:
     """Each task's two turns on its own session, `concurrency` sessions at a time: decode-only
-    seconds, their tokens, and the answers."""
+    seconds, their tokens, and the answers. By default the sessions run in groups whose turns
+    start together, so a turn's batch shrinks as its answers end; with `refill` a session's
+    next turn (or the next session) is submitted as soon as a turn ends, keeping
+    `concurrency` answers in flight as a busy server does. `sessions` (default: one a task,
+    at least `concurrency`) cycle through the tasks."""
     tok = eng.tokenizer
     params = SamplingParams(max_tokens=max_tokens, temperature=0, stop=work.stop)
     decode_s, decode_tokens, outputs = 0.0, 0, {}
-    opened = [(i, eng.open_session()) for i in range(max(len(work.tasks), concurrency))]
+    count = sessions or max(len(work.tasks), concurrency)
+    opened = [(i, eng.open_session()) for i in range(count)]
     history = {sid: [] for _, sid in opened}
-    for group_start in range(0, len(opened), concurrency):
-        group = opened[group_start : group_start + concurrency]
-        for turn in range(2):
-            rids = {}
-            for i, sid in group:
-                step = work.tasks[i % len(work.tasks)][turn]
-                history[sid].append({"role": "user", "content": step.user})
-                messages = history[sid]
-                if step.answer_start:
-                    messages = messages + [{"role": "assistant", "content": step.answer_start}]
-                ids = tok.apply_chat_template(
-                    messages,
-                    add_generation_prompt=not step.answer_start,
-                    continue_final_message=bool(step.answer_start),
-                    tokenize=True,
-                    return_dict=False,
-                )
-                rids[eng.submit(ids, params, session_id=sid, mode="chat")] = (i, sid)
-            while eng.has_work():
-                sched = eng.scheduler
-                decode_only = not sched.waiting and all(r.sampled for r in sched.running)
-                t = time.perf_counter()
-                events = eng.step()
-                dt = time.perf_counter() - t
-                if decode_only:
-                    decode_s += dt
-                    decode_tokens += sum(len(e.new_token_ids) for e in events)
-            for rid, (i, sid) in rids.items():
-                r = eng.take_result(rid)
-                outputs[(i, turn)] = r.output_ids
-                step = work.tasks[i % len(work.tasks)][turn]
-                answer = step.answer_start + r.text + "".join(work.stop[:1])
-                history[sid].append({"role": "assistant", "content": answer})
+
+    def submit(i: int, sid: str, turn: int) -> str:
+        step = work.tasks[i % len(work.tasks)][turn]
+        history[sid].append({"role": "user", "content": step.user})
+        messages = history[sid]
+        if step.answer_start:
+            messages = messages + [{"role": "assistant", "content": step.answer_start}]
+        ids = tok.apply_chat_template(
+            messages,
+            add_generation_prompt=not step.answer_start,
+            continue_final_message=bool(step.answer_start),
+            tokenize=True,
+            return_dict=False,
+        )
+        return eng.submit(ids, params, session_id=sid, mode="chat")
+
+    def take(rid: str, i: int, sid: str, turn: int) -> None:
+        r = eng.take_result(rid)
+        outputs[(i, turn)] = r.output_ids
+        step = work.tasks[i % len(work.tasks)][turn]
+        answer = step.answer_start + r.text + "".join(work.stop[:1])
+        history[sid].append({"role": "assistant", "content": answer})
+
+    def run_steps(until_one_ends: bool) -> list[str]:
+        """Step until no work is left (or, with `until_one_ends`, a request ended): the ids
+        of the requests that ended."""
+        nonlocal decode_s, decode_tokens
+        ended: list[str] = []
+        while eng.has_work() and not (until_one_ends and ended):
+            sched = eng.scheduler
+            decode_only = not sched.waiting and all(r.sampled for r in sched.running)
+            t = time.perf_counter()
+            events = eng.step()
+            dt = time.perf_counter() - t
+            if decode_only:
+                decode_s += dt
+                decode_tokens += sum(len(e.new_token_ids) for e in events)
+            ended += [e.rid for e in events if e.result is not None]
+        return ended
+
+    if refill:
+        queue = [(i, sid, 0) for i, sid in opened]
+        flying: dict[str, tuple[int, str, int]] = {}
+        while queue or flying:
+            while queue and len(flying) < concurrency:
+                i, sid, turn = queue.pop(0)
+                flying[submit(i, sid, turn)] = (i, sid, turn)
+            for rid in run_steps(until_one_ends=True):
+                i, sid, turn = flying.pop(rid)
+                take(rid, i, sid, turn)
+                if turn == 0:
+                    queue.insert(0, (i, sid, 1))
+    else:
+        for group_start in range(0, len(opened), concurrency):
+            group = opened[group_start : group_start + concurrency]
+            for turn in range(2):
+                rids = {submit(i, sid, turn): (i, sid) for i, sid in group}
+                run_steps(until_one_ends=False)
+                for rid, (i, sid) in rids.items():
+                    take(rid, i, sid, turn)
     for _, sid in opened:
         eng.close_session(sid)
     return decode_s, decode_tokens, outputs
@@ -291,7 +335,7 @@ def compare(name: str, loaded, spec: SpecConfig, c: int, args, work: Workload, s
     speculative = {k: a for k, a in arms.items() if k != "plain"}
     if args.warm:
         for arm in arms.values():
-            serve(arm.engine, work, c, args.max_tokens)
+            serve(arm.engine, work, c, args.max_tokens, args.refill, args.sessions)
         for arm in speculative.values():  # the measured passes' only
             arm.engine.speculative.stats, arm.engine.speculative.by_source = SpecStats(), {}
     for arm in speculative.values():
@@ -302,7 +346,7 @@ def compare(name: str, loaded, spec: SpecConfig, c: int, args, work: Workload, s
         shift = i % len(order)
         passes = {}
         for k in order[shift:] + order[:shift]:
-            passes[k] = arms[k].serve(work, c, args.max_tokens)
+            passes[k] = arms[k].serve(work, c, args.max_tokens, args.refill, args.sessions)
         p_s, p_tokens, p_out = passes["plain"]
         for k, arm in speculative.items():
             s_s, s_tokens, s_out = passes[k]
@@ -326,8 +370,10 @@ class _Arm:
     spent: dict[str, float] = field(default_factory=dict)  # time_drafting's
     forwards: dict[str, list[float]] = field(default_factory=dict)  # time_forwards'
 
-    def serve(self, work: Workload, concurrency: int, max_tokens: int) -> tuple:
-        out = serve(self.engine, work, concurrency, max_tokens)
+    def serve(
+        self, work: Workload, concurrency: int, max_tokens: int, refill: bool, sessions: int | None
+    ) -> tuple:
+        out = serve(self.engine, work, concurrency, max_tokens, refill, sessions)
         self.engine.check_memory()
         self.seconds += out[0]
         self.tokens += out[1]
@@ -422,6 +468,18 @@ def main() -> int:
         help="no unmeasured pass first: the first round measures each engine's first pass",
     )
     ap.add_argument("--skip-head", action="store_true", help="only the history drafter runs")
+    ap.add_argument(
+        "--refill",
+        action="store_true",
+        help="submit a session's next turn (or the next session) as soon as a turn ends, "
+        "keeping the concurrency busy, instead of starting each group's turns together",
+    )
+    ap.add_argument(
+        "--sessions",
+        type=int,
+        help="sessions a pass serves, cycling through the tasks (default: one a task, at "
+        "least the concurrency); with --refill, more than the concurrency keeps the batch full",
+    )
     ap.add_argument(
         "--seen-prompts",
         action="store_true",
