@@ -15,13 +15,19 @@ batch shrinks to its slowest answers at the end, where speculation that speeds s
 up leaves the rest less batched; --refill submits the next turn as soon as one ends, as a
 busy server sees it (with --sessions above c, the batch stays full until the work runs out).
 Decode tokens/s counts the tokens of decode-only steps over those steps' time (prefill steps
-are the same work in both runs and are left out). Greedy output is
-identical with and without speculation (checked here). Speculation runs with the online policy
-(`spec.adaptive`, the default) unless --no-adaptive; --forced-too adds a third engine that
-drafts on every step, so the policy and what the drafts are worth are read in the same rounds.
-The engines are built side by side and their measured passes interleaved (`--repeats` rounds, 2
-by default, their order rotating), each engine having served the workload once unmeasured
-first, as a serving replica long has (--cold: not).
+are the same work in both runs and are left out); with --refill, every step's (turns arrive
+while others decode, so their prompts ride in decode steps, and which steps are decode-only
+differs between the engines: counted alone, at 32 requests they held 24,800-27,200 of the
+speculative engine's tokens against 27,200 of the plain one's, docs/benchmarks.md). Greedy
+output is identical with and without speculation (checked here). Speculation runs with the
+online policy (`spec.adaptive`, the default) unless --no-adaptive; --forced-too adds a third
+engine that drafts on every step, so the policy and what the drafts are worth are read in the
+same rounds.
+The engines are built side by side and their measured passes take turns a step each
+(`--repeats` rounds, 2 by default, their order rotating; --passes-apart: whole passes one after
+the other, as before 2026-12-01), so this machine's drifting speed meets them alike, each
+engine having served the workload once unmeasured first, as a serving replica long has
+(--cold: not).
 
     .venv/bin/sessionserve train-drafter            # once: writes drafters/default
     .venv/bin/python -m benchmarks.speculative [--drafter drafters/default] [--num-drafts 4]
@@ -44,6 +50,7 @@ import argparse
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -228,6 +235,119 @@ def time_forwards(runner) -> dict[str, list[float]]:
     return spent
 
 
+class Pass:
+    """One engine's pass over a workload (each task's two turns on its own session,
+    `concurrency` sessions at a time), a step at a time: `advance` runs one engine step, so
+    several engines' passes can take turns step by step (`run_side_by_side`). When it is done,
+    `result` holds its decode-only seconds (with `refill`: every step's), their tokens, and the
+    answers. By default the sessions run in groups whose turns start together, so a turn's
+    batch shrinks as its answers end; with `refill` a session's next turn (or the next session)
+    is submitted as soon as a turn ends, keeping `concurrency` answers in flight as a busy
+    server does. `sessions` (default: one a task, at least `concurrency`) cycle through the
+    tasks."""
+
+    def __init__(
+        self,
+        eng: Engine,
+        work: Workload,
+        concurrency: int,
+        max_tokens: int,
+        refill: bool = False,
+        sessions: int | None = None,
+    ) -> None:
+        self.result: tuple | None = None
+        self._steps = self._run(eng, work, concurrency, max_tokens, refill, sessions)
+
+    def advance(self) -> bool:
+        """One engine step (and what the workload does around it); False once it is done."""
+        try:
+            next(self._steps)
+            return True
+        except StopIteration as done:
+            self.result = done.value
+            return False
+
+    @staticmethod
+    def _run(
+        eng: Engine,
+        work: Workload,
+        concurrency: int,
+        max_tokens: int,
+        refill: bool,
+        sessions: int | None,
+    ) -> Iterator[None]:
+        tok = eng.tokenizer
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, stop=work.stop)
+        decode_s, decode_tokens, outputs = 0.0, 0, {}
+        count = sessions or max(len(work.tasks), concurrency)
+        opened = [(i, eng.open_session()) for i in range(count)]
+        history = {sid: [] for _, sid in opened}
+
+        def submit(i: int, sid: str, turn: int) -> str:
+            step = work.tasks[i % len(work.tasks)][turn]
+            history[sid].append({"role": "user", "content": step.user})
+            messages = history[sid]
+            if step.answer_start:
+                messages = messages + [{"role": "assistant", "content": step.answer_start}]
+            ids = tok.apply_chat_template(
+                messages,
+                add_generation_prompt=not step.answer_start,
+                continue_final_message=bool(step.answer_start),
+                tokenize=True,
+                return_dict=False,
+            )
+            return eng.submit(ids, params, session_id=sid, mode="chat")
+
+        def take(rid: str, i: int, sid: str, turn: int) -> None:
+            r = eng.take_result(rid)
+            outputs[(i, turn)] = r.output_ids
+            step = work.tasks[i % len(work.tasks)][turn]
+            answer = step.answer_start + r.text + "".join(work.stop[:1])
+            history[sid].append({"role": "assistant", "content": answer})
+
+        def run_steps(until_one_ends: bool) -> Iterator[None]:
+            """Step until no work is left (or, with `until_one_ends`, a request ended),
+            yielding after each step: returns the ids of the requests that ended."""
+            nonlocal decode_s, decode_tokens
+            ended: list[str] = []
+            while eng.has_work() and not (until_one_ends and ended):
+                sched = eng.scheduler
+                decode_only = not sched.waiting and all(r.sampled for r in sched.running)
+                t = time.perf_counter()
+                events = eng.step()
+                dt = time.perf_counter() - t
+                if decode_only or refill:
+                    decode_s += dt
+                    decode_tokens += sum(len(e.new_token_ids) for e in events)
+                ended += [e.rid for e in events if e.result is not None]
+                yield
+            return ended
+
+        if refill:
+            queue = [(i, sid, 0) for i, sid in opened]
+            flying: dict[str, tuple[int, str, int]] = {}
+            while queue or flying:
+                while queue and len(flying) < concurrency:
+                    i, sid, turn = queue.pop(0)
+                    flying[submit(i, sid, turn)] = (i, sid, turn)
+                for rid in (yield from run_steps(until_one_ends=True)):
+                    i, sid, turn = flying.pop(rid)
+                    take(rid, i, sid, turn)
+                    if turn == 0:
+                        queue.insert(0, (i, sid, 1))
+        else:
+            for group_start in range(0, len(opened), concurrency):
+                group = opened[group_start : group_start + concurrency]
+                for turn in range(2):
+                    rids = {submit(i, sid, turn): (i, sid) for i, sid in group}
+                    yield from run_steps(until_one_ends=False)
+                    for rid, (i, sid) in rids.items():
+                        take(rid, i, sid, turn)
+        for _, sid in opened:
+            eng.close_session(sid)
+        return decode_s, decode_tokens, outputs
+
+
 def serve(
     eng: Engine,
     work: Workload,
@@ -236,86 +356,27 @@ def serve(
     refill: bool = False,
     sessions: int | None = None,
 ) -> tuple:
-    """Each task's two turns on its own session, `concurrency` sessions at a time: decode-only
-    seconds, their tokens, and the answers. By default the sessions run in groups whose turns
-    start together, so a turn's batch shrinks as its answers end; with `refill` a session's
-    next turn (or the next session) is submitted as soon as a turn ends, keeping
-    `concurrency` answers in flight as a busy server does. `sessions` (default: one a task,
-    at least `concurrency`) cycle through the tasks."""
-    tok = eng.tokenizer
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, stop=work.stop)
-    decode_s, decode_tokens, outputs = 0.0, 0, {}
-    count = sessions or max(len(work.tasks), concurrency)
-    opened = [(i, eng.open_session()) for i in range(count)]
-    history = {sid: [] for _, sid in opened}
+    """One engine's whole `Pass`: (seconds, tokens, answers)."""
+    run = Pass(eng, work, concurrency, max_tokens, refill, sessions)
+    while run.advance():
+        pass
+    return run.result
 
-    def submit(i: int, sid: str, turn: int) -> str:
-        step = work.tasks[i % len(work.tasks)][turn]
-        history[sid].append({"role": "user", "content": step.user})
-        messages = history[sid]
-        if step.answer_start:
-            messages = messages + [{"role": "assistant", "content": step.answer_start}]
-        ids = tok.apply_chat_template(
-            messages,
-            add_generation_prompt=not step.answer_start,
-            continue_final_message=bool(step.answer_start),
-            tokenize=True,
-            return_dict=False,
-        )
-        return eng.submit(ids, params, session_id=sid, mode="chat")
 
-    def take(rid: str, i: int, sid: str, turn: int) -> None:
-        r = eng.take_result(rid)
-        outputs[(i, turn)] = r.output_ids
-        step = work.tasks[i % len(work.tasks)][turn]
-        answer = step.answer_start + r.text + "".join(work.stop[:1])
-        history[sid].append({"role": "assistant", "content": answer})
-
-    def run_steps(until_one_ends: bool) -> list[str]:
-        """Step until no work is left (or, with `until_one_ends`, a request ended): the ids
-        of the requests that ended."""
-        nonlocal decode_s, decode_tokens
-        ended: list[str] = []
-        while eng.has_work() and not (until_one_ends and ended):
-            sched = eng.scheduler
-            decode_only = not sched.waiting and all(r.sampled for r in sched.running)
-            t = time.perf_counter()
-            events = eng.step()
-            dt = time.perf_counter() - t
-            if decode_only:
-                decode_s += dt
-                decode_tokens += sum(len(e.new_token_ids) for e in events)
-            ended += [e.rid for e in events if e.result is not None]
-        return ended
-
-    if refill:
-        queue = [(i, sid, 0) for i, sid in opened]
-        flying: dict[str, tuple[int, str, int]] = {}
-        while queue or flying:
-            while queue and len(flying) < concurrency:
-                i, sid, turn = queue.pop(0)
-                flying[submit(i, sid, turn)] = (i, sid, turn)
-            for rid in run_steps(until_one_ends=True):
-                i, sid, turn = flying.pop(rid)
-                take(rid, i, sid, turn)
-                if turn == 0:
-                    queue.insert(0, (i, sid, 1))
-    else:
-        for group_start in range(0, len(opened), concurrency):
-            group = opened[group_start : group_start + concurrency]
-            for turn in range(2):
-                rids = {submit(i, sid, turn): (i, sid) for i, sid in group}
-                run_steps(until_one_ends=False)
-                for rid, (i, sid) in rids.items():
-                    take(rid, i, sid, turn)
-    for _, sid in opened:
-        eng.close_session(sid)
-    return decode_s, decode_tokens, outputs
+def run_side_by_side(passes: list[Pass]) -> None:
+    """The engines take turns a step each until every pass is done: a machine whose speed
+    drifts by 10-30% within a minute (this 2-core VM) then drifts under all of them alike,
+    where whole passes one after the other each met a different speed (SmolLM2 at 32
+    requests: the plain engine's passes of one run read 241-341 tok/s, docs/benchmarks.md)."""
+    live = list(passes)
+    while live:
+        live = [p for p in live if p.advance()]
 
 
 def compare(name: str, loaded, spec: SpecConfig, c: int, args, work: Workload, summary: dict):
     """The plain and the speculative engine side by side in this process, their measured
-    passes interleaved (`--repeats` rounds, the engines' order rotating): this machine's speed
+    passes taking turns a step each (`run_side_by_side`; `--passes-apart`: whole passes one
+    after the other), `--repeats` rounds, the engines' order rotating: this machine's speed
     drifts by more than the gaps "never a loss" is about, and whole runs one after the other
     read that drift as a speedup or a loss (SmolLM2, fp32, 8 requests: pairs of runs 0.92 and
     0.98, interleaved passes in one process 1.03, docs/benchmarks.md). With `--forced-too` a
@@ -344,9 +405,19 @@ def compare(name: str, loaded, spec: SpecConfig, c: int, args, work: Workload, s
     order = list(arms)
     for i in range(args.repeats):
         shift = i % len(order)
+        keys = order[shift:] + order[:shift]
         passes = {}
-        for k in order[shift:] + order[:shift]:
-            passes[k] = arms[k].serve(work, c, args.max_tokens, args.refill, args.sessions)
+        if args.side_by_side:
+            runs = {
+                k: Pass(arms[k].engine, work, c, args.max_tokens, args.refill, args.sessions)
+                for k in keys
+            }
+            run_side_by_side([runs[k] for k in keys])
+            passes = {k: arms[k].add(runs[k].result) for k in keys}
+        else:
+            for k in keys:
+                out = serve(arms[k].engine, work, c, args.max_tokens, args.refill, args.sessions)
+                passes[k] = arms[k].add(out)
         p_s, p_tokens, p_out = passes["plain"]
         for k, arm in speculative.items():
             s_s, s_tokens, s_out = passes[k]
@@ -370,10 +441,8 @@ class _Arm:
     spent: dict[str, float] = field(default_factory=dict)  # time_drafting's
     forwards: dict[str, list[float]] = field(default_factory=dict)  # time_forwards'
 
-    def serve(
-        self, work: Workload, concurrency: int, max_tokens: int, refill: bool, sessions: int | None
-    ) -> tuple:
-        out = serve(self.engine, work, concurrency, max_tokens, refill, sessions)
+    def add(self, out: tuple) -> tuple:
+        """A measured pass's (seconds, tokens, answers), after the strict memory check."""
         self.engine.check_memory()
         self.seconds += out[0]
         self.tokens += out[1]
@@ -468,6 +537,12 @@ def main() -> int:
         help="no unmeasured pass first: the first round measures each engine's first pass",
     )
     ap.add_argument("--skip-head", action="store_true", help="only the history drafter runs")
+    ap.add_argument(
+        "--passes-apart",
+        dest="side_by_side",
+        action="store_false",
+        help="run each round's passes one after the other, not a step each in turn",
+    )
     ap.add_argument(
         "--refill",
         action="store_true",
