@@ -358,8 +358,7 @@ def serve(
 ) -> tuple:
     """One engine's whole `Pass`: (seconds, tokens, answers)."""
     run = Pass(eng, work, concurrency, max_tokens, refill, sessions)
-    while run.advance():
-        pass
+    run_side_by_side([run])
     return run.result
 
 
@@ -406,18 +405,12 @@ def compare(name: str, loaded, spec: SpecConfig, c: int, args, work: Workload, s
     for i in range(args.repeats):
         shift = i % len(order)
         keys = order[shift:] + order[:shift]
-        passes = {}
-        if args.side_by_side:
-            runs = {
-                k: Pass(arms[k].engine, work, c, args.max_tokens, args.refill, args.sessions)
-                for k in keys
-            }
-            run_side_by_side([runs[k] for k in keys])
-            passes = {k: arms[k].add(runs[k].result) for k in keys}
-        else:
-            for k in keys:
-                out = serve(arms[k].engine, work, c, args.max_tokens, args.refill, args.sessions)
-                passes[k] = arms[k].add(out)
+        runs = [
+            Pass(arms[k].engine, work, c, args.max_tokens, args.refill, args.sessions) for k in keys
+        ]
+        for together in [runs] if args.side_by_side else [[run] for run in runs]:
+            run_side_by_side(together)
+        passes = {k: arms[k].add(run.result) for k, run in zip(keys, runs, strict=True)}
         p_s, p_tokens, p_out = passes["plain"]
         for k, arm in speculative.items():
             s_s, s_tokens, s_out = passes[k]
