@@ -119,6 +119,7 @@ class SpeculativeDecoder:
         self.stats = SpecStats()
         self.by_source: dict[str, SpecStats] = {}
         self.drafting = True  # the policy's choice for the coming step
+        self.draft_floor = 0.0  # the policy's measured floor for the coming step's drafts
         self.choices = 0  # how many choices the policy made (a step's mark names the last)
         self._marks: dict[int, StepMark] = {}  # by step number, from propose to finish_step
         self._last_end: float | None = None  # when the last step ended (with a policy)
@@ -145,9 +146,11 @@ class SpeculativeDecoder:
             return 0
         offers: list[tuple[float, int, DraftSource]] = []
         if self.history is not None:
+            self._judge_offered(req)
             n = self.history.draft_len(req, self.limit)
             if n:
                 offers.append((self._expected(req, "history", n), n, "history"))
+                d.offered.append((req.num_tokens, d.history_tokens[:n]))
         if self.eagle is not None:
             n = self.eagle.draft_len(req, self.limit)
             if n:
@@ -156,6 +159,9 @@ class SpeculativeDecoder:
             return 0
         _, n, d.source = max(offers)
         n = self._cap(req, d.source, n)
+        if n == 0:  # its drafts are too unlikely to be kept: the tokens made judge them
+            d.source = None
+            return 0
         if d.source == "eagle" and self._drafts_tree(req, n):
             d.tree_depth = n
             return self.eagle.scratch_slots(n, self.tree.budget)
@@ -170,6 +176,28 @@ class SpeculativeDecoder:
             return False
         return req.num_tokens + self.eagle.scratch_slots(depth, self.tree.budget) <= self.limit
 
+    def _judge_offered(self, req: Request) -> None:
+        """The history chains offered at earlier steps are judged by the tokens the sequence
+        made at their positions, as a verify of the whole chain would have judged them (for a
+        sampled request a draft equal to the token made is kept with the chance its verify
+        keeps it), and the record learns from that: so a chain that `_cap` cut short, or a
+        request that drafts nothing because its drafts are unlikely to be kept, still learns
+        how far its chains would have been kept (a record fed by verifies alone learns nothing
+        past a cut, and a request that stopped drafting would never draft again). A chain
+        stays undecided while every token made so far agrees and it goes on past them."""
+        d = req.drafting
+        undecided = []
+        for at, drafts in d.offered:
+            made = req.token_slice(at, min(req.num_tokens, at + len(drafts)))
+            kept = 0
+            while kept < len(made) and made[kept] == drafts[kept]:
+                kept += 1
+            if kept == len(made) < len(drafts):
+                undecided.append((at, drafts))
+            else:
+                d.record("history").observe(len(drafts), kept)
+        d.offered = undecided
+
     def _may_draft(self, req: Request) -> bool:
         """The policy's choice, except for a seeded sampled request: a timing-driven choice
         would make its answer depend on the load, so it drafts by its own record only."""
@@ -181,10 +209,13 @@ class SpeculativeDecoder:
         return req.drafting.record(source).expected(n)
 
     def _cap(self, req: Request, source: DraftSource, n: int) -> int:
-        """Of `n` drafts offered, how many to verify. With a policy, a history chain stops
-        where its drafts' chance of being kept (by its record: `SourceRecord.kept_through`)
-        falls below `min_confidence`, the floor the head's chains stop at by their own
-        probabilities (proposer.py): a draft unlikely to be kept costs a verify column. The
+        """Of `n` drafts offered, how many to verify (0: none). With a policy, a history chain
+        stops where its drafts' chance of being kept (by its record:
+        `SourceRecord.kept_through`) falls below `min_confidence`, the floor the head's chains
+        stop at by their own probabilities (proposer.py), or below what a draft costs at this
+        batch size, in rows of a plain step (`SpecPolicy.draft_floor`), where that is more: a
+        draft unlikely to be kept costs a verify column, and at 32 requests a column costs
+        ~0.6 of a row, so a chain that pays at one request loses there. The
         head's chains are left to those probabilities, which tell a likely run from an unlikely
         one at each step where a record knows only the recent past. (Capped at what recent
         verifies kept on average, plus one, as before, the chains of an answer that loops,
@@ -193,7 +224,7 @@ class SpeculativeDecoder:
         record = req.drafting.record(source)
         if self.policy is None or record.verifies == 0 or source == "eagle":
             return n
-        return record.likely_len(n, self.min_confidence)
+        return record.likely_len(n, max(self.min_confidence, self.draft_floor))
 
     def propose(self, batch: ScheduledBatch) -> dict[str, Drafts]:
         """Drafts (chains, or trees) for the decodes that speculate this step (by request id);
@@ -254,7 +285,8 @@ class SpeculativeDecoder:
         self.cache.commit(req.kv, s.end + verdict.accepted)
         self.cache.free_overallocation(req.kv)
         source = req.drafting.source or "eagle"
-        req.drafting.record(source).observe(depth, verdict.accepted)
+        if source == "eagle":  # (a history chain's record learns from `_judge_offered`)
+            req.drafting.record(source).observe(depth, verdict.accepted)
         req.drafting.copying = source == "history" and verdict.accepted == k
         req.spec.record(k, verdict.accepted)
         self.stats.record(k, verdict.accepted)
@@ -300,6 +332,7 @@ class SpeculativeDecoder:
         if self.policy is not None and decoding and (mark is None or mark.choice == self.choices):
             owed = sum(self._owed(s) for s in batch.seqs if s.req.rid in decoding)
             self.drafting = self.policy.choose(len(decoding), owed)
+            self.draft_floor = self.policy.draft_floor(len(decoding)) or 0.0
             self.choices += 1
         if self.eagle is None or out.hidden is None:
             return
@@ -393,4 +426,5 @@ class SpeculativeDecoder:
             mark.head_s,
             mark.head_positions,
             mark.put_off,
+            sum(s.num_drafts for s in batch.seqs),
         )

@@ -11,8 +11,8 @@ import torch
 
 DraftSource = Literal["eagle", "history"]
 
-# what a source record's counts keep of themselves at each verify (about the last ten
-# verifies count), and the weight of the even odds each of its probabilities starts from:
+# what a source record's counts keep of themselves at each verify or judged chain (about the
+# last ten count), and the weight of the even odds each of its probabilities starts from:
 # light next to that, so a draft that keeps failing reads as unlikely (SourceRecord)
 RECORD_DECAY = 0.9
 RECORD_PRIOR = 0.25
@@ -68,8 +68,9 @@ class SourceRecord:
     a loop keeps all of a chain or none of it (SmolLM2's chat answers: history chains of 4
     kept whole in 46% of verifies, none in 31%), which one acceptance rate reads as ~55% a
     draft and so stops its chains short. Counts decay by `RECORD_DECAY` a verify, so a
-    request that stops matching (or starts) is noticed within a few steps, and a chain cut
-    short tries its longer drafts again once the evidence against them has faded."""
+    request that stops matching (or starts) is noticed within a few steps. (A history chain
+    counts as verified whole, cut short or not verified at all: the tokens the sequence made
+    judge it, decoder.py `_judge_offered`.)"""
 
     verifies: int = 0
     first_kept: float = 0.0
@@ -109,8 +110,8 @@ class SourceRecord:
 
     def likely_len(self, n: int, floor: float) -> int:
         """How many of `n` drafts to verify: those kept with a chance of at least `floor`
-        (the first always: whether to draft at all is the policy's call)."""
-        return max(1, sum(1 for j in range(1, n + 1) if self.kept_through(j) >= floor))
+        (none, where the first is less likely than that)."""
+        return sum(1 for j in range(1, n + 1) if self.kept_through(j) >= floor)
 
 
 @dataclass
@@ -123,6 +124,10 @@ class Drafting:
     log: TokenLog | None = None
     history_tokens: list[int] = field(default_factory=list)
     records: dict[str, SourceRecord] = field(default_factory=dict)
+    # the history chains offered at recent steps, whether verified, cut short or declined:
+    # (the position of the first draft, the drafts), oldest first; the tokens the sequence
+    # makes there judge each as a verify of the whole chain would (decoder.py)
+    offered: list[tuple[int, list[int]]] = field(default_factory=list)
     # this step's history drafts were all kept: the sequence is copying its context, so the
     # next step will draft from history again and the head's guess is not needed
     copying: bool = False

@@ -38,6 +38,15 @@ guess needs it); a re-check of drafting followed by plain steps puts that pass o
 time lacks it: the policy adds what that pass cost on drafting steps that ran it (per bucket),
 or a re-check would make drafting look cheaper than drafting is.
 
+The same pairs also say what one draft costs, in rows of a plain step (`Bucket.draft_cost`:
+the cost ratio less 1, over the drafting step's drafts per request): a draft pays only if it is
+kept with at least that chance, since a kept draft is worth one row's token. That floor
+(`draft_floor`) grows with the batch as a row's share of the step shrinks, and the decoder
+stops each history chain at it (decoder.py `_cap`): on two cores a chat's history chains, kept
+55% a draft, pay at one request, where a draft costs ~0.15 of a row, and lose at 32, where it
+costs ~0.6 (docs/benchmarks.md); the on/off choice above alone could only keep them whole or
+drop them.
+
 Taking drafting up again has a price of its own: while requests do not draft, the head's
 pass over their new positions waits (and a session turn that ends with it waiting leaves it
 to the session's next turn), and taking drafting up pays for all of it (the step
@@ -61,13 +70,28 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 COST_WINDOW = 9  # paired samples the cost ratio is the median of
+MIN_DRAFT_SAMPLES = 3  # paired samples before a draft's cost is read (`Bucket.draft_cost`)
+DRAFT_COST_WINDOW = 16  # the last paired samples it is read from
+# the highest floor for drafts (`SpecPolicy.draft_floor`): chains kept nearly always (an
+# agent's copies) still draft, so drafting steps go on measuring what a draft costs
+MAX_DRAFT_FLOOR = 0.9
 
 
 def smoothed(last: float | None, value: float, smoothing: float) -> float:
     """A running mean that starts at its first value."""
     return value if last is None else last + smoothing * (value - last)
+
+
+class Sample(NamedTuple):
+    """One observed step of an arm: its number in the bucket, its seconds, and the drafts it
+    verified per decoding request (0 for a plain step)."""
+
+    at: int
+    seconds: float
+    drafts: float
 
 
 @dataclass
@@ -77,26 +101,33 @@ class Arm:
     tokens: float = 0.0  # tokens a step per decoding request: a slow running mean
     step_s: float = 0.0  # what one of its steps lasts: a quick running mean
     steps: int = 0
-    recent: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=5))
+    recent: deque[Sample] = field(default_factory=lambda: deque(maxlen=5))
 
     def observe(
-        self, at: int, tokens: float, seconds: float, yield_smoothing: float, smoothing: float
+        self,
+        at: int,
+        tokens: float,
+        seconds: float,
+        yield_smoothing: float,
+        smoothing: float,
+        drafts: float = 0.0,
     ) -> None:
-        """Its step number `at` of the bucket: `tokens` per decoding request in `seconds`."""
+        """Its step number `at` of the bucket: `tokens` per decoding request in `seconds`,
+        `drafts` per decoding request verified."""
         self.steps += 1
         self.tokens = smoothed(
             None if self.steps == 1 else self.tokens, tokens, max(1 / self.steps, yield_smoothing)
         )
         self.step_s = smoothed(None if self.steps == 1 else self.step_s, seconds, smoothing)
-        self.recent.append((at, seconds))
+        self.recent.append(Sample(at, seconds, drafts))
 
-    def recent_s(self, now: int, window: int) -> list[float]:
-        """Its steps' seconds among the bucket's last `window` steps."""
-        return [s for at, s in self.recent if now - at <= window]
+    def recent_steps(self, now: int, window: int) -> list[Sample]:
+        """Its steps among the bucket's last `window` steps."""
+        return [s for s in self.recent if now - s.at <= window]
 
     @property
     def last(self) -> int:
-        return self.recent[-1][0] if self.recent else -1
+        return self.recent[-1].at if self.recent else -1
 
 
 @dataclass
@@ -106,6 +137,10 @@ class Bucket:
     on: Arm = field(default_factory=Arm)
     off: Arm = field(default_factory=Arm)
     costs: deque[float] = field(default_factory=lambda: deque(maxlen=COST_WINDOW))
+    # the same pairs with the drafting step's drafts: (drafts per request, cost ratio - 1)
+    draft_costs: deque[tuple[float, float]] = field(
+        default_factory=lambda: deque(maxlen=DRAFT_COST_WINDOW)
+    )
     head_pass_s: float | None = None  # the head's pass on drafting steps that ran it
     since_recheck: int = 0  # decisions since its last re-check
 
@@ -121,6 +156,41 @@ class Bucket:
         changed speed is paired across the change, off by that much: the median ignores it,
         and follows a real change within a few re-checks)."""
         return statistics.median(self.costs) if self.costs else None
+
+    @property
+    def draft_cost(self) -> float | None:
+        """What one more draft adds to a step, in rows of a plain step (its seconds over its
+        decoding requests), from the paired samples: the slope of (cost ratio - 1) over
+        drafts per request (Theil-Sen: the median of the slopes between pairs of samples, so
+        a pair read across a change of the machine's speed does not tilt it), at most their
+        ratio. A drafting step may cost something whatever its drafts (on a CPU a step past
+        `compile_prefill_min_tokens` tokens runs the other compiled package): the ratio of
+        one sample spreads that over its drafts, and read 1.1 a draft at 4-7 requests where
+        the slope is ~0.2. Where the samples' drafts are all about one number there is no
+        slope to read, and the ratio (their median weighted by drafts, an upper bound)
+        stands in. None before `MIN_DRAFT_SAMPLES` pairs."""
+        samples = self.draft_costs
+        if len(samples) < MIN_DRAFT_SAMPLES:
+            return None
+        ordered = sorted((extra / drafts, drafts) for drafts, extra in samples)
+        half, seen, ratio = sum(w for _, w in ordered) / 2, 0.0, ordered[-1][0]
+        for per_draft, weight in ordered:
+            seen += weight
+            if seen >= half:
+                ratio = per_draft
+                break
+        drafts = [d for d, _ in samples]
+        mean = statistics.fmean(drafts)
+        if statistics.pvariance(drafts) < (0.25 * mean) ** 2:
+            return max(0.0, ratio)
+        slopes = [
+            (e2 - e1) / (d2 - d1)
+            for i, (d1, e1) in enumerate(samples)
+            for d2, e2 in list(samples)[i + 1 :]
+            if abs(d2 - d1) > 0.1 * mean
+        ]
+        slope = statistics.median(slopes) if slopes else ratio
+        return max(0.0, min(slope, ratio))
 
     def speed_ratio(self) -> float | None:
         """Drafting's decode speed over plain decoding's."""
@@ -272,12 +342,13 @@ class SpecPolicy:
         head_s: float = 0.0,
         head_positions: int = 0,
         put_off_positions: int = 0,
+        drafts: int = 0,
     ) -> None:
         """One decode-only step of `num_decodes` requests: `tokens` emitted in `seconds`,
-        drafts verified or not. A drafting step's `seconds` include the head's pass over the
-        `head_positions` it committed (`head_s` of them); `put_off_positions` of them waited
-        instead (the next step does not draft), and are priced at what the pass cost. (A
-        plain step's are timed without its pass: the decoder's `finish_step`.)"""
+        `drafts` verified (0: a plain step). A drafting step's `seconds` include the head's
+        pass over the `head_positions` it committed (`head_s` of them); `put_off_positions`
+        of them waited instead (the next step does not draft), and are priced at what the
+        pass cost. (A plain step's are timed without its pass: the decoder's `finish_step`.)"""
         if seconds <= 0 or num_decodes <= 0:
             return
         b = self.bucket(num_decodes)
@@ -288,15 +359,35 @@ class SpecPolicy:
             seconds += b.head_pass_s * share
         now = b.observed + 1  # this step's number in the bucket
         arm, other = (b.on, b.off) if speculated else (b.off, b.on)
-        neighbours = other.recent_s(now, self.pair_window)
-        mine = arm.recent_s(now, self.pair_window)
+        neighbours = other.recent_steps(now, self.pair_window)
+        mine = arm.recent_steps(now, self.pair_window)
+        per_request = drafts / num_decodes
         if neighbours and len(neighbours) >= len(mine):
             # the other arm ran just before, and more often: a step of this one next to the
             # median of those is a paired sample (a plain step after a drafting re-check is
             # not: paired with that one step, it would count the re-check's noise twice)
-            paired = statistics.median(neighbours)
-            b.costs.append(seconds / paired if speculated else paired / seconds)
-        arm.observe(now, tokens / num_decodes, seconds, self.yield_smoothing, self.smoothing)
+            paired = statistics.median(s.seconds for s in neighbours)
+            cost = seconds / paired if speculated else paired / seconds
+            b.costs.append(cost)
+            spec_drafts = (
+                per_request if speculated else statistics.median(s.drafts for s in neighbours)
+            )
+            if spec_drafts > 0:
+                b.draft_costs.append((spec_drafts, cost - 1.0))
+        arm.observe(
+            now, tokens / num_decodes, seconds, self.yield_smoothing, self.smoothing, per_request
+        )
+
+    def draft_floor(self, num_decodes: int) -> float | None:
+        """The chance of being kept below which a draft slows a step of about `num_decodes`
+        requests down: what it adds to the step, in rows of a plain step (a kept draft is one
+        more token, as a row's is), at most `MAX_DRAFT_FLOOR` (None: not measured yet). A
+        draft's cost grows with the batch as a row's share of the step shrinks (SmolLM2,
+        fp32, 2 cores: ~0.15 of a row at one request, ~0.4 at 8, ~0.6 at 32,
+        docs/benchmarks.md), so chains that pay at one request lose at 32 unless cut where
+        their drafts become unlikely."""
+        cost = self.bucket(num_decodes).draft_cost
+        return None if cost is None else min(cost, MAX_DRAFT_FLOOR)
 
     def summary(self) -> dict[str, dict[str, float]]:
         """Per bucket (its smallest batch size): each arm's tokens/s per decoding request at
@@ -311,6 +402,8 @@ class SpecPolicy:
                     row[f"{key}_request_tokens_per_s"] = round(arm.tokens / step_s, 2)
                     row[f"{key}_steps"] = arm.steps
             speed = rec.speed_ratio()
+            if rec.draft_cost is not None:
+                row["draft_cost"] = round(rec.draft_cost, 3)
             if speed is not None:
                 row["cost_ratio"] = round(rec.cost_ratio or 0.0, 3)
                 row["speed_ratio"] = round(speed, 3)
