@@ -38,14 +38,14 @@ guess needs it); a re-check of drafting followed by plain steps puts that pass o
 time lacks it: the policy adds what that pass cost on drafting steps that ran it (per bucket),
 or a re-check would make drafting look cheaper than drafting is.
 
-The same pairs also say what one draft costs, in rows of a plain step (`Bucket.draft_cost`:
-the cost ratio less 1, over the drafting step's drafts per request): a draft pays only if it is
-kept with at least that chance, since a kept draft is worth one row's token. That floor
-(`draft_floor`) grows with the batch as a row's share of the step shrinks, and the decoder
-stops each history chain at it (decoder.py `_cap`): on two cores a chat's history chains, kept
-55% a draft, pay at one request, where a draft costs ~0.15 of a row, and lose at 32, where it
-costs ~0.6 (docs/benchmarks.md); the on/off choice above alone could only keep them whole or
-drop them.
+The same pairs also say what one more draft costs, in rows of a plain step
+(`Bucket.draft_cost`: the slope of the cost ratio less 1 over the drafting step's drafts per
+request): a draft pays only if it is kept with at least that chance, since a kept draft is
+worth one row's token. That floor (`draft_floor`) grows with the batch as a row's share of
+the step shrinks, and the decoder stops each history chain at it (decoder.py `_cap`): on two
+cores a chat's history chains, kept 55% a draft, pay at one request, where a draft costs
+~0.15 of a row, and lose at 32, where it costs ~0.6 (docs/benchmarks.md); the on/off choice
+above alone could only keep them whole or drop them.
 
 Taking drafting up again has a price of its own: while requests do not draft, the head's
 pass over their new positions waits (and a session turn that ends with it waiting leaves it
@@ -169,7 +169,7 @@ class Bucket:
         the slope is ~0.2. Where the samples' drafts are all about one number there is no
         slope to read, and the ratio (their median weighted by drafts, an upper bound)
         stands in. None before `MIN_DRAFT_SAMPLES` pairs."""
-        samples = self.draft_costs
+        samples = list(self.draft_costs)
         if len(samples) < MIN_DRAFT_SAMPLES:
             return None
         ordered = sorted((extra / drafts, drafts) for drafts, extra in samples)
@@ -186,7 +186,7 @@ class Bucket:
         slopes = [
             (e2 - e1) / (d2 - d1)
             for i, (d1, e1) in enumerate(samples)
-            for d2, e2 in list(samples)[i + 1 :]
+            for d2, e2 in samples[i + 1 :]
             if abs(d2 - d1) > 0.1 * mean
         ]
         slope = statistics.median(slopes) if slopes else ratio
