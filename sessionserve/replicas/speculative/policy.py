@@ -72,9 +72,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-COST_WINDOW = 9  # paired samples the cost ratio is the median of
+COST_WINDOW = 9  # the last paired samples the cost ratio is the median of
 MIN_DRAFT_SAMPLES = 3  # paired samples before a draft's cost is read (`Bucket.draft_cost`)
-DRAFT_COST_WINDOW = 16  # the last paired samples it is read from
+DRAFT_COST_WINDOW = 16  # the last paired samples it is read from (and the pairs kept)
 # the highest floor for drafts (`SpecPolicy.draft_floor`): chains kept nearly always (an
 # agent's copies) still draft, so drafting steps go on measuring what a draft costs
 MAX_DRAFT_FLOOR = 0.9
@@ -92,6 +92,15 @@ class Sample(NamedTuple):
     at: int
     seconds: float
     drafts: float
+
+
+class Pair(NamedTuple):
+    """A paired sample: a drafting step's seconds over a plain one's at the same speed of the
+    machine, less 1 (`extra`), with the drafting step's drafts per decoding request (0 where
+    the caller did not count them)."""
+
+    drafts: float
+    extra: float
 
 
 @dataclass
@@ -132,15 +141,11 @@ class Arm:
 
 @dataclass
 class Bucket:
-    """One batch-size bucket's record: both arms, and the paired cost ratio."""
+    """One batch-size bucket's record: both arms, and their paired samples."""
 
     on: Arm = field(default_factory=Arm)
     off: Arm = field(default_factory=Arm)
-    costs: deque[float] = field(default_factory=lambda: deque(maxlen=COST_WINDOW))
-    # the same pairs with the drafting step's drafts: (drafts per request, cost ratio - 1)
-    draft_costs: deque[tuple[float, float]] = field(
-        default_factory=lambda: deque(maxlen=DRAFT_COST_WINDOW)
-    )
+    pairs: deque[Pair] = field(default_factory=lambda: deque(maxlen=DRAFT_COST_WINDOW))
     head_pass_s: float | None = None  # the head's pass on drafting steps that ran it
     since_recheck: int = 0  # decisions since its last re-check
 
@@ -155,7 +160,8 @@ class Bucket:
         median of the last paired samples (a re-check that lands just after the machine
         changed speed is paired across the change, off by that much: the median ignores it,
         and follows a real change within a few re-checks)."""
-        return statistics.median(self.costs) if self.costs else None
+        recent = list(self.pairs)[-COST_WINDOW:]
+        return 1.0 + statistics.median(p.extra for p in recent) if recent else None
 
     @property
     def draft_cost(self) -> float | None:
@@ -168,8 +174,8 @@ class Bucket:
         one sample spreads that over its drafts, and read 1.1 a draft at 4-7 requests where
         the slope is ~0.2. Where the samples' drafts are all about one number there is no
         slope to read, and the ratio (their median weighted by drafts, an upper bound)
-        stands in. None before `MIN_DRAFT_SAMPLES` pairs."""
-        samples = list(self.draft_costs)
+        stands in. None before `MIN_DRAFT_SAMPLES` pairs that counted their drafts."""
+        samples = [p for p in self.pairs if p.drafts > 0]
         if len(samples) < MIN_DRAFT_SAMPLES:
             return None
         ordered = sorted((extra / drafts, drafts) for drafts, extra in samples)
@@ -368,12 +374,10 @@ class SpecPolicy:
             # not: paired with that one step, it would count the re-check's noise twice)
             paired = statistics.median(s.seconds for s in neighbours)
             cost = seconds / paired if speculated else paired / seconds
-            b.costs.append(cost)
             spec_drafts = (
                 per_request if speculated else statistics.median(s.drafts for s in neighbours)
             )
-            if spec_drafts > 0:
-                b.draft_costs.append((spec_drafts, cost - 1.0))
+            b.pairs.append(Pair(spec_drafts, cost - 1.0))
         arm.observe(
             now, tokens / num_decodes, seconds, self.yield_smoothing, self.smoothing, per_request
         )

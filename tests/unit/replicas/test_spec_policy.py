@@ -564,7 +564,7 @@ def test_a_drafts_cost_is_read_per_draft_from_paired_steps() -> None:
     policy = SpecPolicy(explore_every=4, warmup_steps=2, explore_loss=0.05)
     assert policy.draft_floor(32) is None
     _drafting_at(policy, 32, fixed=0.0, per_draft=0.6)
-    assert len(policy.bucket(32).draft_costs) >= 3
+    assert len(policy.bucket(32).pairs) >= 3
     assert policy.draft_floor(32) == pytest.approx(0.6, abs=0.01)
     assert policy.draft_floor(4) is None  # learnt per bucket
     assert policy.summary()["32"]["draft_cost"] == pytest.approx(0.6, abs=0.01)
