@@ -225,7 +225,8 @@ class SpecConfig(_Strict):
         "`min_draft_confidence` or than what a draft costs at this batch size in rows of a "
         "plain step, measured the same way (~0.15 at one request, ~0.6 at 32 on two CPU cores), "
         "none where its first draft is (an EAGLE head's chains stop at "
-        "`min_draft_confidence` by their own probabilities). false: every eligible request "
+        "`min_draft_confidence` by their own probabilities; a request whose history chain is "
+        "declined drafts from the head). false: every eligible request "
         "drafts every step, history chains in full.",
     )
 

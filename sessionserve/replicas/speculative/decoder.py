@@ -18,11 +18,13 @@ So the policy's choice made when step N lands applies to the first step schedule
 and a step scheduled before that choice does not make a new one when it lands.
 
 Drafts come from an EAGLE head (proposer.py), from the sequence's own history (history.py), or
-from either, per request and step: the source whose record promises more tokens.
-With `adaptive`, a history chain stops where its record (how often its first draft, and a draft
-after a kept one, were kept) says a draft is less likely to be kept than `min_confidence`, where
-the head's chains stop by their own drafts' probabilities (proposer.py), and the policy
-(policy.py) turns drafting off for the batch sizes where it measures no gain. With a `tree`
+from either, per request and step: the source whose record promises more tokens, or the next
+one where that source's drafts are all too unlikely to be kept. With `adaptive`, a history
+chain stops where its record (how often its first draft, and a draft after a kept one, were
+kept) says a draft is less likely to be kept than `min_confidence` or than what a draft costs
+at this batch size (the policy's measured floor), where the head's chains stop by their own
+drafts' probabilities (proposer.py), and the policy (policy.py) turns drafting off for the
+batch sizes where it measures no gain. With a `tree`
 shape, greedy requests that draft from the head draft a tree (proposer.py) instead of a
 chain; the kept path's KV moves to its sequence's positions before it is committed.
 
@@ -155,12 +157,12 @@ class SpeculativeDecoder:
             n = self.eagle.draft_len(req, self.limit)
             if n:
                 offers.append((self._expected(req, "eagle", n), n, "eagle"))
-        if not offers:
-            return 0
-        _, n, d.source = max(offers)
-        n = self._cap(req, d.source, n)
-        if n == 0:  # its drafts are too unlikely to be kept: the tokens made judge them
-            d.source = None
+        for _, offered, source in sorted(offers, reverse=True):
+            n = self._cap(req, source, offered)
+            if n:  # (0: its drafts are too unlikely to be kept; the next source may draft)
+                d.source = source
+                break
+        else:
             return 0
         if d.source == "eagle" and self._drafts_tree(req, n):
             d.tree_depth = n
@@ -201,8 +203,17 @@ class SpeculativeDecoder:
     def _may_draft(self, req: Request) -> bool:
         """The policy's choice, except for a seeded sampled request: a timing-driven choice
         would make its answer depend on the load, so it drafts by its own record only."""
+        return self.drafting or self._seeded(req)
+
+    @staticmethod
+    def _seeded(req: Request) -> bool:
         p = req.sampling
-        return self.drafting or (p.seed is not None and not p.is_greedy)
+        return p.seed is not None and not p.is_greedy
+
+    def _floor(self, req: Request) -> float:
+        """The policy's measured floor for `req`'s drafts (none for a seeded sampled request:
+        how many drafts it verifies must not depend on timing, as `_may_draft` says)."""
+        return 0.0 if self._seeded(req) else self.draft_floor
 
     def _expected(self, req: Request, source: DraftSource, n: int) -> float:
         """Drafts expected to be kept from a chain of `n` by this source's recent record."""
@@ -215,16 +226,19 @@ class SpeculativeDecoder:
         stop at by their own probabilities (proposer.py), or below what a draft costs at this
         batch size, in rows of a plain step (`SpecPolicy.draft_floor`), where that is more: a
         draft unlikely to be kept costs a verify column, and at 32 requests a column costs
-        ~0.6 of a row, so a chain that pays at one request loses there. The
-        head's chains are left to those probabilities, which tell a likely run from an unlikely
-        one at each step where a record knows only the recent past. (Capped at what recent
+        ~0.6 of a row, so a chain that pays at one request loses there. The head's chains
+        are left to their own probabilities, which tell a likely run from an unlikely one at
+        each step where a record knows only the recent past (the measured floor is not put
+        on them: a head's probabilities need not be calibrated, and the tiny test heads keep
+        most drafts they give 0.02). A source declined here leaves the request to the next
+        most promising one. (Capped at what recent
         verifies kept on average, plus one, as before, the chains of an answer that loops,
         kept all or nothing, were cut short: 2.41x against 3.52x on the agent workload at one
         request, SmolLM2 bf16, docs/benchmarks.md.)"""
         record = req.drafting.record(source)
         if self.policy is None or record.verifies == 0 or source == "eagle":
             return n
-        return record.likely_len(n, max(self.min_confidence, self.draft_floor))
+        return record.likely_len(n, max(self.min_confidence, self._floor(req)))
 
     def propose(self, batch: ScheduledBatch) -> dict[str, Drafts]:
         """Drafts (chains, or trees) for the decodes that speculate this step (by request id);

@@ -675,3 +675,70 @@ def test_history_drafts_below_the_floor_wait_and_are_judged_by_the_target(floor)
         later = [at for at in verified if at >= 15]
         assert later and later[0] <= 35, verified  # taken up again after a few right ones
         assert engine.spec_stats.accepted > 0
+
+
+def test_a_source_its_floor_declines_leaves_the_request_to_the_head() -> None:
+    """A history chain whose drafts are too unlikely to be kept (here always wrong, against
+    `min_draft_confidence` 0.5) is declined; where its record still promises more than the
+    head's (as an all-or-nothing record does: half its chains kept whole is two drafts of four
+    expected, at a first-draft chance of 0.5), the head drafts instead of nobody. The answer is
+    the plain one and the strict memory check runs after every step."""
+    model = tiny_model(num_hidden_layers=1, seed=3)
+    engine = tiny_engine(
+        model, drafter=mimic_drafter, history_drafts=True, adaptive=True, min_draft_confidence=0.5
+    )
+    spec = engine.speculative
+    spec.policy.choose = lambda num_decodes, owed_positions=0: True
+    spec._expected = lambda req, source, n: 2.0 if source == "history" else 1.0
+    history, verified = spec.history, {"history": 0, "eagle": 0}
+
+    def draft_len(req, limit: int) -> int:
+        req.drafting.history_tokens = [5, 6, 7, 8]  # never what the target makes
+        return min(4, limit - req.num_tokens)
+
+    def propose(req, length: int):
+        return Drafts(req.drafting.history_tokens[:length], None)
+
+    history.draft_len, history.propose = draft_len, propose
+    verify = spec._verify
+
+    def counted(s, chain, out):
+        verified[s.req.drafting.source] += 1
+        return verify(s, chain, out)
+
+    spec._verify = counted
+    (prompt,) = _prompts(1)
+    (r,) = engine.generate([prompt], GREEDY)
+    assert r.output_ids == hf_greedy(model, prompt, GREEDY.max_tokens)
+    assert verified["history"] == 1  # its first chain, before its record said anything
+    assert verified["eagle"] >= GREEDY.max_tokens // 5, verified  # the head drafted instead
+    assert spec.by_source["eagle"].accepted > 0
+
+
+def test_a_seeded_answer_does_not_depend_on_the_measured_floor() -> None:
+    """The floor a draft must reach is measured from timings, so it must not cut a seeded
+    sampled request's history chains: how many drafts it verifies changes which random
+    numbers its answer draws. With floors of 0 and 0.9 it verifies the same chains (here
+    always offered, never kept) and gives the same answer; before, at 0.9 it verified one
+    and answered otherwise."""
+    model = tiny_model(seed=5)
+    prompt = [7, 8, 9, 10, 11] * 6
+    params = SamplingParams(max_tokens=60, temperature=0.7, seed=11, ignore_eos=True)
+    runs = []
+    for floor in (0.0, 0.9):
+        engine = tiny_engine(
+            model, history_drafts=True, num_drafts=4, adaptive=True, min_draft_confidence=0.0
+        )
+        spec = engine.speculative
+        spec.policy.choose = lambda num_decodes, owed_positions=0: True
+        spec.policy.draft_floor = lambda num_decodes, floor=floor: floor
+
+        def draft_len(req, limit: int) -> int:
+            req.drafting.history_tokens = [5, 6, 7, 8]
+            return min(4, limit - req.num_tokens)
+
+        spec.history.draft_len = draft_len
+        (r,) = engine.generate([prompt], params)
+        runs.append((r.output_ids, r.spec_steps))
+    assert runs[0] == runs[1]
+    assert runs[0][1] >= 50  # (every step but the last few verified its chain)
