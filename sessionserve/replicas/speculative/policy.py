@@ -11,8 +11,7 @@ draft to the last commit, split into the two things that vary on different time 
   drafting when it dips and then samples drafting rarely, so it stays low for long (SmolLM2's
   head kept 1.40 tokens a verify where the short mean, averaged over decisions, read 1.30).
   Per request, because a bucket spans batch sizes (4-7, 8-15, ...) and a turn's tail shrinks
-  through them. Read per draft (kept tokens over drafts verified, the same slow means),
-  because how many drafts a step verifies depends on what ran before it (below).
+  through them.
 - **Cost**: what a drafting step lasts over a plain one, from *paired* samples only: a step of
   the arm the policy is re-checking over the median of the other arm's steps just before it;
   the median of the last `COST_WINDOW` such samples. A machine's speed drifts (a shared 2-core
@@ -21,9 +20,7 @@ draft to the last commit, split into the two things that vary on different time 
   measured at different speeds of the machine, and drafting that measured 1.2x faster in
   adjacent steps read 0.7x (SmolLM2, one request, bf16, docs/benchmarks.md). A ratio of
   neighbouring steps cancels the drift.
-Drafting's speed over plain decoding is then the median over the paired samples of what
-each one's drafting step yields with its own drafts over what it cost (`Bucket.speed_ratio`),
-over plain's yield. The next step
+Drafting's speed over plain decoding is then (its yield / plain's) / cost. The next step
 speculates when that is above 1, except every n-th decision in a bucket, which takes the other
 arm so the ratio stays current; a bucket starts by trying both. A re-check of the slower arm
 loses its gap (1 - slow / fast speed) of a step that lasts its own step time, so it costs
@@ -111,7 +108,6 @@ class Arm:
     """One choice (draft, or not) in one bucket."""
 
     tokens: float = 0.0  # tokens a step per decoding request: a slow running mean
-    drafts: float = 0.0  # drafts a step per decoding request verified: the same mean
     step_s: float = 0.0  # what one of its steps lasts: a quick running mean
     steps: int = 0
     recent: deque[Sample] = field(default_factory=lambda: deque(maxlen=5))
@@ -128,9 +124,9 @@ class Arm:
         """Its step number `at` of the bucket: `tokens` per decoding request in `seconds`,
         `drafts` per decoding request verified."""
         self.steps += 1
-        first, weight = self.steps == 1, max(1 / self.steps, yield_smoothing)
-        self.tokens = smoothed(None if first else self.tokens, tokens, weight)
-        self.drafts = smoothed(None if first else self.drafts, drafts, weight)
+        self.tokens = smoothed(
+            None if self.steps == 1 else self.tokens, tokens, max(1 / self.steps, yield_smoothing)
+        )
         self.step_s = smoothed(None if self.steps == 1 else self.step_s, seconds, smoothing)
         self.recent.append(Sample(at, seconds, drafts))
 
@@ -203,24 +199,11 @@ class Bucket:
         return max(0.0, min(slope, ratio))
 
     def speed_ratio(self) -> float | None:
-        """Drafting's decode speed over plain decoding's: the median over the last paired
-        samples of what each pair's drafting step would yield with its own drafts (at the
-        drafting arm's kept tokens per draft) over what it cost. Not the arm's mean yield
-        over the pairs' median cost: a drafting step's drafts depend on what ran before it
-        (SmolLM2 chat at 32-63 requests, 2 cores: after drafting steps 0.25 drafts a request
-        and 91 ms, after a plain step 0.75 and 113 ms, plain 82 ms; docs/benchmarks.md), and
-        the pairs come mostly from one kind while the mean yield holds both, so drafting read
-        1.28x where the steps measured 1.03x. Pairs that did not count their drafts are read
-        at the arm's mean yield."""
-        recent = list(self.pairs)[-COST_WINDOW:]
-        if not recent or self.off.tokens <= 0:
+        """Drafting's decode speed over plain decoding's."""
+        cost = self.cost_ratio
+        if cost is None or self.off.tokens <= 0:
             return None
-        per_draft = (self.on.tokens - 1.0) / self.on.drafts if self.on.drafts > 0 else 0.0
-        speeds = [
-            (1.0 + per_draft * p.drafts if p.drafts > 0 else self.on.tokens) / (1.0 + p.extra)
-            for p in recent
-        ]
-        return statistics.median(speeds) / self.off.tokens
+        return self.on.tokens / self.off.tokens / cost
 
     def step_s(self, speculated: bool) -> float:
         """A step of that arm at the machine's speed now: the arm measured last, the other

@@ -13,13 +13,7 @@ import pytest
 import torch
 
 from sessionserve.replicas.speculative.draft_state import SourceRecord
-from sessionserve.replicas.speculative.policy import (
-    COST_WINDOW,
-    MAX_DRAFT_FLOOR,
-    Pair,
-    SpecPolicy,
-    bucket,
-)
+from sessionserve.replicas.speculative.policy import MAX_DRAFT_FLOOR, SpecPolicy, bucket
 from sessionserve.replicas.step import Drafts
 from sessionserve.wire import SamplingParams
 from tests.models import hf_greedy, mimic_drafter, random_drafter, tiny_engine, tiny_model
@@ -70,8 +64,7 @@ def test_the_faster_arm_wins_and_the_slower_is_rechecked() -> None:
     # (1 - 1.2 / 2) * (1.0 / 1.2) / 0.05 = 7th decision
     picks = _serve(policy, 800, lambda i, d: 1.2 if d else 1.0, lambda i, d: 16 if d else 8)
     assert policy.recheck_every(bucket) == 7
-    # (the yield's slow mean is still reaching 2 early in the last hundred: gaps of 6, then 7)
-    assert 84 <= sum(picks[-100:]) <= 86
+    assert 85 <= sum(picks[-100:]) <= 86
     summary = policy.summary()["8"]  # per decoding request at the machine's speed now
     assert summary["cost_ratio"] == pytest.approx(1.2, rel=0.02)
     assert summary["spec_request_tokens_per_s"] == pytest.approx(2 / 1.2, rel=0.05)
@@ -590,28 +583,6 @@ def test_what_a_drafting_step_costs_whatever_its_drafts_is_not_put_on_each_draft
         drafted = same.choose(8)
         same.observe(8, drafted, 8, 1.5 if drafted else 1.0, drafts=8 if drafted else 0)
     assert same.draft_floor(8) == pytest.approx(0.5, abs=0.01)
-
-
-def test_drafting_is_read_at_the_drafts_its_paired_steps_verified() -> None:
-    """Drafting steps of two kinds, each keeping 0.55 of a draft and costing 0.45 of a row a
-    draft: after a plain step 0.75 drafts a request (1.41 tokens in 1.34 plain steps), after
-    drafting steps 0.25 (1.14 tokens in 1.11). The arm's mean yield holds both kinds; the
-    pairs come from one (plain re-checks inside drafting runs). Drafting reads 1.02x, as its
-    paired steps go, not their cost under the mean yield (1.27 / 1.11 = 1.15x)."""
-    policy = SpecPolicy()
-    b = policy.bucket(32)
-    for i in range(400):
-        drafts = 0.75 if i % 2 else 0.25
-        b.on.observe(i, 1 + 0.55 * drafts, 1 + 0.45 * drafts, 0.005, 0.2, drafts)
-        b.off.observe(i, 1.0, 1.0, 0.005, 0.2)
-    for _ in range(COST_WINDOW):
-        b.pairs.append(Pair(0.25, 0.45 * 0.25))
-    assert b.on.tokens / b.cost_ratio == pytest.approx(1.15, abs=0.01)  # the mean yield's
-    assert b.speed_ratio() == pytest.approx(1.1375 / 1.1125, abs=0.003)
-    # pairs that did not count their drafts are read at the arm's mean yield
-    b.pairs.clear()
-    b.pairs.extend([Pair(0.0, 0.1125)] * 3)
-    assert b.speed_ratio() == pytest.approx(b.on.tokens / 1.1125, abs=0.003)
 
 
 def test_the_floor_stops_short_of_chains_kept_nearly_always() -> None:
