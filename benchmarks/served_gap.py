@@ -104,19 +104,7 @@ def in_process(
     batch_rates = batch_rates if batch_rates is not None else []
     setup_threads(threads)
     eng = bench_config_engine(threads, dtype, kv_tokens)
-    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
-    out = []
-    for i in range(n):
-        ids = eng.tokenizer(prompt(i, words), add_special_tokens=False).input_ids
-        rid = eng.submit(ids, params)
-        t0, first = time.perf_counter(), None
-        while eng.has_work():
-            events = eng.step()
-            if first is None and any(e.new_token_ids for e in events):
-                first = time.perf_counter() - t0
-        total = time.perf_counter() - t0
-        eng.take_result(rid)
-        out.append((first, (total - first) / (tokens - 1)))
+    out = [decode_one(eng, prompt(i, words), tokens) for i in range(n)]
     for rate in batched(eng, batch, words, tokens):
         print(f"in-process, {batch} requests at once: {rate:.1f} output tok/s", flush=True)
         batch_rates.append(rate)
@@ -134,6 +122,22 @@ def in_process(
             )
             runs.append(run)
     return out
+
+
+def decode_one(eng: Engine, text: str, tokens: int) -> tuple[float, float]:
+    """One request of `tokens` tokens (greedy, EOS ignored) stepped to its end, alone on the
+    engine: its time to first token and mean seconds per token after it."""
+    ids = eng.tokenizer(text, add_special_tokens=False).input_ids
+    rid = eng.submit(ids, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
+    t0, first = time.perf_counter(), None
+    while eng.has_work():
+        events = eng.step()
+        if first is None and any(e.new_token_ids for e in events):
+            first = time.perf_counter() - t0
+    total = time.perf_counter() - t0
+    eng.take_result(rid)
+    assert first is not None, "the request gave no token"
+    return first, (total - first) / (tokens - 1)
 
 
 def batched(eng: Engine, n: int, words: int, tokens: int, rounds: int = 2) -> list[float]:
