@@ -59,8 +59,8 @@ def _parent(pid: int) -> int:
 def ray_processes() -> list[int]:
     """Every process of Ray on this machine: its workers and actors (`ray::...`), its daemons
     (binaries and scripts under the ray package), the dashboard's, the `serve run` or `ray`
-    command that started them, and their children; never
-    this process or one it descends from."""
+    command that started them, and their children; never this process or one it descends
+    from."""
     pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
     ours, p = set(), os.getpid()
     while p > 1:
