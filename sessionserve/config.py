@@ -424,8 +424,13 @@ class AutoscalingConfig(_Strict):
 
 
 # What every model replica's environment holds unless `replica.env_vars` says otherwise (see
-# its description; measured in docs/benchmarks.md, "The engine thread and OpenMP")
-REPLICA_ENV_DEFAULTS = {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "300000"}
+# its description; measured in docs/benchmarks.md, "The engine thread and OpenMP" and "The
+# forward's two threads waited on one malloc lock")
+REPLICA_ENV_DEFAULTS = {
+    "OMP_WAIT_POLICY": "ACTIVE",
+    "GOMP_SPINCOUNT": "300000",
+    "MALLOC_ARENA_MAX": "1024",
+}
 
 
 class ReplicaDeploymentConfig(_Strict):
@@ -471,8 +476,13 @@ class ReplicaDeploymentConfig(_Strict):
     env_vars: dict[str, str] = Field(
         default_factory=dict,
         description="Environment variables of the replica processes (Ray runtime_env), on top "
-        "of REPLICA_ENV_DEFAULTS (OMP_WAIT_POLICY=ACTIVE, GOMP_SPINCOUNT=300000), which they "
-        "override key by key. A replica builds its engine on a thread that exits, so the "
+        "of REPLICA_ENV_DEFAULTS (OMP_WAIT_POLICY=ACTIVE, GOMP_SPINCOUNT=300000, "
+        "MALLOC_ARENA_MAX=1024), which they override key by key. glibc gives a process at "
+        "most 8 malloc arenas a core, and a Ray worker runs ~40 threads: on a small machine "
+        "(16 arenas on 2 cores) the forward's OpenMP threads then share an arena and take "
+        "turns on its lock each time a compiled GEMM allocates its buffers, the cores idle "
+        "meanwhile; 1024 (glibc's own cap on 128 cores) gives each thread its own. A replica "
+        "builds its engine on a thread that exits, so the "
         "engine thread's OpenMP team is normally the only one; while a second exists (a "
         "compiled forward building in the background, overlap scheduling's forward thread) "
         "libgomp counts more threads than cores when the torch threads fill the machine and "

@@ -20,10 +20,16 @@ def test_replicas_get_the_openmp_defaults() -> None:
         == {
             "OMP_WAIT_POLICY": "ACTIVE",
             "GOMP_SPINCOUNT": "300000",
+            "MALLOC_ARENA_MAX": "1024",
         }
     )
 
 
 def test_env_vars_add_to_them_and_override_them_key_by_key() -> None:
     env = _env({"replica": {"env_vars": {"OMP_WAIT_POLICY": "PASSIVE", "X": "1"}}})
-    assert env == {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "300000", "X": "1"}
+    assert env == {
+        "OMP_WAIT_POLICY": "PASSIVE",
+        "GOMP_SPINCOUNT": "300000",
+        "MALLOC_ARENA_MAX": "1024",
+        "X": "1",
+    }
