@@ -273,7 +273,12 @@ def main() -> None:
         help="only the in-process engine (run with no server up: what the cores give alone)",
     )
     ap.add_argument("--model", help="model id (default: the server's first)")
-    ap.add_argument("--requests", type=int, default=4)
+    ap.add_argument(
+        "--requests",
+        type=int,
+        default=4,
+        help="one after another on each side; the first is a warm-up, so at least 2",
+    )
     ap.add_argument("--words", type=int, default=250, help="prompt length in words")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
@@ -307,6 +312,8 @@ def main() -> None:
         "bf16, as serve-cpu-bench-bf16.yaml; serve-cpu-bench.yaml is float32)",
     )
     args = ap.parse_args()
+    if args.requests < 2:
+        ap.error("--requests must be at least 2: the first request is a warm-up, left out")
     if not args.local_only and not args.target:
         ap.error("give --target (a running server) or --local-only")
     if args.local_only:
