@@ -314,6 +314,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.requests < 2:
         ap.error("--requests must be at least 2: the first request is a warm-up, left out")
+    if args.tokens < 2:
+        ap.error("--tokens must be at least 2 (the gap after the first token is what is timed)")
     if not args.local_only and not args.target:
         ap.error("give --target (a running server) or --local-only")
     if args.local_only:
