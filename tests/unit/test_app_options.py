@@ -1,5 +1,5 @@
-"""The model replicas' Serve options carry the OpenMP settings their engine thread needs
-(`REPLICA_ENV_DEFAULTS`, docs/benchmarks.md), under what `replica.env_vars` sets."""
+"""The model replicas' Serve options carry the OpenMP and malloc settings their engine thread
+needs (`REPLICA_ENV_DEFAULTS`, docs/benchmarks.md), under what `replica.env_vars` sets."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ def _env(args: dict) -> dict[str, str]:
     ]
 
 
-def test_replicas_get_the_openmp_defaults() -> None:
+def test_replicas_get_the_environment_defaults() -> None:
     assert (
         _env({})
         == REPLICA_ENV_DEFAULTS
