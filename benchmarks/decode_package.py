@@ -18,6 +18,16 @@ attention compiled by inductor from `inplace_decode.decode_attention` (what the 
 before the hand-written CPU kernel, `replicas/attention/cpu_decode_kernel.py`; built here if
 the cache lacks it, ~5 minutes); the engine's own package must then use the kernel.
 
+With `--against cxx --cxx COMPILER` the other side is the engine's decode step package built
+again by another C++ compiler (inductor's `cpp.cxx`; into a scratch directory with its own
+inductor cache, ~5 minutes), and every decode step of both sides runs its package (otherwise
+steps of the prefill package's sizes run that one: `prefill_choice.split_point`). Why: the
+package's fp32 micro-GEMMs are compiled from inductor's C++ template, and gcc 12 keeps the
+8x48 register block's accumulators on the stack, storing them at every step of K
+(docs/benchmarks.md, "A decode step of 8 rows"). A clang build links LLVM's OpenMP runtime
+beside torch's libgomp; run the script with `LD_PRELOAD=<libomp.so>` so that one runtime
+serves both, or the two teams take turns on the cores.
+
 With `--verify T` it times verify steps instead (B rows of T new tokens over `--context` old
 tokens each, every token's logits wanted, as a chain verify of k = T - 1 drafts), built by
 hand and run through the runner's `forward` with the package (its attention the CPU kernel,
@@ -25,18 +35,25 @@ which takes rows of several tokens) and without it (the forward's package, or th
 package for steps past `compile_max_tokens`), alternating.
 
     .venv/bin/python -m benchmarks.decode_package [--batches 1 8 32] [--tokens 128] [--rounds 3]
-        [--context N] [--against forward | inductor_attention] [--verify T]
+        [--context N] [--against forward | inductor_attention | cxx --cxx clang++-14] [--verify T]
 
 Last line: JSON with `against`, `ms_forward_<B>` (the other side), `ms_decode_<B>` (medians)
-and `speedup_<B>`; with `--verify`: `ms_verify_decode_<B>`, `ms_verify_forward_<B>`,
-`speedup_verify_<B>`.
+and `speedup_<B>` (the other side's ms over the engine's package's: below 1, the other side is
+faster), with `--against cxx` also `cxx`; with `--verify`: `ms_verify_decode_<B>`,
+`ms_verify_forward_<B>`, `speedup_verify_<B>`.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
+import shutil
 import statistics
+import tempfile
 import time
+import types
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -47,10 +64,17 @@ from sessionserve.replicas.attention.base import SeqSpec
 from sessionserve.replicas.attention.cpu_decode_kernel import why_not
 from sessionserve.replicas.compiled_decode import (
     CompiledDecode,
+    DecodeStep,
     plan_decode_compile,
     use_attention_kernel,
 )
-from sessionserve.replicas.compiled_forward import build_in_subprocess, load_or_build, plan_compile
+from sessionserve.replicas.compiled_forward import (
+    CompilePlan,
+    build_in_process,
+    build_in_subprocess,
+    load_or_build,
+    plan_compile,
+)
 from sessionserve.replicas.engine import Engine
 from sessionserve.replicas.step import ForwardBatch
 from sessionserve.wire import SamplingParams
@@ -96,12 +120,12 @@ def timed_round(
     return spent[0] * 1e3 / max(steps[0], 1), [r.output_ids for r in out]
 
 
-def inductor_attention_package(eng: Engine) -> CompiledDecode:
-    """The engine's decode step package once more, its attention compiled by inductor instead
-    of the hand-written CPU kernel (built by a build process if the cache lacks it)."""
+def decode_plan(
+    eng: Engine, attention_kernel: bool | None = None
+) -> tuple[CompilePlan, DecodeStep]:
+    """The engine's decode step package's plan and the step it compiles (`attention_kernel`:
+    as `plan_decode_compile` takes it)."""
     runner, cfg = eng.runner, eng.config
-    if not use_attention_kernel(runner.model, runner.kv_pool):
-        raise SystemExit(f"the engine's package does not use the CPU kernel: {why_not()}")
     forward = plan_compile(
         True,
         runner.model,
@@ -109,12 +133,63 @@ def inductor_attention_package(eng: Engine) -> CompiledDecode:
         cfg.compile_cache_dir,
         runner.feature_layers,
     )
-    plan, step = plan_decode_compile(True, forward, runner.model, runner.kv_pool, False)
+    plan, step = plan_decode_compile(True, forward, runner.model, runner.kv_pool, attention_kernel)
     assert step is not None
+    return plan, step
+
+
+def inductor_attention_package(eng: Engine) -> CompiledDecode:
+    """The engine's decode step package once more, its attention compiled by inductor instead
+    of the hand-written CPU kernel (built by a build process if the cache lacks it)."""
+    runner = eng.runner
+    if not use_attention_kernel(runner.model, runner.kv_pool):
+        raise SystemExit(f"the engine's package does not use the CPU kernel: {why_not()}")
+    plan, step = decode_plan(eng, attention_kernel=False)
     compiled = load_or_build(plan, step, build_in_subprocess)
     if compiled is None:
         raise SystemExit("the inductor-attention package did not build (see the log above)")
     return compiled  # type: ignore[return-value] - plan.loads_as is CompiledDecode
+
+
+def other_compiler_package(eng: Engine, cxx: str, scratch: Path) -> CompiledDecode:
+    """The engine's decode step package built again by the C++ compiler `cxx`, into `scratch`
+    (the package and inductor's own cache there: a kernel gcc built is not taken from the
+    usual cache)."""
+    plan, step = decode_plan(eng)
+    assert plan.package is not None
+    plan = dataclasses.replace(plan, package=scratch / plan.package.name)
+    usual_cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(scratch / "inductor")
+    import torch._inductor.config as inductor_config
+    from torch._inductor import cpp_builder
+
+    def forget_the_compiler() -> None:  # inductor caches which compiler family it uses
+        for cached in (cpp_builder.is_gcc, cpp_builder.is_clang, cpp_builder.is_intel_compiler):
+            cached.cache_clear()
+
+    with inductor_config.patch({"cpp.cxx": (None, cxx)}):
+        forget_the_compiler()
+        try:
+            compiled = load_or_build(plan, step, build_in_process)
+        finally:
+            forget_the_compiler()
+            if usual_cache is None:
+                del os.environ["TORCHINDUCTOR_CACHE_DIR"]
+            else:
+                os.environ["TORCHINDUCTOR_CACHE_DIR"] = usual_cache
+    if compiled is None:
+        raise SystemExit(f"the package did not build with {cxx} (see the log above)")
+    return compiled  # type: ignore[return-value] - plan.loads_as is CompiledDecode
+
+
+def every_decode_step_through_the_package(eng: Engine) -> None:
+    """Route each decode step the installed decode step package takes to it, whatever the
+    prefill package's split says (two decode packages compared at every batch size)."""
+
+    def takes(runner: Any, decode: CompiledDecode, batch: ForwardBatch) -> bool:
+        return decode.padded_tokens(batch.seqs, batch.sliding_out_slots is not None) is not None
+
+    eng.runner._takes_decode_package = types.MethodType(takes, eng.runner)  # type: ignore[method-assign]
 
 
 def verify_batch(eng: Engine, batch: int, width: int, context: int, seed: int) -> ForwardBatch:
@@ -182,7 +257,10 @@ def main() -> None:
     parser.add_argument(
         "--context", type=int, default=0, help="prompt tokens (default: a ~35-token prompt)"
     )
-    parser.add_argument("--against", choices=["forward", "inductor_attention"], default="forward")
+    parser.add_argument(
+        "--against", choices=["forward", "inductor_attention", "cxx"], default="forward"
+    )
+    parser.add_argument("--cxx", help="with --against cxx: the other package's C++ compiler")
     parser.add_argument(
         "--verify",
         type=int,
@@ -193,6 +271,10 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
+    if (args.against == "cxx") != (args.cxx is not None):
+        parser.error("--against cxx and --cxx COMPILER go together")
+    if args.cxx is not None and shutil.which(args.cxx) is None:
+        parser.error(f"--cxx {args.cxx!r} is not on PATH")
     setup_threads(args.threads)
     print(machine(), flush=True)
     eng = bench_config_engine(args.threads, args.dtype)
@@ -212,7 +294,15 @@ def main() -> None:
             )
         emit(verify)
         return
-    other = None if args.against == "forward" else inductor_attention_package(eng)
+    scratch = None
+    if args.against == "cxx":
+        scratch = tempfile.TemporaryDirectory(prefix="decode-package-cxx-")  # ~650 MB
+        other: CompiledDecode | None = other_compiler_package(eng, args.cxx, Path(scratch.name))
+        every_decode_step_through_the_package(eng)
+    elif args.against == "inductor_attention":
+        other = inductor_attention_package(eng)
+    else:
+        other = None
     result: dict[str, Any] = {"against": args.against}
     for batch in args.batches:
         eng.runner.compiled_decode = package
@@ -248,6 +338,9 @@ def main() -> None:
             f"equal_{batch}": matched / total,
         }
     eng.runner.compiled_decode = package
+    if scratch is not None:
+        result["cxx"] = args.cxx
+        scratch.cleanup()
     emit(result)
 
 
