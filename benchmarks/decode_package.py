@@ -275,6 +275,8 @@ def main() -> None:
         parser.error("--against cxx and --cxx COMPILER go together")
     if args.cxx is not None and shutil.which(args.cxx) is None:
         parser.error(f"--cxx {args.cxx!r} is not on PATH")
+    if args.verify and args.against != "forward":
+        parser.error("--verify times the decode package against the forward's: no --against")
     setup_threads(args.threads)
     print(machine(), flush=True)
     eng = bench_config_engine(args.threads, args.dtype)
