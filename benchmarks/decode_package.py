@@ -20,8 +20,9 @@ the cache lacks it, ~5 minutes); the engine's own package must then use the kern
 
 With `--against cxx --cxx COMPILER` the other side is the engine's decode step package built
 again by another C++ compiler (inductor's `cpp.cxx`; into a scratch directory with its own
-inductor cache, ~5 minutes), and every decode step of both sides runs its package (otherwise
-steps of the prefill package's sizes run that one: `prefill_choice.split_point`). Why: the
+inductor cache, ~5 minutes), and the prefill package is set aside, so that every decode step
+of both sides runs its package (otherwise steps of the prefill package's sizes run that one:
+`prefill_choice.split_point`; the prompts then prefill without it, untimed). Why: the
 package's fp32 micro-GEMMs are compiled from inductor's C++ template, and gcc 12 keeps the
 8x48 register block's accumulators on the stack, storing them at every step of K
 (docs/benchmarks.md, "A decode step of 8 rows"). A clang build links LLVM's OpenMP runtime
@@ -52,7 +53,6 @@ import shutil
 import statistics
 import tempfile
 import time
-import types
 from pathlib import Path
 from typing import Any
 
@@ -182,16 +182,6 @@ def other_compiler_package(eng: Engine, cxx: str, scratch: Path) -> CompiledDeco
     return compiled  # type: ignore[return-value] - plan.loads_as is CompiledDecode
 
 
-def every_decode_step_through_the_package(eng: Engine) -> None:
-    """Route each decode step the installed decode step package takes to it, whatever the
-    prefill package's split says (two decode packages compared at every batch size)."""
-
-    def takes(runner: Any, decode: CompiledDecode, batch: ForwardBatch) -> bool:
-        return decode.padded_tokens(batch.seqs, batch.sliding_out_slots is not None) is not None
-
-    eng.runner._takes_decode_package = types.MethodType(takes, eng.runner)  # type: ignore[method-assign]
-
-
 def verify_batch(eng: Engine, batch: int, width: int, context: int, seed: int) -> ForwardBatch:
     """A step of `batch` rows of `width` new tokens each (a chain verify's k + 1: every token's
     logits and features wanted) over `context` old tokens a row, on random distinct slots of
@@ -300,7 +290,9 @@ def main() -> None:
     if args.against == "cxx":
         scratch = tempfile.TemporaryDirectory(prefix="decode-package-cxx-")  # ~650 MB
         other: CompiledDecode | None = other_compiler_package(eng, args.cxx, Path(scratch.name))
-        every_decode_step_through_the_package(eng)
+        # without the prefill package no step size is routed to it (`compiled_for`), so each
+        # decode step runs the decode package installed (the prompts prefill without it)
+        eng.runner.compiled_prefill = None
     elif args.against == "inductor_attention":
         other = inductor_attention_package(eng)
     else:
