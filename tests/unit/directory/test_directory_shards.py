@@ -81,8 +81,13 @@ def test_a_restarted_shard_rebuilds_only_its_own_sessions() -> None:
 
 def test_an_api_keys_session_limit_holds_across_shards() -> None:
     client, actors = sharded([MemoryStore() for _ in range(SHARDS)])
-    opened = [asyncio.run(client.open(None, None, "k", 5)) for _ in range(5)]
-    assert len({shard_of(s, SHARDS) for s in opened}) > 1
+    # Ids chosen to land on different shards: random ones all land on one 1 time in 256.
+    by_shard: dict[int, list[str]] = {}
+    for i in range(256):
+        by_shard.setdefault(shard_of(f"k-{i}", SHARDS), []).append(f"k-{i}")
+    ids = [by_shard[i % SHARDS][i // SHARDS] for i in range(5)]
+    opened = [asyncio.run(client.open(sid, None, "k", 5)) for sid in ids]
+    assert opened == ids and len({shard_of(s, SHARDS) for s in opened}) == SHARDS
     with pytest.raises(TooManySessionsError, match="holds 5 open sessions, the limit"):
         asyncio.run(client.open(None, None, "k", 5))
     assert asyncio.run(client.open(None, None, "other", 5)) is not None  # per key
