@@ -29,6 +29,14 @@ package's fp32 micro-GEMMs are compiled from inductor's C++ template, and gcc 12
 beside torch's libgomp; run the script with `LD_PRELOAD=<libomp.so>` so that one runtime
 serves both, or the two teams take turns on the cores.
 
+With `--against onednn` the other side is the engine's decode step package built again
+without autotuning (~1-2 minutes, into a scratch directory; the prefill package set aside as
+with `cxx`): its GEMMs oneDNN's on prepacked weights with q/k/v and gate/up merged, as the
+prefill package's, its attention the same. Why: at 8 or more rows a decode step reads each
+weight for several rows, and the autotuned package's micro-GEMMs, chosen at 2 rows, may lose
+to oneDNN's there (on an Ice Lake Xeon by 7-14% at 8-16 rows in one run, not at all in the
+next: docs/benchmarks.md, "A new box (Ice Lake Xeon) beside vLLM-CPU").
+
 With `--verify T` it times verify steps instead (B rows of T new tokens over `--context` old
 tokens each, every token's logits wanted, as a chain verify of k = T - 1 drafts), built by
 hand and run through the runner's `forward` with the package (its attention the CPU kernel,
@@ -36,7 +44,8 @@ which takes rows of several tokens) and without it (the forward's package, or th
 package for steps past `compile_max_tokens`), alternating.
 
     .venv/bin/python -m benchmarks.decode_package [--batches 1 8 32] [--tokens 128] [--rounds 3]
-        [--context N] [--against forward | inductor_attention | cxx --cxx clang++-14] [--verify T]
+        [--context N] [--against forward | inductor_attention | onednn | cxx --cxx clang++-14]
+        [--verify T]
 
 Last line: JSON with `against`, `ms_forward_<B>` (the other side), `ms_decode_<B>` (medians)
 and `speedup_<B>` (the other side's ms over the engine's package's: below 1, the other side is
@@ -151,6 +160,19 @@ def inductor_attention_package(eng: Engine) -> CompiledDecode:
     return compiled  # type: ignore[return-value] - plan.loads_as is CompiledDecode
 
 
+def onednn_package(eng: Engine, scratch: Path) -> CompiledDecode:
+    """The engine's decode step package built again without autotuning, into `scratch`: its
+    GEMMs oneDNN's on weights inductor prepacks, q/k/v and gate/up merged, as the prefill
+    package's (`build_package`), the attention the same."""
+    plan, step = decode_plan(eng)
+    assert plan.package is not None
+    plan = dataclasses.replace(plan, package=scratch / plan.package.name, autotune=False)
+    compiled = load_or_build(plan, step, build_in_process)
+    if compiled is None:
+        raise SystemExit("the package without autotuning did not build (see the log above)")
+    return compiled  # type: ignore[return-value] - plan.loads_as is CompiledDecode
+
+
 def other_compiler_package(eng: Engine, cxx: str, scratch: Path) -> CompiledDecode:
     """The engine's decode step package built again by the C++ compiler `cxx`, into `scratch`
     (the package and inductor's own cache there: a kernel gcc built is not taken from the
@@ -248,7 +270,9 @@ def main() -> None:
         "--context", type=int, default=0, help="prompt tokens (default: a ~35-token prompt)"
     )
     parser.add_argument(
-        "--against", choices=["forward", "inductor_attention", "cxx"], default="forward"
+        "--against",
+        choices=["forward", "inductor_attention", "cxx", "onednn"],
+        default="forward",
     )
     parser.add_argument("--cxx", help="with --against cxx: the other package's C++ compiler")
     parser.add_argument(
@@ -287,9 +311,13 @@ def main() -> None:
         emit(verify)
         return
     scratch = None
-    if args.against == "cxx":
-        scratch = tempfile.TemporaryDirectory(prefix="decode-package-cxx-")  # ~650 MB
-        other: CompiledDecode | None = other_compiler_package(eng, args.cxx, Path(scratch.name))
+    if args.against in ("cxx", "onednn"):
+        scratch = tempfile.TemporaryDirectory(prefix=f"decode-package-{args.against}-")  # ~650 MB
+        other: CompiledDecode | None = (
+            other_compiler_package(eng, args.cxx, Path(scratch.name))
+            if args.against == "cxx"
+            else onednn_package(eng, Path(scratch.name))
+        )
         # without the prefill package no step size is routed to it (`compiled_for`), so each
         # decode step runs the decode package installed (the prompts prefill without it)
         eng.runner.compiled_prefill = None
@@ -332,8 +360,9 @@ def main() -> None:
             f"equal_{batch}": matched / total,
         }
     eng.runner.compiled_decode = package
-    if scratch is not None:
+    if args.cxx is not None:
         result["cxx"] = args.cxx
+    if scratch is not None:
         scratch.cleanup()
     emit(result)
 
