@@ -160,26 +160,29 @@ def inductor_attention_package(eng: Engine) -> CompiledDecode:
     return compiled  # type: ignore[return-value] - plan.loads_as is CompiledDecode
 
 
+def rebuilt_package(eng: Engine, scratch: Path, how: str, **changes: Any) -> CompiledDecode:
+    """The engine's decode step package built again (`how`, for the error), into `scratch`,
+    its plan with `changes` (CompilePlan fields)."""
+    plan, step = decode_plan(eng)
+    assert plan.package is not None
+    plan = dataclasses.replace(plan, package=scratch / plan.package.name, **changes)
+    compiled = load_or_build(plan, step, build_in_process)
+    if compiled is None:
+        raise SystemExit(f"the package {how} did not build (see the log above)")
+    return compiled  # type: ignore[return-value] - plan.loads_as is CompiledDecode
+
+
 def onednn_package(eng: Engine, scratch: Path) -> CompiledDecode:
     """The engine's decode step package built again without autotuning, into `scratch`: its
     GEMMs oneDNN's on weights inductor prepacks, q/k/v and gate/up merged, as the prefill
     package's (`build_package`), the attention the same."""
-    plan, step = decode_plan(eng)
-    assert plan.package is not None
-    plan = dataclasses.replace(plan, package=scratch / plan.package.name, autotune=False)
-    compiled = load_or_build(plan, step, build_in_process)
-    if compiled is None:
-        raise SystemExit("the package without autotuning did not build (see the log above)")
-    return compiled  # type: ignore[return-value] - plan.loads_as is CompiledDecode
+    return rebuilt_package(eng, scratch, "without autotuning", autotune=False)
 
 
 def other_compiler_package(eng: Engine, cxx: str, scratch: Path) -> CompiledDecode:
     """The engine's decode step package built again by the C++ compiler `cxx`, into `scratch`
     (the package and inductor's own cache there: a kernel gcc built is not taken from the
     usual cache)."""
-    plan, step = decode_plan(eng)
-    assert plan.package is not None
-    plan = dataclasses.replace(plan, package=scratch / plan.package.name)
     usual_cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(scratch / "inductor")
     import torch._inductor.config as inductor_config
@@ -192,16 +195,13 @@ def other_compiler_package(eng: Engine, cxx: str, scratch: Path) -> CompiledDeco
     with inductor_config.patch({"cpp.cxx": (None, cxx)}):
         forget_the_compiler()
         try:
-            compiled = load_or_build(plan, step, build_in_process)
+            return rebuilt_package(eng, scratch, f"with {cxx}")
         finally:
             forget_the_compiler()
             if usual_cache is None:
                 del os.environ["TORCHINDUCTOR_CACHE_DIR"]
             else:
                 os.environ["TORCHINDUCTOR_CACHE_DIR"] = usual_cache
-    if compiled is None:
-        raise SystemExit(f"the package did not build with {cxx} (see the log above)")
-    return compiled  # type: ignore[return-value] - plan.loads_as is CompiledDecode
 
 
 def verify_batch(eng: Engine, batch: int, width: int, context: int, seed: int) -> ForwardBatch:
