@@ -239,18 +239,22 @@ def package_key(
     weights: str | None = None,
 ) -> str:
     """What a package's code and constants depend on: the weights (`weights_digest`, unless
-    given), the model config, dtype and device, the token limit, the hidden states it
-    returns, the shape its GEMMs are laid out for and whether they were autotuned, the thread
-    count and CPU ISA the kernels were tuned for, and the torch, transformers and
-    sessionserve versions."""
+    given), the model config (not the path it was loaded from), dtype and device, the token
+    limit, the hidden states it returns, the shape its GEMMs are laid out for and whether
+    they were autotuned, the thread count and CPU ISA the kernels were tuned for, and the
+    torch, transformers and sessionserve versions."""
     import transformers
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
     digest = hashlib.blake2b(digest_size=16)
     digest.update((weights or weights_digest(model)).encode())
     param = next(model.parameters())
+    config = json.loads(model.config.to_json_string(use_diff=False))
+    # where the model was loaded from is no part of it: a GGUF's first start (converting it)
+    # and every later start (the converted copy) must find the same packages
+    config.pop("_name_or_path", None)
     facts = {
-        "config": model.config.to_json_string(use_diff=False),
+        "config": config,
         "dtype": str(param.dtype),
         "device": param.device.type,
         "max_tokens": max_tokens,

@@ -156,6 +156,18 @@ def test_a_second_engine_loads_the_package_without_building(cache_dir, caplog) -
     assert engine.runner.compiled.package.exists()
 
 
+def test_the_package_key_follows_the_model_not_where_it_was_loaded_from() -> None:
+    """A GGUF's first start loads it from the GGUF's folder and converts it, every later
+    start loads the converted copy: the same model, so the same packages (a key that took the
+    path in made the first start's builds, minutes each, useless to every later start)."""
+    model = tiny_model("llama")
+    key = compiled_forward.package_key(model, 64)
+    model.config._name_or_path = "/somewhere/else"
+    assert compiled_forward.package_key(model, 64) == key
+    model.config.rms_norm_eps *= 2  # what the package computes does change it
+    assert compiled_forward.package_key(model, 64) != key
+
+
 def test_a_failed_build_leaves_an_eager_engine_and_says_why(tmp_path, monkeypatch, caplog):
     def broken(*args, **kwargs):
         raise RuntimeError("no C++ compiler here")
