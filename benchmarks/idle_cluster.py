@@ -25,67 +25,14 @@ import argparse
 import contextlib
 import os
 import random
-import signal
 import statistics
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
-import ray
-
 from benchmarks.common import bench_config_engine, emit, machine, setup_threads
+from benchmarks.processes import paused, ray_processes
 from benchmarks.served_gap import decode_one
 from benchmarks.serving import user_text
-
-RAY_DIR = str(Path(ray.__file__).parent)
-
-
-def _cmdline(pid: int) -> list[str]:
-    try:
-        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return []
-    return [a.decode(errors="replace") for a in raw.split(b"\0") if a]
-
-
-def _parent(pid: int) -> int:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return 0
-    return int(stat[stat.rindex(")") + 2 :].split()[1])
-
-
-def ray_processes() -> list[int]:
-    """Every process of Ray on this machine: its workers and actors (`ray::...`), its daemons
-    (binaries and scripts under the ray package), the dashboard's, the `serve run` or `ray`
-    command that started them, and their children; never this process or one it descends
-    from."""
-    pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
-    ours, p = set(), os.getpid()
-    while p > 1:
-        ours.add(p)
-        p = _parent(p)
-    roots = set()
-    for pid in pids:
-        args = _cmdline(pid)
-        if (
-            args
-            and (
-                args[0].startswith(("ray::", "ray-dashboard-"))
-                or any(RAY_DIR in a or a.startswith("ray.") for a in args)  # daemons, `-m ray.x`
-                or any(os.path.basename(a) in ("serve", "ray") for a in args[:2])  # `serve run`
-            )
-        ):
-            roots.add(pid)
-    found = set(roots)
-    for pid in pids:  # children of Ray's processes (the dashboard's forkserver, ...)
-        p = _parent(pid)
-        while p > 1 and pid not in found:
-            if p in roots:
-                found.add(pid)
-            p = _parent(p)
-    return sorted(found - ours)
 
 
 def _counters(pids: list[int]) -> tuple[int, int]:
@@ -109,33 +56,6 @@ def idle_load(pids: list[int], seconds: float = 5.0) -> tuple[float, float]:
     time.sleep(seconds)
     elapsed, (ticks1, sw1) = time.perf_counter() - t0, _counters(pids)
     return (ticks1 - ticks0) / os.sysconf("SC_CLK_TCK") / elapsed, (sw1 - sw0) / elapsed
-
-
-def _signal_all(pids: list[int], sig: int) -> None:
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, sig)
-
-
-@contextlib.contextmanager
-def paused(pids: list[int]) -> Iterator[None]:
-    """Ray stopped for the block; resumed however the block ends, a Ctrl-C included."""
-    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-
-    def resume_and_raise(signum: int, frame: object) -> None:
-        _signal_all(pids, signal.SIGCONT)
-        raise KeyboardInterrupt
-
-    for s in previous:
-        signal.signal(s, resume_and_raise)
-    _signal_all(pids, signal.SIGSTOP)
-    try:
-        time.sleep(0.3)  # let the stopped processes leave the cores
-        yield
-    finally:
-        _signal_all(pids, signal.SIGCONT)
-        for s, handler in previous.items():
-            signal.signal(s, handler)
 
 
 def main() -> None:

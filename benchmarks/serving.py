@@ -15,14 +15,26 @@ other servers ignore the header). Printed per target and workload: output tokens
 and last-turn TTFT, cached prompt tokens; with two targets, the ratios first/second. Targets
 run one after the other, workload by workload (alternating), so they never share the cores.
 
+Two servers up side by side on a small machine still share it: the idle one's timers and
+daemons take the cores' time (Ray's ~0.2 of a core on 2 cores). `--server-pid` names each
+target's processes (`ray`: every Ray process on the machine; or the PID of the command that
+started the server, `vllm serve`'s, whose process tree is its server) and pauses the other
+targets' (SIGSTOP, resumed after; a few minutes is within Ray's and vLLM's timeouts) while
+one is measured. `--rounds N` repeats the whole alternation, each round with new prompts
+(the same for every target) and the first target first in even rounds, last in odd ones, so
+a machine whose speed drifts within the hour (these VMs' does) is read in the same minutes
+for both; figures are the rounds' medians, and each round's ratio is printed as well.
+
     .venv/bin/python -m benchmarks.serving --target http://127.0.0.1:8000/v1 \\
-        [--target http://127.0.0.1:8001/v1] [--workloads multiturn single pressure]
+        [--target http://127.0.0.1:8001/v1] [--workloads multiturn single pressure] \\
+        [--server-pid ray --server-pid <vllm serve PID> --rounds 3]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import statistics
@@ -32,6 +44,7 @@ from dataclasses import dataclass, field
 import openai
 
 from benchmarks.common import emit
+from benchmarks.processes import paused, process_tree, ray_processes
 
 WORDS = (
     "river stone light garden window market letter winter music paper bridge forest "
@@ -139,8 +152,10 @@ async def conversations(
     return run
 
 
-async def single(client, model: str, concurrency: int, requests: int, tag: str) -> Run:
-    rng, run, sem = random.Random(5), Run(), asyncio.Semaphore(concurrency)
+async def single(
+    client, model: str, concurrency: int, requests: int, tag: str, seed: int = 5
+) -> Run:
+    rng, run, sem = random.Random(seed), Run(), asyncio.Semaphore(concurrency)
     prompts = [user_text(rng, 200) for _ in range(requests)]
 
     async def one(i: int) -> None:
@@ -155,7 +170,8 @@ async def single(client, model: str, concurrency: int, requests: int, tag: str) 
     return run
 
 
-MULTITURN_SEED, PRESSURE_SEED = 1, 2  # the user messages' words (`user_text`)
+MULTITURN_SEED, PRESSURE_SEED, SINGLE_SEED = 1, 2, 5  # the user messages' words (`user_text`)
+ROUND_SEED_STEP = 1000  # round r's seeds: these + r * ROUND_SEED_STEP (round 0: the seeds above)
 MULTITURN_SHAPE = (4, 10)  # conversations, turns each (all at once)
 PRESSURE_SHAPE = (64, 4, 4)  # conversations, turns each, turns at a time
 
@@ -173,17 +189,28 @@ def pressure_order(conversations: int, turns: int) -> list[int]:
     return order
 
 
-async def workload(name: str, client, model: str, args, tag: str) -> dict[str, Run]:
+async def workload(
+    name: str, client, model: str, args, tag: str, round_: int = 0
+) -> dict[str, Run]:
+    shift = round_ * ROUND_SEED_STEP  # new prompts each round, the same for every target
     if name == "multiturn":
         order = multiturn_order(args.conversations, args.turns)
         return {
             "multiturn": await conversations(
-                client, model, order, args.conversations, args.turns, tag, seed=MULTITURN_SEED
+                client,
+                model,
+                order,
+                args.conversations,
+                args.turns,
+                tag,
+                seed=MULTITURN_SEED + shift,
             )
         }
     if name == "single":
         return {
-            f"single_c{c}": await single(client, model, c, max(4, 2 * c), f"{tag}-c{c}")
+            f"single_c{c}": await single(
+                client, model, c, max(4, 2 * c), f"{tag}-c{c}", seed=SINGLE_SEED + shift
+            )
             for c in (1, 8)
         }
     if name == "pressure":
@@ -195,26 +222,74 @@ async def workload(name: str, client, model: str, args, tag: str) -> dict[str, R
             args.pressure_concurrency,
             args.pressure_turns,
             tag,
-            seed=PRESSURE_SEED,
+            seed=PRESSURE_SEED + shift,
         )
         return {"pressure": run}
     raise ValueError(f"unknown workload {name!r}")
 
 
+def server_processes(spec: str) -> list[int]:
+    """`--server-pid`'s value: `ray` (every Ray process here) or the PID a server's process
+    tree starts from."""
+    if spec == "ray":
+        return ray_processes()
+    return process_tree(int(spec))
+
+
+def others_paused(specs: list[str], measured: int, settle_s: float):
+    """Every target's processes but `measured`'s stopped for the block (none named: nothing)."""
+    if not specs:
+        return contextlib.nullcontext()
+    pids = [p for j, spec in enumerate(specs) if j != measured for p in server_processes(spec)]
+    return paused(pids, settle_s=settle_s)
+
+
+def median_summary(rounds: list[dict]) -> dict:
+    """The rounds' medians, key by key (a key a round lacks, e.g. no last turns, is left out),
+    with each round's own figures under `rounds` when there were several."""
+    keys = [k for k in rounds[0] if all(r.get(k) is not None for r in rounds)]
+    out: dict = {k: round(statistics.median(r[k] for r in rounds), 3) for k in keys}
+    if len(rounds) > 1:
+        out["rounds"] = rounds
+    return out
+
+
 async def main_async(args) -> None:
+    if args.rounds < 1:
+        raise SystemExit("--rounds must be at least 1")
+    if args.server_pid and len(args.server_pid) != len(args.target):
+        raise SystemExit("give one --server-pid per --target (in the same order), or none")
+    for spec in args.server_pid or []:
+        server_processes(spec)  # fails now, not after the first target's run, on a bad PID
     targets = []
     for url in args.target:
         client = openai.AsyncOpenAI(base_url=url, api_key=args.api_key, timeout=600)
         model = (await client.models.list()).data[0].id
         targets.append((url, client, model))
-    results: dict[str, dict[str, dict]] = {url: {} for url, _, _ in targets}
+    per_round: dict[str, dict[str, list[dict]]] = {url: {} for url, _, _ in targets}
     tag = f"bench-{int(time.time())}"
-    for name in args.workloads:
-        for i, (url, client, model) in enumerate(targets):
-            for key, run in (await workload(name, client, model, args, f"{tag}-{i}")).items():
-                s = run.summary()
-                results[url][key] = s
-                print(f"{key:>12} {url}: {s}", flush=True)
+    for r in range(args.rounds):
+        for name in args.workloads:
+            order = list(enumerate(targets))
+            if r % 2:
+                order.reverse()  # drift within the hour falls on both sides alike
+            for i, (url, client, model) in order:
+                with others_paused(args.server_pid or [], i, args.settle_s):
+                    runs = await workload(name, client, model, args, f"{tag}-{i}-r{r}", r)
+                for key, run in runs.items():
+                    s = run.summary()
+                    per_round[url].setdefault(key, []).append(s)
+                    label = f"round {r} " if args.rounds > 1 else ""
+                    print(f"{label}{key:>12} {url}: {s}", flush=True)
+    results = {
+        url: {key: median_summary(rounds) for key, rounds in keys.items()}
+        for url, keys in per_round.items()
+    }
+    if args.rounds > 1:
+        for url, keys in results.items():
+            for key, s in keys.items():
+                shown = {k: v for k, v in s.items() if k != "rounds"}
+                print(f"median of {args.rounds} {key:>12} {url}: {shown}", flush=True)
     summary: dict = {"benchmark": "serving", "targets": args.target, "results": results}
     if args.save:  # this run only, before anything is compared with it
         with open(args.save, "w") as f:
@@ -235,6 +310,11 @@ async def main_async(args) -> None:
             summary[f"ttft_ratio_{key}"] = round(
                 this[key]["ttft_median_s"] / that[key]["ttft_median_s"], 2
             )
+            if "rounds" in this[key] and "rounds" in that[key]:  # paired: the same round's
+                summary[f"tok_s_ratio_{key}_rounds"] = [
+                    round(a["output_tok_s"] / b["output_tok_s"], 2)
+                    for a, b in zip(this[key]["rounds"], that[key]["rounds"], strict=False)
+                ]
     emit(summary)
 
 
@@ -249,6 +329,21 @@ def main() -> None:
     ap.add_argument("--pressure-concurrency", type=int, default=PRESSURE_SHAPE[2])
     ap.add_argument("--api-key", default="unused")
     ap.add_argument("--save", help="also write this run's JSON here")
+    ap.add_argument(
+        "--rounds", type=int, default=1, help="repeat the alternation, new prompts each round"
+    )
+    ap.add_argument(
+        "--server-pid",
+        action="append",
+        help="per --target, in order: `ray` or the PID of the command that started it; the "
+        "other targets' processes are paused while one is measured",
+    )
+    ap.add_argument(
+        "--settle-s",
+        type=float,
+        default=2.0,
+        help="after pausing the others, wait this long (the measured one catches up its timers)",
+    )
     ap.add_argument(
         "--against",
         help="compare with a run saved by --save (ratios: this run's first target / that run's)",
