@@ -12,7 +12,8 @@ Two servers can also run one after the other: `--save a.json` on the first run, 
 `--against a.json` on the second prints the ratios (this run / that run).
 Every request carries `x-session-id: <conversation>` (sessionserve pins and keeps the session;
 other servers ignore the header). Printed per target and workload: output tokens/s, median
-and last-turn TTFT, cached prompt tokens; with two targets, the ratios first/second. Targets
+and last-turn TTFT, median time per output token after the first (TPOT: the decode's pace),
+cached prompt tokens; with two targets, the ratios first/second. Targets
 run one after the other, workload by workload (alternating), so they never share the cores.
 
 Two servers up side by side on a small machine still share it: the idle one's timers and
@@ -24,6 +25,8 @@ one is measured. `--rounds N` repeats the whole alternation, each round with new
 (the same for every target) and the first target first in even rounds, last in odd ones, so
 a machine whose speed drifts within the hour (these VMs' does) is read in the same minutes
 for both; figures are the rounds' medians, and each round's ratio is printed as well.
+`--first-round K` starts at round K's prompts: a server measured before holds the earlier
+rounds' in its prefix cache, and would answer them faster.
 
     .venv/bin/python -m benchmarks.serving --target http://127.0.0.1:8000/v1 \\
         [--target http://127.0.0.1:8001/v1] [--workloads multiturn single pressure] \\
@@ -59,6 +62,7 @@ class Turn:
     output_tokens: int
     prompt_tokens: int
     cached_tokens: int
+    tpot_s: float | None = None  # time per output token after the first (the decode's pace)
 
 
 @dataclass
@@ -73,12 +77,14 @@ class Run:
 
     def summary(self) -> dict[str, float]:
         ttft = [t.ttft_s for t in self.turns]
+        tpot = [t.tpot_s for t in self.turns if t.tpot_s is not None]
         return {
             "output_tok_s": round(self.output_tok_s, 2),
             "ttft_median_s": round(statistics.median(ttft), 3),
             "last_turn_ttft_s": round(statistics.median(self.last_turn_ttft), 3)
             if self.last_turn_ttft
             else None,
+            "tpot_median_s": round(statistics.median(tpot), 4) if tpot else None,
             "cached_frac": round(
                 sum(t.cached_tokens for t in self.turns)
                 / max(1, sum(t.prompt_tokens for t in self.turns)),
@@ -116,7 +122,11 @@ async def one_turn(
         raise RuntimeError("the server sent no usage (stream_options.include_usage)")
     details = usage.prompt_tokens_details
     cached = (details.cached_tokens or 0) if details is not None else 0
-    turn = Turn(ttft or 0.0, usage.completion_tokens, usage.prompt_tokens, cached)
+    ended = time.perf_counter()
+    tpot = None
+    if ttft is not None and usage.completion_tokens > 1:
+        tpot = (ended - started - ttft) / (usage.completion_tokens - 1)
+    turn = Turn(ttft or 0.0, usage.completion_tokens, usage.prompt_tokens, cached, tpot)
     return turn, "".join(text)
 
 
@@ -255,8 +265,8 @@ def median_summary(rounds: list[dict]) -> dict:
 
 
 async def main_async(args) -> None:
-    if args.rounds < 1:
-        raise SystemExit("--rounds must be at least 1")
+    if args.rounds < 1 or args.first_round < 0:
+        raise SystemExit("--rounds must be at least 1 and --first-round at least 0")
     if args.server_pid and len(args.server_pid) != len(args.target):
         raise SystemExit("give one --server-pid per --target (in the same order), or none")
     for spec in args.server_pid or []:
@@ -268,7 +278,7 @@ async def main_async(args) -> None:
         targets.append((url, client, model))
     per_round: dict[str, dict[str, list[dict]]] = {url: {} for url, _, _ in targets}
     tag = f"bench-{int(time.time())}"
-    for r in range(args.rounds):
+    for r in range(args.first_round, args.first_round + args.rounds):
         for name in args.workloads:
             order = list(enumerate(targets))
             if r % 2:
@@ -279,7 +289,7 @@ async def main_async(args) -> None:
                 for key, run in runs.items():
                     s = run.summary()
                     per_round[url].setdefault(key, []).append(s)
-                    label = f"round {r} " if args.rounds > 1 else ""
+                    label = f"round {r} " if args.rounds > 1 or args.first_round else ""
                     print(f"{label}{key:>12} {url}: {s}", flush=True)
     results = {
         url: {key: median_summary(rounds) for key, rounds in keys.items()}
@@ -310,6 +320,10 @@ async def main_async(args) -> None:
             summary[f"ttft_ratio_{key}"] = round(
                 this[key]["ttft_median_s"] / that[key]["ttft_median_s"], 2
             )
+            if this[key].get("tpot_median_s") and that[key].get("tpot_median_s"):
+                summary[f"tpot_ratio_{key}"] = round(
+                    this[key]["tpot_median_s"] / that[key]["tpot_median_s"], 2
+                )
             if "rounds" in this[key] and "rounds" in that[key]:  # paired: the same round's
                 summary[f"tok_s_ratio_{key}_rounds"] = [
                     round(a["output_tok_s"] / b["output_tok_s"], 2)
@@ -331,6 +345,12 @@ def main() -> None:
     ap.add_argument("--save", help="also write this run's JSON here")
     ap.add_argument(
         "--rounds", type=int, default=1, help="repeat the alternation, new prompts each round"
+    )
+    ap.add_argument(
+        "--first-round",
+        type=int,
+        default=0,
+        help="start at this round's prompts (a server measured before still holds round 0's)",
     )
     ap.add_argument(
         "--server-pid",
