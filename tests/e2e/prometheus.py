@@ -40,7 +40,14 @@ class Prometheus:
     def __init__(self, binary: str, scrape_target: str, port: int) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="ss-prom-"))
         config = {
-            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+            # Ray's metrics agent can take over a second to answer on 2 busy cores (a scrape
+            # timeout is at most its interval: at 1 s every scrape of a CI run timed out for a
+            # minute); the tests' waits allow several 5 s scrapes
+            "global": {
+                "scrape_interval": "5s",
+                "scrape_timeout": "5s",
+                "evaluation_interval": "1s",
+            },
             "rule_files": [str(RULES)],
             "scrape_configs": [
                 {"job_name": "ray", "static_configs": [{"targets": [scrape_target]}]}
