@@ -360,7 +360,7 @@ def main() -> None:
             f"equal_{batch}": matched / total,
         }
     eng.runner.compiled_decode = package
-    if args.cxx is not None:
+    if args.against == "cxx":
         result["cxx"] = args.cxx
     if scratch is not None:
         scratch.cleanup()

@@ -258,7 +258,7 @@ def median_summary(rounds: list[dict]) -> dict:
     """The rounds' medians, key by key (a key a round lacks, e.g. no last turns, is left out),
     with each round's own figures under `rounds` when there were several."""
     keys = [k for k in rounds[0] if all(r.get(k) is not None for r in rounds)]
-    out: dict = {k: round(statistics.median(r[k] for r in rounds), 3) for k in keys}
+    out: dict = {k: round(statistics.median(r[k] for r in rounds), 4) for k in keys}
     if len(rounds) > 1:
         out["rounds"] = rounds
     return out
