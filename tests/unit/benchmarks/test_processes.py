@@ -4,6 +4,7 @@ the whole tree, never the caller, and always resume what it stopped."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -41,8 +42,8 @@ def server_tree():
     yield proc.pid, child
     for pid in (child, proc.pid):
         try:
-            os.kill(pid, 18)  # SIGCONT first: a stopped process dies only once resumed
-            os.kill(pid, 9)
+            os.kill(pid, signal.SIGCONT)  # first: a stopped process dies only once resumed
+            os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
     proc.wait()
