@@ -319,8 +319,8 @@ class EngineConfig(_Strict):
         "(one new token per request, up to compile_max_tokens requests): the whole step in one "
         "graph, each layer's attention over the KV pool compiled into it instead of a call "
         "back into Python per layer, every layer's new K/V written with one copy after it. "
-        "Where its attention is the hand-written CPU kernel (AVX-512), it also runs chain "
-        "verifies and short turns (a few new tokens per request, rows padded alike). It "
+        "Where its attention is the hand-written CPU kernel (AVX-512 or AVX2), it also runs "
+        "chain verifies and short turns (a few new tokens per request, rows padded alike). It "
         "holds another copy of the weights. true: build (or load) and use it. auto: for models "
         "of 50M+ parameters. Models with sliding-window layers, and CUDA, keep the compiled "
         "forward. false: decode steps run the compiled forward.",

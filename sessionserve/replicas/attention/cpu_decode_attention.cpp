@@ -1,4 +1,4 @@
-// Decode attention over the paged KV pool in place, for x86 CPUs with AVX-512.
+// Decode attention over the paged KV pool in place, for x86 CPUs with AVX-512 or AVX2.
 //
 // What it computes is `inplace_decode.decode_attention` with a row's own new token (one new
 // query token per row, its context read through its slot table, plus the token's own K/V,
@@ -6,16 +6,18 @@
 // into loops that end every context token's dot product in a horizontal sum per query head
 // and run the softmax as separate passes over stored scores; over multi-turn contexts
 // (~1,500 tokens) the attention was 40-50% of a decode step (docs/benchmarks.md, stop 57).
-// Here a block of 16 tokens is scored, its softmax is taken on one vector (online, as flash
-// decoding does), and its V rows are accumulated while hot, each K and V row loaded once for
-// all the query heads that share it. Long contexts are split into parts that run on
-// separate threads and are merged at the end, so one row keeps every thread busy.
+// Here a block of kLanes tokens (one vector's lanes) is scored, its softmax is taken on one
+// vector (online, as flash decoding does), and its V rows are accumulated while hot, each K
+// and V row loaded once for all the query heads that share it. Long contexts are split into
+// parts that run on separate threads and are merged at the end, so one row keeps every
+// thread busy.
 //
-// Built at run time by cpu_decode_kernel.py (g++ -mavx512f ...), loaded with
-// torch.ops.load_library; its fake (shape) implementation is registered there, in Python.
-// AOTInductor packages call it through the C function at the end (its "C shim"), not the
-// dispatcher: a package run through its C entry points (aoti_call.py) has no proxy executor
-// to dispatch custom ops with.
+// Built at run time by cpu_decode_kernel.py (g++ -mavx512f ..., or -mavx2 -mfma where the
+// CPU has no AVX-512: the vector primitives below are the only code that differs), loaded
+// with torch.ops.load_library; its fake (shape) implementation is registered there, in
+// Python. AOTInductor packages call it through the C function at the end (its "C shim"),
+// not the dispatcher: a package run through its C entry points (aoti_call.py) has no proxy
+// executor to dispatch custom ops with.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -31,33 +33,40 @@
 #include <limits>
 #include <vector>
 
-extern "C" __m512 Sleef_expf16_u10(__m512);  // exported by libtorch_cpu (ATen's vec::exp)
-
 namespace {
 
-constexpr int kLanes = 16;         // floats in a vector, tokens in a block
-constexpr int kMaxGroup = 32;      // query heads per KV head x query tokens per row
-constexpr int64_t kMinPart = 64;   // context tokens below which a part is not split further
-constexpr int64_t kPartsPerThread = 4;
-constexpr int64_t kKeyAhead = 4 * kLanes;  // tokens
-constexpr int64_t kValueAhead = 2 * kLanes;
+// ---- the vector primitives: one float vector of kLanes lanes ----
+#if defined(__AVX512F__)
+}  // namespace
+extern "C" __m512 Sleef_expf16_u10(__m512);  // exported by libtorch_cpu (ATen's vec::exp)
+namespace {
 
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+constexpr int kLanes = 16;
+using Vec = __m512;
 
-inline __m512 load16(const c10::BFloat16* p) {
+inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline Vec vload(const c10::BFloat16* p) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
-
-template <typename T>
-inline void prefetch_row(const T* p, int n) {
-  const char* c = reinterpret_cast<const char*>(p);
-  for (int b = 0; b < n * static_cast<int>(sizeof(T)); b += 64) _mm_prefetch(c + b, _MM_HINT_T0);
+inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+inline Vec vzero() { return _mm512_setzero_ps(); }
+inline Vec vset1(float x) { return _mm512_set1_ps(x); }
+inline Vec vmul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+inline Vec vsub(Vec a, Vec b) { return _mm512_sub_ps(a, b); }
+inline Vec vfmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline float vsum(Vec v) { return _mm512_reduce_add_ps(v); }
+inline float vmax(Vec v) { return _mm512_reduce_max_ps(v); }
+inline Vec vexp(Vec v) { return Sleef_expf16_u10(v); }
+// v's first n lanes, the others `other`
+inline Vec vfirst(Vec v, int n, float other) {
+  const __mmask16 valid = n == kLanes ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
+  return _mm512_mask_mov_ps(_mm512_set1_ps(other), valid, v);
 }
 
 // The 16 sums of 16 vectors' lanes (out[t] = sum of v[t]'s lanes), by a transposing tree:
-// ~3 instructions a vector, against ~8 for a horizontal sum of each.
-inline __m512 sum_lanes16(const float (*v)[kLanes]) {
+// ~3 instructions a vector, against ~8 for a horizontal sum of each. `v` is 64-byte aligned.
+inline Vec sum_lanes(const float (*v)[kLanes]) {
   __m512 pairs[8];
   for (int j = 0; j < 8; ++j) {  // per 128-bit lane: 2 vectors' partial sums, 2 each
     const __m512 a = _mm512_load_ps(v[2 * j]), b = _mm512_load_ps(v[2 * j + 1]);
@@ -79,6 +88,73 @@ inline __m512 sum_lanes16(const float (*v)[kLanes]) {
                        _mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+#elif defined(__AVX2__) && defined(__FMA__)
+}  // namespace
+extern "C" __m256 Sleef_expf8_u10avx2(__m256);  // exported by libtorch_cpu (ATen's vec::exp)
+namespace {
+
+constexpr int kLanes = 8;
+using Vec = __m256;
+
+inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline Vec vload(const c10::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+inline Vec vzero() { return _mm256_setzero_ps(); }
+inline Vec vset1(float x) { return _mm256_set1_ps(x); }
+inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+inline Vec vsub(Vec a, Vec b) { return _mm256_sub_ps(a, b); }
+inline Vec vfmadd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline __m128 half_sum(Vec v) {  // lanes i and i + 4 added
+  return _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+}
+inline float vsum(Vec v) {
+  __m128 x = half_sum(v);
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+inline float vmax(Vec v) {
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
+}
+inline Vec vexp(Vec v) { return Sleef_expf8_u10avx2(v); }
+inline Vec vfirst(Vec v, int n, float other) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane));
+  return _mm256_blendv_ps(_mm256_set1_ps(other), v, valid);
+}
+
+// The 8 sums of 8 vectors' lanes (out[t] = sum of v[t]'s lanes): two rounds of pairwise
+// horizontal adds leave each 128-bit half holding 4 vectors' partial sums; the halves add.
+inline Vec sum_lanes(const float (*v)[kLanes]) {
+  __m256 pairs[4];
+  for (int j = 0; j < 4; ++j)
+    pairs[j] = _mm256_hadd_ps(_mm256_load_ps(v[2 * j]), _mm256_load_ps(v[2 * j + 1]));
+  const __m256 low = _mm256_hadd_ps(pairs[0], pairs[1]);   // vectors 0-3, per half
+  const __m256 high = _mm256_hadd_ps(pairs[2], pairs[3]);  // vectors 4-7, per half
+  return _mm256_add_ps(_mm256_permute2f128_ps(low, high, 0x20),
+                       _mm256_permute2f128_ps(low, high, 0x31));
+}
+
+#else
+#error "cpu_decode_attention.cpp needs AVX-512 (-mavx512f) or AVX2 with FMA (-mavx2 -mfma)"
+#endif
+
+constexpr int kMaxGroup = 32;      // query heads per KV head x query tokens per row
+constexpr int64_t kMinPart = 64;   // context tokens below which a part is not split further
+constexpr int64_t kPartsPerThread = 4;
+constexpr int64_t kKeyAhead = 64;  // tokens: how far ahead K rows are prefetched
+constexpr int64_t kValueAhead = 32;
+
+template <typename T>
+inline void prefetch_row(const T* p, int n) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int b = 0; b < n * static_cast<int>(sizeof(T)); b += 64) _mm_prefetch(c + b, _MM_HINT_T0);
+}
+
 // A piece of work: context positions start..start+len-1 of one row, for one KV head.
 struct Part {
   int64_t row, kv_head, start, len;
@@ -86,13 +162,13 @@ struct Part {
 
 // One part for the query heads sharing its KV head: per head, the running maximum `m`, the
 // sum of exp(score - m) `l` and the weighted sum of V `acc`, written to `out` as [m, l, acc].
-template <typename T, int DV>
-void attend_part(const float* q,  // [group, DV * 16], already scaled
+template <typename T, int D>
+void attend_part(const float* q,  // [group, D], already scaled
                  int group, const T* k_head, const T* v_head, int64_t slot_stride,
                  const int64_t* slots, int64_t len, float* out) {  // [group, 2 + D]
-  constexpr int D = DV * kLanes;
-  __m512 qv[kMaxGroup][DV];
-  __m512 acc[kMaxGroup][DV];
+  constexpr int DV = D / kLanes;  // vectors a head's row takes
+  Vec qv[kMaxGroup][DV];
+  Vec acc[kMaxGroup][DV];
   float m[kMaxGroup], l[kMaxGroup];
   alignas(64) float s[kMaxGroup][kLanes];
   alignas(64) float dots[kMaxGroup][kLanes][kLanes];  // per query head and token: lanes to sum
@@ -100,8 +176,8 @@ void attend_part(const float* q,  // [group, DV * 16], already scaled
     // a short last block sums lanes of rows no token wrote: defined, then masked out
     std::fill(&dots[g][0][0], &dots[g][0][0] + kLanes * kLanes, 0.f);
     for (int i = 0; i < DV; ++i) {
-      qv[g][i] = _mm512_loadu_ps(q + g * D + i * kLanes);
-      acc[g][i] = _mm512_setzero_ps();
+      qv[g][i] = vload(q + g * D + i * kLanes);
+      acc[g][i] = vzero();
     }
     m[g] = -std::numeric_limits<float>::infinity();
     l[g] = 0.f;
@@ -116,36 +192,34 @@ void attend_part(const float* q,  // [group, DV * 16], already scaled
       if (t0 + t + kValueAhead < len)
         prefetch_row(v_head + slots[t0 + t + kValueAhead] * slot_stride, D);
       const T* k = k_head + slots[t0 + t] * slot_stride;
-      __m512 kv[DV];
-      for (int i = 0; i < DV; ++i) kv[i] = load16(k + i * kLanes);
+      Vec kv[DV];
+      for (int i = 0; i < DV; ++i) kv[i] = vload(k + i * kLanes);
       for (int g = 0; g < group; ++g) {
-        __m512 dot = _mm512_mul_ps(qv[g][0], kv[0]);
-        for (int i = 1; i < DV; ++i) dot = _mm512_fmadd_ps(qv[g][i], kv[i], dot);
-        _mm512_store_ps(dots[g][t], dot);
+        Vec dot = vmul(qv[g][0], kv[0]);
+        for (int i = 1; i < DV; ++i) dot = vfmadd(qv[g][i], kv[i], dot);
+        vstore(dots[g][t], dot);
       }
     }
-    const __mmask16 valid = n == kLanes ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
-    const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    constexpr float neg_inf = -std::numeric_limits<float>::infinity();
     for (int g = 0; g < group; ++g) {
       // a short last block's other lanes hold what earlier blocks left: masked out here
-      const __m512 sv = _mm512_mask_mov_ps(neg_inf, valid, sum_lanes16(dots[g]));
-      const float top = std::max(m[g], _mm512_reduce_max_ps(sv));
+      const Vec sv = vfirst(sum_lanes(dots[g]), n, neg_inf);
+      const float top = std::max(m[g], vmax(sv));
       const float alpha = std::exp(m[g] - top);  // 0 for the first block (m = -inf)
-      const __m512 p =
-          _mm512_maskz_mov_ps(valid, Sleef_expf16_u10(_mm512_sub_ps(sv, _mm512_set1_ps(top))));
-      l[g] = l[g] * alpha + _mm512_reduce_add_ps(p);
+      const Vec p = vfirst(vexp(vsub(sv, vset1(top))), n, 0.f);
+      l[g] = l[g] * alpha + vsum(p);
       m[g] = top;
-      const __m512 a = _mm512_set1_ps(alpha);
-      for (int i = 0; i < DV; ++i) acc[g][i] = _mm512_mul_ps(acc[g][i], a);
-      _mm512_store_ps(s[g], p);
+      const Vec a = vset1(alpha);
+      for (int i = 0; i < DV; ++i) acc[g][i] = vmul(acc[g][i], a);
+      vstore(s[g], p);
     }
     for (int t = 0; t < n; ++t) {
       const T* v = v_head + slots[t0 + t] * slot_stride;
-      __m512 vv[DV];
-      for (int i = 0; i < DV; ++i) vv[i] = load16(v + i * kLanes);
+      Vec vv[DV];
+      for (int i = 0; i < DV; ++i) vv[i] = vload(v + i * kLanes);
       for (int g = 0; g < group; ++g) {
-        const __m512 w = _mm512_set1_ps(s[g][t]);
-        for (int i = 0; i < DV; ++i) acc[g][i] = _mm512_fmadd_ps(w, vv[i], acc[g][i]);
+        const Vec w = vset1(s[g][t]);
+        for (int i = 0; i < DV; ++i) acc[g][i] = vfmadd(w, vv[i], acc[g][i]);
       }
     }
   }
@@ -153,7 +227,7 @@ void attend_part(const float* q,  // [group, DV * 16], already scaled
     float* o = out + g * (2 + D);
     o[0] = m[g];
     o[1] = l[g];
-    for (int i = 0; i < DV; ++i) _mm512_storeu_ps(o + 2 + i * kLanes, acc[g][i]);
+    for (int i = 0; i < DV; ++i) vstore(o + 2 + i * kLanes, acc[g][i]);
   }
 }
 
@@ -166,7 +240,7 @@ struct Rows {
   bool tail_given;                   // the tail's K/V are new_key/new_value, not in the pool
 };
 
-template <typename T, int DV>
+template <typename T, int D>
 void run(const at::Tensor& q,        // [B, KVH, T * G, D] float, scaled
          const at::Tensor& k_pool,   // [S, KVH, D] T
          const at::Tensor& v_pool,
@@ -175,7 +249,7 @@ void run(const at::Tensor& q,        // [B, KVH, T * G, D] float, scaled
          const at::Tensor& new_key,  // [B * T, KVH, D] float, or empty (the tail is in the pool)
          const at::Tensor& new_value,
          at::Tensor& out) {          // [B * T, H, D] float
-  constexpr int D = DV * kLanes;
+  constexpr int DV = D / kLanes;
   const int64_t batch = rows.batch, tokens = rows.tokens, kv_heads = k_pool.size(1);
   const int width_group = static_cast<int>(q.size(2));  // T * G query heads per KV head
   const int group = static_cast<int>(width_group / tokens);
@@ -212,7 +286,7 @@ void run(const at::Tensor& q,        // [B, KVH, T * G, D] float, scaled
   at::parallel_for(0, n_parts, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t i = lo; i < hi; ++i) {
       const Part& p = parts[i];
-      attend_part<T, DV>(qp + (p.row * kv_heads + p.kv_head) * width_group * D, width_group,
+      attend_part<T, D>(qp + (p.row * kv_heads + p.kv_head) * width_group * D, width_group,
                          kp + p.kv_head * head_stride, vp + p.kv_head * head_stride,
                          slot_stride, sp + p.row * width + p.start, p.len,
                          partial.data() + i * stride_part);
@@ -233,52 +307,52 @@ void run(const at::Tensor& q,        // [B, KVH, T * G, D] float, scaled
           const float* qg = qp + ((b * kv_heads + h) * width_group + idx) * D;
           float top = -std::numeric_limits<float>::infinity();
           for (int64_t j = 0; j <= t; ++j) {  // the tail tokens this one sees
-            __m512 dot = _mm512_setzero_ps();
+            Vec dot = vzero();
             if (rows.tail_given) {
               const float* k = nk + ((b * tokens + j) * kv_heads + h) * D;
               for (int d = 0; d < D; d += kLanes)
-                dot = _mm512_fmadd_ps(_mm512_loadu_ps(qg + d), _mm512_loadu_ps(k + d), dot);
+                dot = vfmadd(vload(qg + d), vload(k + d), dot);
             } else {
               const T* k =
                   kp + sp[b * width + rows.common[b] + j] * slot_stride + h * head_stride;
               for (int d = 0; d < D; d += kLanes)
-                dot = _mm512_fmadd_ps(_mm512_loadu_ps(qg + d), load16(k + d), dot);
+                dot = vfmadd(vload(qg + d), vload(k + d), dot);
             }
-            tail_scores[j] = _mm512_reduce_add_ps(dot);
+            tail_scores[j] = vsum(dot);
             top = std::max(top, tail_scores[j]);
           }
           for (int64_t j = first[i]; j < first[i + 1]; ++j)
             top = std::max(top, partial[j * stride_part + idx * (2 + D)]);
-          __m512 sum[DV];
-          for (int v = 0; v < DV; ++v) sum[v] = _mm512_setzero_ps();
+          Vec sum[DV];
+          for (int v = 0; v < DV; ++v) sum[v] = vzero();
           float total_w = 0.f;
           for (int64_t j = 0; j <= t; ++j) {
             const float w = std::exp(tail_scores[j] - top);
             total_w += w;
-            const __m512 wv = _mm512_set1_ps(w);
+            const Vec wv = vset1(w);
             if (rows.tail_given) {
               const float* v = nv + ((b * tokens + j) * kv_heads + h) * D;
               for (int d = 0; d < DV; ++d)
-                sum[d] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(v + d * kLanes), sum[d]);
+                sum[d] = vfmadd(wv, vload(v + d * kLanes), sum[d]);
             } else {
               const T* v =
                   vp + sp[b * width + rows.common[b] + j] * slot_stride + h * head_stride;
               for (int d = 0; d < DV; ++d)
-                sum[d] = _mm512_fmadd_ps(wv, load16(v + d * kLanes), sum[d]);
+                sum[d] = vfmadd(wv, vload(v + d * kLanes), sum[d]);
             }
           }
           for (int64_t j = first[i]; j < first[i + 1]; ++j) {
             const float* pj = partial.data() + j * stride_part + idx * (2 + D);
             const float w = std::exp(pj[0] - top);
             total_w += pj[1] * w;
-            const __m512 wv = _mm512_set1_ps(w);
+            const Vec wv = vset1(w);
             for (int d = 0; d < DV; ++d)
-              sum[d] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(pj + 2 + d * kLanes), sum[d]);
+              sum[d] = vfmadd(wv, vload(pj + 2 + d * kLanes), sum[d]);
           }
-          const __m512 inv = _mm512_set1_ps(1.f / total_w);
+          const Vec inv = vset1(1.f / total_w);
           float* o = op + ((b * tokens + t) * heads + h * group + g) * D;
           for (int d = 0; d < DV; ++d)
-            _mm512_storeu_ps(o + d * kLanes, _mm512_mul_ps(sum[d], inv));
+            vstore(o + d * kLanes, vmul(sum[d], inv));
         }
       }
     }
@@ -290,12 +364,12 @@ void dispatch_width(int64_t head_dim, const at::Tensor& q, const at::Tensor& k,
                     const at::Tensor& v, const at::Tensor& slots, const Rows& rows,
                     const at::Tensor& nk, const at::Tensor& nv, at::Tensor& out) {
   switch (head_dim) {
-    case 16: return run<T, 1>(q, k, v, slots, rows, nk, nv, out);
-    case 32: return run<T, 2>(q, k, v, slots, rows, nk, nv, out);
-    case 64: return run<T, 4>(q, k, v, slots, rows, nk, nv, out);
-    case 80: return run<T, 5>(q, k, v, slots, rows, nk, nv, out);
-    case 96: return run<T, 6>(q, k, v, slots, rows, nk, nv, out);
-    case 128: return run<T, 8>(q, k, v, slots, rows, nk, nv, out);
+    case 16: return run<T, 16>(q, k, v, slots, rows, nk, nv, out);
+    case 32: return run<T, 32>(q, k, v, slots, rows, nk, nv, out);
+    case 64: return run<T, 64>(q, k, v, slots, rows, nk, nv, out);
+    case 80: return run<T, 80>(q, k, v, slots, rows, nk, nv, out);
+    case 96: return run<T, 96>(q, k, v, slots, rows, nk, nv, out);
+    case 128: return run<T, 128>(q, k, v, slots, rows, nk, nv, out);
     default: TORCH_CHECK(false, "decode_attend: head_dim ", head_dim, " is not supported");
   }
 }

@@ -2,13 +2,14 @@
 loaded as the op `torch.ops.sessionserve.decode_attend`.
 
 Why it exists: the decode step package (compiled_decode.py) had its attention compiled by
-inductor from `inplace_decode.decode_attention`, which over multi-turn contexts took 40-50% of
-a step; no formulation inductor compiles did better (docs/benchmarks.md, stop 57). The
-kernel computes the same thing (the row's own new token included) in one pass per block of
-16 tokens. It needs AVX-512 (x86) and a C++ compiler, as inductor's CPU backend does; where
-either is missing, or the build fails, `load()` says why once and callers keep the compiled
-formula. The shared library is cached under the cache root (`kernels/`), keyed by the
-source, torch's version and the flags, so a restart does not rebuild it.
+inductor from `inplace_decode.decode_attention`, which over multi-turn contexts took 40-50% of a
+step; no formulation inductor compiles did better (docs/benchmarks.md, stop 57). The kernel
+computes the same thing (the row's own new token included) in one pass per block of 16 tokens (8
+on AVX2). It needs an x86 CPU with AVX-512 or AVX2 (built for the wider one it has) and a C++
+compiler, as inductor's CPU backend does; where either is missing, or the build fails, `load()`
+says why once and callers keep the compiled formula. The shared library is cached under the
+cache root (`kernels/`), keyed by the source, torch's version and the flags, so a restart does
+not rebuild it.
 """
 
 from __future__ import annotations
@@ -32,8 +33,12 @@ SOURCE = Path(__file__).with_name("cpu_decode_attention.cpp")
 HEAD_DIMS = (16, 32, 64, 80, 96, 128)  # what the kernel is instantiated for
 MAX_GROUP = 32  # query heads per KV head, times the query tokens per row
 DTYPES = (torch.float32, torch.bfloat16)  # the pool's
-FLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", "-mavx512f", "-mavx512bw",
-         "-mavx512dq", "-mavx512vl", "-mfma")  # fmt: skip
+FLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp")
+ISA_FLAGS = {  # torch's CPU capability -> the kernel's vector code (the .cpp's primitives)
+    "AMX": ("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mfma"),  # has AVX-512
+    "AVX512": ("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mfma"),
+    "AVX2": ("-mavx2", "-mfma"),
+}
 DISABLE_ENV = "SESSIONSERVE_CPU_DECODE_KERNEL"  # "0": keep inductor's formula everywhere
 log = logging.getLogger(__name__)
 _lock = threading.Lock()
@@ -132,8 +137,8 @@ def _unavailable() -> str:
     if os.environ.get(DISABLE_ENV) == "0":
         return f"{DISABLE_ENV}=0"
     capability = torch.backends.cpu.get_cpu_capability()
-    if capability not in ("AVX512", "AMX"):  # AMX CPUs have AVX-512 too
-        return f"the CPU's vector capability is {capability}, the kernel needs AVX512"
+    if capability not in ISA_FLAGS:
+        return f"the CPU's vector capability is {capability}, the kernel needs AVX512 or AVX2"
     if shutil.which(_compiler()) is None:
         return f"no C++ compiler ({_compiler()!r}; set CXX)"
     return ""
@@ -151,6 +156,7 @@ def _build_and_load() -> str:
     command = [
         _compiler(),
         *FLAGS,
+        *ISA_FLAGS[torch.backends.cpu.get_cpu_capability()],
         abi,
         *(f"-I{p}" for p in cpp_extension.include_paths()),
         str(SOURCE),

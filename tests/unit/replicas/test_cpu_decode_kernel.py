@@ -1,9 +1,10 @@
-"""The hand-written CPU decode attention (attention/cpu_decode_kernel.py): built and loaded on
-a machine with AVX-512 and a C++ compiler, it computes what `inplace_decode.decode_attention`
-computes (the row's own token merged in), for any head layout it supports, fp32 and bf16
-pools, empty and long contexts (split into parts across threads), strided pool views; bad
-input is a clear error; where it cannot be used, the decode step package keeps inductor's
-formula and says why. Its use inside a built package is checked in test_compiled_decode.py."""
+"""The hand-written CPU decode attention (attention/cpu_decode_kernel.py): built and loaded on a
+machine with AVX-512 or AVX2 and a C++ compiler, it computes what
+`inplace_decode.decode_attention` computes (the row's own token merged in), for any head layout
+it supports, fp32 and bf16 pools, empty and long contexts (split into parts across threads),
+strided pool views; bad input is a clear error; where it cannot be used, the decode step package
+keeps inductor's formula and says why. Its use inside a built package is checked in
+test_compiled_decode.py."""
 
 from __future__ import annotations
 
