@@ -34,11 +34,9 @@ HEAD_DIMS = (16, 32, 64, 80, 96, 128)  # what the kernel is instantiated for
 MAX_GROUP = 32  # query heads per KV head, times the query tokens per row
 DTYPES = (torch.float32, torch.bfloat16)  # the pool's
 FLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp")
-ISA_FLAGS = {  # torch's CPU capability -> the kernel's vector code (the .cpp's primitives)
-    "AMX": ("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mfma"),  # has AVX-512
-    "AVX512": ("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mfma"),
-    "AVX2": ("-mavx2", "-mfma"),
-}
+AVX512_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mfma")
+# torch's CPU capability -> the kernel's vector code (the .cpp's primitives); AMX has AVX-512
+ISA_FLAGS = {"AMX": AVX512_FLAGS, "AVX512": AVX512_FLAGS, "AVX2": ("-mavx2", "-mfma")}
 DISABLE_ENV = "SESSIONSERVE_CPU_DECODE_KERNEL"  # "0": keep inductor's formula everywhere
 log = logging.getLogger(__name__)
 _lock = threading.Lock()

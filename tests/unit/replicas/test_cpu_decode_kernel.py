@@ -8,6 +8,11 @@ test_compiled_decode.py."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -72,6 +77,48 @@ def test_the_kernel_computes_the_formula(heads, kv_heads, dim, dtype, threads) -
             torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-6)
         else:  # both computed in fp32, rounded once: at most one bf16 step apart
             torch.testing.assert_close(got.float(), want.float(), atol=1e-3, rtol=2**-7)
+
+
+AVX2_BUILD_CHECK = """
+import torch
+torch.backends.cpu.get_cpu_capability = lambda: "AVX2"  # build the 8-lane form here
+from sessionserve.replicas.attention import cpu_decode_kernel
+from sessionserve.replicas.attention.inplace_decode import decode_attention, part_padded
+from tests.unit.replicas.test_cpu_decode_kernel import case
+assert cpu_decode_kernel.load(), cpu_decode_kernel.why_not()
+for dtype in (torch.float32, torch.bfloat16):
+    for heads, kv_heads, dim in [(9, 3, 64), (6, 1, 80)]:
+        for seed, lens in enumerate([[1], [15, 16, 17], [0, 1500, 40, 1]]):
+            q, k, v, slots, lens_t, nk, nv = case(heads, kv_heads, dim, lens, dtype, seed)
+            got = cpu_decode_kernel.decode_attend(q, k, v, slots, lens_t, nk, nv, dim**-0.5)
+            want = decode_attention(q, k, v, part_padded(slots, 4), lens_t, 4, dim**-0.5, nk, nv)
+            if dtype == torch.float32:
+                torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-6)
+            else:
+                torch.testing.assert_close(got.float(), want.float(), atol=1e-3, rtol=2**-7)
+print("AVX2 build ok")
+"""
+
+
+@pytest.mark.skipif(
+    torch.backends.cpu.get_cpu_capability() not in ("AVX512", "AMX"),
+    reason="no AVX-512 here: where the kernel builds at all, the tests above run its AVX2 form",
+)
+def test_the_avx2_form_computes_the_formula_on_an_avx512_cpu(tmp_path) -> None:
+    """The 8-lane primitives (the .cpp's AVX2 branch) run on every x86 CI machine: built in a
+    child process told the CPU is AVX2, into its own cache (the op can be loaded once per
+    process)."""
+    env = {**os.environ, "SESSIONSERVE_CACHE": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-c", AVX2_BUILD_CHECK],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=Path(__file__).parents[3],
+    )
+    assert done.returncode == 0 and "AVX2 build ok" in done.stdout, done.stderr[-3000:]
+    assert any(tmp_path.glob("kernels/cpu_decode_attention-*.so"))
 
 
 @pytest.mark.usefixtures("kernel")
