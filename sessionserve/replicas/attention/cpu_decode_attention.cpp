@@ -107,18 +107,18 @@ inline Vec vset1(float x) { return _mm256_set1_ps(x); }
 inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
 inline Vec vsub(Vec a, Vec b) { return _mm256_sub_ps(a, b); }
 inline Vec vfmadd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline __m128 half_sum(Vec v) {  // lanes i and i + 4 added
-  return _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+// One lane reduction for the sum and the max: the halves, then lanes 0-1 with 2-3, then 0 with 1.
+template <class Op>
+inline float reduce(Vec v, Op op) {
+  __m128 x = op(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = op(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(op(x, _mm_movehdup_ps(x)));
 }
 inline float vsum(Vec v) {
-  __m128 x = half_sum(v);
-  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+  return reduce(v, [](__m128 a, __m128 b) { return _mm_add_ps(a, b); });
 }
 inline float vmax(Vec v) {
-  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
-  return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
+  return reduce(v, [](__m128 a, __m128 b) { return _mm_max_ps(a, b); });
 }
 inline Vec vexp(Vec v) { return Sleef_expf8_u10avx2(v); }
 inline Vec vfirst(Vec v, int n, float other) {
