@@ -61,41 +61,43 @@ def case(heads: int, kv_heads: int, dim: int, lens: list[int], dtype: torch.dtyp
     [(4, 2, 16), (9, 3, 64), (8, 2, 128), (4, 4, 32), (6, 1, 80), (16, 1, 96)],
 )
 def test_the_kernel_computes_the_formula(heads, kv_heads, dim, dtype, threads) -> None:
-    scale = dim**-0.5
     for seed, lens in enumerate([[0], [1], [15, 16, 17], [700, 3], [0, 1500, 40, 1]]):
-        query, k_pool, v_pool, slots, lens_t, new_k, new_v = case(
-            heads, kv_heads, dim, lens, dtype, seed
-        )
-        got = cpu_decode_kernel.decode_attend(
-            query, k_pool, v_pool, slots, lens_t, new_k, new_v, scale
-        )
-        want = decode_attention(
-            query, k_pool, v_pool, part_padded(slots, 4), lens_t, 4, scale, new_k, new_v
-        )
-        assert got.dtype == dtype and got.shape == query.shape
-        if dtype == torch.float32:  # only the order of the sums differs
-            torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-6)
-        else:  # both computed in fp32, rounded once: at most one bf16 step apart
-            torch.testing.assert_close(got.float(), want.float(), atol=1e-3, rtol=2**-7)
+        check_a_case(heads, kv_heads, dim, lens, dtype, seed)
+
+
+def check_a_case(heads: int, kv_heads: int, dim: int, lens: list[int], dtype, seed: int) -> None:
+    """The kernel against `decode_attention` on one `case` (also the AVX2 child's check)."""
+    query, k_pool, v_pool, slots, lens_t, new_k, new_v = case(
+        heads, kv_heads, dim, lens, dtype, seed
+    )
+    scale = dim**-0.5
+    got = cpu_decode_kernel.decode_attend(query, k_pool, v_pool, slots, lens_t, new_k, new_v, scale)
+    want = decode_attention(
+        query, k_pool, v_pool, part_padded(slots, 4), lens_t, 4, scale, new_k, new_v
+    )
+    assert got.dtype == dtype and got.shape == query.shape
+    assert_matches_formula(got, want)
+
+
+def assert_matches_formula(got: torch.Tensor, want: torch.Tensor) -> None:
+    """The kernel's tolerance: in fp32 only the order of the sums differs; in bf16 both are
+    computed in fp32 and rounded once, so at most one bf16 step apart."""
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-6)
+    else:
+        torch.testing.assert_close(got.float(), want.float(), atol=1e-3, rtol=2**-7)
 
 
 AVX2_BUILD_CHECK = """
 import torch
 torch.backends.cpu.get_cpu_capability = lambda: "AVX2"  # build the 8-lane form here
 from sessionserve.replicas.attention import cpu_decode_kernel
-from sessionserve.replicas.attention.inplace_decode import decode_attention, part_padded
-from tests.unit.replicas.test_cpu_decode_kernel import case
+from tests.unit.replicas.test_cpu_decode_kernel import check_a_case
 assert cpu_decode_kernel.load(), cpu_decode_kernel.why_not()
 for dtype in (torch.float32, torch.bfloat16):
     for heads, kv_heads, dim in [(9, 3, 64), (6, 1, 80)]:
         for seed, lens in enumerate([[1], [15, 16, 17], [0, 1500, 40, 1]]):
-            q, k, v, slots, lens_t, nk, nv = case(heads, kv_heads, dim, lens, dtype, seed)
-            got = cpu_decode_kernel.decode_attend(q, k, v, slots, lens_t, nk, nv, dim**-0.5)
-            want = decode_attention(q, k, v, part_padded(slots, 4), lens_t, 4, dim**-0.5, nk, nv)
-            if dtype == torch.float32:
-                torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-6)
-            else:
-                torch.testing.assert_close(got.float(), want.float(), atol=1e-3, rtol=2**-7)
+            check_a_case(heads, kv_heads, dim, lens, dtype, seed)
 print("AVX2 build ok")
 """
 
@@ -177,7 +179,7 @@ def test_without_an_own_token_it_computes_the_formula_over_the_pool(dtype) -> No
     none = query.new_empty(0)
     got = cpu_decode_kernel.decode_attend(query, k_pool, v_pool, slots, lens, none, none, 0.125)
     want = decode_attention(query, k_pool, v_pool, part_padded(slots, 4), lens, 4, 0.125)
-    torch.testing.assert_close(got.float(), want.float(), atol=1e-3, rtol=2**-7)
+    assert_matches_formula(got, want)
     with pytest.raises(RuntimeError, match="under T only with the rows' own"):
         cpu_decode_kernel.decode_attend(query, k_pool, v_pool, slots, lens * 0, none, none, 0.1)
 
@@ -227,10 +229,7 @@ def test_rows_of_several_tokens_attend_causally(tokens, dtype, tail) -> None:
         )
         want = per_token_reference(query, k_pool, v_pool, slots, lens_t, tokens, 0.125)
     assert got.shape == query.shape
-    if dtype == torch.float32:
-        torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-6)
-    else:
-        torch.testing.assert_close(got.float(), want.float(), atol=1e-3, rtol=2**-7)
+    assert_matches_formula(got, want)
     too_many = cpu_decode_kernel.max_query_tokens(9, 3) + 1
     wide_query = torch.zeros(batch * too_many, 9, 64, dtype=dtype)
     with pytest.raises(RuntimeError, match="at most 32"):
