@@ -18,6 +18,11 @@ attention compiled by inductor from `inplace_decode.decode_attention` (what the 
 before the hand-written CPU kernel, `replicas/attention/cpu_decode_kernel.py`; built here if
 the cache lacks it, ~5 minutes); the engine's own package must then use the kernel.
 
+With `--against inductor_linear` the other side is a second decode step package, its linears
+inductor's GEMM template (what the package ran before the few-row fp32 kernel,
+`replicas/cpu_linear.py`; the cached package of before, or built here, ~5 minutes); the
+engine's own package must then use the kernel.
+
 With `--against cxx --cxx COMPILER` the other side is the engine's decode step package built
 again by another C++ compiler (inductor's `cpp.cxx`; into a scratch directory with its own
 inductor cache, ~5 minutes), and the prefill package is set aside, so that every decode step
@@ -44,7 +49,8 @@ which takes rows of several tokens) and without it (the forward's package, or th
 package for steps past `compile_max_tokens`), alternating.
 
     .venv/bin/python -m benchmarks.decode_package [--batches 1 8 32] [--tokens 128] [--rounds 3]
-        [--context N] [--against forward | inductor_attention | onednn | cxx --cxx clang++-14]
+        [--context N] [--against forward | inductor_attention | inductor_linear | onednn
+        | cxx --cxx clang++-14]
         [--verify T]
 
 Last line: JSON with `against`, `ms_forward_<B>` (the other side), `ms_decode_<B>` (medians)
@@ -84,6 +90,7 @@ from sessionserve.replicas.compiled_forward import (
     load_or_build,
     plan_compile,
 )
+from sessionserve.replicas.cpu_linear import why_not as linear_why
 from sessionserve.replicas.engine import Engine
 from sessionserve.replicas.step import ForwardBatch
 from sessionserve.wire import SamplingParams
@@ -130,10 +137,10 @@ def timed_round(
 
 
 def decode_plan(
-    eng: Engine, attention_kernel: bool | None = None
+    eng: Engine, attention_kernel: bool | None = None, linear_kernel: bool | None = None
 ) -> tuple[CompilePlan, DecodeStep]:
-    """The engine's decode step package's plan and the step it compiles (`attention_kernel`:
-    as `plan_decode_compile` takes it)."""
+    """The engine's decode step package's plan and the step it compiles (`attention_kernel`,
+    `linear_kernel`: as `plan_decode_compile` takes them)."""
     runner, cfg = eng.runner, eng.config
     forward = plan_compile(
         True,
@@ -142,7 +149,9 @@ def decode_plan(
         cfg.compile_cache_dir,
         runner.feature_layers,
     )
-    plan, step = plan_decode_compile(True, forward, runner.model, runner.kv_pool, attention_kernel)
+    plan, step = plan_decode_compile(
+        True, forward, runner.model, runner.kv_pool, attention_kernel, linear_kernel
+    )
     assert step is not None
     return plan, step
 
@@ -157,6 +166,19 @@ def inductor_attention_package(eng: Engine) -> CompiledDecode:
     compiled = load_or_build(plan, step, build_in_subprocess)
     if compiled is None:
         raise SystemExit("the inductor-attention package did not build (see the log above)")
+    return compiled  # type: ignore[return-value] - plan.loads_as is CompiledDecode
+
+
+def inductor_linear_package(eng: Engine) -> CompiledDecode:
+    """The engine's decode step package once more, its linears inductor's GEMM template
+    instead of the few-row kernel (`cpu_linear.py`; built by a build process if the cache
+    lacks it)."""
+    if not eng.runner.compiled_decode or not eng.runner.compiled_decode.linear_kernel:
+        raise SystemExit(f"the engine's package does not use the linear kernel: {linear_why()}")
+    plan, step = decode_plan(eng, linear_kernel=False)
+    compiled = load_or_build(plan, step, build_in_subprocess)
+    if compiled is None:
+        raise SystemExit("the package without the linear kernel did not build (see the log)")
     return compiled  # type: ignore[return-value] - plan.loads_as is CompiledDecode
 
 
@@ -271,7 +293,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--against",
-        choices=["forward", "inductor_attention", "cxx", "onednn"],
+        choices=["forward", "inductor_attention", "inductor_linear", "cxx", "onednn"],
         default="forward",
     )
     parser.add_argument("--cxx", help="with --against cxx: the other package's C++ compiler")
@@ -323,6 +345,8 @@ def main() -> None:
         eng.runner.compiled_prefill = None
     elif args.against == "inductor_attention":
         other = inductor_attention_package(eng)
+    elif args.against == "inductor_linear":
+        other = inductor_linear_package(eng)
     else:
         other = None
     result: dict[str, Any] = {"against": args.against}

@@ -31,6 +31,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from sessionserve.cache.kv_pool import KVPool, KVShape
+from sessionserve.replicas import cpu_linear
 from sessionserve.replicas.aoti_call import load_releasing_gil
 from sessionserve.replicas.attention import cpu_decode_kernel, install, sliding_windows
 from sessionserve.replicas.attention.base import SeqSpec, to_device
@@ -49,6 +50,7 @@ EXAMPLE_POOL_SLOTS = 4096  # the export example's pool (its size stays dynamic)
 # the example's context columns per part (dynamic too, but inductor sizes the attention's
 # loops' threading from it: compiled_attention.py's reason for serving-sized examples)
 EXAMPLE_PART_WIDTH = 96
+SHIMS = "aot_inductor.custom_ops_to_c_shims"  # the inductor config naming kernels' C functions
 
 
 class DecodeStep(torch.nn.Module):
@@ -72,6 +74,7 @@ class DecodeStep(torch.nn.Module):
         chunks: int,
         feature_layers: tuple[int, ...] | None = None,
         attention_kernel: bool = False,
+        linear_kernel: bool = False,
     ) -> None:
         super().__init__()
         self.config = model.config  # for `package_key`
@@ -82,6 +85,9 @@ class DecodeStep(torch.nn.Module):
         # the layers attend through the hand-written CPU kernel (cpu_decode_kernel.py)
         # instead of inductor's code for `decode_attention`
         self.attention_kernel = attention_kernel
+        # the linears run the few-row GEMM kernel (cpu_linear.py) instead of inductor's
+        # template: swapped in on the copy that is exported (`export_inputs`)
+        self.linear_kernel = linear_kernel
         # new tokens a row may have: the kernel's limit (T * G query rows), 1 for the formula
         shape = KVShape.from_hf_config(self.config)
         self.query_tokens = (
@@ -92,12 +98,19 @@ class DecodeStep(torch.nn.Module):
 
     @property
     def inductor_configs(self) -> dict[str, Any]:
-        """What `build_package` compiles this step with."""
-        if not self.attention_kernel:
-            return dict(self.BASE_INDUCTOR_CONFIGS)
-        if not cpu_decode_kernel.load():  # a build process loads it here
-            raise RuntimeError(f"the CPU decode attention kernel: {cpu_decode_kernel.why_not()}")
-        return {**self.BASE_INDUCTOR_CONFIGS, **cpu_decode_kernel.aot_configs()}
+        """What `build_package` compiles this step with: the C functions of the kernels it
+        calls (a build process loads them here)."""
+        shims: dict[object, list[str]] = {}
+        if self.attention_kernel:
+            if not cpu_decode_kernel.load():
+                why = cpu_decode_kernel.why_not()
+                raise RuntimeError(f"the CPU decode attention kernel: {why}")
+            shims |= cpu_decode_kernel.c_shims()
+        if self.linear_kernel:
+            if not cpu_linear.load():
+                raise RuntimeError(f"the CPU few-row linear kernel: {cpu_linear.why_not()}")
+            shims |= cpu_linear.c_shims()
+        return {**self.BASE_INDUCTOR_CONFIGS, **({SHIMS: shims} if shims else {})}
 
     def forward(
         self,
@@ -126,6 +139,8 @@ class DecodeStep(torch.nn.Module):
         `inline_decode`), whatever it came with, as `build_package` does for the forward's
         package."""
         install(self.decoder)
+        if self.linear_kernel:
+            cpu_linear.swap_linears(self)  # the decoder's and the LM head's
         shape = KVShape.from_hf_config(self.config)
         dtype = next(self.parameters()).dtype
         n, width = example_tokens, EXAMPLE_PART_WIDTH * self.chunks
@@ -171,6 +186,12 @@ class DecodeStep(torch.nn.Module):
             # the C function the package calls by name (its code lives in the kernel's
             # library, rebuilt on its own when its source changes)
             "attention_kernel": self.attention_kernel and cpu_decode_kernel.C_SHIM,
+            # only where used: packages built before stay valid
+            **(
+                {"linear_kernel": [cpu_linear.C_SHIM, cpu_linear.panel_width()]}
+                if self.linear_kernel
+                else {}
+            ),
         }
 
 
@@ -184,14 +205,22 @@ class CompiledDecode(CompiledForward):
     load = staticmethod(load_releasing_gil)
 
     def __init__(
-        self, package: Path, max_tokens: int, min_tokens: int = 1, query_tokens: int = 1
+        self,
+        package: Path,
+        max_tokens: int,
+        min_tokens: int = 1,
+        query_tokens: int = 1,
+        linear_kernel: bool = False,
     ) -> None:
-        # a package built with the CPU kernel calls it by name: the op must exist first
+        # a package built with a CPU kernel calls it by name: the op must exist first
         # (where it cannot be loaded, no package here was built with it)
         cpu_decode_kernel.load()
+        if linear_kernel:
+            cpu_linear.load()
         super().__init__(package, max_tokens, min_tokens)
         self.chunks = kernel_chunks()  # what it was exported for (the key has the threads)
         self.query_tokens = query_tokens  # DecodeStep.query_tokens of its build
+        self.linear_kernel = linear_kernel  # DecodeStep.linear_kernel of its build
 
     def padded_tokens(self, seqs: list[SeqSpec], sliding: bool = False) -> int | None:
         """The tokens of a step of these rows once each is padded to the widest, where this
@@ -274,6 +303,7 @@ def plan_decode_compile(
     model: Any,
     pool: KVPool,
     attention_kernel: bool | None = None,
+    linear_kernel: bool | None = None,
 ) -> tuple[CompilePlan, DecodeStep | None]:
     """Resolve `engine.compile_decode` (auto | true | false) beside the compiled forward
     `forward`: a package for decode steps of up to its `max_tokens` rows (and, through the
@@ -281,7 +311,8 @@ def plan_decode_compile(
     forward is an AOTInductor package (CPU) and every layer attends over the whole context
     (no sliding window, no KV kept apart). auto: for models of AUTO_MIN_PARAMS+ parameters.
     Returns the plan and, when enabled, the step it compiles (the one its key was taken
-    from). `attention_kernel` None: the CPU kernel where `use_attention_kernel` says so
+    from). `attention_kernel` None: the CPU kernel where `use_attention_kernel` says so;
+    `linear_kernel` None: the few-row GEMM kernel where `use_linear_kernel` says so
     (benchmarks and tests pick)."""
     if not forward.enabled or mode is False:
         why = "engine.compile_decode is false or the forward is not compiled"
@@ -294,7 +325,11 @@ def plan_decode_compile(
         return CompilePlan(False, why), None
     if attention_kernel is None:
         attention_kernel = use_attention_kernel(model, pool)
-    step = DecodeStep(model, kernel_chunks(), forward.feature_layers, attention_kernel)
+    if linear_kernel is None:
+        linear_kernel = use_linear_kernel(model)
+    step = DecodeStep(
+        model, kernel_chunks(), forward.feature_layers, attention_kernel, linear_kernel
+    )
     key = package_key(step, forward.max_tokens, weights=forward.weights)
     plan = CompilePlan(
         True,
@@ -303,7 +338,9 @@ def plan_decode_compile(
         forward.max_tokens,
         forward.feature_layers,
         role="decode step package",
-        loads_as=functools.partial(CompiledDecode, query_tokens=step.query_tokens),
+        loads_as=functools.partial(
+            CompiledDecode, query_tokens=step.query_tokens, linear_kernel=step.linear_kernel
+        ),
     )
     return plan, step
 
@@ -316,3 +353,15 @@ def use_attention_kernel(model: Any, pool: KVPool) -> bool:
     shape = KVShape.from_hf_config(model.config)
     heads = model.config.num_attention_heads
     return cpu_decode_kernel.usable(shape.head_dim, heads, shape.num_kv_heads, pool.k.dtype)
+
+
+def use_linear_kernel(model: Any) -> bool:
+    """Whether the decode step's linears run the few-row GEMM kernel (cpu_linear.py): fp32
+    weights, at least one linear it supports, the kernel built and loaded here (otherwise the
+    reason is logged). SmolLM2-135M's linears at 8 rows on two Zen 3 cores: 24.6 ms against
+    65.7 through MKL (docs/benchmarks.md)."""
+    if next(model.parameters()).dtype != torch.float32:
+        return False
+    if not any(cpu_linear.supports(m) for m in model.modules()):
+        return False
+    return cpu_linear.load()

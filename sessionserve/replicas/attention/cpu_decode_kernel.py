@@ -14,50 +14,40 @@ not rebuild it.
 
 from __future__ import annotations
 
-import ctypes
-import hashlib
 import logging
-import os
-import shutil
-import subprocess
-import tempfile
-import threading
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from sessionserve.replicas.loader import cache_root
+from sessionserve.replicas.native_kernel import NativeKernel
 
 SOURCE = Path(__file__).with_name("cpu_decode_attention.cpp")
 HEAD_DIMS = (16, 32, 64, 80, 96, 128)  # what the kernel is instantiated for
 MAX_GROUP = 32  # query heads per KV head, times the query tokens per row
 DTYPES = (torch.float32, torch.bfloat16)  # the pool's
-FLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp")
-AVX512_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mfma")
-# torch's CPU capability -> the kernel's vector code (the .cpp's primitives); AMX has AVX-512
-ISA_FLAGS = {"AMX": AVX512_FLAGS, "AVX512": AVX512_FLAGS, "AVX2": ("-mavx2", "-mfma")}
 DISABLE_ENV = "SESSIONSERVE_CPU_DECODE_KERNEL"  # "0": keep inductor's formula everywhere
 log = logging.getLogger(__name__)
-_lock = threading.Lock()
-_state: dict[str, str | bool] = {}  # "loaded": bool, "why": the reason it is not
+
+
+def _register_fake() -> None:
+    @torch.library.register_fake("sessionserve::decode_attend")
+    def _(query, k_pool, v_pool, slots, lens, new_key, new_value, scale):  # noqa: ANN001, ANN202
+        return torch.empty_like(query)
+
+
+KERNEL = NativeKernel(SOURCE, DISABLE_ENV, "the CPU decode attention kernel", _register_fake, log)
 
 
 def load() -> bool:
     """Build (once per machine) and load the op; False, with the reason logged once and in
     `why_not()`, where it cannot be used here."""
-    with _lock:
-        if "loaded" not in _state:
-            why = _unavailable() or _build_and_load()
-            _state["loaded"], _state["why"] = not why, why
-            if why:
-                log.warning("CPU decode attention kernel not used: %s", why)
-        return bool(_state["loaded"])
+    return KERNEL.load()
 
 
 def why_not() -> str:
     """Why `load()` returned False ('' when it did not, or was not called)."""
-    return str(_state.get("why", ""))
+    return KERNEL.why_not()
 
 
 def supports(head_dim: int, heads: int, kv_heads: int, dtype: torch.dtype) -> bool:
@@ -110,12 +100,12 @@ C_SHIM = (
 )
 
 
-def aot_configs() -> dict[str, object]:
-    """Inductor configs for a package that calls the op: through its C function, declared
-    here (AOTInductor would otherwise route a custom op through a proxy executor, which a
-    package run from its C entry points does not have). The op must be loaded."""
-    op = torch.ops.sessionserve.decode_attend.default
-    return {"aot_inductor.custom_ops_to_c_shims": {op: [C_SHIM]}}
+def c_shims() -> dict[object, list[str]]:
+    """The op's C function, for a package that calls it (inductor's
+    `aot_inductor.custom_ops_to_c_shims`): AOTInductor would otherwise route a custom op
+    through a proxy executor, which a package run from its C entry points does not have.
+    The op must be loaded."""
+    return {torch.ops.sessionserve.decode_attend.default: [C_SHIM]}
 
 
 def over_the_pool(scale: float) -> Callable[..., torch.Tensor]:
@@ -129,78 +119,3 @@ def over_the_pool(scale: float) -> Callable[..., torch.Tensor]:
         return decode_attend(query, k_pool, v_pool, slots, lens, none, none, scale)
 
     return run
-
-
-def _unavailable() -> str:
-    if os.environ.get(DISABLE_ENV) == "0":
-        return f"{DISABLE_ENV}=0"
-    capability = torch.backends.cpu.get_cpu_capability()
-    if capability not in ISA_FLAGS:
-        return f"the CPU's vector capability is {capability}, the kernel needs AVX512 or AVX2"
-    if shutil.which(_compiler()) is None:
-        return f"no C++ compiler ({_compiler()!r}; set CXX)"
-    return ""
-
-
-def _compiler() -> str:
-    return os.environ.get("CXX", "g++")
-
-
-def _build_and_load() -> str:
-    from torch.utils import cpp_extension
-
-    torch_lib = Path(torch.__file__).parent / "lib"
-    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
-    command = [
-        _compiler(),
-        *FLAGS,
-        *ISA_FLAGS[torch.backends.cpu.get_cpu_capability()],
-        abi,
-        *(f"-I{p}" for p in cpp_extension.include_paths()),
-        str(SOURCE),
-        f"-L{torch_lib}",
-        "-lc10",
-        "-ltorch_cpu",
-        f"-Wl,-rpath,{torch_lib}",
-    ]
-    key = hashlib.sha256()
-    key.update(SOURCE.read_bytes())
-    key.update(" ".join([torch.__version__, *command[1:]]).encode())
-    library = cache_root() / "kernels" / f"cpu_decode_attention-{key.hexdigest()[:16]}.so"
-
-    def build() -> None:
-        with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
-            built = Path(tmp) / library.name
-            done = subprocess.run(
-                [*command, "-o", str(built)], capture_output=True, text=True, check=False
-            )
-            if done.returncode != 0:
-                raise RuntimeError(f"its build failed: {done.stderr.strip()[-2000:]}")
-            os.replace(built, library)
-
-    # imported here: compiled_forward imports the attention package, which imports this
-    from sessionserve.replicas.compiled_forward import build_once
-
-    try:
-        build_once(
-            library,
-            build,
-            "building the CPU decode attention kernel (once per machine, ~15 s)",
-            log,
-        )
-    except (RuntimeError, OSError) as error:
-        return str(error)
-    try:
-        # global: an AOTInductor package calls the kernel's C shim by name (aot_configs)
-        ctypes.CDLL(str(library), mode=os.RTLD_GLOBAL)
-        torch.ops.load_library(str(library))
-    except OSError as error:
-        return f"loading {library} failed: {error}"
-    _register_fake()
-    return ""
-
-
-def _register_fake() -> None:
-    @torch.library.register_fake("sessionserve::decode_attend")
-    def _(query, k_pool, v_pool, slots, lens, new_key, new_value, scale):  # noqa: ANN001, ANN202
-        return torch.empty_like(query)

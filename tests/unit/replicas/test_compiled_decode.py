@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from sessionserve.cache import KVShape
-from sessionserve.replicas import aoti_call, compiled_decode, compiled_forward
+from sessionserve.replicas import aoti_call, compiled_decode, compiled_forward, cpu_linear
 from sessionserve.replicas.attention import cpu_decode_kernel, install
 from sessionserve.replicas.attention.base import SeqSpec
 from sessionserve.replicas.attention.inplace_decode import decode_attention
@@ -278,7 +278,10 @@ def test_plan_decode_compile_resolves_the_config(tmp_path) -> None:
     assert step.key_facts()["decode_step"] == compiled_decode.DECODE_FORMAT
     assert plan.enabled and plan.package is not None and plan.package != forward.package
     assert plan.max_tokens == 32 and plan.loads_as.func is CompiledDecode
-    assert plan.loads_as.keywords == {"query_tokens": step.query_tokens}
+    assert plan.loads_as.keywords == {
+        "query_tokens": step.query_tokens,
+        "linear_kernel": step.linear_kernel,
+    }
     assert not compiled_decode.plan_decode_compile(False, forward, llama, pool)[0].enabled
     auto = compiled_decode.plan_decode_compile("auto", forward, llama, pool)[0]
     assert not auto.enabled and "not worth it" in auto.reason  # a tiny model
@@ -305,6 +308,7 @@ def built_package(engine, cache_dir: str) -> CompilePlan:
     assert plan.package is not None and step is not None
     # where the machine can build it, the package attends through the CPU kernel's C shim
     assert step.attention_kernel == cpu_decode_kernel.load()
+    assert step.linear_kernel == cpu_linear.load()  # and its linears through the GEMM kernel
     step = copy.deepcopy(step)  # the build swaps the parameters for fake ones while it traces
     compiled_forward.build_once(
         plan.package, lambda: compiled_forward.build_in_subprocess(step, plan), "building"

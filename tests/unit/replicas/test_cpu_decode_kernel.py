@@ -152,7 +152,7 @@ def test_bad_input_is_a_clear_error() -> None:
 def test_without_the_kernel_the_step_keeps_inductors_formula(monkeypatch, caplog, tmp_path):
     """Disabled (or unbuildable), `load()` says why once and the decode step package is
     planned with the compiled formula; the plan's key differs, so packages do not mix."""
-    monkeypatch.setattr(cpu_decode_kernel, "_state", {})
+    monkeypatch.setattr(cpu_decode_kernel.KERNEL, "_state", {})
     monkeypatch.setenv(cpu_decode_kernel.DISABLE_ENV, "0")
     model = tiny_model("llama")
     pool = tiny_engine(model).runner.kv_pool

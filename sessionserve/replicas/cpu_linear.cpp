@@ -1,0 +1,153 @@
+// y = x @ W^T + b for a few rows of x (a decode step's, a verify's), fp32, on x86 CPUs with
+// AVX-512 or AVX2.
+//
+// Why a hand-written kernel: a decode step of a small model on a CPU is its GEMMs, and at 1-40
+// rows neither library reaches the cores' FMA rate. MKL (`F.linear`) ran SmolLM2-135M's weights
+// at 8-33 GFLOP/s at 1-8 rows on two Zen 3 cores; inductor's C++ GEMM template, compiled by
+// gcc, stores every accumulator after each FMA (docs/benchmarks.md, stop 72). Here W is packed
+// once (`cpu_linear.pack`) into panels of kPanel output columns laid out K-major, so a panel
+// streams from memory once, contiguous, and a block of up to kRows rows of x keeps
+// kRows x 2 vector accumulators in registers over the whole of K: each weight vector loaded
+// feeds kRows FMAs, each x element is one broadcast. Rows past kRows take further passes over
+// the panel, which is in L2 by then. Threads split the panels.
+//
+// Built at run time by cpu_linear.py (g++ -mavx512f ..., or -mavx2 -mfma), loaded with
+// torch.ops.load_library; AOTInductor packages call it through the C function at the end.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/csrc/inductor/aoti_torch/c/shim.h>
+#include <torch/csrc/inductor/aoti_torch/utils.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+constexpr int kRows = 12;  // 24 accumulators + 2 weight vectors + 1 broadcast of 32 registers
+using Vec = __m512;
+inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+inline Vec vzero() { return _mm512_setzero_ps(); }
+inline Vec vbroadcast(const float* p) { return _mm512_set1_ps(*p); }
+inline Vec vfmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+#else
+constexpr int kLanes = 8;
+constexpr int kRows = 6;  // 12 accumulators + 2 weight vectors + 1 broadcast of 16 registers
+using Vec = __m256;
+inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+inline Vec vzero() { return _mm256_setzero_ps(); }
+inline Vec vbroadcast(const float* p) { return _mm256_broadcast_ss(p); }
+inline Vec vfmadd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+#endif
+constexpr int kPanel = 2 * kLanes;  // output columns a panel holds
+
+// R rows of x [R, K] (row stride lda) against one panel w [K, kPanel] -> y [R, kPanel]
+template <int R>
+inline void panel_rows(const float* x, int64_t lda, const float* w, int64_t K, float* y,
+                       int64_t ldy, const float* bias) {
+  Vec acc[R][2];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    acc[r][0] = bias ? vload(bias) : vzero();
+    acc[r][1] = bias ? vload(bias + kLanes) : vzero();
+  }
+  for (int64_t k = 0; k < K; ++k) {
+    const Vec w0 = vload(w + k * kPanel);
+    const Vec w1 = vload(w + k * kPanel + kLanes);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const Vec xr = vbroadcast(x + r * lda + k);
+      acc[r][0] = vfmadd(xr, w0, acc[r][0]);
+      acc[r][1] = vfmadd(xr, w1, acc[r][1]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    vstore(y + r * ldy, acc[r][0]);
+    vstore(y + r * ldy + kLanes, acc[r][1]);
+  }
+}
+
+template <int R>
+void rows_upto(int rows, const float* x, int64_t lda, const float* w, int64_t K, float* y,
+               int64_t ldy, const float* bias) {
+  if constexpr (R > 0) {
+    if (rows == R) return panel_rows<R>(x, lda, w, K, y, ldy, bias);
+    rows_upto<R - 1>(rows, x, lda, w, K, y, ldy, bias);
+  }
+}
+
+// All M rows against one panel: blocks of at most kRows rows, as even as possible (8 rows on
+// AVX2 are 4 + 4, not 6 + 2: the same weight loads, fewer idle FMA slots)
+void panel(const float* x, int64_t M, const float* w, int64_t K, float* y, int64_t N,
+           const float* bias) {
+  const int64_t blocks = (M + kRows - 1) / kRows;
+  int64_t m = 0;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t left = blocks - b;
+    const int rows = static_cast<int>((M - m + left - 1) / left);
+    rows_upto<kRows>(rows, x + m * K, K, w, K, y + m * N, N, bias);
+    m += rows;
+  }
+}
+
+at::Tensor cpu_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& bias) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat,
+              "cpu_linear: fp32 only, got ", x.scalar_type(), " and ", packed.scalar_type());
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.is_contiguous(),
+              "cpu_linear: the weight must be packed for this CPU's panels of ", kPanel,
+              " columns (cpu_linear.pack), got ", packed.sizes());
+  const int64_t K = x.size(-1);
+  TORCH_CHECK(packed.size(1) == K, "cpu_linear: x has ", K, " features, the weight ",
+              packed.size(1));
+  const int64_t panels = packed.size(0), N = panels * kPanel;
+  TORCH_CHECK(bias.numel() == 0 || (bias.numel() == N && bias.scalar_type() == at::kFloat &&
+                                    bias.is_contiguous()),
+              "cpu_linear: the bias must be empty or ", N, " contiguous fp32 values");
+  const at::Tensor rows = x.reshape({-1, K}).contiguous();
+  const int64_t M = rows.size(0);
+  std::vector<int64_t> sizes = x.sizes().vec();
+  sizes.back() = N;
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0) return y.view(sizes);
+  const float* xp = rows.data_ptr<float>();
+  const float* wp = packed.data_ptr<float>();
+  const float* bp = bias.numel() ? bias.data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p)
+      panel(xp, M, wp + p * K * kPanel, K, yp + p * kPanel, N, bp ? bp + p * kPanel : nullptr);
+  });
+  return y.view(sizes);
+}
+
+int64_t cpu_linear_panel() { return kPanel; }
+
+}  // namespace
+
+extern "C" AOTI_TORCH_EXPORT AOTITorchError aoti_torch_cpu_cpu_linear(AtenTensorHandle x,
+                                                                     AtenTensorHandle packed,
+                                                                     AtenTensorHandle bias,
+                                                                     AtenTensorHandle* ret) {
+  using torch::aot_inductor::resolve_tensor_dispatch_flags;
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    at::Tensor out = cpu_linear(resolve_tensor_dispatch_flags(x),
+                                resolve_tensor_dispatch_flags(packed),
+                                resolve_tensor_dispatch_flags(bias));
+    *ret = torch::aot_inductor::new_tensor_handle(std::move(out));
+  });
+}
+
+TORCH_LIBRARY_FRAGMENT(sessionserve, m) {
+  m.def("cpu_linear(Tensor x, Tensor packed, Tensor bias) -> Tensor");
+  m.def("cpu_linear_panel() -> int");
+}
+
+TORCH_LIBRARY_IMPL(sessionserve, CPU, m) { m.impl("cpu_linear", &cpu_linear); }
+TORCH_LIBRARY_IMPL(sessionserve, CompositeExplicitAutograd, m) {
+  m.impl("cpu_linear_panel", &cpu_linear_panel);
+}

@@ -1,0 +1,114 @@
+"""The few-row fp32 linear (`cpu_linear.cpp`), as the decode step package's GEMMs on a CPU.
+
+Why: a decode step of a small model on a CPU is its GEMMs, run at a few rows (the decoding
+requests, a verify's k + 1 tokens each), where neither MKL nor inductor's GEMM template
+reaches the cores' FMA rate (docs/benchmarks.md: SmolLM2-135M's linears at 8 rows, two Zen 3
+cores, 65.7 ms through `F.linear`, 24.6 ms through this kernel). The model stays the
+transformers class: `swap_linears` replaces its `nn.Linear` modules by `PackedLinear` in the
+copy a package is exported from, so the package calls the kernel through its C function.
+Built and loaded once per machine by `native_kernel.NativeKernel`; `SESSIONSERVE_CPU_LINEAR=0`
+keeps inductor's GEMMs.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from sessionserve.replicas.native_kernel import NativeKernel, vector_lanes
+
+SOURCE = Path(__file__).with_name("cpu_linear.cpp")
+DISABLE_ENV = "SESSIONSERVE_CPU_LINEAR"  # "0": the packages keep inductor's GEMMs
+C_SHIM = (
+    "AOTITorchError aoti_torch_cpu_cpu_linear(AtenTensorHandle, AtenTensorHandle, "
+    "AtenTensorHandle, AtenTensorHandle*)"
+)
+log = logging.getLogger(__name__)
+
+
+def _register_fake() -> None:
+    @torch.library.register_fake("sessionserve::cpu_linear")
+    def _(x, packed, bias):  # noqa: ANN001, ANN202
+        return x.new_empty((*x.shape[:-1], packed.shape[0] * packed.shape[2]))
+
+
+KERNEL = NativeKernel(SOURCE, DISABLE_ENV, "the CPU few-row linear kernel", _register_fake, log)
+
+
+def load() -> bool:
+    """Build (once per machine) and load the op; False, with the reason logged once and in
+    `why_not()`, where it cannot be used here."""
+    return KERNEL.load()
+
+
+def why_not() -> str:
+    return KERNEL.why_not()
+
+
+def panel_width() -> int:
+    """Output columns a packed panel holds on this CPU (two vectors' lanes)."""
+    return 2 * vector_lanes()
+
+
+def supports(linear: torch.nn.Module) -> bool:
+    """An fp32 `nn.Linear` whose outputs fill whole panels here (the others keep their GEMM)."""
+    width = panel_width()
+    return (
+        type(linear) is torch.nn.Linear
+        and linear.weight.dtype == torch.float32
+        and width > 0
+        and linear.out_features % width == 0
+    )
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] (an `nn.Linear`'s weight) -> [N / P, K, P]: panels of P output columns, K-major,
+    as the kernel streams them."""
+    n, k = weight.shape
+    width = panel_width()
+    if width == 0 or n % width:
+        raise ValueError(f"{n} outputs do not fill panels of {width} columns")
+    return weight.detach().reshape(n // width, width, k).transpose(1, 2).contiguous()
+
+
+class PackedLinear(torch.nn.Module):
+    """An `nn.Linear` whose weight is packed for `cpu_linear`: same inputs, same outputs."""
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.register_buffer("packed", pack(linear.weight))
+        bias = linear.bias if linear.bias is not None else torch.empty(0)
+        self.register_buffer("bias", bias.detach().float().contiguous())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.packed, self.bias)  # loads the op in a build process
+
+
+def swap_linears(module: torch.nn.Module) -> int:
+    """Replace every supported `nn.Linear` under `module` (itself included, where it is one
+    of a parent's children) by a `PackedLinear`; how many were replaced. For the copy a
+    package is exported from: the originals' weights are dropped from it."""
+    replaced = 0
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if supports(child):
+                setattr(parent, name, PackedLinear(child))
+                replaced += 1
+    return replaced
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W^T + b with W packed by `pack` (loads the op first)."""
+    if not load():
+        raise RuntimeError(f"the CPU few-row linear kernel is not available: {why_not()}")
+    return torch.ops.sessionserve.cpu_linear(
+        x, packed, bias if bias is not None else x.new_empty(0)
+    )
+
+
+def c_shims() -> dict[object, list[str]]:
+    """The op's C function, for a package that calls it (as cpu_decode_kernel's)."""
+    return {torch.ops.sessionserve.cpu_linear.default: [C_SHIM]}

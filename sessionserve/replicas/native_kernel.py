@@ -1,0 +1,134 @@
+"""Hand-written C++ kernels for x86 CPUs, built once per machine and loaded as torch ops.
+
+Why one builder: each kernel (the decode attention, the few-row linear) is a .cpp compiled
+against this torch for the widest vector ISA the CPU has, cached under the cache root
+(`kernels/`) keyed by its source, torch's version and the flags, so a restart does not
+rebuild it; where the CPU, the compiler or the build falls short, `load()` says why once and
+callers keep what inductor compiles. AOTInductor packages call a kernel through its C
+function ("C shim"), found by name in the process: so the library is loaded globally.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from sessionserve.replicas.loader import cache_root
+
+FLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp")
+AVX512_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mfma")
+# torch's CPU capability -> the kernels' vector code; AMX has AVX-512
+ISA_FLAGS = {"AMX": AVX512_FLAGS, "AVX512": AVX512_FLAGS, "AVX2": ("-mavx2", "-mfma")}
+
+
+def vector_lanes() -> int:
+    """fp32 lanes of the vectors the kernels are built for here (0: they cannot be)."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    return 16 if capability in ("AMX", "AVX512") else 8 if capability == "AVX2" else 0
+
+
+class NativeKernel:
+    """One .cpp: `load()` builds it (once per machine) and loads its ops; False, with the
+    reason logged once and kept in `why_not()`, where it cannot be used here.
+    `disable_env`="0" turns it off; `after_load` registers what Python adds (fake impls)."""
+
+    def __init__(
+        self,
+        source: Path,
+        disable_env: str,
+        what: str,
+        after_load: Callable[[], None],
+        logger: logging.Logger,
+    ) -> None:
+        self.source = source
+        self.disable_env = disable_env
+        self.what = what
+        self.after_load = after_load
+        self.log = logger
+        self._lock = threading.Lock()
+        self._state: dict[str, str | bool] = {}  # "loaded": bool, "why": the reason it is not
+
+    def load(self) -> bool:
+        with self._lock:
+            if "loaded" not in self._state:
+                why = self._unavailable() or self._build_and_load()
+                self._state["loaded"], self._state["why"] = not why, why
+                if why:
+                    self.log.warning("%s not used: %s", self.what, why)
+            return bool(self._state["loaded"])
+
+    def why_not(self) -> str:
+        """Why `load()` returned False ('' when it did not, or was not called)."""
+        return str(self._state.get("why", ""))
+
+    def _unavailable(self) -> str:
+        if os.environ.get(self.disable_env) == "0":
+            return f"{self.disable_env}=0"
+        capability = torch.backends.cpu.get_cpu_capability()
+        if capability not in ISA_FLAGS:
+            return f"the CPU's vector capability is {capability}, the kernel needs AVX512 or AVX2"
+        if shutil.which(compiler()) is None:
+            return f"no C++ compiler ({compiler()!r}; set CXX)"
+        return ""
+
+    def _build_and_load(self) -> str:
+        from torch.utils import cpp_extension
+
+        torch_lib = Path(torch.__file__).parent / "lib"
+        abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
+        command = [
+            compiler(),
+            *FLAGS,
+            *ISA_FLAGS[torch.backends.cpu.get_cpu_capability()],
+            abi,
+            *(f"-I{p}" for p in cpp_extension.include_paths()),
+            str(self.source),
+            f"-L{torch_lib}",
+            "-lc10",
+            "-ltorch_cpu",
+            f"-Wl,-rpath,{torch_lib}",
+        ]
+        key = hashlib.sha256()
+        key.update(self.source.read_bytes())
+        key.update(" ".join([torch.__version__, *command[1:]]).encode())
+        library = cache_root() / "kernels" / f"{self.source.stem}-{key.hexdigest()[:16]}.so"
+
+        def build() -> None:
+            with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
+                built = Path(tmp) / library.name
+                done = subprocess.run(
+                    [*command, "-o", str(built)], capture_output=True, text=True, check=False
+                )
+                if done.returncode != 0:
+                    raise RuntimeError(f"its build failed: {done.stderr.strip()[-2000:]}")
+                os.replace(built, library)
+
+        # imported here: compiled_forward imports the attention package, which imports this
+        from sessionserve.replicas.compiled_forward import build_once
+
+        try:
+            build_once(library, build, f"building {self.what} (once per machine, ~15 s)", self.log)
+        except (RuntimeError, OSError) as error:
+            return str(error)
+        try:
+            # global: an AOTInductor package calls the kernel's C shim by name
+            ctypes.CDLL(str(library), mode=os.RTLD_GLOBAL)
+            torch.ops.load_library(str(library))
+        except OSError as error:
+            return f"loading {library} failed: {error}"
+        self.after_load()
+        return ""
+
+
+def compiler() -> str:
+    return os.environ.get("CXX", "g++")
