@@ -156,29 +156,23 @@ def decode_plan(
     return plan, step
 
 
-def inductor_attention_package(eng: Engine) -> CompiledDecode:
-    """The engine's decode step package once more, its attention compiled by inductor instead
-    of the hand-written CPU kernel (built by a build process if the cache lacks it)."""
+def package_without(eng: Engine, kernel: str) -> CompiledDecode:
+    """The engine's decode step package once more without one of its hand-written kernels
+    (`kernel`: "attention", inductor's code for `decode_attention` instead of
+    `cpu_decode_kernel`; "linear", inductor's GEMM template instead of `cpu_linear`), built by
+    a build process if the cache lacks it. The engine's own package must use that kernel."""
     runner = eng.runner
-    if not use_attention_kernel(runner.model, runner.kv_pool):
-        raise SystemExit(f"the engine's package does not use the CPU kernel: {why_not()}")
-    plan, step = decode_plan(eng, attention_kernel=False)
+    if kernel == "attention":
+        uses, why = use_attention_kernel(runner.model, runner.kv_pool), why_not()
+    else:
+        uses = runner.compiled_decode is not None and runner.compiled_decode.linear_kernel
+        why = linear_why()
+    if not uses:
+        raise SystemExit(f"the engine's package does not use the {kernel} kernel: {why}")
+    plan, step = decode_plan(eng, **{f"{kernel}_kernel": False})
     compiled = load_or_build(plan, step, build_in_subprocess)
     if compiled is None:
-        raise SystemExit("the inductor-attention package did not build (see the log above)")
-    return compiled  # type: ignore[return-value] - plan.loads_as is CompiledDecode
-
-
-def inductor_linear_package(eng: Engine) -> CompiledDecode:
-    """The engine's decode step package once more, its linears inductor's GEMM template
-    instead of the few-row kernel (`cpu_linear.py`; built by a build process if the cache
-    lacks it)."""
-    if not eng.runner.compiled_decode or not eng.runner.compiled_decode.linear_kernel:
-        raise SystemExit(f"the engine's package does not use the linear kernel: {linear_why()}")
-    plan, step = decode_plan(eng, linear_kernel=False)
-    compiled = load_or_build(plan, step, build_in_subprocess)
-    if compiled is None:
-        raise SystemExit("the package without the linear kernel did not build (see the log)")
+        raise SystemExit(f"the package without the {kernel} kernel did not build (see the log)")
     return compiled  # type: ignore[return-value] - plan.loads_as is CompiledDecode
 
 
@@ -343,10 +337,8 @@ def main() -> None:
         # without the prefill package no step size is routed to it (`compiled_for`), so each
         # decode step runs the decode package installed (the prompts prefill without it)
         eng.runner.compiled_prefill = None
-    elif args.against == "inductor_attention":
-        other = inductor_attention_package(eng)
-    elif args.against == "inductor_linear":
-        other = inductor_linear_package(eng)
+    elif args.against in ("inductor_attention", "inductor_linear"):
+        other = package_without(eng, args.against.removeprefix("inductor_"))
     else:
         other = None
     result: dict[str, Any] = {"against": args.against}

@@ -180,3 +180,14 @@ def replica_memory(app: str = APP, replicas: int = 2) -> dict[str, dict]:
         if len(seen) == replicas:
             break
     return seen
+
+
+@pytest.fixture
+def threads(request):
+    """torch's thread count set to the test's parameter (`indirect=True`), restored after."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)

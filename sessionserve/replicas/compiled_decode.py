@@ -312,7 +312,7 @@ def plan_decode_compile(
     (no sliding window, no KV kept apart). auto: for models of AUTO_MIN_PARAMS+ parameters.
     Returns the plan and, when enabled, the step it compiles (the one its key was taken
     from). `attention_kernel` None: the CPU kernel where `use_attention_kernel` says so;
-    `linear_kernel` None: the few-row GEMM kernel where `use_linear_kernel` says so
+    `linear_kernel` None: the few-row GEMM kernel where `cpu_linear.usable_for` says so
     (benchmarks and tests pick)."""
     if not forward.enabled or mode is False:
         why = "engine.compile_decode is false or the forward is not compiled"
@@ -326,7 +326,7 @@ def plan_decode_compile(
     if attention_kernel is None:
         attention_kernel = use_attention_kernel(model, pool)
     if linear_kernel is None:
-        linear_kernel = use_linear_kernel(model)
+        linear_kernel = cpu_linear.usable_for(model)
     step = DecodeStep(
         model, kernel_chunks(), forward.feature_layers, attention_kernel, linear_kernel
     )
@@ -353,15 +353,3 @@ def use_attention_kernel(model: Any, pool: KVPool) -> bool:
     shape = KVShape.from_hf_config(model.config)
     heads = model.config.num_attention_heads
     return cpu_decode_kernel.usable(shape.head_dim, heads, shape.num_kv_heads, pool.k.dtype)
-
-
-def use_linear_kernel(model: Any) -> bool:
-    """Whether the decode step's linears run the few-row GEMM kernel (cpu_linear.py): fp32
-    weights, at least one linear it supports, the kernel built and loaded here (otherwise the
-    reason is logged). SmolLM2-135M's linears at 8 rows on two Zen 3 cores: 24.6 ms against
-    65.7 through MKL (docs/benchmarks.md)."""
-    if next(model.parameters()).dtype != torch.float32:
-        return False
-    if not any(cpu_linear.supports(m) for m in model.modules()):
-        return False
-    return cpu_linear.load()

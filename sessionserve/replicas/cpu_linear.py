@@ -1,4 +1,5 @@
-"""The few-row fp32 linear (`cpu_linear.cpp`), as the decode step package's GEMMs on a CPU.
+"""The few-row fp32 linear (`cpu_linear.cpp`): the GEMMs of the decode step and EAGLE head
+packages on a CPU.
 
 Why: a decode step of a small model on a CPU is its GEMMs, run at a few rows (the decoding
 requests, a verify's k + 1 tokens each), where neither MKL nor inductor's GEMM template
@@ -35,16 +36,10 @@ def _register_fake() -> None:
 
 
 KERNEL = NativeKernel(SOURCE, DISABLE_ENV, "the CPU few-row linear kernel", _register_fake, log)
-
-
-def load() -> bool:
-    """Build (once per machine) and load the op; False, with the reason logged once and in
-    `why_not()`, where it cannot be used here."""
-    return KERNEL.load()
-
-
-def why_not() -> str:
-    return KERNEL.why_not()
+# build (once per machine) and load the op; False, with the reason logged once and in
+# `why_not()`, where it cannot be used here
+load = KERNEL.load
+why_not = KERNEL.why_not
 
 
 def panel_width() -> int:
@@ -61,6 +56,14 @@ def supports(linear: torch.nn.Module) -> bool:
         and width > 0
         and linear.out_features % width == 0
     )
+
+
+def usable_for(model: torch.nn.Module) -> bool:
+    """Whether `model`'s packages run the kernel: fp32 weights, at least one linear it
+    supports, and the kernel built and loaded here (otherwise the reason is logged once)."""
+    if next(model.parameters()).dtype != torch.float32:
+        return False
+    return any(supports(m) for m in model.modules()) and load()
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:

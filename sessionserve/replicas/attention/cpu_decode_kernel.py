@@ -37,17 +37,10 @@ def _register_fake() -> None:
 
 
 KERNEL = NativeKernel(SOURCE, DISABLE_ENV, "the CPU decode attention kernel", _register_fake, log)
-
-
-def load() -> bool:
-    """Build (once per machine) and load the op; False, with the reason logged once and in
-    `why_not()`, where it cannot be used here."""
-    return KERNEL.load()
-
-
-def why_not() -> str:
-    """Why `load()` returned False ('' when it did not, or was not called)."""
-    return KERNEL.why_not()
+# build (once per machine) and load the op; False, with the reason logged once and in
+# `why_not()`, where it cannot be used here
+load = KERNEL.load
+why_not = KERNEL.why_not
 
 
 def supports(head_dim: int, heads: int, kv_heads: int, dtype: torch.dtype) -> bool:

@@ -14,7 +14,10 @@ fixed in a package: an EAGLE-1/2 head reads the target's last hidden state and f
 own (both h wide), so one package serves it; an EAGLE-3 head reads three target layers (3h)
 when catching up and its own output (h) when chaining, so it gets a package for each.
 The target's embedding and LM head, which the head borrows, are registered here so that export
-sees them as weights (and the package key hashes them).
+sees them as weights (and the package key hashes them). With `linear_kernel` (fp32 heads on a
+CPU the few-row GEMM kernel builds on, cpu_linear.py) its linears and its draft-vocabulary
+GEMM run that kernel, swapped in on the copy that is exported, as the target's decode step
+package's do.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from sessionserve.replicas import cpu_linear
 from sessionserve.replicas.attention.base import ForwardMeta
 from sessionserve.replicas.attention.paged_op import forward_context
 from sessionserve.replicas.compiled_forward import (
@@ -41,7 +45,7 @@ from sessionserve.replicas.speculative.drafter import DraftHead
 class HeadStep(nn.Module):
     """One drafter forward and its draft logits, for inputs `input_width` wide."""
 
-    def __init__(self, drafter: DraftHead, input_width: int) -> None:
+    def __init__(self, drafter: DraftHead, input_width: int, linear_kernel: bool = False) -> None:
         super().__init__()
         self.drafter = drafter
         embedding, lm_head = drafter._borrowed()
@@ -49,6 +53,9 @@ class HeadStep(nn.Module):
         self.borrowed_lm_head = lm_head
         self.config = drafter.config
         self.input_width = input_width
+        self.linear_kernel = linear_kernel
+        # the EAGLE-1/2 head's draft-vocabulary GEMM as a packed linear (`export_inputs`)
+        self.draft_vocab: cpu_linear.PackedLinear | None = None
         if hasattr(drafter, "head_weight"):  # the EAGLE-1/2 head's cached draft-vocabulary
             drafter.head_weight()  # rows: made here, not assigned while export traces
 
@@ -60,12 +67,22 @@ class HeadStep(nn.Module):
         logit_idx: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         out = self.drafter.features(ids[None], hidden[None], positions[None])[0]
+        if self.draft_vocab is not None:
+            return self.draft_vocab(out[logit_idx]), out
         return self.drafter.draft_logits(out[logit_idx]), out
 
     def export_inputs(
         self, example_tokens: int, max_tokens: int, device: torch.device
     ) -> tuple[tuple[torch.Tensor, ...], tuple[dict[int, Any], ...]]:
         """As `_DecoderAndHead.export_inputs`, with the input hidden states beside the ids."""
+        if self.linear_kernel:  # on the copy that is exported
+            cpu_linear.swap_linears(self.drafter)  # not the borrowed LM head: unused here
+            weight = getattr(self.drafter, "_head_weight", None)
+            if weight is not None:
+                vocab = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+                vocab.weight = torch.nn.Parameter(weight.detach(), requires_grad=False)
+                if cpu_linear.supports(vocab):
+                    self.draft_vocab = cpu_linear.PackedLinear(vocab)
         tokens, rows = token_dims(max_tokens)
         n = example_tokens
         dtype = next(self.drafter.parameters()).dtype
@@ -84,11 +101,33 @@ class HeadStep(nn.Module):
             "head": type(self.drafter).__name__,
             "input_width": self.input_width,
             "feature_layers": list(self.drafter.feature_layers or ()),
+            # only where used: packages built before stay valid
+            **(
+                {"linear_kernel": [cpu_linear.C_SHIM, cpu_linear.panel_width()]}
+                if self.linear_kernel
+                else {}
+            ),
         }
+
+    @property
+    def inductor_configs(self) -> dict[str, Any]:
+        """The kernel's C function, for a package that calls it (`build_package`)."""
+        if not self.linear_kernel:
+            return {}
+        if not cpu_linear.load():
+            raise RuntimeError(f"the CPU few-row linear kernel: {cpu_linear.why_not()}")
+        return {"aot_inductor.custom_ops_to_c_shims": cpu_linear.c_shims()}
 
 
 class CompiledHead(CompiledForward):
     """A loaded head package: `run(ids, hidden, positions, logit_idx, meta)`."""
+
+    def __init__(
+        self, package: Path, max_tokens: int, min_tokens: int = 1, linear_kernel: bool = False
+    ) -> None:
+        if linear_kernel:  # the package calls the kernel by name: the op must exist first
+            cpu_linear.load()
+        super().__init__(package, max_tokens, min_tokens)
 
     def run(  # type: ignore[override] - the head's step also takes its input hidden states
         self,
@@ -124,8 +163,9 @@ def head_compile_jobs(
     if not forward.enabled or forward.package is None:
         return []
     jobs = []
+    linear_kernel = cpu_linear.usable_for(drafter)
     for width in head_input_widths(drafter, target_config):
-        step = HeadStep(drafter, width)
+        step = HeadStep(drafter, width, linear_kernel)
         key = package_key(step, forward.max_tokens)
         plan = CompilePlan(
             True,
@@ -133,7 +173,7 @@ def head_compile_jobs(
             Path(forward.package).parent / f"{key}.pt2",
             forward.max_tokens,
             role=f"EAGLE head ({width}-wide inputs)",
-            loads_as=CompiledHead,
+            loads_as=functools.partial(CompiledHead, linear_kernel=linear_kernel),
         )
         jobs.append(CompileJob(plan, functools.partial(installed.__setitem__, width), step))
     return jobs

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from sessionserve.replicas import cpu_linear
 from sessionserve.replicas.attention import ForwardMeta, SeqSpec
 from sessionserve.replicas.compiled_forward import CompilePlan, start_compile
 from sessionserve.replicas.speculative.checkpoint import load_drafter
@@ -93,7 +94,8 @@ def _same_step(proposer, width: int, tokens: int, seed: int) -> None:
 def test_engine_compile_builds_the_heads_step_and_answers_stay_exact(cache_dir) -> None:
     """`engine.compile` with an EAGLE head: the target's package and the head's (one: its
     inputs, the target's last hidden state and its own output, are both h wide) are built and
-    installed; every chain step and catch-up (prefill chunks of 24 tokens included: the package
+    installed (their linears the few-row GEMM kernel's where it builds, cpu_linear.py); every
+    chain step and catch-up (prefill chunks of 24 tokens included: the package
     takes up to compile_max_tokens, 32) runs the head's package, none eagerly; the head's
     decode rows attend over its pool in place with the target's kernel (same head layout)."""
     model = tiny_model(num_hidden_layers=1, seed=3)
@@ -177,6 +179,8 @@ def test_an_eagle3_head_gets_a_package_for_each_input_width(cache_dir, tmp_path)
         f"EAGLE head ({h}-wide inputs)",
         f"EAGLE head ({3 * h}-wide inputs)",
     ]
+    # where the machine builds it, the head's linears run the few-row GEMM kernel
+    assert all(job.model.linear_kernel == cpu_linear.load() for job in jobs)
     building = start_compile(jobs, background=True)
     assert building is not None
     building.join(timeout=600)

@@ -30,14 +30,6 @@ def kernel() -> None:
         pytest.skip(f"the CPU decode kernel cannot be used here: {cpu_decode_kernel.why_not()}")
 
 
-@pytest.fixture
-def threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 def case(heads: int, kv_heads: int, dim: int, lens: list[int], dtype: torch.dtype, seed: int):
     """Inputs as the decode step hands them over: a layer's view of a [layers, S, KVH, D]
     pool, each row's context scattered over 16-slot pages, new K/V as transposed views."""

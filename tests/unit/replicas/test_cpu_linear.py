@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from sessionserve.replicas import cpu_linear
-from sessionserve.replicas.compiled_decode import plan_decode_compile, use_linear_kernel
+from sessionserve.replicas.compiled_decode import plan_decode_compile
 from sessionserve.replicas.compiled_forward import CompilePlan
 from tests.models import tiny_engine, tiny_model
 
@@ -23,14 +23,6 @@ def kernel() -> int:
     if not cpu_linear.load():
         pytest.skip(f"the CPU linear kernel cannot be used here: {cpu_linear.why_not()}")
     return cpu_linear.panel_width()
-
-
-@pytest.fixture
-def threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
@@ -70,8 +62,8 @@ def test_a_model_with_its_linears_swapped_answers_as_before(kernel) -> None:
     panels becomes a `PackedLinear` (the LM head too, where the vocabulary does), the rest stay
     `nn.Linear`; the logits match the original's within fp32 rounding."""
     model = tiny_model("llama", seed=3)
-    assert use_linear_kernel(model)
-    assert not use_linear_kernel(copy.deepcopy(model).bfloat16())  # fp32 only
+    assert cpu_linear.usable_for(model)
+    assert not cpu_linear.usable_for(copy.deepcopy(model).bfloat16())  # fp32 only
     swapped = copy.deepcopy(model)
     linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
     fits = [m for m in linears if m.out_features % kernel == 0]
@@ -112,7 +104,7 @@ def test_without_the_kernel_the_step_keeps_inductors_gemms(monkeypatch, caplog, 
     pool = tiny_engine(model).runner.kv_pool
     forward = CompilePlan(True, "test", tmp_path / "forward.pt2", 32)
     with caplog.at_level("WARNING", logger=cpu_linear.__name__):
-        assert not use_linear_kernel(model)
+        assert not cpu_linear.usable_for(model)
     assert f"{cpu_linear.DISABLE_ENV}=0" in cpu_linear.why_not()
     assert "linear kernel not used" in caplog.text
     plan, step = plan_decode_compile(True, forward, model, pool)
