@@ -125,8 +125,6 @@ at::Tensor cpu_linear(const at::Tensor& x, const at::Tensor& packed, const at::T
   return y.view(sizes);
 }
 
-int64_t cpu_linear_panel() { return kPanel; }
-
 }  // namespace
 
 extern "C" AOTI_TORCH_EXPORT AOTITorchError aoti_torch_cpu_cpu_linear(AtenTensorHandle x,
@@ -144,10 +142,6 @@ extern "C" AOTI_TORCH_EXPORT AOTITorchError aoti_torch_cpu_cpu_linear(AtenTensor
 
 TORCH_LIBRARY_FRAGMENT(sessionserve, m) {
   m.def("cpu_linear(Tensor x, Tensor packed, Tensor bias) -> Tensor");
-  m.def("cpu_linear_panel() -> int");
 }
 
 TORCH_LIBRARY_IMPL(sessionserve, CPU, m) { m.impl("cpu_linear", &cpu_linear); }
-TORCH_LIBRARY_IMPL(sessionserve, CompositeExplicitAutograd, m) {
-  m.impl("cpu_linear_panel", &cpu_linear_panel);
-}

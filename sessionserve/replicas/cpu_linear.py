@@ -47,15 +47,15 @@ def panel_width() -> int:
     return 2 * vector_lanes()
 
 
-def supports(linear: torch.nn.Module) -> bool:
-    """An fp32 `nn.Linear` whose outputs fill whole panels here (the others keep their GEMM)."""
+def fits(weight: torch.Tensor) -> bool:
+    """An fp32 [N, K] weight whose N outputs fill whole panels here."""
     width = panel_width()
-    return (
-        type(linear) is torch.nn.Linear
-        and linear.weight.dtype == torch.float32
-        and width > 0
-        and linear.out_features % width == 0
-    )
+    return weight.dtype == torch.float32 and width > 0 and weight.shape[0] % width == 0
+
+
+def supports(linear: torch.nn.Module) -> bool:
+    """An `nn.Linear` whose weight `fits` (the others keep their GEMM)."""
+    return type(linear) is torch.nn.Linear and fits(linear.weight)
 
 
 def usable_for(model: torch.nn.Module) -> bool:
@@ -71,19 +71,20 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     as the kernel streams them."""
     n, k = weight.shape
     width = panel_width()
-    if width == 0 or n % width:
-        raise ValueError(f"{n} outputs do not fill panels of {width} columns")
+    if not fits(weight):
+        raise ValueError(f"{n} {weight.dtype} outputs do not fill fp32 panels of {width} columns")
     return weight.detach().reshape(n // width, width, k).transpose(1, 2).contiguous()
 
 
 class PackedLinear(torch.nn.Module):
-    """An `nn.Linear` whose weight is packed for `cpu_linear`: same inputs, same outputs."""
+    """`F.linear(x, weight, bias)` with the weight packed for `cpu_linear`: an `nn.Linear`'s
+    inputs and outputs."""
 
-    def __init__(self, linear: torch.nn.Linear) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.register_buffer("packed", pack(linear.weight))
-        bias = linear.bias if linear.bias is not None else torch.empty(0)
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("packed", pack(weight))
+        bias = bias if bias is not None else torch.empty(0)
         self.register_buffer("bias", bias.detach().float().contiguous())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -91,14 +92,14 @@ class PackedLinear(torch.nn.Module):
 
 
 def swap_linears(module: torch.nn.Module) -> int:
-    """Replace every supported `nn.Linear` under `module` (itself included, where it is one
-    of a parent's children) by a `PackedLinear`; how many were replaced. For the copy a
-    package is exported from: the originals' weights are dropped from it."""
+    """Replace every supported `nn.Linear` among `module`'s descendants by a `PackedLinear`;
+    how many were replaced. For the copy a package is exported from: the originals' weights
+    are dropped from it."""
     replaced = 0
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
             if supports(child):
-                setattr(parent, name, PackedLinear(child))
+                setattr(parent, name, PackedLinear(child.weight, child.bias))
                 replaced += 1
     return replaced
 

@@ -77,12 +77,11 @@ class HeadStep(nn.Module):
         """As `_DecoderAndHead.export_inputs`, with the input hidden states beside the ids."""
         if self.linear_kernel:  # on the copy that is exported
             cpu_linear.swap_linears(self.drafter)  # not the borrowed LM head: unused here
-            weight = getattr(self.drafter, "_head_weight", None)
-            if weight is not None:
-                vocab = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
-                vocab.weight = torch.nn.Parameter(weight.detach(), requires_grad=False)
-                if cpu_linear.supports(vocab):
-                    self.draft_vocab = cpu_linear.PackedLinear(vocab)
+            # the EAGLE-1/2 head's draft-vocabulary rows (an EAGLE-3 head's own `lm_head` is
+            # one of the linears swapped above)
+            weight = self.drafter.head_weight() if hasattr(self.drafter, "head_weight") else None
+            if weight is not None and cpu_linear.fits(weight):
+                self.draft_vocab = cpu_linear.PackedLinear(weight)
         tokens, rows = token_dims(max_tokens)
         n = example_tokens
         dtype = next(self.drafter.parameters()).dtype

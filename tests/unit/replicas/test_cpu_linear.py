@@ -51,7 +51,7 @@ def test_it_computes_f_linear_for_any_rows(kernel, threads, bias, in_features) -
 def test_a_packed_linear_takes_any_leading_dimensions(kernel) -> None:
     lin = torch.nn.Linear(24, 2 * kernel)
     x = torch.randn(2, 3, 24)
-    packed = cpu_linear.PackedLinear(lin)
+    packed = cpu_linear.PackedLinear(lin.weight, lin.bias)
     torch.testing.assert_close(packed(x), lin(x), rtol=1e-5, atol=1e-5)
     strided = torch.randn(24, 5).t()  # rows not contiguous
     torch.testing.assert_close(packed(strided), lin(strided), rtol=1e-5, atol=1e-5)
@@ -88,7 +88,7 @@ def test_what_it_does_not_take_is_a_clear_error(kernel) -> None:
         cpu_linear.linear(torch.randn(4, 8), packed)
     with pytest.raises(RuntimeError, match="the bias must be empty or"):
         cpu_linear.linear(x, packed, torch.zeros(kernel + 1))
-    with pytest.raises(ValueError, match="do not fill panels"):
+    with pytest.raises(ValueError, match="do not fill fp32 panels"):
         cpu_linear.pack(torch.randn(kernel + 1, 16))
     assert not cpu_linear.supports(torch.nn.Linear(16, kernel + 1))
     assert not cpu_linear.supports(torch.nn.Linear(16, kernel).bfloat16())
