@@ -9,8 +9,8 @@ output tokens only. `engine_overhead_frac` is the share of the engine's step tim
 the model forward (scheduling, batch building, sampling, bookkeeping) over decode-only steps.
 
 The engine runs with `engine.compile: true` (its package built on the first run, then loaded
-from the cache) unless `--no-compile`; the same engine with its compiled forward taken out
-gives the eager figures. `compile_speedup_B`: eager / compiled milliseconds per decode step
+from the cache) unless `--no-compile`; the same engine with its packages taken out (the
+compiled forward's, the decode step's, the prefill package) gives the eager figures. `compile_speedup_B`: eager / compiled milliseconds per decode step
 with B requests decoding (300-token prompts), both measured in this process, alternating.
 
     .venv/bin/python -m benchmarks.throughput [--concurrency 1 8 32] [--threads 2] [--no-compile]
@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import random
 import time
+from typing import Any
 
 import torch
 
@@ -57,9 +58,11 @@ def build_engine(loaded, concurrency: int, compile: bool):
 
 
 def decode_step_ms(eng, batch: int, rounds: int = 3, steps: int = 8) -> tuple[float, float]:
-    """Median ms per decode step of `batch` requests: eager (compiled forward taken out), then
-    compiled, alternating `rounds` times."""
-    compiled = eng.runner.compiled
+    """Median ms per decode step of `batch` requests: eager (every package taken out: the
+    compiled forward's, the decode step's and the prefill package; with the decode step
+    package left in, decode steps still ran it), then compiled, alternating `rounds` times."""
+    runner = eng.runner
+    packages = (runner.compiled, runner.compiled_decode, runner.compiled_prefill)
     rids = [
         eng.submit(
             list(range(100 + b, 400 + b)),
@@ -67,12 +70,16 @@ def decode_step_ms(eng, batch: int, rounds: int = 3, steps: int = 8) -> tuple[fl
         )
         for b in range(batch)
     ]
+
+    def install(installed: tuple[Any, Any, Any]) -> None:
+        runner.compiled, runner.compiled_decode, runner.compiled_prefill = installed
+
     variants = {
-        "eager": lambda: setattr(eng.runner, "compiled", None),
-        "compiled": lambda: setattr(eng.runner, "compiled", compiled),
+        "eager": lambda: install((None, None, None)),
+        "compiled": lambda: install(packages),
     }
     ms = alternate_decode_steps(eng, variants, rounds, steps)
-    eng.runner.compiled = compiled
+    install(packages)
     for rid in rids:
         eng.abort(rid)
     eng.run_until_idle()
