@@ -10,8 +10,9 @@ the model forward (scheduling, batch building, sampling, bookkeeping) over decod
 
 The engine runs with `engine.compile: true` (its package built on the first run, then loaded
 from the cache) unless `--no-compile`; the same engine with its packages taken out (the
-compiled forward's, the decode step's, the prefill package) gives the eager figures. `compile_speedup_B`: eager / compiled milliseconds per decode step
-with B requests decoding (300-token prompts), both measured in this process, alternating.
+compiled forward's, the decode step's, the prefill package) gives the eager figures.
+`compile_speedup_B`: eager / compiled milliseconds per decode step with B requests decoding
+(300-token prompts), both measured in this process, alternating.
 
     .venv/bin/python -m benchmarks.throughput [--concurrency 1 8 32] [--threads 2] [--no-compile]
 """
