@@ -44,13 +44,13 @@ from sessionserve.replicas.compiled_forward import (
     package_key,
 )
 from sessionserve.replicas.hidden_states import decoder_features
+from sessionserve.replicas.native_kernel import SHIMS_CONFIG
 
 DECODE_FORMAT = 2  # bump when DecodeStep's inputs or InlineDecode's formula change
 EXAMPLE_POOL_SLOTS = 4096  # the export example's pool (its size stays dynamic)
 # the example's context columns per part (dynamic too, but inductor sizes the attention's
 # loops' threading from it: compiled_attention.py's reason for serving-sized examples)
 EXAMPLE_PART_WIDTH = 96
-SHIMS = "aot_inductor.custom_ops_to_c_shims"  # the inductor config naming kernels' C functions
 
 
 class DecodeStep(torch.nn.Module):
@@ -102,15 +102,10 @@ class DecodeStep(torch.nn.Module):
         calls (a build process loads them here)."""
         shims: dict[object, list[str]] = {}
         if self.attention_kernel:
-            if not cpu_decode_kernel.load():
-                why = cpu_decode_kernel.why_not()
-                raise RuntimeError(f"the CPU decode attention kernel: {why}")
             shims |= cpu_decode_kernel.c_shims()
         if self.linear_kernel:
-            if not cpu_linear.load():
-                raise RuntimeError(f"the CPU few-row linear kernel: {cpu_linear.why_not()}")
             shims |= cpu_linear.c_shims()
-        return {**self.BASE_INDUCTOR_CONFIGS, **({SHIMS: shims} if shims else {})}
+        return {**self.BASE_INDUCTOR_CONFIGS, **({SHIMS_CONFIG: shims} if shims else {})}
 
     def forward(
         self,
@@ -187,11 +182,7 @@ class DecodeStep(torch.nn.Module):
             # library, rebuilt on its own when its source changes)
             "attention_kernel": self.attention_kernel and cpu_decode_kernel.C_SHIM,
             # only where used: packages built before stay valid
-            **(
-                {"linear_kernel": [cpu_linear.C_SHIM, cpu_linear.panel_width()]}
-                if self.linear_kernel
-                else {}
-            ),
+            **({"linear_kernel": cpu_linear.key_fact()} if self.linear_kernel else {}),
         }
 
 

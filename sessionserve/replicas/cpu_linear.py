@@ -106,13 +106,19 @@ def swap_linears(module: torch.nn.Module) -> int:
 
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ W^T + b with W packed by `pack` (loads the op first)."""
-    if not load():
-        raise RuntimeError(f"the CPU few-row linear kernel is not available: {why_not()}")
+    KERNEL.require()
     return torch.ops.sessionserve.cpu_linear(
         x, packed, bias if bias is not None else x.new_empty(0)
     )
 
 
 def c_shims() -> dict[object, list[str]]:
-    """The op's C function, for a package that calls it (as cpu_decode_kernel's)."""
+    """The op's C function, for a package that calls it (as cpu_decode_kernel's); loads the
+    op, raising where it cannot be used here."""
+    KERNEL.require()
     return {torch.ops.sessionserve.cpu_linear.default: [C_SHIM]}
+
+
+def key_fact() -> list[object]:
+    """What a package built with the kernel depends on (its C function and its panels)."""
+    return [C_SHIM, panel_width()]

@@ -29,6 +29,8 @@ FLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp")
 AVX512_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mfma")
 # torch's CPU capability -> the kernels' vector code; AMX has AVX-512
 ISA_FLAGS = {"AMX": AVX512_FLAGS, "AVX512": AVX512_FLAGS, "AVX2": ("-mavx2", "-mfma")}
+# the inductor config naming the C functions a package calls its kernels through
+SHIMS_CONFIG = "aot_inductor.custom_ops_to_c_shims"
 
 
 def vector_lanes() -> int:
@@ -66,6 +68,12 @@ class NativeKernel:
                 if why:
                     self.log.warning("%s not used: %s", self.what, why)
             return bool(self._state["loaded"])
+
+    def require(self) -> None:
+        """`load()`, raising with the reason where the kernel cannot be used here: for a
+        package build that was planned with it."""
+        if not self.load():
+            raise RuntimeError(f"{self.what} is not available: {self.why_not()}")
 
     def why_not(self) -> str:
         """Why `load()` returned False ('' when it did not, or was not called)."""

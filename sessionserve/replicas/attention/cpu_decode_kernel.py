@@ -79,8 +79,7 @@ def decode_attend(
     up to itself: their K/V `new_key`, `new_value` [B * T, KVH, D] after the row's lens[b]
     slots, or, given empty, the row's last T context slots. Loads the op first if this
     process has not (a package's build process, tests)."""
-    if not load():
-        raise RuntimeError(f"the CPU decode attention kernel is not available: {why_not()}")
+    KERNEL.require()
     return torch.ops.sessionserve.decode_attend(
         query, k_pool, v_pool, slots, lens, new_key, new_value, scale
     )
@@ -95,9 +94,10 @@ C_SHIM = (
 
 def c_shims() -> dict[object, list[str]]:
     """The op's C function, for a package that calls it (inductor's
-    `aot_inductor.custom_ops_to_c_shims`): AOTInductor would otherwise route a custom op
+    `native_kernel.SHIMS_CONFIG`): AOTInductor would otherwise route a custom op
     through a proxy executor, which a package run from its C entry points does not have.
-    The op must be loaded."""
+    Loads the op, raising where it cannot be used here."""
+    KERNEL.require()
     return {torch.ops.sessionserve.decode_attend.default: [C_SHIM]}
 
 

@@ -39,6 +39,7 @@ from sessionserve.replicas.compiled_forward import (
     package_key,
     token_dims,
 )
+from sessionserve.replicas.native_kernel import SHIMS_CONFIG
 from sessionserve.replicas.speculative.drafter import DraftHead
 
 
@@ -101,21 +102,13 @@ class HeadStep(nn.Module):
             "input_width": self.input_width,
             "feature_layers": list(self.drafter.feature_layers or ()),
             # only where used: packages built before stay valid
-            **(
-                {"linear_kernel": [cpu_linear.C_SHIM, cpu_linear.panel_width()]}
-                if self.linear_kernel
-                else {}
-            ),
+            **({"linear_kernel": cpu_linear.key_fact()} if self.linear_kernel else {}),
         }
 
     @property
     def inductor_configs(self) -> dict[str, Any]:
         """The kernel's C function, for a package that calls it (`build_package`)."""
-        if not self.linear_kernel:
-            return {}
-        if not cpu_linear.load():
-            raise RuntimeError(f"the CPU few-row linear kernel: {cpu_linear.why_not()}")
-        return {"aot_inductor.custom_ops_to_c_shims": cpu_linear.c_shims()}
+        return {SHIMS_CONFIG: cpu_linear.c_shims()} if self.linear_kernel else {}
 
 
 class CompiledHead(CompiledForward):
