@@ -59,9 +59,12 @@ def load(path: str = "default", dtype: torch.dtype = torch.float32) -> LoadedMod
     return load_model(path, dtype)
 
 
-def bench_config_engine(threads: int, dtype: str, kv_tokens: int | None = None) -> Engine:
+def bench_config_engine(
+    threads: int, dtype: str, kv_tokens: int | None = None, max_running: int = 32
+) -> Engine:
     """The engine of `serve-cpu-bench*.yaml` in this process: the default model in `dtype`,
-    compiled (the build waited for), `threads` torch threads, `kv_tokens` of KV or 1 GiB."""
+    compiled (the build waited for), `threads` torch threads, `kv_tokens` of KV or 1 GiB,
+    `max_running` requests a step (the configs' 32)."""
     model = ModelConfig(path="default", torch_threads=threads, dtype=dtype)
     cfg = EngineConfig(
         model=model,
@@ -70,7 +73,7 @@ def bench_config_engine(threads: int, dtype: str, kv_tokens: int | None = None) 
             max_rows=96,
             max_context_len=4096,
         ),
-        scheduler=SchedulerConfig(max_running_requests=32, max_prefill_tokens=512),
+        scheduler=SchedulerConfig(max_running_requests=max_running, max_prefill_tokens=512),
         compile=True,
     )
     eng = Engine(cfg, load("default", model.torch_dtype()))

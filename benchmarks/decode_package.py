@@ -45,8 +45,9 @@ next: docs/benchmarks.md, "A new box (Ice Lake Xeon) beside vLLM-CPU").
 With `--verify T` it times verify steps instead (B rows of T new tokens over `--context` old
 tokens each, every token's logits wanted, as a chain verify of k = T - 1 drafts), built by
 hand and run through the runner's `forward` with the package (its attention the CPU kernel,
-which takes rows of several tokens) and without it (the forward's package, or the prefill
-package for steps past `compile_max_tokens`), alternating.
+which takes rows of several tokens) and without it (the forward's package; past
+`compile_max_tokens` the prefill package where one is installed, else the eager forward),
+alternating. `--verify 1` times decode steps of exactly B rows the same way.
 
     .venv/bin/python -m benchmarks.decode_package [--batches 1 8 32] [--tokens 128] [--rounds 3]
         [--context N] [--against forward | inductor_attention | inductor_linear | onednn
@@ -309,7 +310,8 @@ def main() -> None:
         parser.error("--verify times the decode package against the forward's: no --against")
     setup_threads(args.threads)
     print(machine(), flush=True)
-    eng = bench_config_engine(args.threads, args.dtype)
+    # room for batches past the configs' 32 requests (past the forward's package's range)
+    eng = bench_config_engine(args.threads, args.dtype, max_running=max(32, *args.batches))
     package = eng.runner.compiled_decode
     if package is None:
         raise SystemExit("the decode step package did not install (see the log above)")

@@ -295,8 +295,9 @@ class EngineConfig(_Strict):
         ge=1,
         le=4096,
         description="Largest step (in tokens) the compiled forward runs: decode batches, short "
-        "turns, verifies. Longer steps run through the prefill package (compile_prefill) or "
-        "eagerly: this package's GEMMs are tuned for few rows and lose from ~50 tokens on "
+        "turns, verifies. Longer steps run through the prefill package (compile_prefill), the "
+        "decode step package (compile_decode) where it takes them, or eagerly: this package's "
+        "GEMMs are tuned for few rows and lose from ~50 tokens on "
         "(SmolLM2, 2 AVX2 cores: 1.22x at 32, 0.95x at 64, 0.67x at 256). On CUDA at least "
         "the largest CUDA graph's step (the graphs replay the compiled forward).",
     )
@@ -316,7 +317,8 @@ class EngineConfig(_Strict):
     compile_decode: bool | Literal["auto"] = Field(
         "auto",
         description="With the compiled forward on a CPU, a third package for decode steps "
-        "(one new token per request, up to compile_max_tokens requests): the whole step in one "
+        "(one new token per request, up to compile_max_tokens requests, or 64 where its linears "
+        "are the few-row fp32 kernel, replicas/cpu_linear.py): the whole step in one "
         "graph, each layer's attention over the KV pool compiled into it instead of a call "
         "back into Python per layer, every layer's new K/V written with one copy after it. "
         "Where its attention is the hand-written CPU kernel (AVX-512 or AVX2), it also runs "

@@ -51,6 +51,10 @@ EXAMPLE_POOL_SLOTS = 4096  # the export example's pool (its size stays dynamic)
 # the example's context columns per part (dynamic too, but inductor sizes the attention's
 # loops' threading from it: compiled_attention.py's reason for serving-sized examples)
 EXAMPLE_PART_WIDTH = 96
+# with its linears the few-row kernel, the package runs steps up to this many tokens even past
+# the forward's package (verifies of 8 rows of 5, decode steps of 33+ requests), which would
+# run eagerly: there the kernel streams the weights once for every row (docs/benchmarks.md)
+KERNEL_MAX_TOKENS = 64
 
 
 class DecodeStep(torch.nn.Module):
@@ -216,9 +220,8 @@ class CompiledDecode(CompiledForward):
     def padded_tokens(self, seqs: list[SeqSpec], sliding: bool = False) -> int | None:
         """The tokens of a step of these rows once each is padded to the widest, where this
         package runs it: rows adding 1..query_tokens tokens causally (no tree), no sliding
-        slots, at most `max_tokens` tokens in all (the forward's package's range: past it the
-        two packages measured alike, benchmarks/decode_package.py --verify). None: it does
-        not."""
+        slots, at most `max_tokens` tokens in all (the forward's package's range, or
+        KERNEL_MAX_TOKENS with the linear kernel). None: it does not."""
         width = max(s.q_len for s in seqs)
         tokens = len(seqs) * width
         if (
@@ -297,8 +300,9 @@ def plan_decode_compile(
     linear_kernel: bool | None = None,
 ) -> tuple[CompilePlan, DecodeStep | None]:
     """Resolve `engine.compile_decode` (auto | true | false) beside the compiled forward
-    `forward`: a package for decode steps of up to its `max_tokens` rows (and, through the
-    CPU kernel, verifies and short turns: `DecodeStep.query_tokens`), where the
+    `forward`: a package for decode steps of up to its `max_tokens` rows, or
+    KERNEL_MAX_TOKENS with the linear kernel (and, through the CPU attention kernel,
+    verifies and short turns: `DecodeStep.query_tokens`), where the
     forward is an AOTInductor package (CPU) and every layer attends over the whole context
     (no sliding window, no KV kept apart). auto: for models of AUTO_MIN_PARAMS+ parameters.
     Returns the plan and, when enabled, the step it compiles (the one its key was taken
@@ -321,12 +325,13 @@ def plan_decode_compile(
     step = DecodeStep(
         model, kernel_chunks(), forward.feature_layers, attention_kernel, linear_kernel
     )
-    key = package_key(step, forward.max_tokens, weights=forward.weights)
+    max_tokens = max(forward.max_tokens, KERNEL_MAX_TOKENS if linear_kernel else 0)
+    key = package_key(step, max_tokens, weights=forward.weights)
     plan = CompilePlan(
         True,
         "engine.compile_decode",
         Path(forward.package).parent / f"{key}.pt2",
-        forward.max_tokens,
+        max_tokens,
         forward.feature_layers,
         role="decode step package",
         loads_as=functools.partial(

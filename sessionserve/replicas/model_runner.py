@@ -46,6 +46,11 @@ from sessionserve.replicas.step import (
 if TYPE_CHECKING:  # the graphs hold the runner they replay for
     from sessionserve.replicas.cuda_graphs import DecodeGraphs, ExtendGraphs, VerifyGraphs
 
+# past the forward's package's range, the decode step package takes an eager step only if its
+# rows padded alike come to at most this many times its tokens: on 2 AVX2 cores the package
+# costs ~3.1 ms a token past 32, eager ~3.8 (docs/benchmarks.md, stop 79)
+MAX_PADDING = 1.25
+
 
 class ModelRunner:
     def __init__(
@@ -232,9 +237,17 @@ class ModelRunner:
         """Whether `batch` runs the decode step package (decode steps; through the CPU kernel
         also verifies and short turns, `CompiledDecode.padded_tokens`) in place of the
         forward's package: not where the prefill package was timed faster for steps this
-        long (prefill_choice.split_point)."""
+        long (prefill_choice.split_point). Past the forward's package's range, only a step
+        that would run eagerly, padded by at most MAX_PADDING (rows padded alike past it
+        cost more than the eager step of their own tokens)."""
         tokens = decode.padded_tokens(batch.seqs, batch.sliding_out_slots is not None)
-        return tokens is not None and self.compiled_for(tokens) is self.compiled
+        if tokens is None:
+            return False
+        runs = self.compiled_for(tokens)
+        if runs is self.compiled:
+            return True
+        n = len(batch.input_ids)
+        return runs is None and self.compiled_for(n) is None and tokens <= MAX_PADDING * n
 
     def captures(self, batch: ForwardBatch) -> bool:
         """Would `forward(batch)` capture a CUDA graph first? While a stream captures, no

@@ -268,6 +268,77 @@ def test_verifies_and_short_turns_run_the_step(overlap) -> None:
     engine.check_memory()
 
 
+class ForwardRange:
+    """Stands in for the forward's (or the prefill) package: runs steps of
+    `min_tokens..max_tokens` tokens through the runner's eager forward, counting them."""
+
+    def __init__(self, runner, min_tokens: int, max_tokens: int) -> None:
+        self.runner, self.min_tokens, self.max_tokens = runner, min_tokens, max_tokens
+        self.steps: list[int] = []
+
+    def accepts(self, num_tokens: int) -> bool:
+        return self.min_tokens <= num_tokens <= self.max_tokens
+
+    def run(self, ids, positions, logit_idx, meta):
+        self.steps.append(len(ids))
+        last, hidden = self.runner.decode_hidden(ids, positions, meta)
+        return self.runner.lm_head(last[logit_idx]), hidden
+
+
+@pytest.mark.parametrize("prefill_package", [False, True], ids=["eager", "prefill_package"])
+def test_the_step_runs_past_the_forwards_range_where_steps_would_run_eagerly(
+    prefill_package,
+) -> None:
+    """A decode step package wider than the forward's (KERNEL_MAX_TOKENS, its linears the
+    few-row kernel) runs decode steps of more requests than the forward's package takes,
+    which would otherwise run eagerly, and rows of a few tokens padded by at most
+    MAX_PADDING; where a prefill package was chosen for those lengths, it keeps them.
+    Answers equal the plain engine's and transformers'."""
+    model = tiny_model("llama", seed=8)
+    engine = tiny_engine(model, max_rows=48)
+    runner = engine.runner
+    step = DecodeStep(runner.model, CHUNKS, runner.feature_layers, False)
+    decode = EagerDecode(step.eval(), max_tokens=compiled_decode.KERNEL_MAX_TOKENS)
+    runner.compiled_decode = decode
+    runner.compiled = ForwardRange(runner, 1, 8)
+    if prefill_package:
+        runner.compiled_prefill = ForwardRange(runner, 9, 512)
+    shapes = recorded_shapes(decode)
+    greedy = SamplingParams(max_tokens=6, temperature=0)
+    g = torch.Generator().manual_seed(5)
+    vocab = model.config.vocab_size
+    prompts = [torch.randint(3, vocab, (int(n),), generator=g).tolist() for n in range(3, 15)]
+    got = engine.generate(prompts, greedy)
+    want = tiny_engine(model, max_rows=48).generate(prompts, greedy)
+    for a, b, prompt in zip(got, want, prompts, strict=True):
+        assert a.output_ids == b.output_ids == hf_greedy(model, prompt, 6)[: len(a.output_ids)]
+    wide = [tokens for tokens, _ in shapes if tokens > 8]
+    if prefill_package:
+        assert not wide and any(n == len(prompts) for n in runner.compiled_prefill.steps)
+    else:
+        assert len(prompts) in wide  # the 12-request decode steps ran the decode package
+    engine.check_memory()
+
+    def step_of(widths: list[int]) -> ForwardBatch:
+        n = sum(widths)
+        zeros = torch.zeros(n, dtype=torch.int64)
+        seqs = [SeqSpec(w, torch.arange(40 + w)) for w in widths]
+        return ForwardBatch(zeros, zeros, zeros, seqs, torch.arange(n))
+
+    decode.query_tokens = 4  # as through the CPU kernel (only the choice is checked below)
+    takes = {
+        (1,) * 12: True,  # past the forward's 8, eager otherwise
+        (3,) * 4: True,  # rows of 3 tokens: no padding
+        (2, 2, 2, 2, 1): True,  # 9 tokens padded to 10
+        (4,) + (1,) * 7: False,  # 11 tokens padded to 32: the eager step of 11 is cheaper
+        (4, 1, 1, 1): False,  # 7 tokens: the forward's package takes them as they are
+        (1,) * 6: True,  # within the forward's range: the decode package, as always
+    }
+    for widths, want in takes.items():
+        want = want and (sum(widths) <= 8 or not prefill_package)
+        assert runner._takes_decode_package(decode, step_of(list(widths))) == want, widths
+
+
 def test_plan_decode_compile_resolves_the_config(tmp_path) -> None:
     llama, mistral = tiny_model("llama"), tiny_model("mistral", sliding_window=12)
     forward = CompilePlan(True, "test", tmp_path / "forward.pt2", 32)
@@ -277,11 +348,15 @@ def test_plan_decode_compile_resolves_the_config(tmp_path) -> None:
     assert isinstance(step, DecodeStep)  # the step the key was taken from, compiled as is
     assert step.key_facts()["decode_step"] == compiled_decode.DECODE_FORMAT
     assert plan.enabled and plan.package is not None and plan.package != forward.package
-    assert plan.max_tokens == 32 and plan.loads_as.func is CompiledDecode
+    want = compiled_decode.KERNEL_MAX_TOKENS if step.linear_kernel else 32
+    assert plan.max_tokens == want and plan.loads_as.func is CompiledDecode
     assert plan.loads_as.keywords == {
         "query_tokens": step.query_tokens,
         "linear_kernel": step.linear_kernel,
     }
+    for kernel, widest in ((True, compiled_decode.KERNEL_MAX_TOKENS), (False, 32)):
+        wide, _ = compiled_decode.plan_decode_compile(True, forward, llama, pool, None, kernel)
+        assert wide.max_tokens == widest, kernel  # the kernel's package runs past the forward's
     assert not compiled_decode.plan_decode_compile(False, forward, llama, pool)[0].enabled
     auto = compiled_decode.plan_decode_compile("auto", forward, llama, pool)[0]
     assert not auto.enabled and "not worth it" in auto.reason  # a tiny model
