@@ -53,7 +53,7 @@ EXAMPLE_POOL_SLOTS = 4096  # the export example's pool (its size stays dynamic)
 EXAMPLE_PART_WIDTH = 96
 # with its linears the few-row kernel, the package runs steps up to this many tokens even past
 # the forward's package (verifies of 8 rows of 5, decode steps of 33+ requests), which would
-# run eagerly: there the kernel streams the weights once for every row (docs/benchmarks.md)
+# run eagerly: the kernel streams each weight once for all the rows (docs/benchmarks.md)
 KERNEL_MAX_TOKENS = 64
 
 
