@@ -8,12 +8,12 @@ import contextlib
 import os
 import shutil
 import socket
-import tempfile
 from collections.abc import Iterator
 
 import pytest
 
 from tests.http_wait import wait_healthy
+from tests.ray_start import init_local_ray
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # keep Ray on 127.0.0.1
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
@@ -110,12 +110,10 @@ def served(tmp_path_factory):
     model_dir = tmp_path_factory.mktemp("tiny-model")
     # big enough that a long turn stays in flight for seconds (a 409 needs a running turn)
     save_tiny_model(model_dir, hidden_size=256, intermediate_size=512, num_hidden_layers=4)
-    ray_tmp = tempfile.mkdtemp(prefix="ss-", dir="/tmp")  # Ray's socket paths must be short
     metrics_port = free_port()
-    ray.init(
+    ray_tmp = init_local_ray(
         num_cpus=2,
         include_dashboard=False,
-        _temp_dir=ray_tmp,
         _metrics_export_port=metrics_port,
         _system_config={"metrics_report_interval_ms": 1000},
         logging_level="WARNING",
