@@ -18,8 +18,8 @@ import openai
 import pydantic
 import pytest
 
-from tests.e2e.conftest import group_gone
 from tests.markers import needs_gemma3
+from tests.process_group import group_gone
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 CTRL_C_EXIT_S = 20  # measured ~9 s on 2 cores: replicas stop, then Ray shuts down
