@@ -122,6 +122,8 @@ def build_runner(
             )
     eagle = speculative.eagle if speculative else None
     compile_forwards(cfg, model, runner, eagle)
+    if speculative is not None:  # read at each step: packages built in the background land late
+        speculative.widest_step = runner.widest_compiled_step
     pools = [runner.kv_pool] + ([eagle.pool] if eagle else [])
     s = cfg.sessions
     cache.attach_kv(pools, HostTier(s.host_tier_bytes) if s.host_tier_bytes else None)

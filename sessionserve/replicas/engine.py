@@ -107,7 +107,7 @@ class Engine:
             self.cache,
             cfg.scheduler,
             self.stopper,
-            spec.draft_len if spec else None,
+            spec.draft_lens if spec else None,
             cfg.prefill_batch_limit(),
         )
         self.sessions = SessionController(

@@ -272,6 +272,18 @@ class ModelRunner:
                 return compiled
         return None
 
+    def widest_compiled_step(self) -> int | None:
+        """The most tokens a step runs through a compiled package, where the longer ones run
+        eagerly (the speculative decoder keeps a verify within it: decoder.py `draft_lens`).
+        None where nothing is compiled (yet: a package may still be building), where the
+        prefill package runs the longer steps too, as no step then falls off a cliff, and on
+        a GPU, whose verifies replay their own graphs (`verify_graphs`; the cut was measured
+        on CPUs only)."""
+        if self.device.type != "cpu" or self.compiled is None or self.compiled_prefill is not None:
+            return None
+        packages = (self.compiled, self.compiled_decode)
+        return max(p.max_tokens for p in packages if p is not None)
+
     def decode_hidden(
         self, ids: torch.Tensor, positions: torch.Tensor, meta: ForwardMeta
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -49,17 +49,18 @@ class Scheduler:
         cache: SessionCache,
         config: SchedulerConfig,
         stopper: StopChecker,
-        draft_len: Callable[[Request], int] | None = None,
+        draft_lens: Callable[[list[Request]], list[int]] | None = None,
         prefill_batch_limit: int | None = None,
     ) -> None:
-        """`draft_len`: the draft slots a decode needs this step (the speculative decoder's
-        choice; None: no speculation). `prefill_batch_limit`: `EngineConfig.prefill_batch_limit`
-        (a step starts no further prompt once its prompts hold this many tokens; None: no limit)."""
+        """`draft_lens`: the draft slots each of the step's decodes needs (the speculative
+        decoder's choice, made for the step's decodes together; None: no speculation).
+        `prefill_batch_limit`: `EngineConfig.prefill_batch_limit` (a step starts no further
+        prompt once its prompts hold this many tokens; None: no limit)."""
         self.cache = cache
         self.config = config
         self.prefill_batch_limit = prefill_batch_limit
         self.stopper = stopper
-        self.draft_len = draft_len
+        self.draft_lens = draft_lens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.retractions_total = 0
@@ -152,7 +153,7 @@ class Scheduler:
             if overlap:
                 raise OverlapStall("a forced retraction")
             self._retract(decodes.pop(), batch)
-        wanted = [self.draft_len(r) if self.draft_len else 0 for r in decodes]
+        wanted = self.draft_lens(decodes) if self.draft_lens else [0] * len(decodes)
         if overlap and any(wanted):
             raise OverlapStall("a decode drafts")
         i, drafts = 0, []

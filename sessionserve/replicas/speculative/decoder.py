@@ -1,7 +1,7 @@
 """Speculative decoding inside the engine's step: choose each request's drafts, propose them
 before the forward, verify after it, catch the EAGLE head up on what was committed.
 
-    k = speculative.draft_len(req)            # the scheduler allocates k draft slots
+    ks = speculative.draft_lens(reqs)         # the scheduler allocates their draft slots
     drafts = speculative.propose(batch)       # chains/trees for the decodes that speculate
     out = runner.run_prepared(...)            # one target forward over inputs and drafts
     speculative.verify(batch, drafts, out)    # accepted runs into `out`, their KV committed
@@ -10,7 +10,7 @@ before the forward, verify after it, catch the EAGLE head up on what was committ
     scheduler.finish(updates)                 # finished requests give their KV back
     speculative.finish_step(batch, out)       # the step's cost and yield -> the policy
 
-The engine makes every call but `draft_len`, which the scheduler makes while it allocates.
+The engine makes every call but `draft_lens`, which the scheduler makes while it allocates.
 Under overlap scheduling (`engine.overlap_schedule`) a step without drafts is proposed for
 (nothing), submitted, and completed (catch-up, finish_step) when it lands, after the next step
 was scheduled; a step with drafts runs with nothing in flight (the scheduler stalls for it).
@@ -128,6 +128,9 @@ class SpeculativeDecoder:
         # whether a session turn may leave a put-off catch-up of this many more bytes to its
         # next turn (the engine sets it from the sessions' memory budget; engine.py)
         self.may_carry: Callable[[int], bool] = lambda nbytes: False
+        # the most tokens a step runs compiled, longer ones eagerly (None: no such edge; the
+        # runner's `widest_compiled_step`, set by assembly.py): `draft_lens` keeps verifies in it
+        self.widest_step: Callable[[], int | None] = lambda: None
 
     @property
     def wants_hidden(self) -> bool:
@@ -135,6 +138,28 @@ class SpeculativeDecoder:
         return self.eagle is not None
 
     # ---- before the forward ----
+    def draft_lens(self, reqs: list[Request]) -> list[int]:
+        """The draft slots each of a step's decodes needs (`draft_len`), cut where the verify
+        would fall off the compiled packages (`widest_step`). A step's rows are padded to the
+        widest, and a verify of B rows of k + 1 tokens past the packages' tokens runs eagerly,
+        where it costs more than the drafts a shorter chain verifies within them (SmolLM2 on
+        2 AVX2 cores, the agent workload at 32 requests: at 16-31 rows, 5-token chains cost
+        4.2x a decode step eagerly and the policy stopped drafting there; cut to the decode
+        package's 64 tokens, 1-2 drafts a row cost 1.6x and drafting paid 1.36x there,
+        docs/benchmarks.md). So chains are cut to the widest step's share of a row, where that
+        leaves at least one draft; where it does not, the drafts stay as they are and the
+        policy weighs what they cost. Not cut: trees (their shape is drawn before), and a
+        seeded sampled request's chain, whose length must not depend on the load
+        (`_may_draft`)."""
+        wanted = [self.draft_len(r) for r in reqs]
+        widest = self.widest_step()
+        if widest is None or not any(wanted) or len(reqs) * (1 + max(wanted)) <= widest:
+            return wanted
+        room = widest // len(reqs) - 1  # drafts a row may verify within the widest step
+        if room < 1 or any(r.drafting.tree_depth for r in reqs):
+            return wanted
+        return [k if self._seeded(r) else min(k, room) for r, k in zip(reqs, wanted, strict=True)]
+
     def draft_len(self, req: Request) -> int:
         """Drafts the scheduler allocates slots for in `req`'s next decode step, and from which
         source; none for a constrained request (its drafts would have to pass its grammar's

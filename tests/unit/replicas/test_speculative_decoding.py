@@ -542,6 +542,82 @@ def test_each_verify_reaches_the_metrics_the_engine_has_now() -> None:
     assert sum(recorder.lengths) == r.spec_accepted + r.spec_steps
 
 
+def _verify_shapes(engine) -> list[tuple[int, int]]:
+    """Each drafting step's (decode rows, drafts of its longest chain) from now on."""
+    spec, shapes = engine.speculative, []
+    propose = spec.propose
+
+    def recording(batch):
+        drafts = [s.num_drafts for s in batch.seqs if s.end - s.start == 1]
+        if any(drafts):
+            shapes.append((len(drafts), max(drafts)))
+        return propose(batch)
+
+    spec.propose = recording
+    return shapes
+
+
+@pytest.mark.parametrize("widest", [None, 12, 6])
+def test_chains_are_cut_so_a_verify_stays_within_the_compiled_steps(widest) -> None:
+    """Past the compiled packages' widest step a verify runs eagerly, dearer than the drafts
+    it adds: the step's chains are cut to that step's share of a row (4 rows, 12 tokens: 2
+    drafts a row), where one draft a row still fits; where none does (6 tokens) they are left
+    whole. The answers are the plain greedy ones whatever the cut."""
+    model = tiny_model(num_hidden_layers=1, seed=3)
+    prompts = _prompts(1, (6, 11, 19, 27))
+    engine = tiny_engine(model, drafter=mimic_drafter)
+    engine.speculative.widest_step = lambda: widest
+    shapes = _verify_shapes(engine)
+    results = engine.generate(prompts, GREEDY)
+    for prompt, r in zip(prompts, results, strict=True):
+        assert r.output_ids == hf_greedy(model, prompt, GREEDY.max_tokens)
+    at_four = {k for rows, k in shapes if rows == 4}
+    if widest == 12:
+        assert at_four == {2}, shapes
+        assert all(rows * (k + 1) <= 12 for rows, k in shapes), shapes
+    else:  # no edge, or one where not even a draft a row fits: the whole chains
+        assert at_four == {4}, shapes
+    engine.cache.flush()  # (the radix tree keeps the answers, evictable)
+    terms = engine.checker.check_idle()
+    assert terms.free == terms.total
+
+
+def test_a_seeded_sampled_chain_is_not_cut_by_the_load() -> None:
+    """How many drafts a seeded sampled request verifies decides which random numbers its
+    answer draws, so the compiled steps' edge, which depends on how many requests decode
+    together, must not cut its chain: the same answers with and without the edge."""
+    model = tiny_model(num_hidden_layers=1, seed=3)
+    prompts = _prompts(2, (7, 13, 21, 30))
+    params = SamplingParams(max_tokens=30, temperature=0.8, seed=5, ignore_eos=True)
+    answers, shapes = [], []
+    for widest in (None, 12):
+        engine = tiny_engine(model, drafter=mimic_drafter)
+        engine.speculative.widest_step = lambda widest=widest: widest
+        shapes.append(_verify_shapes(engine))
+        answers.append([r.output_ids for r in engine.generate(prompts, params)])
+    assert answers[0] == answers[1]
+    assert shapes[0] == shapes[1] and (4, 4) in shapes[1], shapes
+
+
+def test_the_decoder_reads_the_runners_compiled_edge_at_each_step() -> None:
+    """The packages may land after the engine serves (built in the background): the decoder
+    asks the runner each time. The edge is the widest package's, and there is none where the
+    prefill package runs the longer steps, nor on a GPU."""
+    from types import SimpleNamespace
+
+    engine = tiny_engine(tiny_model(num_hidden_layers=1, seed=3), drafter=mimic_drafter)
+    runner, spec = engine.runner, engine.speculative
+    assert spec.widest_step() is None  # nothing compiled
+    runner.compiled = SimpleNamespace(max_tokens=32)
+    runner.compiled_decode = SimpleNamespace(max_tokens=48)
+    assert spec.widest_step() == 48
+    runner.compiled_prefill = SimpleNamespace(max_tokens=1024)
+    assert spec.widest_step() is None
+    runner.compiled_prefill = None
+    runner.device = torch.device("cuda")  # a GPU's verifies replay graphs: no edge there
+    assert spec.widest_step() is None
+
+
 @pytest.mark.parametrize("drafts", ["eagle", "eagle+history", "history", "history-gemma3"])
 def test_verifies_through_the_verify_graphs_static_path(drafts: str) -> None:
     """`VerifyGraphs` (on a GPU the graphs that speculative decoding's verify steps replay;
