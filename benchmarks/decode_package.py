@@ -47,12 +47,15 @@ tokens each, every token's logits wanted, as a chain verify of k = T - 1 drafts)
 hand and run through the runner's `forward` with the package (its attention the CPU kernel,
 which takes rows of several tokens) and without it (the forward's package; past
 `compile_max_tokens` the prefill package where one is installed, else the eager forward),
-alternating. `--verify 1` times decode steps of exactly B rows the same way.
+alternating. `--verify 1` times decode steps of exactly B rows the same way. With
+`--drafting-rows D` only D of the B rows have T tokens and the others one, as in a step where
+some requests draft: the package pads every row to T, and the runner gives it such a step
+only where that costs less than the step would without it (`model_runner.MAX_PADDING`).
 
     .venv/bin/python -m benchmarks.decode_package [--batches 1 8 32] [--tokens 128] [--rounds 3]
         [--context N] [--against forward | inductor_attention | inductor_linear | onednn
         | cxx --cxx clang++-14]
-        [--verify T]
+        [--verify T [--drafting-rows D]]
 
 Last line: JSON with `against`, `ms_forward_<B>` (the other side), `ms_decode_<B>` (medians)
 and `speedup_<B>` (the other side's ms over the engine's package's: below 1, the other side is
@@ -221,35 +224,49 @@ def other_compiler_package(eng: Engine, cxx: str, scratch: Path) -> CompiledDeco
                 os.environ["TORCHINDUCTOR_CACHE_DIR"] = usual_cache
 
 
-def verify_batch(eng: Engine, batch: int, width: int, context: int, seed: int) -> ForwardBatch:
+def verify_batch(
+    eng: Engine, batch: int, width: int, context: int, seed: int, drafting: int | None = None
+) -> ForwardBatch:
     """A step of `batch` rows of `width` new tokens each (a chain verify's k + 1: every token's
     logits and features wanted) over `context` old tokens a row, on random distinct slots of
-    the engine's pool (the runner alone: nothing else uses this pool meanwhile)."""
+    the engine's pool (the runner alone: nothing else uses this pool meanwhile). With
+    `drafting`, only that many rows have `width` tokens and the rest one (a verify where some
+    rows draft: the decode package pads them all to `width`)."""
     g = torch.Generator().manual_seed(seed)
-    total = context + width
-    slots = torch.randperm(eng.runner.kv_pool.k.shape[1] - 1, generator=g)[: batch * total] + 1
-    seqs, ids, positions, out_slots = [], [], [], []
-    for b in range(batch):
-        ctx = slots[b * total : (b + 1) * total]
-        seqs.append(SeqSpec(width, ctx))
-        ids.append(torch.randint(100, 20000, (width,), generator=g))
-        positions.append(torch.arange(context, total))
+    widths = [width] * batch if drafting is None else [width] * drafting + [1] * (batch - drafting)
+    total = sum(context + w for w in widths)
+    slots = torch.randperm(eng.runner.kv_pool.k.shape[1] - 1, generator=g)[:total] + 1
+    seqs, ids, positions, out_slots, at = [], [], [], [], 0
+    for w in widths:
+        ctx = slots[at : at + context + w]
+        at += context + w
+        seqs.append(SeqSpec(w, ctx))
+        ids.append(torch.randint(100, 20000, (w,), generator=g))
+        positions.append(torch.arange(context, context + w))
         out_slots.append(ctx[context:])
-    n = batch * width
+    n = sum(widths)
     return ForwardBatch(
         torch.cat(ids), torch.cat(positions), torch.cat(out_slots), seqs, torch.arange(n), True
     )
 
 
 def timed_verifies(
-    eng: Engine, package: CompiledDecode, batch: int, width: int, context: int, rounds: int
+    eng: Engine,
+    package: CompiledDecode,
+    batch: int,
+    width: int,
+    context: int,
+    rounds: int,
+    drafting: int | None = None,
 ) -> dict[str, Any]:
-    """ms a verify step's forward takes through the package and without it (the forward's
-    package, or the prefill package past its limit), alternating, `rounds` pairs of 8 steps
-    after a warm-up. (The step's inputs are random tokens over zeroed K/V: their logits are
-    no test of agreement; tests/unit/replicas/test_compiled_decode.py checks that.)"""
+    """ms a verify step's forward takes with the package installed (where the runner gives
+    it the step: `ModelRunner._takes_decode_package`) and without it (the forward's package,
+    or the prefill package past its limit, else eagerly), alternating, `rounds` pairs of 8
+    steps after a warm-up. (The step's inputs are random tokens over zeroed K/V: their
+    logits are no test of agreement; tests/unit/replicas/test_compiled_decode.py checks
+    that.)"""
     runner = eng.runner
-    fb = verify_batch(eng, batch, width, context, seed=batch * 100 + width)
+    fb = verify_batch(eng, batch, width, context, seed=batch * 100 + width, drafting=drafting)
     times: dict[str, list[float]] = {"decode": [], "forward": []}
     for r in range(rounds + 1):
         for name, installed in (("decode", package), ("forward", None)):
@@ -261,8 +278,10 @@ def timed_verifies(
                 times[name].append((time.perf_counter() - started) * 1e3 / 8)
     runner.compiled_decode = package
     dec, fwd = statistics.median(times["decode"]), statistics.median(times["forward"])
+    rows = f"{batch}" if drafting is None else f"{batch} ({drafting} of them)"
     print(
-        f"verify B={batch} x {width} over {context}: decode package {dec:.2f} ms/step "
+        f"verify B={rows} x {width} over {context} ({len(fb.input_ids)} tokens): with the "
+        f"package {dec:.2f} ms/step "
         f"{[round(t, 2) for t in times['decode']]}, without {fwd:.2f} "
         f"{[round(t, 2) for t in times['forward']]}: {fwd / dec:.2f}x",
         flush=True,
@@ -299,6 +318,12 @@ def main() -> None:
         metavar="T",
         help="time verify steps of T tokens a row (over --context tokens, default 300) instead",
     )
+    parser.add_argument(
+        "--drafting-rows",
+        type=int,
+        metavar="D",
+        help="with --verify: only D of each batch's rows have T tokens, the rest one",
+    )
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
@@ -306,6 +331,8 @@ def main() -> None:
         parser.error("--against cxx and --cxx COMPILER go together")
     if args.cxx is not None and shutil.which(args.cxx) is None:
         parser.error(f"--cxx {args.cxx!r} is not on PATH")
+    if args.drafting_rows is not None and not args.verify:
+        parser.error("--drafting-rows goes with --verify T")
     if args.verify and args.against != "forward":
         parser.error("--verify times the decode package against the forward's: no --against")
     setup_threads(args.threads)
@@ -323,8 +350,9 @@ def main() -> None:
             )
         verify: dict[str, Any] = {"verify_tokens": args.verify}
         for batch in args.batches:
+            drafting = None if args.drafting_rows is None else min(args.drafting_rows, batch)
             verify |= timed_verifies(
-                eng, package, batch, args.verify, args.context or 300, args.rounds
+                eng, package, batch, args.verify, args.context or 300, args.rounds, drafting
             )
         emit(verify)
         return

@@ -47,9 +47,13 @@ if TYPE_CHECKING:  # the graphs hold the runner they replay for
     from sessionserve.replicas.cuda_graphs import DecodeGraphs, ExtendGraphs, VerifyGraphs
 
 # past the forward's package's range, the decode step package takes an eager step only if its
-# rows padded alike come to at most this many times its tokens: on 2 AVX2 cores the package
-# costs ~3.1 ms a token past 32, eager ~3.8 (docs/benchmarks.md, stop 79)
-MAX_PADDING = 1.25
+# rows padded alike come to at most this many times its tokens. An eager step costs far more
+# than its GEMMs (every layer's Python, the gathered attention): on 2 AVX2 cores steps of
+# 33-44 tokens padded to 55-64 (1.3-1.9x) ran 5-35% faster in the package than eagerly, over
+# contexts of 400-1,300 (docs/benchmarks.md, stop 81); stop 79's 1.25, from per-token costs
+# alone, sent them eagerly. With the forward's package at 32 and this one at 64 no step pads
+# past 1.94x.
+MAX_PADDING = 2.0
 
 
 class ModelRunner:
@@ -239,7 +243,10 @@ class ModelRunner:
         forward's package: not where the prefill package was timed faster for steps this
         long (prefill_choice.split_point). Past the forward's package's range, only a step
         that would run eagerly, padded by at most MAX_PADDING (rows padded alike past it
-        cost more than the eager step of their own tokens)."""
+        cost more than the eager step of their own tokens). With the default ranges (32 and
+        64 tokens) a verify the speculative decoder kept within `widest_compiled_step` then
+        runs compiled, all its rows drafting or not: its own tokens in the forward's package,
+        or padded in this one."""
         tokens = decode.padded_tokens(batch.seqs, batch.sliding_out_slots is not None)
         if tokens is None:
             return False
