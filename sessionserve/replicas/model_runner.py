@@ -49,10 +49,10 @@ if TYPE_CHECKING:  # the graphs hold the runner they replay for
 # past the forward's package's range, the decode step package takes an eager step only if its
 # rows padded alike come to at most this many times its tokens. An eager step costs far more
 # than its GEMMs (every layer's Python, the gathered attention): on 2 AVX2 cores steps of
-# 33-44 tokens padded to 55-64 (1.3-1.9x) ran 5-35% faster in the package than eagerly, over
-# contexts of 400-1,300 (docs/benchmarks.md, stop 81); stop 79's 1.25, from per-token costs
-# alone, sent them eagerly. With the forward's package at 32 and this one at 64 no step pads
-# past 1.94x.
+# 33-44 tokens padded to 48-64 (1.4-1.9x) ran 1.02-1.40x faster in the package than eagerly,
+# over contexts of 400-1,300 (docs/benchmarks.md, stop 81); stop 79's 1.25, from per-token
+# costs alone, sent them eagerly. With the forward's package at 32 and this one at 64 no step
+# pads past 1.94x.
 MAX_PADDING = 2.0
 
 

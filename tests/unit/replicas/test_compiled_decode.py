@@ -332,7 +332,7 @@ def test_the_step_runs_past_the_forwards_range_where_steps_would_run_eagerly(
         (2, 2, 2, 2, 1): True,  # 9 tokens padded to 10
         (2,) * 4 + (1,) * 6: True,  # 14 tokens padded to 20 (1.43x: eager costs more)
         (3,) * 3 + (1,) * 5: True,  # 14 tokens padded to 24 (1.71x)
-        (4,) * 2 + (1,) * 7: False,  # 15 tokens padded to 36 (2.4x): eager is cheaper
+        (4,) * 2 + (1,) * 7: False,  # 15 tokens padded to 36 (2.4x, past MAX_PADDING)
         (4,) + (1,) * 7: False,  # 11 tokens padded to 32: the eager step of 11 is cheaper
         (4, 1, 1, 1): False,  # 7 tokens: the forward's package takes them as they are
         (1,) * 6: True,  # within the forward's range: the decode package, as always
