@@ -41,7 +41,10 @@ concurrency), speedup_1/_8/_32 (head, chat: decode tokens/s with / without specu
 speedup_agent_1 (history drafter, agent workload), with --forced-too the same keys prefixed
 forced_ (speedup_forced_1, ...), the policy's per-bucket measurements and
 the speculative engine's forwards timed by kind (`forward_ms_<point>`: ms a decode, a verify
-and a prompt step, and `verify_over_decode`, what a verify costs over a decode here).
+and a prompt step, and `verify_over_decode`, what a verify costs over a decode here; and the
+plain engine's decode step, `plain_engine_decode`, with `decode_over_plain_engine`: where
+that is well above 1, the speculative engine's plain steps ran slower than the plain
+engine's in the same rounds, which no drafting explains).
 """
 
 from __future__ import annotations
@@ -400,6 +403,7 @@ def compare(name: str, loaded, spec: SpecConfig, c: int, args, work: Workload, s
             arm.engine.speculative.stats, arm.engine.speculative.by_source = SpecStats(), {}
     for arm in speculative.values():
         arm.spent = time_drafting(arm.engine.speculative)
+    for arm in arms.values():
         arm.forwards = time_forwards(arm.engine.runner)
     order = list(arms)
     for i in range(args.repeats):
@@ -419,7 +423,7 @@ def compare(name: str, loaded, spec: SpecConfig, c: int, args, work: Workload, s
     plain_tps = arms["plain"].tokens_per_s
     summary[f"plain_tps_{name}"] = round(plain_tps, 2)
     for k, arm in speculative.items():
-        _report(name if k == "spec" else f"forced_{name}", arm, plain_tps, summary)
+        _report(name if k == "spec" else f"forced_{name}", arm, arms["plain"], summary)
 
 
 @dataclass
@@ -446,8 +450,12 @@ class _Arm:
         return self.tokens / self.seconds
 
 
-def _report(key: str, arm: _Arm, plain_tps: float, summary: dict) -> None:
-    """Print and record one speculative engine's figures against the plain engine's."""
+def _report(key: str, arm: _Arm, plain: _Arm, summary: dict) -> None:
+    """Print and record one speculative engine's figures against the plain engine's. The two
+    engines' decode steps (one token a row) are compared too: each engine holds its own copy
+    of the weights and packages, and where the speculative engine's plain steps run slower
+    than the plain engine's in the same rounds, the gap is that engine's, not drafting's."""
+    plain_tps = plain.tokens_per_s
     spec_dec = arm.engine.speculative
     spec_tps = arm.tokens_per_s
     speedup = statistics.median(arm.ratios)
@@ -473,6 +481,15 @@ def _report(key: str, arm: _Arm, plain_tps: float, summary: dict) -> None:
     if "decode" in ms and "verify" in ms:
         ms["verify_over_decode"] = round(ms["verify"] / ms["decode"], 3)
     print(f"  the speculative engine's forwards, ms a step by kind: {ms}")
+    t, n = plain.forwards["decode"]
+    if n and "decode" in ms:
+        ms["plain_engine_decode"] = round(1e3 * t / n, 2)
+        ms["decode_over_plain_engine"] = round(ms["decode"] / ms["plain_engine_decode"], 3)
+        print(
+            f"  decode steps: {ms['decode']} ms in the speculative engine, "
+            f"{ms['plain_engine_decode']} in the plain one "
+            f"({ms['decode_over_plain_engine']}x; batches differ where drafting ends turns early)"
+        )
     summary[f"speedup_{key}"] = round(speedup, 3)
     summary[f"spec_tps_{key}"] = round(spec_tps, 2)
     summary[f"accept_len_{key}"] = s["mean_accept_len"]
