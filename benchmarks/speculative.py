@@ -192,13 +192,35 @@ def build(loaded, spec: SpecConfig, concurrency: int, compile: bool, eager_head:
     return eng
 
 
-def time_drafting(spec_dec) -> dict[str, float]:
-    """Seconds the decoder spends proposing (head chains, history lookups), verifying and
-    catching the head up, summed from now on: where a speculative engine's time goes when
-    the policy keeps drafting off (the decoder's methods wrapped on this instance only)."""
-    spent = {"propose": 0.0, "verify": 0.0, "catch_up": 0.0}
-    for name in spent:
-        method = getattr(spec_dec, name)
+def share_packages(source: Engine, engines: list[Engine]) -> None:
+    """`engines` run the target's steps through `source`'s loaded packages. Each engine loads
+    its own copy of a package's weights; two copies of the same weights ran decode steps up
+    to ~10% apart on this VM (`decode_over_plain_engine`: 0.94-1.12 over runs), which the
+    speedup then read as drafting's gain or loss. A package is a pure function of its inputs
+    (the KV pool among them), so one copy serves every engine that loaded the same file
+    (an engine whose head reads other layers' features loads another); the engines take
+    turns on one thread."""
+    for eng in engines:
+        shared = []
+        for name in ("compiled", "compiled_decode", "compiled_prefill"):
+            mine, theirs = getattr(eng.runner, name), getattr(source.runner, name)
+            if mine is not None and theirs is not None and mine.package == theirs.package:
+                setattr(eng.runner, name, theirs)
+                shared.append(name)
+        print(f"packages shared with the plain engine: {shared or 'none'}")
+
+
+def time_drafting(eng: Engine) -> dict[str, float]:
+    """Seconds the decoder spends choosing each step's drafts (`draft_lens`, called by the
+    scheduler: the policy, history lookups, the records of offered chains), proposing (head
+    chains, history drafts), verifying and catching the head up, summed from now on: where a
+    speculative engine's time goes when the policy keeps drafting off (the methods wrapped
+    on this engine only)."""
+    spec_dec = eng.speculative
+    spent = {"draft_lens": 0.0, "propose": 0.0, "verify": 0.0, "catch_up": 0.0}
+    owners = dict.fromkeys(spent, spec_dec) | {"draft_lens": eng.scheduler}
+    for name, owner in owners.items():
+        method = getattr(owner, name)
 
         def timed(*args, _method=method, _name=name):
             t = time.perf_counter()
@@ -207,7 +229,7 @@ def time_drafting(spec_dec) -> dict[str, float]:
             finally:
                 spent[_name] += time.perf_counter() - t
 
-        setattr(spec_dec, name, timed)
+        setattr(owner, name, timed)
     return spent
 
 
@@ -395,6 +417,8 @@ def compare(name: str, loaded, spec: SpecConfig, c: int, args, work: Workload, s
     arms = {
         k: _Arm(build(loaded, cfg, c, args.compile, args.eager_head)) for k, cfg in configs.items()
     }
+    if args.share_packages:
+        share_packages(arms["plain"].engine, [a.engine for k, a in arms.items() if k != "plain"])
     speculative = {k: a for k, a in arms.items() if k != "plain"}
     if args.warm:
         for arm in arms.values():
@@ -402,7 +426,7 @@ def compare(name: str, loaded, spec: SpecConfig, c: int, args, work: Workload, s
         for arm in speculative.values():  # the measured passes' only
             arm.engine.speculative.stats, arm.engine.speculative.by_source = SpecStats(), {}
     for arm in speculative.values():
-        arm.spent = time_drafting(arm.engine.speculative)
+        arm.spent = time_drafting(arm.engine)
     for arm in arms.values():
         arm.forwards = time_forwards(arm.engine.runner)
     order = list(arms)
@@ -547,6 +571,13 @@ def main() -> int:
         help="no unmeasured pass first: the first round measures each engine's first pass",
     )
     ap.add_argument("--skip-head", action="store_true", help="only the history drafter runs")
+    ap.add_argument(
+        "--own-packages",
+        dest="share_packages",
+        action="store_false",
+        help="each engine loads its own copy of the target's compiled packages (by default "
+        "the speculative engines run the plain engine's: `share_packages`)",
+    )
     ap.add_argument(
         "--passes-apart",
         dest="side_by_side",
