@@ -23,7 +23,9 @@ output is identical with and without speculation (checked here). Speculation run
 online policy (`spec.adaptive`, the default) unless --no-adaptive; --forced-too adds a third
 engine that drafts on every step, so the policy and what the drafts are worth are read in the
 same rounds.
-The engines are built side by side and their measured passes take turns a step each
+The engines are built side by side, the speculative ones running the plain engine's loaded
+compiled packages where they load the same files (`share_packages`; --own-packages: a copy
+each, as before 2026-12-03), and their measured passes take turns a step each
 (`--repeats` rounds, 2 by default, their order rotating; --passes-apart: whole passes one after
 the other, as before 2026-12-01), so this machine's drifting speed meets them alike, each
 engine having served the workload once unmeasured first, as a serving replica long has
@@ -476,9 +478,10 @@ class _Arm:
 
 def _report(key: str, arm: _Arm, plain: _Arm, summary: dict) -> None:
     """Print and record one speculative engine's figures against the plain engine's. The two
-    engines' decode steps (one token a row) are compared too: each engine holds its own copy
-    of the weights and packages, and where the speculative engine's plain steps run slower
-    than the plain engine's in the same rounds, the gap is that engine's, not drafting's."""
+    engines' decode steps (one token a row) are compared too: where the speculative engine's
+    plain steps run slower than the plain engine's in the same rounds, the gap is that
+    engine's, not drafting's (with `--own-packages` each engine runs its own copy of the
+    packages, whose steps ran up to ~10% apart: `share_packages`)."""
     plain_tps = plain.tokens_per_s
     spec_dec = arm.engine.speculative
     spec_tps = arm.tokens_per_s
