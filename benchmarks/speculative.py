@@ -419,9 +419,9 @@ def compare(name: str, loaded, spec: SpecConfig, c: int, args, work: Workload, s
     arms = {
         k: _Arm(build(loaded, cfg, c, args.compile, args.eager_head)) for k, cfg in configs.items()
     }
-    if args.share_packages:
-        share_packages(arms["plain"].engine, [a.engine for k, a in arms.items() if k != "plain"])
     speculative = {k: a for k, a in arms.items() if k != "plain"}
+    if args.share_packages:
+        share_packages(arms["plain"].engine, [a.engine for a in speculative.values()])
     if args.warm:
         for arm in arms.values():
             serve(arm.engine, work, c, args.max_tokens, args.refill, args.sessions)
