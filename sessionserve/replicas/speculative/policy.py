@@ -65,6 +65,7 @@ steps after the last one.
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections import deque
@@ -154,7 +155,16 @@ class Bucket:
         """Steps observed in this bucket (a step's number in it: `Arm.recent`)."""
         return self.on.steps + self.off.steps
 
-    @property
+    def add_pair(self, pair: Pair) -> None:
+        """A new paired sample: what the pairs say (`cost_ratio`, `draft_cost`) is read again
+        on next use, not at every step (the policy asks each step, and pairs come from its
+        re-checks, tens of steps apart; `draft_cost`'s slopes took ~0.2 ms of Python a call,
+        0.4-0.7% of a decode step on 2 cores, docs/benchmarks.md)."""
+        self.pairs.append(pair)
+        for derived in ("cost_ratio", "draft_cost"):
+            self.__dict__.pop(derived, None)
+
+    @functools.cached_property
     def cost_ratio(self) -> float | None:
         """What a drafting step lasts over a plain one, at the same speed of the machine: the
         median of the last paired samples (a re-check that lands just after the machine
@@ -163,7 +173,7 @@ class Bucket:
         recent = list(self.pairs)[-COST_WINDOW:]
         return 1.0 + statistics.median(p.extra for p in recent) if recent else None
 
-    @property
+    @functools.cached_property
     def draft_cost(self) -> float | None:
         """What one more draft adds to a step, in rows of a plain step (its seconds over its
         decoding requests), from the paired samples: the slope of (cost ratio - 1) over
@@ -377,7 +387,7 @@ class SpecPolicy:
             spec_drafts = (
                 per_request if speculated else statistics.median(s.drafts for s in neighbours)
             )
-            b.pairs.append(Pair(spec_drafts, cost - 1.0))
+            b.add_pair(Pair(spec_drafts, cost - 1.0))
         arm.observe(
             now, tokens / num_decodes, seconds, self.yield_smoothing, self.smoothing, per_request
         )
