@@ -146,6 +146,7 @@ class Bucket:
 
     on: Arm = field(default_factory=Arm)
     off: Arm = field(default_factory=Arm)
+    # appended through `add_pair`, which drops what is derived from them
     pairs: deque[Pair] = field(default_factory=lambda: deque(maxlen=DRAFT_COST_WINDOW))
     head_pass_s: float | None = None  # the head's pass on drafting steps that ran it
     since_recheck: int = 0  # decisions since its last re-check
@@ -159,7 +160,7 @@ class Bucket:
         """A new paired sample: what the pairs say (`cost_ratio`, `draft_cost`) is read again
         on next use, not at every step (the policy asks each step, and pairs come from its
         re-checks, tens of steps apart; `draft_cost`'s slopes took ~0.2 ms of Python a call,
-        0.4-0.7% of a decode step on 2 cores, docs/benchmarks.md)."""
+        0.2-0.7% of decode time on 2 cores, docs/benchmarks.md)."""
         self.pairs.append(pair)
         for derived in ("cost_ratio", "draft_cost"):
             self.__dict__.pop(derived, None)
