@@ -1,4 +1,10 @@
-"""`serve run` as a user starts it, for the end-to-end tests."""
+"""`serve run` as a user starts it, for the end-to-end tests.
+
+The deploy configs all listen on port 8000, so one `serve run` runs at a time. Consecutive
+tests that use the same config share it (a start costs 20-35 s on 2 cores, and on a new
+machine each start also begins a background build of the default model's packages); it is
+stopped after the last of them, or when a test stops it (Ctrl-C), so nothing of it runs beside
+tests that do not use it and any order of tests still gets a server."""
 
 from __future__ import annotations
 
@@ -11,6 +17,7 @@ import sys
 import tempfile
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -21,6 +28,111 @@ from tests.ray_start import STARTUP_TIMEOUT
 
 ROOT = Path(__file__).resolve().parents[2]
 PORT = 8000  # fixed by deploy/serve-cpu.yaml
+DEFAULT_CONFIG = "deploy/serve-cpu.yaml"
+GEMMA3_CONFIG = "deploy/serve-gemma3-cpu.yaml"
+FIXTURE_CONFIGS = {  # which server each fixture below hands out
+    "serve_run": DEFAULT_CONFIG,
+    "served_default_model": DEFAULT_CONFIG,
+    "serve_run_gemma3": GEMMA3_CONFIG,
+}
+
+
+@dataclass
+class ServeRun:
+    """One `serve run` process: its config, base URL, process and log (in its Ray temp dir)."""
+
+    config: str
+    base: str
+    proc: subprocess.Popen
+    ray_tmp: str
+
+    @property
+    def log_path(self) -> Path:
+        return Path(self.ray_tmp) / "serve.log"
+
+    def running(self) -> bool:
+        return self.proc.poll() is None
+
+
+class ServeRuns:
+    """The end-to-end tests' one `serve run` at a time: `get` hands out the server of a config
+    (the running one, or a new one after stopping another), `stop` ends it."""
+
+    def __init__(self) -> None:
+        self.current: ServeRun | None = None
+
+    def get(self, config: str) -> ServeRun:
+        if self.current is not None and self.current.config == config and self.current.running():
+            return self.current
+        self.stop()
+        self.current = _start_healthy(config)
+        return self.current
+
+    def stop(self) -> None:
+        server, self.current = self.current, None
+        if server is not None:
+            stop_group(server.proc)
+            shutil.rmtree(server.ray_tmp, ignore_errors=True)
+
+
+SERVERS = ServeRuns()
+
+
+def pytest_runtest_teardown(item, nextitem) -> None:
+    """Stop the server unless the next test uses the same one."""
+    current = SERVERS.current
+    if current is not None and _config_of(nextitem) != current.config:
+        SERVERS.stop()
+
+
+def pytest_sessionfinish(session) -> None:
+    SERVERS.stop()
+
+
+def _config_of(item) -> str | None:
+    names = getattr(item, "fixturenames", ())
+    return next((config for name, config in FIXTURE_CONFIGS.items() if name in names), None)
+
+
+@pytest.fixture
+def serve_run() -> ServeRun:
+    """The default config served (the test may stop it: the next test gets a new one)."""
+    return SERVERS.get(DEFAULT_CONFIG)
+
+
+@pytest.fixture
+def serve_run_gemma3() -> ServeRun:
+    return SERVERS.get(GEMMA3_CONFIG)
+
+
+@pytest.fixture
+def served_default_model() -> str:
+    """The default config served: its base URL."""
+    return SERVERS.get(DEFAULT_CONFIG).base
+
+
+def _start_healthy(config: str) -> ServeRun:
+    """`serve run config` as a user starts it, once healthy. A start whose raylet missed
+    Ray's startup wait (tests/ray_start.py) is stopped and made once more."""
+    deadline = time.monotonic() + 60  # a server stopped by the test before may still be going
+    while not _port_free(PORT):
+        if time.monotonic() > deadline:
+            pytest.fail(f"port {PORT} is busy: stop whatever listens there (a `make serve`?)")
+        time.sleep(0.5)
+    base = f"http://127.0.0.1:{PORT}"
+    for attempt in (1, 2):
+        ray_tmp = tempfile.mkdtemp(prefix="ss-", dir="/tmp")  # Ray's socket paths must be short
+        server = ServeRun(config, base, _start_serve_run(config, ray_tmp), ray_tmp)
+        healthy = wait_healthy(base, 240, alive=server.running)
+        log = server.log_path.read_text()
+        if healthy:
+            return server
+        stop_group(server.proc)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+        if attempt == 2 or STARTUP_TIMEOUT not in log:
+            break
+        warnings.warn(f"`serve run` did not start its Ray node; again: {log[-2000:]}", stacklevel=2)
+    pytest.fail(f"`serve run {config}` never answered /health:\n{log[-3000:]}")
 
 
 def _port_free(port: int) -> bool:
@@ -28,59 +140,14 @@ def _port_free(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) != 0
 
 
-@pytest.fixture
-def serve_run(tmp_path):
-    yield from _serve_run("deploy/serve-cpu.yaml", tmp_path)
-
-
-@pytest.fixture
-def serve_run_gemma3(tmp_path):
-    yield from _serve_run("deploy/serve-gemma3-cpu.yaml", tmp_path)
-
-
-@pytest.fixture(scope="module")
-def served_default_model(tmp_path_factory):
-    """The default config served once for a module's tests: its base URL."""
-    for base, _ in _serve_run("deploy/serve-cpu.yaml", tmp_path_factory.mktemp("serve")):
-        yield base
-
-
-def _serve_run(config: str, tmp_path):
-    """`serve run config` as a user starts it; yields (base URL, process) once healthy. A start
-    whose raylet missed Ray's startup wait (tests/ray_start.py) is stopped and made once more."""
-    deadline = time.monotonic() + 60  # a server stopped by the test before may still be going
-    while not _port_free(PORT):
-        if time.monotonic() > deadline:
-            pytest.fail(f"port {PORT} is busy: stop whatever listens there (a `make serve`?)")
-        time.sleep(0.5)
-    base = f"http://127.0.0.1:{PORT}"
-    log_path = tmp_path / "serve.log"
-    for attempt in (1, 2):
-        ray_tmp = tempfile.mkdtemp(prefix="ss-", dir="/tmp")  # Ray's socket paths must be short
-        proc = _start_serve_run(config, ray_tmp, log_path)
-        healthy = wait_healthy(base, 240, alive=lambda p=proc: p.poll() is None)
-        log = log_path.read_text()
-        if healthy or attempt == 2 or STARTUP_TIMEOUT not in log:
-            break
-        warnings.warn(f"`serve run` did not start its Ray node; again: {log[-2000:]}", stacklevel=2)
-        stop_group(proc)
-        shutil.rmtree(ray_tmp, ignore_errors=True)
-    try:
-        assert healthy, log[-3000:]
-        yield base, proc
-    finally:
-        stop_group(proc)
-        shutil.rmtree(ray_tmp, ignore_errors=True)
-
-
-def _start_serve_run(config: str, ray_tmp: str, log_path: Path) -> subprocess.Popen:
+def _start_serve_run(config: str, ray_tmp: str) -> subprocess.Popen:
     env = os.environ | {
         "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
         "RAY_TMPDIR": ray_tmp,
         "PYTHONUNBUFFERED": "1",
     }
     serve_bin = Path(sys.executable).with_name("serve")
-    with log_path.open("w") as log:
+    with (Path(ray_tmp) / "serve.log").open("w") as log:
         return subprocess.Popen(
             [str(serve_bin), "run", config],
             cwd=ROOT,

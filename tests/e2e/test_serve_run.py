@@ -43,8 +43,8 @@ def ctrl_c(proc: subprocess.Popen) -> float:
     return time.monotonic() - started
 
 
-def test_serve_run_answers_a_two_turn_chat_and_stops_on_ctrl_c(serve_run, tmp_path) -> None:
-    base, proc = serve_run
+def test_serve_run_answers_a_two_turn_chat_and_stops_on_ctrl_c(serve_run) -> None:
+    base, proc = serve_run.base, serve_run.proc
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=2, timeout=120)
     hdr = {"x-session-id": "e2e-chat"}
     messages = [{"role": "user", "content": "What is the capital of France?"}]
@@ -91,13 +91,14 @@ def test_serve_run_answers_a_two_turn_chat_and_stops_on_ctrl_c(serve_run, tmp_pa
     assert answer.text.format.type == "json_schema"
     seconds = ctrl_c(proc)
     print(f"serve run stopped {seconds:.1f} s after Ctrl-C")
-    assert proc.returncode == 0, (tmp_path / "serve.log").read_text()[-3000:]
-    assert "Got KeyboardInterrupt, shutting down" in (tmp_path / "serve.log").read_text()
+    log = serve_run.log_path.read_text()
+    assert proc.returncode == 0, log[-3000:]
+    assert "Got KeyboardInterrupt, shutting down" in log
 
 
 @needs_gemma3
 def test_gemma3_serves_a_completions_session_past_its_window(serve_run_gemma3) -> None:
-    base, _ = serve_run_gemma3
+    base = serve_run_gemma3.base
     httpx.get(f"{base}/openapi.json", timeout=400).raise_for_status()  # a replica is up
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=300)
     hdr = {"x-session-id": "e2e-gemma"}
