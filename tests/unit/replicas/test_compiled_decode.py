@@ -371,14 +371,14 @@ def test_plan_decode_compile_resolves_the_config(tmp_path) -> None:
     assert not compiled_decode.plan_decode_compile(True, eager, llama, pool)[0].enabled
 
 
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("compiled-decode"))
+@pytest.fixture
+def cache_dir(package_cache) -> str:
+    return package_cache  # shared with the other modules' builds (tests/unit/replicas/conftest.py)
 
 
 def built_package(engine, cache_dir: str) -> CompilePlan:
     """The decode package plan of `engine`'s model (compile_max_tokens 32), built if the
-    module's cache lacks it as `compile: auto` builds it: by a build process (the step
+    run's cache lacks it as `compile: auto` builds it: by a build process (the step
     crosses to it as a file), where engines with `compile_decode: true` then find it."""
     runner = engine.runner
     forward = compiled_forward.plan_compile(True, runner.model, 32, cache_dir)
