@@ -28,11 +28,13 @@ demo: setup
 	$(VENV)/bin/sessionserve demo
 
 # The tests without Ray two at a time (a worker per core, whole files per worker so module
-# fixtures are built once), then the Ray tests one at a time (each cluster takes both cores).
+# fixtures are built once, in tests/conftest.py's order: the slow modules first), then the Ray
+# tests one at a time (each cluster takes both cores).
 # Both parts run whatever the first gives; exit 5 (that part selected nothing) is no failure.
 test: setup
 	$(PY) -m ruff check sessionserve tests benchmarks
-	$(PY) -m pytest -m "not ray" -n 2 --dist loadfile $(PYTEST_ARGS); unit=$$?; \
+	$(PY) -m pytest -m "not ray" -n 2 --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS); \
+	unit=$$?; \
 	$(PY) -m pytest -m ray $(PYTEST_ARGS); ray=$$?; \
 	echo "make test: tests without Ray exited $$unit, Ray tests $$ray (5: none selected)"; \
 	[ $$unit -eq 0 -o $$unit -eq 5 ] && [ $$ray -eq 0 -o $$ray -eq 5 ] && [ $$unit$$ray != 55 ]

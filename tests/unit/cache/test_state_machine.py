@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 
 import hypothesis.strategies as st
+import pytest
 from hypothesis import HealthCheck, event, settings
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -34,6 +35,7 @@ from sessionserve.errors import (
 )
 from tests.unit.cache.kvdriver import Driver, Turn
 
+pytestmark = pytest.mark.slow  # 7 machines x EXAMPLES runs: ~2 min in all
 EXAMPLES = int(os.environ.get("SESSIONSERVE_STATE_MACHINE_EXAMPLES", "300"))
 SESSION_IDS = st.sampled_from(["s0", "s1", "s2", "s3", "s4"])
 PICK = st.integers(0, 1000)

@@ -35,6 +35,7 @@ from sessionserve.replicas.step import ForwardBatch
 from sessionserve.wire import SamplingParams
 from tests.models import hf_greedy, session_turns, tiny_engine, tiny_model
 
+pytestmark = pytest.mark.slow  # real package builds (25-50 s each)
 CHUNKS = 4
 
 

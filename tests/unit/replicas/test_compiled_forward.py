@@ -27,6 +27,7 @@ from sessionserve.replicas.attention import cpu_decode_kernel
 from sessionserve.wire import SamplingParams
 from tests.models import hf_greedy, session_turns, tiny_engine, tiny_model
 
+pytestmark = pytest.mark.slow  # real package builds (25-50 s each)
 ARCHS = {
     "llama": {},
     "qwen2": {},

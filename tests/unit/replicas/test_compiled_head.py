@@ -22,6 +22,7 @@ from tests.models import hf_greedy, mimic_drafter, tiny_engine, tiny_model
 from tests.unit.replicas.test_eagle3 import target as eagle3_target
 from tests.unit.replicas.test_eagle3 import write_published_head
 
+pytestmark = pytest.mark.slow  # real package builds (25-60 s each)
 GREEDY = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
 ATOL = 1e-4  # fp32: the package's fused kernels sum in another order than eager torch
 
