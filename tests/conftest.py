@@ -66,8 +66,8 @@ def _order_modules(items: list) -> None:
     """A stable reorder of whole modules (so module fixtures are set up once):
     - Modules marked `slow` first. `make test` hands the tests without Ray to two workers a
       module at a time in this order (`--no-loadscope-reorder`); started last, one module of
-      2-3 minutes left a worker busy for over a minute after the other ran out of work
-      (xdist's own order, by number of tests, put them at the end: 628 s against 560 s).
+      2-3 minutes left a worker busy long after the other ran out of work (xdist's own
+      order, by number of tests, put them at the end: 660 s against 631 s in one hour).
     - Every module that uses `served` last. `served` is session-scoped: once started, its Ray
       cluster (Serve controller, proxy, four replicas polled every second) lives until the
       run ends, taking CPU from every later test and its driver threads from the pytest
