@@ -28,6 +28,7 @@ from tests.ray_start import STARTUP_TIMEOUT
 
 ROOT = Path(__file__).resolve().parents[2]
 PORT = 8000  # fixed by deploy/serve-cpu.yaml
+LOG_NAME = "serve.log"  # in the server's Ray temp dir
 DEFAULT_CONFIG = "deploy/serve-cpu.yaml"
 GEMMA3_CONFIG = "deploy/serve-gemma3-cpu.yaml"
 FIXTURE_CONFIGS = {  # which server each fixture below hands out
@@ -48,10 +49,15 @@ class ServeRun:
 
     @property
     def log_path(self) -> Path:
-        return Path(self.ray_tmp) / "serve.log"
+        return Path(self.ray_tmp) / LOG_NAME
 
     def running(self) -> bool:
         return self.proc.poll() is None
+
+    def stop(self) -> None:
+        """Stop the process group, Ray's own processes included, and remove its temp dir."""
+        stop_group(self.proc)
+        shutil.rmtree(self.ray_tmp, ignore_errors=True)
 
 
 class ServeRuns:
@@ -71,8 +77,7 @@ class ServeRuns:
     def stop(self) -> None:
         server, self.current = self.current, None
         if server is not None:
-            stop_group(server.proc)
-            shutil.rmtree(server.ray_tmp, ignore_errors=True)
+            server.stop()
 
 
 SERVERS = ServeRuns()
@@ -127,8 +132,7 @@ def _start_healthy(config: str) -> ServeRun:
         log = server.log_path.read_text()
         if healthy:
             return server
-        stop_group(server.proc)
-        shutil.rmtree(ray_tmp, ignore_errors=True)
+        server.stop()
         if attempt == 2 or STARTUP_TIMEOUT not in log:
             break
         warnings.warn(f"`serve run` did not start its Ray node; again: {log[-2000:]}", stacklevel=2)
@@ -147,7 +151,7 @@ def _start_serve_run(config: str, ray_tmp: str) -> subprocess.Popen:
         "PYTHONUNBUFFERED": "1",
     }
     serve_bin = Path(sys.executable).with_name("serve")
-    with (Path(ray_tmp) / "serve.log").open("w") as log:
+    with (Path(ray_tmp) / LOG_NAME).open("w") as log:
         return subprocess.Popen(
             [str(serve_bin), "run", config],
             cwd=ROOT,
