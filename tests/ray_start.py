@@ -4,7 +4,9 @@
 2-core machine, after the `serve run` and two-node tests) missed it, and since `served` is
 session-scoped, every Ray test after it errored on that one timeout. A second start in a new
 temp dir is cheap beside that; the first attempt's Ray logs go into a warning (and into the
-error if the second attempt fails too) so that the cause can be read from CI's output."""
+error if the second attempt fails too) so that the cause can be read from CI's output. The
+tests that start Ray in another process (`serve run`, the two-node scenario) retry the same way,
+through `once_more_on_startup_timeout`."""
 
 from __future__ import annotations
 
@@ -12,12 +14,30 @@ import shutil
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import psutil
 
 STARTUP_TIMEOUT = "timed out during startup"  # Ray's message when the raylet never registers
 LOGS = ("raylet.err", "raylet.out", "gcs_server.err", "gcs_server.out")
+T = TypeVar("T")
+
+
+def once_more_on_startup_timeout(
+    start: Callable[[], tuple[T, str | None]], what: str, attempts: int = 2
+) -> tuple[T, str | None]:
+    """Call `start`, which returns its result and why it failed (None: it worked), again while
+    the failure shows Ray's startup wait missed, `attempts` calls in all, with a warning that
+    carries the failure's tail each time; returns the last call's result and failure. Any
+    other failure is returned at once: only that timeout is worth a second start."""
+    for attempt in range(1, attempts + 1):
+        result, failure = start()
+        if failure is None or attempt == attempts or STARTUP_TIMEOUT not in failure:
+            return result, failure
+        warnings.warn(f"{what} did not start its Ray node; again: {failure[-2000:]}", stacklevel=2)
+    raise ValueError(f"attempts must be at least 1, not {attempts}")
 
 
 def init_local_ray(attempts: int = 2, **init_kwargs) -> str:
@@ -27,7 +47,8 @@ def init_local_ray(attempts: int = 2, **init_kwargs) -> str:
     import ray
 
     failures: list[str] = []
-    for attempt in range(1, attempts + 1):
+
+    def start() -> tuple[str, str | None]:
         temp_dir = tempfile.mkdtemp(prefix="ss-", dir="/tmp")
         started = time.time()
         try:
@@ -35,13 +56,16 @@ def init_local_ray(attempts: int = 2, **init_kwargs) -> str:
         except Exception as e:
             if STARTUP_TIMEOUT not in str(e):
                 raise
-            failures.append(f"attempt {attempt}: {e}\n{log_tails(temp_dir)}")
-            warnings.warn(f"Ray's local node did not start; {failures[-1]}", stacklevel=2)
+            failures.append(f"attempt {len(failures) + 1}: {e}\n{log_tails(temp_dir)}")
             kill_children_started_since(started)
             shutil.rmtree(temp_dir, ignore_errors=True)
-            continue
-        return temp_dir
-    raise RuntimeError("Ray's local node never started:\n" + "\n".join(failures))
+            return temp_dir, failures[-1]
+        return temp_dir, None
+
+    temp_dir, failure = once_more_on_startup_timeout(start, "Ray's local node", attempts)
+    if failure is not None:
+        raise RuntimeError("Ray's local node never started:\n" + "\n".join(failures))
+    return temp_dir
 
 
 def log_tails(temp_dir: str, lines: int = 15) -> str:

@@ -16,7 +16,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,7 +23,7 @@ import pytest
 
 from tests.http_wait import wait_healthy
 from tests.process_group import stop_group
-from tests.ray_start import STARTUP_TIMEOUT
+from tests.ray_start import once_more_on_startup_timeout
 
 ROOT = Path(__file__).resolve().parents[2]
 PORT = 8000  # fixed by deploy/serve-cpu.yaml
@@ -125,18 +124,20 @@ def _start_healthy(config: str) -> ServeRun:
             pytest.fail(f"port {PORT} is busy: stop whatever listens there (a `make serve`?)")
         time.sleep(0.5)
     base = f"http://127.0.0.1:{PORT}"
-    for attempt in (1, 2):
+
+    def start() -> tuple[ServeRun, str | None]:
         ray_tmp = tempfile.mkdtemp(prefix="ss-", dir="/tmp")  # Ray's socket paths must be short
         server = ServeRun(config, base, _start_serve_run(config, ray_tmp), ray_tmp)
-        healthy = wait_healthy(base, 240, alive=server.running)
-        log = server.log_path.read_text()
-        if healthy:
-            return server
+        if wait_healthy(base, 240, alive=server.running):
+            return server, None
+        log = server.log_path.read_text()  # (before `stop`, which removes its dir)
         server.stop()
-        if attempt == 2 or STARTUP_TIMEOUT not in log:
-            break
-        warnings.warn(f"`serve run` did not start its Ray node; again: {log[-2000:]}", stacklevel=2)
-    pytest.fail(f"`serve run {config}` never answered /health:\n{log[-3000:]}")
+        return server, log
+
+    server, failure = once_more_on_startup_timeout(start, f"`serve run {config}`")
+    if failure is not None:
+        pytest.fail(f"`serve run {config}` never answered /health:\n{failure[-3000:]}")
+    return server
 
 
 def _port_free(port: int) -> bool:

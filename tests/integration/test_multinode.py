@@ -18,13 +18,12 @@ import subprocess
 import sys
 import tempfile
 import time
-import warnings
 from pathlib import Path
 
 import pytest
 
 from tests.process_group import stop_group
-from tests.ray_start import STARTUP_TIMEOUT
+from tests.ray_start import once_more_on_startup_timeout
 
 pytestmark = pytest.mark.ray
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,11 +32,12 @@ SESSIONS = 8
 
 def test_sessions_pin_across_nodes_and_survive_losing_one(tmp_path) -> None:
     out = tmp_path / "result.json"
-    for attempt in (1, 2):  # once more if a node missed Ray's startup wait (tests/ray_start.py)
+
+    def start() -> tuple[subprocess.CompletedProcess, str | None]:
         proc = run_scenario(out, tmp_path / "model")
-        if proc.returncode == 0 or attempt == 2 or STARTUP_TIMEOUT not in proc.stderr:
-            break
-        warnings.warn(f"a node did not start; again: {proc.stderr[-2000:]}", stacklevel=1)
+        return proc, None if proc.returncode == 0 else proc.stderr
+
+    proc, _ = once_more_on_startup_timeout(start, "the two-node scenario")
     assert proc.returncode == 0 and out.exists(), proc.stdout[-3000:] + proc.stderr[-6000:]
     result = json.loads(out.read_text())
     moved = [s for s in result["sessions"] if s["was_on_removed_node"]]
