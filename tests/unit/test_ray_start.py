@@ -27,6 +27,13 @@ def test_a_start_that_missed_ray_s_startup_wait_is_made_once_more() -> None:
     assert calls == [1, 2]
 
 
+def test_the_warning_carries_the_failure_s_tail() -> None:
+    start, _ = starts("head of the log " + STARTUP_TIMEOUT + " end of the log", None)
+    with pytest.warns(UserWarning) as warned:
+        once_more_on_startup_timeout(start, "x", shown=len("end of the log"))
+    assert str(warned[0].message).endswith("again: end of the log")
+
+
 def test_other_failures_and_successes_are_returned_at_once() -> None:
     start, calls = starts("Traceback: ValueError: bad config")
     assert once_more_on_startup_timeout(start, "x") == (1, "Traceback: ValueError: bad config")
