@@ -26,17 +26,22 @@ T = TypeVar("T")
 
 
 def once_more_on_startup_timeout(
-    start: Callable[[], tuple[T, str | None]], what: str, attempts: int = 2, shown: int = 2000
+    start: Callable[[], tuple[T, str | None]],
+    what: str,
+    attempts: int = 2,
+    shown: int | None = 2000,
 ) -> tuple[T, str | None]:
     """Call `start`, which returns its result and why it failed (None: it worked), again while
     the failure shows Ray's startup wait missed, `attempts` calls in all, with a warning that
-    carries the failure's last `shown` characters each time; returns the last call's result
-    and failure. Any other failure is returned at once: only that timeout is worth a retry."""
+    carries the failure's last `shown` characters (None: all of it) each time; returns the
+    last call's result and failure. Any other failure is returned at once: only that timeout
+    is worth a retry."""
     for attempt in range(1, attempts + 1):
         result, failure = start()
         if failure is None or attempt == attempts or STARTUP_TIMEOUT not in failure:
             return result, failure
-        warnings.warn(f"{what} did not start its Ray node; again: {failure[-shown:]}", stacklevel=2)
+        tail = failure if shown is None else failure[-shown:]
+        warnings.warn(f"{what} did not start its Ray node; again: {tail}", stacklevel=2)
     raise ValueError(f"attempts must be at least 1, not {attempts}")
 
 
@@ -63,7 +68,7 @@ def init_local_ray(attempts: int = 2, **init_kwargs) -> str:
         return temp_dir, None
 
     # the warning carries the whole of the failed attempt's log tails (`log_tails`)
-    temp_dir, failure = once_more_on_startup_timeout(start, "Ray's local node", attempts, 10**6)
+    temp_dir, failure = once_more_on_startup_timeout(start, "Ray's local node", attempts, None)
     if failure is not None:
         raise RuntimeError("Ray's local node never started:\n" + "\n".join(failures))
     return temp_dir

@@ -32,6 +32,10 @@ def test_the_warning_carries_the_failure_s_tail() -> None:
     with pytest.warns(UserWarning) as warned:
         once_more_on_startup_timeout(start, "x", shown=len("end of the log"))
     assert str(warned[0].message).endswith("again: end of the log")
+    start, _ = starts("head of the log " + STARTUP_TIMEOUT, None)
+    with pytest.warns(UserWarning) as warned:
+        once_more_on_startup_timeout(start, "x", shown=None)
+    assert str(warned[0].message).endswith("again: head of the log " + STARTUP_TIMEOUT)
 
 
 def test_other_failures_and_successes_are_returned_at_once() -> None:
