@@ -184,6 +184,9 @@ class ColocatedServer(Ingress):
         await super().__init__(local, config)
         local.directory = self.turns.directory  # the ingress's client: one in this process
 
+    def _caller_name(self, context: Any) -> str | None:
+        return None  # the engine is in this process: it dies with its caller
+
     # ---- the replica's handle calls (no routes) ----
     async def memory_check(self) -> dict[str, Any]:
         return await self.server.memory_check()

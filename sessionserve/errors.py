@@ -113,6 +113,7 @@ class SessionBusyError(SessionServeError):
             "wait for it to finish or abort it before sending the next turn"
         )
         self.session_id = session_id
+        self.running_rid = running_rid
 
 
 class SessionClosingError(SessionServeError):

@@ -171,6 +171,9 @@ class GenerateCall:
     history_ids: list[int] | None = None
     rid: str | None = None
     ttl_s: float | None = None  # the session's idle TTL, for a replica that opens it
+    # the Ray actor name of the ingress replica that sent it: the replica aborts the turn if
+    # that process dies (replicas/caller_watch.py); None: a caller that cannot die apart
+    caller: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.sampling, dict):

@@ -104,7 +104,11 @@ class Ingress:
             context.app_name, self.cfg.engine.sessions.default_ttl_s, self.cfg.directory.shards
         )
         self.turns = TurnTransport(
-            replica, directory, context.replica_id.unique_id, self.cfg.replica.rebalance_queue_len
+            replica,
+            directory,
+            context.replica_id.unique_id,
+            self.cfg.replica.rebalance_queue_len,
+            caller=self._caller_name(context),
         )
         self.sessions = SessionAdmin(self.turns, self.cfg)
         self.responses = ResponsesService(self.turns, self.sessions, self.model)
@@ -113,6 +117,10 @@ class Ingress:
         log.info("API keys: %s", f"{len(keys)} configured" if keys else "none (open API)")
         self._schema: dict[str, Any] | None = None
         self._memory_trace = MemoryTrace.from_env()  # a diagnostic (benchmarks/soak.py)
+
+    def _caller_name(self, context: Any) -> str | None:
+        """This replica's Ray actor name: a model replica aborts the turns of a dead one."""
+        return context.replica_id.to_full_id_str()
 
     def memory_trace(self, action: Literal["mark", "growth"], top: int = 20) -> Any:
         """A deployment-handle call (no route): the ingress's Python allocations, when

@@ -47,13 +47,17 @@ class TurnTransport:
         directory: DirectoryClient,
         ingress_id: str,
         rebalance_queue_len: int | None = None,
+        caller: str | None = None,
     ) -> None:
         """`replica`: the replica deployment's handle; `rebalance_queue_len`: the app's
-        `replica.rebalance_queue_len` (None: no rebalancing before a turn)."""
+        `replica.rebalance_queue_len` (None: no rebalancing before a turn); `caller`: this
+        process's Ray actor name, sent with each call so that a replica aborts the turns of an
+        ingress that died (None: the replica runs in this process)."""
         self.replica = replica
         self.directory = directory
         self.ingress_id = ingress_id
         self.rebalance_queue_len = rebalance_queue_len
+        self.caller = caller
 
     async def open(
         self, call: GenerateCall, owner_id: str | None = None
@@ -64,6 +68,7 @@ class TurnTransport:
         that moved (up to MOVED_RETRIES times)."""
         if call.session_id is not None and self.rebalance_queue_len is not None:
             await self._rebalance(call.session_id, self.rebalance_queue_len)
+        call = replace(call, caller=self.caller)
         attempt = 0
         while True:
             handle = self.replica.options(stream=True, session_id=call.session_id)

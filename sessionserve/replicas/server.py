@@ -24,11 +24,13 @@ from sessionserve.config import EngineConfig, served_model_name
 from sessionserve.errors import (
     EngineUnavailableError,
     MemoryInvariantError,
+    SessionBusyError,
     UnknownReplicaError,
 )
 from sessionserve.faults import fault_point
 from sessionserve.metrics import RayEngineMetrics
 from sessionserve.replicas import client_error_logs
+from sessionserve.replicas.caller_watch import CallerWatch
 from sessionserve.replicas.engine import Engine
 from sessionserve.replicas.engine_loop import EngineLoop
 from sessionserve.replicas.migration import SessionMover
@@ -78,6 +80,7 @@ class ReplicaServer:
         self.tool_syntax = call_syntax(self.engine.tokenizer)  # how this model writes calls
         self._peer_handles: tuple[Any, Any] | None = None
         self._stopped = self._stopping = False
+        self.callers = CallerWatch()  # each turn's ingress: a turn it no longer reads ends
 
     def _build_engine(self, cfg: EngineConfig) -> Engine:
         """Every call brings its whole input (see GenerateCall), so a full replica may give an
@@ -120,18 +123,26 @@ class ReplicaServer:
         output = TurnOutput(self.engine.tokenizer, sampling, tools, self.replica_id)
         await self.mover.admit_turn(call.session_id)  # moved elsewhere: the ingress re-routes
         self.streams[rid] = (aio, events)  # before submitting: a death in between is seen
+        submit = functools.partial(
+            self._run,
+            self.engine.submit,
+            ids,
+            sampling,
+            session_id=call.session_id,
+            mode=call.mode,
+            rid=rid,
+            listener=listener,
+            open_missing=seed,
+            arrived_at=arrived,
+        )
         try:
-            await self._run(
-                self.engine.submit,
-                ids,
-                sampling,
-                session_id=call.session_id,
-                mode=call.mode,
-                rid=rid,
-                listener=listener,
-                open_missing=seed,
-                arrived_at=arrived,
-            )
+            try:
+                await submit()
+            except SessionBusyError as busy:  # a retry whose first try lost its ingress?
+                if not await self._abort_if_orphaned(busy.running_rid):
+                    raise
+                await submit()  # that turn is over: this one takes the session
+            self._watch_caller(rid, call.caller)
             sent_at = None  # when the last message went (None: none yet)
             while not output.done:
                 batch = [await events.get()]
@@ -155,10 +166,29 @@ class ReplicaServer:
                 sent_at = aio.time()
         finally:
             self.streams.pop(rid, None)
+            self.callers.forget(rid)
             if not output.done and self.loop.error is None:
                 # the caller went away: abort, keeping what the session committed
                 with contextlib.suppress(Exception, asyncio.CancelledError):
                     await self._run(self.engine.abort, rid, "client disconnected")
+
+    def _watch_caller(self, rid: str, caller: str | None) -> None:
+        """Abort turn `rid` if its caller dies (Ray would let it run to its end)."""
+        if caller is not None and not self._stopped:
+            self.callers.watch(rid, caller)
+            self.callers.start(self._abort_orphan)
+
+    async def _abort_if_orphaned(self, rid: str) -> bool:
+        """Abort running turn `rid` if its caller died; whether it did."""
+        caller = await self.callers.orphaned(rid)
+        if caller is None:
+            return False
+        log.warning("turn %s lost its caller %s: aborted for its session's next turn", rid, caller)
+        return await self._abort_orphan(rid, caller)
+
+    async def _abort_orphan(self, rid: str, caller: str) -> bool:
+        self.callers.forget(rid)
+        return await self._run(self.engine.abort, rid, f"its caller {caller} died")
 
     async def _run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """`fn` on the engine thread: queued at once, and run even if this caller is cancelled
@@ -317,6 +347,8 @@ class ReplicaServer:
         """Stop the engine: whatever is still running is aborted, so streams end with
         finish_reason "abort" and sessions keep their committed turns."""
         self._stopped = True
+        if hasattr(self, "callers"):
+            self.callers.stop()
         loop = getattr(self, "loop", None)
         if loop is None or loop.stopping:
             return

@@ -5,10 +5,12 @@ store prefix) and an ingress replica. A client
 retries a turn that failed with a retryable status. Afterwards every session's transcript on
 the server equals what its client received, no committed turn is lost, every failure was
 retryable, and the strict memory invariant holds on every replica. What each kill cost is
-printed (and recorded in docs/benchmarks.md)."""
+printed (and recorded in docs/benchmarks.md). A turn whose ingress is killed under it is
+aborted on its replica, so that the client's retry finds its session free."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -168,7 +170,12 @@ def test_kills_lose_no_committed_turn(chaos) -> None:
             # no committed turn lost or counted twice (a turn retried after its answer was
             # lost commits the same log again, which counts once)
             assert view["turns"] == TURNS, (c.sid, view["turns"], c.failures)
-    # the strict invariant on every replica of the app
+    assert_the_invariant_on_every_replica()
+    print("CHAOS " + json.dumps(kill_costs(conversations, kills, started, elapsed)))
+
+
+def assert_the_invariant_on_every_replica() -> dict[str, dict]:
+    """The strict memory invariant on both model replicas of the app; their terms."""
     from ray import serve
 
     handle = serve.get_deployment_handle("SessionReplica", app_name=CHAOS_APP)
@@ -182,7 +189,59 @@ def test_kills_lose_no_committed_turn(chaos) -> None:
         assert t["total"] == t["free"] + t["evictable"] + t["protected"] + (
             t["held"] + t["in_flight"]
         ), replica
-    print("CHAOS " + json.dumps(kill_costs(conversations, kills, started, elapsed)))
+    return seen
+
+
+def test_a_retry_after_its_ingress_died_finds_the_session_free(chaos) -> None:
+    """Ray lets a model replica's turn run on when the ingress that called it is killed.
+    The replica aborts it (replicas/caller_watch.py), so the client's retry through a new
+    ingress takes the session, where it met a 409 "turn in flight" for as long as the orphan
+    ran: here a 1,800-token turn (~19 s), longer than Serve takes to replace the ingresses."""
+    import ray
+
+    client = openai.OpenAI(base_url=f"{chaos}/v1", api_key="x", max_retries=0, timeout=60)
+    session = {"x-session-id": "orphaned-turn"}
+    messages = [{"role": "user", "content": "w1 w2"}]
+
+    def ask(max_tokens: int, headers: dict | None = session, **extra):
+        return client.chat.completions.create(
+            model=None,
+            messages=messages,
+            max_tokens=max_tokens,
+            temperature=0,
+            extra_headers=headers,
+            **extra,
+        )
+
+    messages += [{"role": "assistant", "content": ask(3).choices[0].message.content}]
+    messages += [{"role": "user", "content": "w3 w4"}]
+    stream = ask(1800, stream=True, extra_body={"ignore_eos": True})
+    next(iter(stream))  # the long turn runs on its replica
+    for ingress in serve_actors("Ingress"):  # whichever one relays it
+        ray.kill(ingress)
+    with contextlib.suppress(Exception):  # its relay breaks off
+        for _ in stream:
+            pass
+    stream.close()
+
+    failures: list[int | str] = []
+    for _ in range(240):
+        try:
+            again = ask(3)
+            break
+        except openai.APIStatusError as e:  # while Serve replaces the ingresses; never a 409
+            assert e.status_code in RETRYABLE, (e.status_code, e.body, failures)
+            failures.append(e.status_code)
+        except openai.APIConnectionError:
+            failures.append("connection")
+        time.sleep(0.25)
+    else:
+        raise AssertionError(f"the retry never succeeded: {failures}")
+    assert again.usage.prompt_tokens_details.cached_tokens > 0  # the session's KV was kept
+    plain = ask(3, headers=None)  # the same conversation without a session
+    assert again.choices[0].message.content == plain.choices[0].message.content
+    terms = assert_the_invariant_on_every_replica()
+    assert all(t["in_flight"] == 0 for t in terms.values()), terms
 
 
 def kill_costs(conversations, kills, started: float, elapsed: float) -> dict:

@@ -172,12 +172,14 @@ def test_an_append_turn_ships_the_token_log_only_to_a_replica_that_asks() -> Non
     assert state.commit_turn(sid, 0, [5, 6, 7, 8])
     assert state.touch(sid, "key-a")["log_tokens"] == 4
     replica = LogDemandingReplica()
-    turns = TurnTransport(replica, DirectoryCalls(state), "i")
+    turns = TurnTransport(replica, DirectoryCalls(state), "i", caller="SERVE_REPLICA::app#I#i")
     call = GenerateCall({}, sid, "append", prompt=[9], log_tokens=4)
 
     _, first = asyncio.run(turns.open(call, "key-a"))
     assert first == "first piece"
     assert [c.history_ids for c in replica.calls] == [None, [5, 6, 7, 8]]
+    # each call names this ingress, so a replica can abort it if this process dies
+    assert {c.caller for c in replica.calls} == {"SERVE_REPLICA::app#I#i"}
 
     replica.calls.clear()  # a replica that holds the session is never sent the log
     held = GenerateCall({}, sid, "append", prompt=[9], log_tokens=0)

@@ -336,3 +336,80 @@ def test_chat_on_a_base_model_is_a_400_that_says_why(server, monkeypatch) -> Non
     assert server.engine.check_memory().in_flight == 0  # refused before any KV was taken
     prompt = GenerateCall({"max_tokens": 2, "temperature": 0}, prompt="w5 w6")
     assert asyncio.run(_collect(server.generate(prompt)))[-1].completion_tokens == 2
+
+
+def _long_turn(session_id: str, caller: str, max_tokens: int = 900) -> GenerateCall:
+    sampling = {"max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}
+    return GenerateCall(sampling, session_id=session_id, prompt=[5, 6], caller=caller)
+
+
+def test_a_turn_whose_caller_died_is_aborted(server, monkeypatch) -> None:
+    """Ray lets a turn run on after its ingress's process died (no one reads it); the
+    replica's caller watch aborts it, and its session keeps only what was committed."""
+    from sessionserve.replicas.caller_watch import CallerWatch
+
+    alive = {"ingress-a": True}
+    monkeypatch.setattr(server, "callers", CallerWatch(alive.__getitem__, period_s=0.02))
+
+    async def run() -> list:
+        turn = server.generate(_long_turn("orphan", "ingress-a"))
+        pieces = [await turn.__anext__()]
+        alive["ingress-a"] = False  # its ingress was killed
+        pieces += [piece async for piece in turn]  # what Ray would deliver to no one
+        server.callers.stop()
+        return pieces
+
+    final = asyncio.run(run())[-1]
+    assert final.finish_reason == "abort" and "ingress-a died" in final.finish_message
+    assert final.completion_tokens < 900
+    info = server.engine.session_info("orphan")
+    assert info.history_tokens == 0 and not info.turn_in_flight  # nothing was committed
+    assert not server.callers.callers
+    assert asyncio.run(server.memory_check())["live_requests"] == 0
+    server.engine.close_session("orphan")
+
+
+def test_a_retry_takes_the_session_of_a_turn_whose_caller_died(server, monkeypatch) -> None:
+    """A second turn while one runs is a 409, unless the running turn's caller died (the
+    client retried through another ingress): that turn is aborted at once and the retry runs
+    on the session as if it had never started."""
+    from sessionserve.errors import SessionBusyError
+    from sessionserve.replicas.caller_watch import CallerWatch
+
+    alive = {"ingress-a": True, "ingress-b": True}
+    # no periodic sweep: only the retry's arrival finds the dead caller
+    monkeypatch.setattr(server, "callers", CallerWatch(alive.__getitem__, period_s=3600))
+
+    async def run() -> tuple[list, list]:
+        first = server.generate(_long_turn("retried", "ingress-a"))
+        await first.__anext__()
+        with pytest.raises(SessionBusyError):  # its caller lives: the second turn must wait
+            await server.generate(_long_turn("retried", "ingress-b", 3)).__anext__()
+        alive["ingress-a"] = False
+        retry = [piece async for piece in server.generate(_long_turn("retried", "ingress-b", 3))]
+        rest = [piece async for piece in first]
+        server.callers.stop()
+        return retry, rest
+
+    retry, rest = asyncio.run(run())
+    assert rest[-1].finish_reason == "abort"
+    alone = asyncio.run(_collect(server.generate(_long_turn(None, None, 3))))  # sessionless
+    assert retry[-1].finish_reason == "length"
+    assert retry[-1].output_ids == alone[-1].output_ids  # nothing of the orphan remained
+    assert server.engine.session_info("retried").history_tokens == 2 + 3
+    assert asyncio.run(server.memory_check())["live_requests"] == 0
+    server.engine.close_session("retried")
+
+
+def test_the_caller_watch_asks_once_per_caller_and_names_the_dead_ones() -> None:
+    from sessionserve.replicas.caller_watch import CallerWatch
+
+    asked = []
+    watch = CallerWatch(lambda caller: asked.append(caller) or caller != "gone")
+    for rid, caller in [("r1", "gone"), ("r2", "live"), ("r3", "gone"), ("r4", None)]:
+        watch.watch(rid, caller)
+    assert asyncio.run(watch.orphans()) == {"gone": ["r1", "r3"]}
+    assert sorted(asked) == ["gone", "live"]
+    assert asyncio.run(watch.orphaned("r2")) is None and asyncio.run(watch.orphaned("r4")) is None
+    watch.forget("r1")
+    assert asyncio.run(watch.orphans()) == {"gone": ["r3"]}
