@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable
 log = logging.getLogger(__name__)
 SERVE_NAMESPACE = "serve"  # where Ray Serve names its replicas' actors
 PERIOD_S = 1.0
+ANSWER_WAIT_S = 2.0  # a liveness question Ray has not answered by then counts as alive
 
 
 def serve_actor_alive(name: str) -> bool:
@@ -58,7 +59,7 @@ class CallerWatch:
     async def orphaned(self, rid: str) -> str | None:
         """The caller of running turn `rid` if it died (None: alive, or not watched)."""
         caller = self.callers.get(rid)
-        if caller is None or await asyncio.to_thread(self.is_alive, caller):
+        if caller is None or await self._lives(caller):
             return None
         return caller
 
@@ -69,9 +70,17 @@ class CallerWatch:
             by_caller.setdefault(caller, []).append(rid)
         dead = {}
         for caller, rids in by_caller.items():
-            if not await asyncio.to_thread(self.is_alive, caller):
+            if not await self._lives(caller):
                 dead[caller] = rids
         return dead
+
+    async def _lives(self, caller: str) -> bool:
+        """Asked on a worker thread, waited for at most ANSWER_WAIT_S (a GCS that is down
+        would hold a 409's answer for a minute)."""
+        try:
+            return await asyncio.wait_for(asyncio.to_thread(self.is_alive, caller), ANSWER_WAIT_S)
+        except TimeoutError:
+            return True
 
     def start(self, abort: Callable[[str, str], Awaitable[object]]) -> None:
         """Sweep for orphans on this event loop every `period_s` (once started, until

@@ -413,3 +413,16 @@ def test_the_caller_watch_asks_once_per_caller_and_names_the_dead_ones() -> None
     assert asyncio.run(watch.orphaned("r2")) is None and asyncio.run(watch.orphaned("r4")) is None
     watch.forget("r1")
     assert asyncio.run(watch.orphans()) == {"gone": ["r3"]}
+
+
+def test_a_caller_whose_liveness_ray_does_not_answer_counts_as_alive(monkeypatch) -> None:
+    """A GCS that is down must not hold a turn's answer, nor abort a live caller's turn."""
+    import time
+
+    from sessionserve.replicas import caller_watch
+
+    monkeypatch.setattr(caller_watch, "ANSWER_WAIT_S", 0.05)
+    watch = caller_watch.CallerWatch(lambda caller: time.sleep(0.5) or False)
+    watch.watch("r1", "slow")
+    assert asyncio.run(watch.orphaned("r1")) is None
+    assert asyncio.run(watch.orphans()) == {}
