@@ -1,10 +1,16 @@
 """`serve run` as a user starts it, for the end-to-end tests.
 
 The deploy configs all listen on port 8000, so one `serve run` runs at a time. Consecutive
-tests that use the same config share it (a start costs 20-35 s on 2 cores, and on a new
-machine each start also begins a background build of the default model's packages); it is
-stopped after the last of them, or when a test stops it (Ctrl-C), so nothing of it runs beside
-tests that do not use it and any order of tests still gets a server."""
+tests that use the same config share it (a start costs 20-35 s on 2 cores); it is stopped
+after the last of them, or when a test stops it (Ctrl-C), so nothing of it runs beside tests
+that do not use it and any order of tests still gets a server.
+
+Each runs the shipped config with one change: `engine.compile: false`. With `auto`, a first
+start on a new machine builds the model's compiled packages in the background, minutes of
+CPU that no test here waits for (the server stops first: the build never ends) and that
+slowed these tests by a third even at idle priority (tests/e2e/test_agents.py: 157 s with
+the build, 102 s without, one run each). The compiled forward has its own tests
+(tests/unit/replicas/test_compiled_*.py), the background build included."""
 
 from __future__ import annotations
 
@@ -145,6 +151,18 @@ def _port_free(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) != 0
 
 
+def eager_copy(config: str, folder: str) -> Path:
+    """`config` with `engine.compile: false` in every application, written into `folder`."""
+    import yaml
+
+    spec = yaml.safe_load((ROOT / config).read_text())
+    for application in spec["applications"]:
+        application["args"]["engine"]["compile"] = False
+    path = Path(folder) / Path(config).name
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
 def _start_serve_run(config: str, ray_tmp: str) -> subprocess.Popen:
     env = os.environ | {
         "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
@@ -154,7 +172,7 @@ def _start_serve_run(config: str, ray_tmp: str) -> subprocess.Popen:
     serve_bin = Path(sys.executable).with_name("serve")
     with (Path(ray_tmp) / LOG_NAME).open("w") as log:
         return subprocess.Popen(
-            [str(serve_bin), "run", config],
+            [str(serve_bin), "run", str(eager_copy(config, ray_tmp))],
             cwd=ROOT,
             env=env,
             stdout=log,
