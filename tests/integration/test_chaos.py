@@ -20,7 +20,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import app_args, extra_app
+from tests.conftest import app_args, extra_app, replica_memory
 from tests.models import word_tokenizer
 
 pytestmark = pytest.mark.ray
@@ -176,15 +176,7 @@ def test_kills_lose_no_committed_turn(chaos) -> None:
 
 def assert_the_invariant_on_every_replica() -> dict[str, dict]:
     """The strict memory invariant on both model replicas of the app; their terms."""
-    from ray import serve
-
-    handle = serve.get_deployment_handle("SessionReplica", app_name=CHAOS_APP)
-    seen = {}
-    for _ in range(40):
-        terms = handle.memory_check.remote().result(timeout_s=30)
-        seen[terms["replica"]] = terms
-        if len(seen) == 2:
-            break
+    seen = replica_memory(CHAOS_APP, replicas=2)
     for replica, t in seen.items():
         assert t["total"] == t["free"] + t["evictable"] + t["protected"] + (
             t["held"] + t["in_flight"]
