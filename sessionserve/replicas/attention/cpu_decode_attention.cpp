@@ -205,12 +205,16 @@ void attend_part(const float* q,  // [group, D], already scaled
       // a short last block's other lanes hold what earlier blocks left: masked out here
       const Vec sv = vfirst(sum_lanes(dots[g]), n, neg_inf);
       const float top = std::max(m[g], vmax(sv));
-      const float alpha = std::exp(m[g] - top);  // 0 for the first block (m = -inf)
+      if (top > m[g]) {  // rescale what came before; once the maximum settles, most blocks
+        // skip this (alpha would be exp(0) = 1: the same sums, bit for bit)
+        const float alpha = std::exp(m[g] - top);  // 0 for the first block (m = -inf)
+        l[g] *= alpha;
+        m[g] = top;
+        const Vec a = vset1(alpha);
+        for (int i = 0; i < DV; ++i) acc[g][i] = vmul(acc[g][i], a);
+      }
       const Vec p = vfirst(vexp(vsub(sv, vset1(top))), n, 0.f);
-      l[g] = l[g] * alpha + vsum(p);
-      m[g] = top;
-      const Vec a = vset1(alpha);
-      for (int i = 0; i < DV; ++i) acc[g][i] = vmul(acc[g][i], a);
+      l[g] += vsum(p);
       vstore(s[g], p);
     }
     for (int t = 0; t < n; ++t) {
