@@ -284,3 +284,69 @@ def test_a_directory_that_cannot_answer_is_a_503_not_a_hang(served, monkeypatch)
     with pytest.raises(DirectoryUnavailableError) as err:
         asyncio.run(client.touch("any"))
     assert err.value.status_code == 503
+
+
+def test_a_turn_whose_proxy_died_is_aborted(chaos) -> None:
+    """Serve's proxy dies mid-turn (its ingress lives): the ingress's ASGI receive, which
+    Serve fetches from that proxy, fails, Starlette ends the response, and the relay aborts
+    the turn on the model replica (api/turns.py `relay`). The session keeps its last committed
+    turn: had the turn run on to its 1,800 tokens, the replica would hold them, or the ingress
+    would have committed them. Serve restarts the proxy; the retry then answers as a
+    sessionless request."""
+    import ray
+
+    client = openai.OpenAI(base_url=f"{chaos}/v1", api_key="x", max_retries=0, timeout=60)
+    session_id = "proxy-died"
+    messages = [{"role": "user", "content": "w1 w2"}]
+
+    def ask(max_tokens: int, session: str | None = session_id, **extra):
+        return client.chat.completions.create(
+            model=None,
+            messages=messages,
+            max_tokens=max_tokens,
+            temperature=0,
+            extra_headers={"x-session-id": session} if session else None,
+            **extra,
+        )
+
+    messages += [{"role": "assistant", "content": ask(3).choices[0].message.content}]
+    before = session_view(chaos, session_id)
+    messages += [{"role": "user", "content": "w3 w4"}]
+    stream = ask(1800, stream=True, extra_body={"ignore_eos": True})
+    next(iter(stream))  # the long turn runs on its replica
+    proxies = [
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["namespace"] == "serve" and a["name"].startswith("SERVE_PROXY_ACTOR")
+    ]
+    assert proxies
+    for name in proxies:
+        ray.kill(ray.get_actor(name, namespace="serve"))
+    with contextlib.suppress(Exception):  # the client's connection breaks off
+        for _ in stream:
+            pass
+    stream.close()
+
+    after = None
+    for _ in range(480):  # until Serve has a proxy again (~30 s here) and the turn is over
+        with contextlib.suppress(httpx.HTTPError):
+            view = session_view(chaos, session_id)
+            terms = assert_the_invariant_on_every_replica()
+            if all(t["in_flight"] == 0 for t in terms.values()):
+                after = view
+                break
+        time.sleep(0.25)
+    assert after is not None, "the proxy never came back, or the turn never ended"
+    assert after["turns"] == before["turns"], (before, after)
+    assert after["history_tokens"] == before["history_tokens"], (before, after)
+    assert after["held_tokens"] < 1800, (before, after)  # not the orphan's tokens
+    again = ask(3)  # no 409: nothing holds the session
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+    plain = ask(3, session=None)
+    assert again.choices[0].message.content == plain.choices[0].message.content
+
+
+def session_view(base: str, session_id: str) -> dict:
+    response = httpx.get(f"{base}/v1/sessions/{session_id}", timeout=10)
+    response.raise_for_status()
+    return response.json()
