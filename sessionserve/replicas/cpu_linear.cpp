@@ -5,11 +5,12 @@
 // rows neither library reaches the cores' FMA rate. MKL (`F.linear`) ran SmolLM2-135M's weights
 // at 8-33 GFLOP/s at 1-8 rows on two Zen 3 cores; inductor's C++ GEMM template, compiled by
 // gcc, stores every accumulator after each FMA (docs/benchmarks.md, stop 72). Here W is packed
-// once (`cpu_linear.pack`) into panels of kPanel output columns laid out K-major, so a panel
-// streams from memory once, contiguous, and a block of up to kRows rows of x keeps
-// kRows x 2 vector accumulators in registers over the whole of K: each weight vector loaded
-// feeds kRows FMAs, each x element is one broadcast. Rows past kRows take further passes over
-// the panel, which is in L2 by then. Threads split the panels.
+// once (`cpu_linear.pack`) into panels of one vector's output columns laid out K-major, so a
+// panel streams from memory once, contiguous, and a block of rows of x keeps its accumulators
+// in registers over the whole of K: each weight vector loaded feeds a FMA per row, each x
+// element is one broadcast, for two panels at a time (`panel_range` says when one). Rows past
+// a block take further passes over the panels, which are in L2 by then. Threads split the
+// panels.
 //
 // Built at run time by cpu_linear.py (g++ -mavx512f ..., or -mavx2 -mfma), loaded with
 // torch.ops.load_library; AOTInductor packages call it through the C function at the end.
@@ -26,7 +27,8 @@ namespace {
 
 #if defined(__AVX512F__)
 constexpr int kLanes = 16;
-constexpr int kRows = 12;  // 24 accumulators + 2 weight vectors + 1 broadcast of 32 registers
+constexpr int kPairRows = 12;    // 24 accumulators + 2 weight vectors + 1 broadcast of 32 registers
+constexpr int kSingleRows = 24;  // 24 accumulators + 1 weight vector + 1 broadcast
 using Vec = __m512;
 inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
 inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
@@ -35,7 +37,8 @@ inline Vec vbroadcast(const float* p) { return _mm512_set1_ps(*p); }
 inline Vec vfmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 #else
 constexpr int kLanes = 8;
-constexpr int kRows = 6;  // 12 accumulators + 2 weight vectors + 1 broadcast of 16 registers
+constexpr int kPairRows = 6;     // 12 accumulators + 2 weight vectors + 1 broadcast of 16 registers
+constexpr int kSingleRows = 12;  // 12 accumulators + 1 weight vector + 1 broadcast
 using Vec = __m256;
 inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
 inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
@@ -43,56 +46,78 @@ inline Vec vzero() { return _mm256_setzero_ps(); }
 inline Vec vbroadcast(const float* p) { return _mm256_broadcast_ss(p); }
 inline Vec vfmadd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 #endif
-constexpr int kPanel = 2 * kLanes;  // output columns a panel holds
+constexpr int kPanel = kLanes;  // output columns a panel holds: one vector
 
-// R rows of x [R, K] (row stride lda) against one panel w [K, kPanel] -> y [R, kPanel]
-template <int R>
+// R rows of x [R, K] (row stride lda) against V consecutive panels starting at w (each
+// [K, kPanel], K * kPanel apart) -> y [R, V * kPanel]. Each x element broadcast feeds V FMAs.
+template <int R, int V>
 inline void panel_rows(const float* x, int64_t lda, const float* w, int64_t K, float* y,
                        int64_t ldy, const float* bias) {
-  Vec acc[R][2];
-#pragma GCC unroll 16
+  Vec acc[R][V];
+#pragma GCC unroll 24
   for (int r = 0; r < R; ++r) {
-    acc[r][0] = bias ? vload(bias) : vzero();
-    acc[r][1] = bias ? vload(bias + kLanes) : vzero();
+#pragma GCC unroll 2
+    for (int v = 0; v < V; ++v) acc[r][v] = bias ? vload(bias + v * kPanel) : vzero();
   }
   for (int64_t k = 0; k < K; ++k) {
-    const Vec w0 = vload(w + k * kPanel);
-    const Vec w1 = vload(w + k * kPanel + kLanes);
-#pragma GCC unroll 16
+    Vec wv[V];
+#pragma GCC unroll 2
+    for (int v = 0; v < V; ++v) wv[v] = vload(w + v * K * kPanel + k * kPanel);
+#pragma GCC unroll 24
     for (int r = 0; r < R; ++r) {
       const Vec xr = vbroadcast(x + r * lda + k);
-      acc[r][0] = vfmadd(xr, w0, acc[r][0]);
-      acc[r][1] = vfmadd(xr, w1, acc[r][1]);
+#pragma GCC unroll 2
+      for (int v = 0; v < V; ++v) acc[r][v] = vfmadd(xr, wv[v], acc[r][v]);
     }
   }
-#pragma GCC unroll 16
+#pragma GCC unroll 24
   for (int r = 0; r < R; ++r) {
-    vstore(y + r * ldy, acc[r][0]);
-    vstore(y + r * ldy + kLanes, acc[r][1]);
+#pragma GCC unroll 2
+    for (int v = 0; v < V; ++v) vstore(y + r * ldy + v * kPanel, acc[r][v]);
   }
 }
 
-template <int R>
+template <int R, int V>
 void rows_upto(int rows, const float* x, int64_t lda, const float* w, int64_t K, float* y,
                int64_t ldy, const float* bias) {
   if constexpr (R > 0) {
-    if (rows == R) return panel_rows<R>(x, lda, w, K, y, ldy, bias);
-    rows_upto<R - 1>(rows, x, lda, w, K, y, ldy, bias);
+    if (rows == R) return panel_rows<R, V>(x, lda, w, K, y, ldy, bias);
+    rows_upto<R - 1, V>(rows, x, lda, w, K, y, ldy, bias);
   }
 }
 
-// All M rows against one panel: blocks of at most kRows rows, as even as possible (8 rows on
-// AVX2 are 4 + 4, not 6 + 2: the same weight loads, fewer idle FMA slots)
-void panel(const float* x, int64_t M, const float* w, int64_t K, float* y, int64_t N,
-           const float* bias) {
+// All M rows against V consecutive panels: blocks of at most kRows rows, as even as possible
+// (20 rows on AVX2 are 10 + 10, not 12 + 8: the same weight loads, fewer idle FMA slots)
+template <int V, int kRows>
+void panels(const float* x, int64_t M, const float* w, int64_t K, float* y, int64_t N,
+            const float* bias) {
   const int64_t blocks = (M + kRows - 1) / kRows;
   int64_t m = 0;
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t left = blocks - b;
     const int rows = static_cast<int>((M - m + left - 1) / left);
-    rows_upto<kRows>(rows, x + m * K, K, w, K, y + m * N, N, bias);
+    rows_upto<kRows, V>(rows, x + m * K, K, w, K, y + m * N, N, bias);
     m += rows;
   }
+}
+
+// Panels begin..end-1, two at a time (the weights stream as two sequences, each broadcast
+// feeds two FMAs), in passes of up to kPairRows rows; except that kPairRows + 1 to
+// kSingleRows rows go one panel at a time, in one pass: two panels at a time they would take
+// two passes, a memory-bound one and a compute-bound one from cache, which do not overlap
+// (docs/benchmarks.md, stop 86). Past kSingleRows the steps are compute-bound anyway, and
+// pairs load less per FMA.
+void panel_range(const float* x, int64_t M, const float* w, int64_t K, float* y, int64_t N,
+                 const float* bias, int64_t begin, int64_t end) {
+  int64_t p = begin;
+  if (M <= kPairRows || M > kSingleRows) {
+    for (; p + 1 < end; p += 2)
+      panels<2, kPairRows>(x, M, w + p * K * kPanel, K, y + p * kPanel, N,
+                           bias ? bias + p * kPanel : nullptr);
+  }
+  for (; p < end; ++p)
+    panels<1, kSingleRows>(x, M, w + p * K * kPanel, K, y + p * kPanel, N,
+                           bias ? bias + p * kPanel : nullptr);
 }
 
 at::Tensor cpu_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& bias) {
@@ -118,9 +143,10 @@ at::Tensor cpu_linear(const at::Tensor& x, const at::Tensor& packed, const at::T
   const float* wp = packed.data_ptr<float>();
   const float* bp = bias.numel() ? bias.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p)
-      panel(xp, M, wp + p * K * kPanel, K, yp + p * kPanel, N, bp ? bp + p * kPanel : nullptr);
+  // threads take whole pairs of panels (grain 2): a pair split between threads would run as
+  // two single panels
+  at::parallel_for(0, panels, 2, [&](int64_t begin, int64_t end) {
+    panel_range(xp, M, wp, K, yp, N, bp, begin, end);
   });
   return y.view(sizes);
 }

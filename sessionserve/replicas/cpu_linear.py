@@ -43,8 +43,8 @@ why_not = KERNEL.why_not
 
 
 def panel_width() -> int:
-    """Output columns a packed panel holds on this CPU (two vectors' lanes)."""
-    return 2 * vector_lanes()
+    """Output columns a packed panel holds on this CPU (one vector's lanes)."""
+    return vector_lanes()
 
 
 def fits(weight: torch.Tensor) -> bool:

@@ -29,8 +29,10 @@ def kernel() -> int:
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
 @pytest.mark.parametrize("in_features", [1, 7, 64, 130])
 def test_it_computes_f_linear_for_any_rows(kernel, threads, bias, in_features) -> None:
-    """Every row count from 0 to past two register blocks (AVX2: 6 rows, AVX-512: 12), and
-    panels split between threads: within fp32 rounding of `F.linear` (sums in another order)."""
+    """Every row count from 0 to past the kernel's three regimes (AVX2: up to 6 rows two
+    panels at a time, 7-12 one panel at a time, then two at a time in passes of 6; AVX-512:
+    12, 24), an odd number of panels (a pair and one left over), and panels split between
+    threads: within fp32 rounding of `F.linear` (sums in another order)."""
     g = torch.Generator().manual_seed(in_features)
     out_features = 3 * kernel
     lin = torch.nn.Linear(in_features, out_features, bias=bias)
