@@ -191,24 +191,9 @@ def test_a_retry_after_its_ingress_died_finds_the_session_free(chaos) -> None:
     ran: here a 1,800-token turn (~19 s), longer than Serve takes to replace the ingresses."""
     import ray
 
-    client = openai.OpenAI(base_url=f"{chaos}/v1", api_key="x", max_retries=0, timeout=60)
-    session = {"x-session-id": "orphaned-turn"}
-    messages = [{"role": "user", "content": "w1 w2"}]
-
-    def ask(max_tokens: int, headers: dict | None = session, **extra):
-        return client.chat.completions.create(
-            model=None,
-            messages=messages,
-            max_tokens=max_tokens,
-            temperature=0,
-            extra_headers=headers,
-            **extra,
-        )
-
-    messages += [{"role": "assistant", "content": ask(3).choices[0].message.content}]
-    messages += [{"role": "user", "content": "w3 w4"}]
-    stream = ask(1800, stream=True, extra_body={"ignore_eos": True})
-    next(iter(stream))  # the long turn runs on its replica
+    chat = OrphanChat(chaos, "orphaned-turn")
+    chat.first_turn()
+    stream = chat.long_turn()
     for ingress in serve_actors("Ingress"):  # whichever one relays it
         ray.kill(ingress)
     with contextlib.suppress(Exception):  # its relay breaks off
@@ -219,7 +204,7 @@ def test_a_retry_after_its_ingress_died_finds_the_session_free(chaos) -> None:
     failures: list[int | str] = []
     for _ in range(240):
         try:
-            again = ask(3)
+            again = chat.ask(3)
             break
         except openai.APIStatusError as e:  # while Serve replaces the ingresses; never a 409
             assert e.status_code in RETRYABLE, (e.status_code, e.body, failures)
@@ -230,7 +215,7 @@ def test_a_retry_after_its_ingress_died_finds_the_session_free(chaos) -> None:
     else:
         raise AssertionError(f"the retry never succeeded: {failures}")
     assert again.usage.prompt_tokens_details.cached_tokens > 0  # the session's KV was kept
-    plain = ask(3, headers=None)  # the same conversation without a session
+    plain = chat.ask(3, session=False)  # the same conversation without a session
     assert again.choices[0].message.content == plain.choices[0].message.content
     terms = assert_the_invariant_on_every_replica()
     assert all(t["in_flight"] == 0 for t in terms.values()), terms
@@ -295,25 +280,11 @@ def test_a_turn_whose_proxy_died_is_aborted(chaos) -> None:
     sessionless request."""
     import ray
 
-    client = openai.OpenAI(base_url=f"{chaos}/v1", api_key="x", max_retries=0, timeout=60)
     session_id = "proxy-died"
-    messages = [{"role": "user", "content": "w1 w2"}]
-
-    def ask(max_tokens: int, session: str | None = session_id, **extra):
-        return client.chat.completions.create(
-            model=None,
-            messages=messages,
-            max_tokens=max_tokens,
-            temperature=0,
-            extra_headers={"x-session-id": session} if session else None,
-            **extra,
-        )
-
-    messages += [{"role": "assistant", "content": ask(3).choices[0].message.content}]
+    chat = OrphanChat(chaos, session_id)
+    chat.first_turn()
     before = session_view(chaos, session_id)
-    messages += [{"role": "user", "content": "w3 w4"}]
-    stream = ask(1800, stream=True, extra_body={"ignore_eos": True})
-    next(iter(stream))  # the long turn runs on its replica
+    stream = chat.long_turn()
     proxies = [
         a["name"]
         for a in ray.util.list_named_actors(all_namespaces=True)
@@ -340,10 +311,41 @@ def test_a_turn_whose_proxy_died_is_aborted(chaos) -> None:
     assert after["turns"] == before["turns"], (before, after)
     assert after["history_tokens"] == before["history_tokens"], (before, after)
     assert after["held_tokens"] < 1800, (before, after)  # not the orphan's tokens
-    again = ask(3)  # no 409: nothing holds the session
+    again = chat.ask(3)  # no 409: nothing holds the session
     assert again.usage.prompt_tokens_details.cached_tokens > 0
-    plain = ask(3, session=None)
+    plain = chat.ask(3, session=False)
     assert again.choices[0].message.content == plain.choices[0].message.content
+
+
+class OrphanChat:
+    """A greedy chat session for the orphaned-turn tests: a short first turn, then a streamed
+    1,800-token one (~19 s here) that a kill leaves without a reader."""
+
+    def __init__(self, base: str, session_id: str) -> None:
+        self.client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=60)
+        self.session_id = session_id
+        self.messages = [{"role": "user", "content": "w1 w2"}]
+
+    def ask(self, max_tokens: int, session: bool = True, **extra):
+        """The conversation so far, in the session or (session=False) without one."""
+        return self.client.chat.completions.create(
+            model=None,
+            messages=self.messages,
+            max_tokens=max_tokens,
+            temperature=0,
+            extra_headers={"x-session-id": self.session_id} if session else None,
+            **extra,
+        )
+
+    def first_turn(self) -> None:
+        self.messages += [{"role": "assistant", "content": self.ask(3).choices[0].message.content}]
+        self.messages += [{"role": "user", "content": "w3 w4"}]
+
+    def long_turn(self):
+        """The long turn's stream, once its first piece arrived (it runs on its replica)."""
+        stream = self.ask(1800, stream=True, extra_body={"ignore_eos": True})
+        next(iter(stream))
+        return stream
 
 
 def session_view(base: str, session_id: str) -> dict:
