@@ -143,8 +143,8 @@ at::Tensor cpu_linear(const at::Tensor& x, const at::Tensor& packed, const at::T
   const float* wp = packed.data_ptr<float>();
   const float* bp = bias.numel() ? bias.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  // threads take whole pairs of panels (grain 2): a pair split between threads would run as
-  // two single panels
+  // grain 2: no thread gets a lone panel where a pair would do (a range of odd length runs
+  // its last panel alone, which is correct, only without the pair's shared broadcasts)
   at::parallel_for(0, panels, 2, [&](int64_t begin, int64_t end) {
     panel_range(xp, M, wp, K, yp, N, bp, begin, end);
   });
