@@ -161,6 +161,19 @@ def extra_app(served: dict, name: str, args: dict, wait_s: float = 90) -> Iterat
         serve.delete(name)
 
 
+def serve_actor_names(prefix: str) -> list[str]:
+    """Names of Serve's named actors (namespace "serve") that start with `prefix`, sorted:
+    `SERVE_REPLICA::<app>#<deployment>#` for a deployment's replicas, `SERVE_PROXY_ACTOR` for
+    the proxies."""
+    import ray
+
+    return sorted(
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["namespace"] == "serve" and a["name"].startswith(prefix)
+    )
+
+
 def replica_memory(app: str = APP, replicas: int = 2) -> dict[str, dict]:
     """Each model replica's memory-invariant terms (it raises if the invariant is broken).
     Unpinned calls spread at random, so enough of them reach every replica. Waits first for

@@ -20,7 +20,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import app_args, extra_app, replica_memory
+from tests.conftest import app_args, extra_app, replica_memory, serve_actor_names
 from tests.models import word_tokenizer
 
 pytestmark = pytest.mark.ray
@@ -55,13 +55,8 @@ def directory_shard(shard: int):
 def serve_actors(deployment: str) -> list:
     import ray
 
-    prefix = f"SERVE_REPLICA::{CHAOS_APP}#{deployment}#"
-    names = [
-        a["name"]
-        for a in ray.util.list_named_actors(all_namespaces=True)
-        if a["namespace"] == "serve" and a["name"].startswith(prefix)
-    ]
-    return [ray.get_actor(n, namespace="serve") for n in sorted(names)]
+    names = serve_actor_names(f"SERVE_REPLICA::{CHAOS_APP}#{deployment}#")
+    return [ray.get_actor(n, namespace="serve") for n in names]
 
 
 class Conversation:
@@ -285,11 +280,7 @@ def test_a_turn_whose_proxy_died_is_aborted(chaos) -> None:
     chat.first_turn()
     before = session_view(chaos, session_id)
     stream = chat.long_turn()
-    proxies = [
-        a["name"]
-        for a in ray.util.list_named_actors(all_namespaces=True)
-        if a["namespace"] == "serve" and a["name"].startswith("SERVE_PROXY_ACTOR")
-    ]
+    proxies = serve_actor_names("SERVE_PROXY_ACTOR")
     assert proxies
     for name in proxies:
         ray.kill(ray.get_actor(name, namespace="serve"))

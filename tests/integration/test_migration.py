@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from tests.conftest import app_args, extra_app, replica_memory
+from tests.conftest import app_args, extra_app, replica_memory, serve_actor_names
 from tests.integration.conftest import words
 
 pytestmark = pytest.mark.ray
@@ -214,16 +214,9 @@ def test_redeploy_to_one_replica_moves_every_session(served) -> None:
 
 def _wait_for_one_replica(app: str) -> str:
     """The stopping replica's actor is gone (its sessions moved in its __del__)."""
-    import ray
-
-    prefix = f"SERVE_REPLICA::{app}#SessionReplica#"
     deadline = time.monotonic() + 150  # two replicas stop, each within its migration budget
     while True:
-        names = [
-            a["name"]
-            for a in ray.util.list_named_actors(all_namespaces=True)
-            if a["namespace"] == "serve" and a["name"].startswith(prefix)
-        ]
+        names = serve_actor_names(f"SERVE_REPLICA::{app}#SessionReplica#")
         if len(names) == 1:
             return names[0].rsplit("#", 1)[-1]
         assert time.monotonic() < deadline, f"still {len(names)} replicas"
