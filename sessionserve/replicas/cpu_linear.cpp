@@ -48,18 +48,37 @@ inline Vec vfmadd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 #endif
 constexpr int kPanel = kLanes;  // output columns a panel holds: one vector
 
+// Software prefetching of the weights a lone pass streams from memory: how far ahead, in
+// steps of K, and from how many rows of x on. Below that a pass waits on memory with or
+// without it; from there its FMAs kept the hardware prefetcher from running far enough ahead,
+// and the linears of a step of 8 rows ran 1.16-1.22x faster with it (docs/benchmarks.md,
+// stop 87: `benchmarks/few_row_linear.py`).
+constexpr int64_t kPrefetchAhead = 256;  // 8 KiB of a panel on AVX2, 16 KiB on AVX-512
+constexpr int kPrefetchRows = 4;
+constexpr int kStepsPerLine = 64 / (kPanel * static_cast<int>(sizeof(float)));
+
 // R rows of x [R, K] (row stride lda) against V consecutive panels starting at w (each
 // [K, kPanel], K * kPanel apart) -> y [R, V * kPanel]. Each x element broadcast feeds V FMAs.
+// `from_memory`: the only pass over these panels, which fetches them ahead.
 template <int R, int V>
 inline void panel_rows(const float* x, int64_t lda, const float* w, int64_t K, float* y,
-                       int64_t ldy, const float* bias) {
+                       int64_t ldy, const float* bias, bool from_memory) {
   Vec acc[R][V];
 #pragma GCC unroll 24
   for (int r = 0; r < R; ++r) {
 #pragma GCC unroll 2
     for (int v = 0; v < V; ++v) acc[r][v] = bias ? vload(bias + v * kPanel) : vzero();
   }
+  const bool prefetch = R >= kPrefetchRows && from_memory;
   for (int64_t k = 0; k < K; ++k) {
+    if (prefetch && k % kStepsPerLine == 0) {
+      // near a panel's end this fetches the next panel's start (or past the weights: a
+      // prefetch never faults)
+      const float* ahead = w + (k + kPrefetchAhead) * kPanel;
+#pragma GCC unroll 2
+      for (int v = 0; v < V; ++v)
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + v * K * kPanel), _MM_HINT_T0);
+    }
     Vec wv[V];
 #pragma GCC unroll 2
     for (int v = 0; v < V; ++v) wv[v] = vload(w + v * K * kPanel + k * kPanel);
@@ -79,10 +98,10 @@ inline void panel_rows(const float* x, int64_t lda, const float* w, int64_t K, f
 
 template <int R, int V>
 void rows_upto(int rows, const float* x, int64_t lda, const float* w, int64_t K, float* y,
-               int64_t ldy, const float* bias) {
+               int64_t ldy, const float* bias, bool from_memory) {
   if constexpr (R > 0) {
-    if (rows == R) return panel_rows<R, V>(x, lda, w, K, y, ldy, bias);
-    rows_upto<R - 1, V>(rows, x, lda, w, K, y, ldy, bias);
+    if (rows == R) return panel_rows<R, V>(x, lda, w, K, y, ldy, bias, from_memory);
+    rows_upto<R - 1, V>(rows, x, lda, w, K, y, ldy, bias, from_memory);
   }
 }
 
@@ -96,7 +115,9 @@ void panels(const float* x, int64_t M, const float* w, int64_t K, float* y, int6
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t left = blocks - b;
     const int rows = static_cast<int>((M - m + left - 1) / left);
-    rows_upto<kRows, V>(rows, x + m * K, K, w, K, y + m * N, N, bias);
+    // a lone pass streams the panels from memory while it computes: it fetches ahead (the
+    // first of several passes did too, but those steps are compute-bound: it lost 1-7%)
+    rows_upto<kRows, V>(rows, x + m * K, K, w, K, y + m * N, N, bias, blocks == 1);
     m += rows;
   }
 }
