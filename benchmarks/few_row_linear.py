@@ -30,7 +30,11 @@ from sessionserve.replicas import cpu_linear
 from sessionserve.replicas.native_kernel import NativeKernel
 
 OTHER_NAMESPACE = "sessionserve_before"  # the other source's op: torch.ops.<this>.cpu_linear
+# an op of cpu_linear's signature: (x, packed weight, bias or empty) -> y
 Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# what each contender is timed as: (x, weight, packed weight) -> y
+Contender = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+NO_BIAS = torch.empty(0)
 
 
 def load_other_source(source: Path, workdir: Path) -> Linear:
@@ -60,13 +64,15 @@ def step_weights(model: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tenso
     return [(m.weight.detach(), cpu_linear.pack(m.weight.detach())) for m in linears]
 
 
-def one_pass(op: Linear, weights, inputs: dict[int, torch.Tensor], packed: bool) -> float:
+def on_panels(op: Linear) -> Contender:
+    return lambda x, weight, panels: op(x, panels, NO_BIAS)
+
+
+def one_pass(contender: Contender, weights, inputs: dict[int, torch.Tensor]) -> float:
     """Seconds for every linear once (each fed an input of its width, as a step feeds it)."""
-    none = torch.empty(0)
     started = time.perf_counter()
     for weight, panels in weights:
-        x = inputs[weight.shape[1]]
-        op(x, panels, none) if packed else op(x, weight, None)
+        contender(inputs[weight.shape[1]], weight, panels)
     return time.perf_counter() - started
 
 
@@ -84,15 +90,15 @@ def main() -> None:
     if not cpu_linear.load():
         raise SystemExit(f"the kernel cannot be used here: {cpu_linear.why_not()}")
     weights = step_weights(load().model)
-    contenders: dict[str, tuple[Linear, bool]] = {
+    contenders: dict[str, Contender] = {
         # the op itself, as the other source's is called (not `cpu_linear.linear`, whose
         # Python costs ~1 ms over a step's 211 calls)
-        "kernel": (torch.ops.sessionserve.cpu_linear, True),
-        "mkl": (F.linear, False),
+        "kernel": on_panels(torch.ops.sessionserve.cpu_linear),
+        "mkl": lambda x, weight, panels: F.linear(x, weight),
     }
     with tempfile.TemporaryDirectory() as tmp:
         if args.against_source:
-            contenders["source"] = (load_other_source(args.against_source, Path(tmp)), True)
+            contenders["source"] = on_panels(load_other_source(args.against_source, Path(tmp)))
         print(
             f"machine: {machine()}; {len(weights)} linears, {sum(w.numel() for w, _ in weights):,}"
             f" fp32 weights; contenders {list(contenders)}"
@@ -102,17 +108,17 @@ def main() -> None:
             inputs = {k: torch.randn(rows, k) for k in {w.shape[1] for w, _ in weights}}
             for weight, panels in weights[:2]:  # every contender computes the same thing
                 x = inputs[weight.shape[1]]
-                for op, packed in contenders.values():
-                    got = op(x, panels, torch.empty(0)) if packed else op(x, weight, None)
+                for contender in contenders.values():
+                    got = contender(x, weight, panels)
                     torch.testing.assert_close(got, F.linear(x, weight), rtol=1e-4, atol=1e-4)
             times: dict[str, list[float]] = {name: [] for name in contenders}
             names = list(contenders)
             for r in range(args.rounds):  # contenders alternate, each round in another order:
                 # each sees the same drift, and none always follows the same one
                 for name in names[r % len(names) :] + names[: r % len(names)]:
-                    op, packed = contenders[name]
-                    one_pass(op, weights, inputs, packed)  # warm
-                    best = min(one_pass(op, weights, inputs, packed) for _ in range(args.passes))
+                    contender = contenders[name]
+                    one_pass(contender, weights, inputs)  # warm
+                    best = min(one_pass(contender, weights, inputs) for _ in range(args.passes))
                     times[name].append(best * 1e3)
             ms = {name: median(t) for name, t in times.items()}
             line = f"rows {rows:2d}: " + ", ".join(f"{n} {v:.2f} ms" for n, v in ms.items())

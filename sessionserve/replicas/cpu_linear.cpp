@@ -116,7 +116,7 @@ void panels(const float* x, int64_t M, const float* w, int64_t K, float* y, int6
     const int64_t left = blocks - b;
     const int rows = static_cast<int>((M - m + left - 1) / left);
     // a lone pass streams the panels from memory while it computes: it fetches ahead (the
-    // first of several passes did too, but those steps are compute-bound: it lost 1-7%)
+    // first of several passes did too, but those steps are compute-bound: no clear gain)
     rows_upto<kRows, V>(rows, x + m * K, K, w, K, y + m * N, N, bias, blocks == 1);
     m += rows;
   }
