@@ -30,10 +30,10 @@ class ModelConfig(_Strict):
     served_name: str | None = Field(None, description="Model id in the API; default: derived.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto",
-        description="Weights and KV dtype. auto = bfloat16 on CUDA and on CPUs with native "
-        "bf16 dot products (AVX512-BF16 or AMX: the compiled forward 1.5-1.7x faster than in "
-        "float32 on an AMD EPYC Zen 4, docs/benchmarks.md), float32 on other CPUs (where bf16 "
-        "matmuls are emulated and slow).",
+        description="Weights dtype, and the KV's unless cache.kv_dtype says. auto = bfloat16 "
+        "on CUDA and on CPUs with native bf16 dot products (AVX512-BF16 or AMX: the compiled "
+        "forward 1.5-1.7x faster than in float32 on an AMD EPYC Zen 4, docs/benchmarks.md), "
+        "float32 on other CPUs (where bf16 matmuls are emulated and slow).",
     )
     device: str = Field("cpu", description='torch device, e.g. "cpu" or "cuda".')
     torch_threads: int | None = Field(
@@ -77,6 +77,17 @@ class CacheConfig(_Strict):
         4096, ge=16, description="Longest sequence (input + output) a request may reach."
     )
     radix_cache: bool = Field(True, description="Share prefixes between requests (radix tree).")
+    kv_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto",
+        description=(
+            "How the KV is stored. auto = the model's dtype (answers exactly those of "
+            "transformers' generate). bfloat16 under a float32 model (a CPU without native "
+            "bf16) holds twice the tokens in the same bytes, as vLLM's and SGLang's "
+            "--kv-cache-dtype do: each token's K/V is rounded to bf16 when written and "
+            "attention reads it so, its own step included; the rest computes in float32. "
+            "Not with the flashinfer backend, which reads KV in the model's dtype."
+        ),
+    )
     sliding_window_kv: bool = Field(
         True,
         description=(
@@ -94,6 +105,12 @@ class CacheConfig(_Strict):
             "its window."
         ),
     )
+
+    def kv_torch_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The KV pool's dtype for a model loaded in `model_dtype` (`auto`: the same)."""
+        import torch
+
+        return model_dtype if self.kv_dtype == "auto" else getattr(torch, self.kv_dtype)
 
 
 class SessionConfig(_Strict):

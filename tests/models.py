@@ -151,6 +151,7 @@ def tiny_engine(
     tokenizer=None,
     sliding_window_kv: bool = True,
     sliding_slots: int | None = None,
+    kv_dtype: str = "auto",
     compile: bool | str = False,
     compile_prefill: bool | str = "auto",
     compile_decode: bool | str = "auto",
@@ -169,7 +170,7 @@ def tiny_engine(
     timing); `min_draft_confidence`: 0 here, so the head's chains are full (a tiny random
     head is rarely confident). `overlap`: `engine.overlap_schedule`. `metrics`,
     `reclaim_sessions_at_limit`: as `Engine` takes them (a served replica's exporter; its
-    session reclaiming)."""
+    session reclaiming). `kv_dtype`: `cache.kv_dtype`."""
     device = device or engine_device()
     model = copy.deepcopy(model) if model is not None else tiny_model()
     head = drafter(model) if drafter is not None else None  # built on CPU, moved with it
@@ -185,6 +186,7 @@ def tiny_engine(
             radix_cache=radix,
             sliding_window_kv=sliding_window_kv,
             sliding_slots=sliding_slots,
+            kv_dtype=kv_dtype,
         ),
         scheduler=SchedulerConfig(
             max_prefill_tokens=prefill,
@@ -237,8 +239,16 @@ def session_turns(engine, turns: list[list[int]], sampled) -> list[tuple]:
     return outs
 
 
-def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """transformers' own generate, the reference for token-exact comparisons."""
+def hf_greedy(
+    model, prompt: list[int], max_new_tokens: int, kv_dtype: torch.dtype | None = None
+) -> list[int]:
+    """transformers' own generate, the reference for token-exact comparisons. With
+    `kv_dtype` (`cache.kv_dtype`'s reference), on a copy of the model whose attention reads
+    every K/V rounded to that dtype: transformers' SDPA attention, registered with its
+    `AttentionInterface` behind that rounding."""
+    if kv_dtype is not None:
+        model = copy.deepcopy(model)
+        model.set_attn_implementation(kv_rounded_attention(kv_dtype))
     ids = torch.tensor([prompt], device=model.device)
     out = model.generate(
         ids,
@@ -248,6 +258,21 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
         pad_token_id=0,
     )
     return out[0, len(prompt) :].tolist()
+
+
+def kv_rounded_attention(kv_dtype: torch.dtype) -> str:
+    """The name of transformers' SDPA attention over K/V rounded to `kv_dtype` (registered
+    once per dtype)."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def attend(module, query, key, value, *args, **kwargs):  # noqa: ANN001, ANN202
+        key, value = key.to(kv_dtype).to(key.dtype), value.to(kv_dtype).to(value.dtype)
+        return sdpa_attention_forward(module, query, key, value, *args, **kwargs)
+
+    name = f"sdpa_kv_{str(kv_dtype).removeprefix('torch.')}"
+    AttentionInterface.register(name, attend)
+    return name
 
 
 def mimic_drafter(model, noise: float = 0.0, seed: int = 0):

@@ -36,6 +36,14 @@ class KVShape:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
 
 
+def as_stored(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`t` (new K or V) as attention reads it back from a pool of `dtype`, in `t`'s own dtype:
+    rounded where the pool stores fewer bits (`cache.kv_dtype`), so a token's own step
+    attends to the same K/V as every later step, on every path (eager, fresh prefill, the
+    compiled decode step)."""
+    return t if t.dtype == dtype else t.to(dtype).to(t.dtype)
+
+
 class KVPool:
     """Full-attention layers: `k[i]` and `v[i]` of shape [pool_slots, num_kv_heads, head_dim],
     indexed by the allocator's slots. Sliding-window layers, when the cache keeps their KV

@@ -218,7 +218,7 @@ def install_decode_kernel(
         str(pool.dtype),
         attention_scale(model, shape.head_dim),
     )
-    backend.decode_kernel = decode_kernel_for(layout, cache_dir)
+    backend.decode_kernel = decode_kernel_for(layout, cache_dir, next(model.parameters()).dtype)
 
 
 def compiled_max_tokens(cfg: EngineConfig, runner: ModelRunner) -> int:
@@ -304,7 +304,7 @@ def pool_and_backend(
     pool = KVPool(
         shape,
         cache.allocator.pool_slots,
-        dtype=param.dtype,
+        dtype=c.kv_torch_dtype(param.dtype),
         device=param.device,
         sliding_layers=sliding_layers(model.config) if sliding is not None else (),
         sliding_slots=sliding.pool_slots if sliding is not None else 0,
@@ -322,4 +322,10 @@ def pool_and_backend(
         max_context_len=c.max_context_len,
         windows=sliding_windows(model.config),
     )
+    if pool.dtype != param.dtype and not isinstance(backend, TorchPagedBackend):
+        raise InvalidConfigError(
+            f"cache.kv_dtype {c.kv_dtype} under a {param.dtype} model: the {backend.name} "
+            "backend reads the KV in the model's dtype; use attention_backend: torch, or "
+            "kv_dtype: auto"
+        )
     return pool, backend

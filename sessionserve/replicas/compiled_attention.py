@@ -106,11 +106,14 @@ def build_kernel(
     log.info("compile: built %s in %.0f s", path.name, time.monotonic() - started)
 
 
-def decode_kernel_for(layout: HeadLayout, cache_dir: Path) -> DecodeKernel | None:
+def decode_kernel_for(
+    layout: HeadLayout, cache_dir: Path, query_dtype: torch.dtype | None = None
+) -> DecodeKernel | None:
     """What decode rows attend with in place: the hand-written CPU kernel where it is usable
     here (attention/cpu_decode_kernel.py, 1.42-1.50x the compiled formula over multi-turn
     contexts: docs/benchmarks.md; it also takes chain verifies' rows), else the compiled
-    formula (`load_decode_kernel`)."""
+    formula (`load_decode_kernel`), which is built for queries in the pool's dtype only:
+    under `cache.kv_dtype` another `query_dtype` keeps copying K/V."""
     dtype = getattr(torch, layout.dtype.removeprefix("torch."))
     heads, kv_heads = layout.num_heads, layout.num_kv_heads
     if cpu_decode_kernel.usable(layout.head_dim, heads, kv_heads, dtype):
@@ -118,6 +121,13 @@ def decode_kernel_for(layout: HeadLayout, cache_dir: Path) -> DecodeKernel | Non
         run = cpu_decode_kernel.over_the_pool(layout.scale)
         tokens = cpu_decode_kernel.max_query_tokens(heads, kv_heads)
         return DecodeKernel(run, kernel_chunks(), layout.scale, tokens)
+    if query_dtype is not None and query_dtype != dtype:
+        log.info(
+            "compile: decode attention keeps copying K/V: the CPU kernel is not usable here "
+            "and the compiled formula needs queries in the KV's dtype (%s)",
+            layout.dtype,
+        )
+        return None
     return load_decode_kernel(layout, cache_dir)
 
 

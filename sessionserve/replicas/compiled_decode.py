@@ -79,9 +79,13 @@ class DecodeStep(torch.nn.Module):
         feature_layers: tuple[int, ...] | None = None,
         attention_kernel: bool = False,
         linear_kernel: bool = False,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         self.config = model.config  # for `package_key`
+        # the pool's dtype (`cache.kv_dtype`; None: the model's), an input the package is
+        # exported for
+        self.kv_dtype = kv_dtype
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
         self.chunks = chunks
@@ -141,7 +145,7 @@ class DecodeStep(torch.nn.Module):
         if self.linear_kernel:
             cpu_linear.swap_linears(self)  # the decoder's and the LM head's
         shape = KVShape.from_hf_config(self.config)
-        dtype = next(self.parameters()).dtype
+        dtype = self.kv_dtype or next(self.parameters()).dtype
         n, width = example_tokens, EXAMPLE_PART_WIDTH * self.chunks
         pool = torch.zeros(
             shape.num_layers, EXAMPLE_POOL_SLOTS, shape.num_kv_heads, shape.head_dim, dtype=dtype
@@ -187,6 +191,7 @@ class DecodeStep(torch.nn.Module):
             "attention_kernel": self.attention_kernel and cpu_decode_kernel.C_SHIM,
             # only where used: packages built before stay valid
             **({"linear_kernel": cpu_linear.key_fact()} if self.linear_kernel else {}),
+            **({"kv_dtype": str(self.kv_dtype)} if self.kv_dtype is not None else {}),
         }
 
 
@@ -322,8 +327,14 @@ def plan_decode_compile(
         attention_kernel = use_attention_kernel(model, pool)
     if linear_kernel is None:
         linear_kernel = cpu_linear.usable_for(model)
+    model_dtype = next(model.parameters()).dtype
     step = DecodeStep(
-        model, kernel_chunks(), forward.feature_layers, attention_kernel, linear_kernel
+        model,
+        kernel_chunks(),
+        forward.feature_layers,
+        attention_kernel,
+        linear_kernel,
+        kv_dtype=pool.dtype if pool.dtype != model_dtype else None,
     )
     max_tokens = max(forward.max_tokens, KERNEL_MAX_TOKENS if linear_kernel else 0)
     key = package_key(step, max_tokens, weights=forward.weights)

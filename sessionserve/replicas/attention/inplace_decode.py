@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from sessionserve.cache.kv_pool import as_stored
 from sessionserve.replicas.attention import cpu_decode_kernel
 
 
@@ -161,7 +162,8 @@ class InlineDecode:
         if layer != len(self.new_k):
             raise RuntimeError(f"layer {layer} attended out of order (expected {len(self.new_k)})")
         q = query[0].transpose(0, 1)
-        k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)
+        dtype = self.k_pool.dtype  # the new K/V as the pool will hold them (as_stored)
+        k, v = as_stored(key[0].transpose(0, 1), dtype), as_stored(value[0].transpose(0, 1), dtype)
         self.new_k.append(k)
         self.new_v.append(v)
         if self.kernel:

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 
 import torch
 
+from sessionserve.cache.kv_pool import as_stored
 from sessionserve.replicas.attention.base import ForwardMeta
 
 _current: ForwardMeta | None = None
@@ -42,15 +43,17 @@ def attend(
     scaling: float,
     window: int | None,
 ) -> torch.Tensor:
-    """Write the new tokens' K/V into the pool, then let the backend attend over it:
-    [1, T, H, D] from q [1, H, T, D] and k/v [1, KVH, T, D]."""
-    meta.kv_pool.write(
+    """Write the new tokens' K/V into the pool, then let the backend attend over it (the new
+    K/V as the pool holds them): [1, T, H, D] from q [1, H, T, D] and k/v [1, KVH, T, D]."""
+    pool = meta.kv_pool
+    pool.write(
         layer,
         meta.out_slots,
         key[0].transpose(0, 1),
         value[0].transpose(0, 1),
         meta.sliding_out_slots,
     )
+    key, value = as_stored(key, pool.dtype), as_stored(value, pool.dtype)
     return meta.backend.forward(layer, query, key, value, meta, scaling, window)
 
 

@@ -427,6 +427,36 @@ def test_the_package_answers_as_the_eager_engine_on_any_pool_size(cache_dir) -> 
         engine.check_memory()
 
 
+def test_a_bf16_pool_under_a_float32_model_has_its_own_package(cache_dir) -> None:
+    """`cache.kv_dtype: bfloat16`: the pool's dtype is in the package's key (a package
+    exported for an fp32 pool is not loaded for it), and the package built for it answers
+    as transformers attending over bf16-rounded K/V, every decode step through it."""
+    model = tiny_model("llama", seed=4)
+    fp32, bf16 = tiny_engine(model), tiny_engine(model, kv_dtype="bfloat16")
+    forward = compiled_forward.plan_compile(True, fp32.runner.model, 32, cache_dir)
+    fp32_plan, _ = compiled_decode.plan_decode_compile(
+        True, forward, fp32.runner.model, fp32.runner.kv_pool
+    )
+    plan = built_package(bf16, cache_dir)
+    assert plan.package != fp32_plan.package
+    engine = tiny_engine(
+        model,
+        kv_dtype="bfloat16",
+        compile=True,
+        compile_decode=True,
+        compile_cache_dir=cache_dir,
+    )
+    decode = engine.runner.compiled_decode
+    assert decode is not None and decode.package == plan.package
+    shapes = recorded_shapes(decode)
+    greedy = SamplingParams(max_tokens=16, temperature=0)
+    inputs = inputs_for(model.config.vocab_size, seed=7)
+    for r, prompt in zip(engine.generate(inputs, greedy), inputs, strict=True):
+        assert r.output_ids == hf_greedy(model, prompt, 16, torch.bfloat16)
+    assert len(shapes) >= 15
+    engine.check_memory()
+
+
 def test_the_package_runs_verifies_through_the_kernel(cache_dir) -> None:
     """Built with the CPU kernel, the real package also runs history drafts' verifies (rows
     of several tokens): greedy answers equal the eager engine's and transformers'."""
