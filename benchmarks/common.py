@@ -60,19 +60,21 @@ def load(path: str = "default", dtype: torch.dtype = torch.float32) -> LoadedMod
 
 
 def bench_config_engine(
-    threads: int, dtype: str, kv_tokens: int | None = None, max_running: int = 32
+    threads: int,
+    dtype: str,
+    kv_tokens: int | None = None,
+    max_running: int = 32,
+    kv_dtype: str = "auto",
 ) -> Engine:
     """The engine of `serve-cpu-bench*.yaml` in this process: the default model in `dtype`,
-    compiled (the build waited for), `threads` torch threads, `kv_tokens` of KV or 1 GiB,
-    `max_running` requests a step (the configs' 32)."""
+    compiled (the build waited for), `threads` torch threads, `kv_tokens` of KV or 1 GiB
+    (in `kv_dtype`, `cache.kv_dtype`), `max_running` requests a step (the configs' 32)."""
     model = ModelConfig(path="default", torch_threads=threads, dtype=dtype)
+    cache = CacheConfig(num_slots=1, max_rows=96, max_context_len=4096, kv_dtype=kv_dtype)
+    kv_itemsize = cache.kv_torch_dtype(model.torch_dtype()).itemsize
     cfg = EngineConfig(
         model=model,
-        cache=CacheConfig(
-            num_slots=kv_tokens or 23296 * 4 // model.torch_dtype().itemsize,
-            max_rows=96,
-            max_context_len=4096,
-        ),
+        cache=cache.model_copy(update={"num_slots": kv_tokens or 23296 * 4 // kv_itemsize}),
         scheduler=SchedulerConfig(max_running_requests=max_running, max_prefill_tokens=512),
         compile=True,
     )

@@ -96,14 +96,15 @@ def in_process(
     batch_rates: list[float] | None = None,
     workloads: dict[str, list[ConversationsRun]] | None = None,
     kv_tokens: int | None = None,
+    kv_dtype: str = "auto",
 ) -> list[tuple]:
     """`n` requests one after another (TTFT, ms per token each), then with `batch` the
     `batched` rounds, whose rates go to `batch_rates`, then two rounds of each
     `serving.py` conversation workload named in `workloads` (its runs go there). KV:
-    `kv_tokens`, or 1 GiB as the bench configs."""
+    `kv_tokens` (in `kv_dtype`), or 1 GiB as the bench configs."""
     batch_rates = batch_rates if batch_rates is not None else []
     setup_threads(threads)
-    eng = bench_config_engine(threads, dtype, kv_tokens)
+    eng = bench_config_engine(threads, dtype, kv_tokens, kv_dtype=kv_dtype)
     out = [decode_one(eng, prompt(i, words), tokens) for i in range(n)]
     for rate in batched(eng, batch, words, tokens):
         print(f"in-process, {batch} requests at once: {rate:.1f} output tok/s", flush=True)
@@ -306,6 +307,13 @@ def main() -> None:
         "e.g. 12800 holds ~16 of the pressure workload's conversations at their last turn",
     )
     ap.add_argument(
+        "--kv-dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="the in-process engine's cache.kv_dtype (with --kv-tokens, give bfloat16 twice "
+        "float32's tokens for the same bytes)",
+    )
+    ap.add_argument(
         "--dtype",
         default="auto",
         help="the in-process model's (match the server's: auto is bfloat16 on CPUs with native "
@@ -331,6 +339,7 @@ def main() -> None:
             rates,
             workloads,
             args.kv_tokens,
+            args.kv_dtype,
         )
         ttft, gap = medians(local)
         print(f"machine: {machine()}; in-process TTFT {ttft:.3f} s, {1000 * gap:.1f} ms/token")

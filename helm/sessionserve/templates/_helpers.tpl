@@ -117,6 +117,7 @@ applications:
           max_rows: {{ $e.cache.maxRows | toJson }}
           max_context_len: {{ $e.cache.maxContextLen | toJson }}
           radix_cache: {{ $e.cache.radixCache | toJson }}
+          kv_dtype: {{ $e.cache.kvDtype | toJson }}
         sessions:
           max_sessions: {{ $e.sessions.maxSessions | toJson }}
           max_held_tokens: {{ $e.sessions.maxHeldTokens | toJson }}
