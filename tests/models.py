@@ -261,10 +261,12 @@ def hf_greedy(
 
 
 def kv_rounded_attention(kv_dtype: torch.dtype) -> str:
-    """The name of transformers' SDPA attention over K/V rounded to `kv_dtype` (registered
-    once per dtype)."""
+    """The name of transformers' SDPA attention over K/V rounded to `kv_dtype`, registered
+    with its SDPA mask too (without, a forward over a whole sequence builds no sliding
+    window for a name transformers does not know)."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     def attend(module, query, key, value, *args, **kwargs):  # noqa: ANN001, ANN202
         key, value = key.to(kv_dtype).to(key.dtype), value.to(kv_dtype).to(value.dtype)
@@ -272,6 +274,7 @@ def kv_rounded_attention(kv_dtype: torch.dtype) -> str:
 
     name = f"sdpa_kv_{str(kv_dtype).removeprefix('torch.')}"
     AttentionInterface.register(name, attend)
+    AttentionMaskInterface.register(name, sdpa_mask)
     return name
 
 

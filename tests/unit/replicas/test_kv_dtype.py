@@ -4,8 +4,9 @@ included. The reference is transformers' `generate` with its SDPA attention read
 rounded the same way (`tests.models.kv_rounded_attention`): greedy answers equal it token for
 token on every path a decode step can take on a CPU (the eager gather and SDPA, the
 in-place CPU kernel, the decode step package's formula and its kernel, run eagerly here; a
-real package build is in test_compiled_decode.py), and differ from the float32 reference's
-on some of these prompts, so the rounding is not a no-op."""
+real package build is in test_compiled_decode.py), for sessions, verifies, the host tier and
+a sliding-window model (Gemma 3) too, and differ from the float32 reference's on some of these
+prompts, so the rounding is not a no-op."""
 
 from __future__ import annotations
 
@@ -18,7 +19,13 @@ from sessionserve.errors import InvalidConfigError
 from sessionserve.replicas import assembly
 from sessionserve.replicas.attention import cpu_decode_kernel
 from sessionserve.wire import SamplingParams
-from tests.models import hf_greedy, kv_rounded_attention, tiny_engine, tiny_model
+from tests.models import (
+    GEMMA3_SHAPE,
+    hf_greedy,
+    kv_rounded_attention,
+    tiny_engine,
+    tiny_model,
+)
 from tests.unit.replicas.test_compiled_decode import with_eager_decode
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=True)
@@ -40,6 +47,25 @@ def bf16_kv_engine(model, path: str, tmp_path, **kw):
     return engine
 
 
+def over_bf16_kv(model):
+    """A copy of `model` whose attention reads K/V rounded to bf16 (transformers' SDPA)."""
+    reference = copy.deepcopy(model)
+    reference.set_attn_implementation(kv_rounded_attention(torch.bfloat16))
+    return reference
+
+
+def assert_as_transformers_over_bf16_kv(model, reference, prompt: list[int], r) -> None:
+    """Greedy tokens equal `generate`'s over bf16 K/V, and each token's logprob the one the
+    reference's forward gives it, within 1e-4 (fp32 paths sum in other orders: ~1e-6 here;
+    attending to a token's own K/V unrounded in its own step moved them ~3e-3)."""
+    assert r.output_ids == hf_greedy(model, prompt, len(r.output_ids), torch.bfloat16)
+    with torch.no_grad():
+        logits = reference(torch.tensor([prompt + r.output_ids[:-1]])).logits[0]
+    want = torch.log_softmax(logits[len(prompt) - 1 :], -1)
+    want = want[torch.arange(len(r.output_ids)), torch.tensor(r.output_ids)]
+    assert [x.logprob for x in r.logprobs] == pytest.approx(want.tolist(), abs=1e-4)
+
+
 @pytest.mark.parametrize("path", PATHS)
 def test_bf16_kv_answers_as_transformers_attending_over_bf16_kv(path, tmp_path) -> None:
     model = tiny_model("llama", seed=3)
@@ -49,17 +75,9 @@ def test_bf16_kv_answers_as_transformers_attending_over_bf16_kv(path, tmp_path) 
     assert pool.dtype is torch.bfloat16
     assert pool.nbytes() * 2 == tiny_engine(model).runner.kv_pool.nbytes()  # same slots
     got = engine.generate(PROMPTS, GREEDY)
-    reference = copy.deepcopy(model)
-    reference.set_attn_implementation(kv_rounded_attention(torch.bfloat16))
+    reference = over_bf16_kv(model)
     for r, prompt in zip(got, PROMPTS, strict=True):
-        assert r.output_ids == hf_greedy(model, prompt, GREEDY.max_tokens, torch.bfloat16)
-        # within 1e-4 (fp32 paths sum in other orders: ~1e-6 here); attending to a token's
-        # own K/V unrounded in its own step moved them ~3e-3
-        with torch.no_grad():
-            logits = reference(torch.tensor([prompt + r.output_ids[:-1]])).logits[0]
-        want = torch.log_softmax(logits[len(prompt) - 1 :], -1)
-        want = want[torch.arange(len(r.output_ids)), torch.tensor(r.output_ids)]
-        assert [x.logprob for x in r.logprobs] == pytest.approx(want.tolist(), abs=1e-4)
+        assert_as_transformers_over_bf16_kv(model, reference, prompt, r)
     fp32 = [hf_greedy(model, p, GREEDY.max_tokens) for p in PROMPTS]
     assert any(r.output_ids != want for r, want in zip(got, fp32, strict=True))
     if path.startswith("step_"):
@@ -140,3 +158,27 @@ def test_a_bf16_session_parks_in_half_the_host_bytes_and_answers_as_if_resident(
         tiered.close_session("s")
         assert tiered.checker.check_idle().host_bytes == 0
     assert parked_bytes["bfloat16"] * 2 == parked_bytes["auto"] > 0
+
+
+def test_a_sliding_window_session_over_bf16_kv_answers_as_transformers() -> None:
+    """Gemma 3's sliding layers keep their KV apart, in the pool's dtype too: session turns
+    several windows long, each as transformers over bf16 K/V on the whole history."""
+    model = tiny_model("gemma3", seed=1)
+    window = GEMMA3_SHAPE["sliding_window"]
+    engine = tiny_engine(model, kv_dtype="bfloat16", page_size=4, prefill=window + 3)
+    assert engine.runner.kv_pool.has_sliding
+    assert engine.runner.kv_pool.sliding_k.dtype is torch.bfloat16
+    reference = over_bf16_kv(model)
+    greedy = SamplingParams(max_tokens=window, temperature=0, ignore_eos=True, logprobs=True)
+    sid, history = engine.open_session(), []
+    for turn in range(3):
+        new = [3 + (turn * 17 + j * 5) % 240 for j in range(window + 7 * turn)]
+        (r,) = engine.generate([new], greedy, session_id=sid)
+        history += new
+        assert r.cached_tokens == (0 if turn == 0 else len(history) - len(new) - 1)
+        assert_as_transformers_over_bf16_kv(model, reference, history, r)
+        history += r.output_ids
+        engine.check_memory()
+    assert len(history) > 4 * window
+    engine.close_session(sid)
+    engine.checker.check_idle()
