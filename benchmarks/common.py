@@ -70,11 +70,15 @@ def bench_config_engine(
     compiled (the build waited for), `threads` torch threads, `kv_tokens` of KV or 1 GiB
     (in `kv_dtype`, `cache.kv_dtype`), `max_running` requests a step (the configs' 32)."""
     model = ModelConfig(path="default", torch_threads=threads, dtype=dtype)
-    cache = CacheConfig(num_slots=1, max_rows=96, max_context_len=4096, kv_dtype=kv_dtype)
-    kv_itemsize = cache.kv_torch_dtype(model.torch_dtype()).itemsize
+    kv = CacheConfig(kv_dtype=kv_dtype).kv_torch_dtype(model.torch_dtype())
     cfg = EngineConfig(
         model=model,
-        cache=cache.model_copy(update={"num_slots": kv_tokens or 23296 * 4 // kv_itemsize}),
+        cache=CacheConfig(
+            num_slots=kv_tokens or 23296 * 4 // kv.itemsize,
+            max_rows=96,
+            max_context_len=4096,
+            kv_dtype=kv_dtype,
+        ),
         scheduler=SchedulerConfig(max_running_requests=max_running, max_prefill_tokens=512),
         compile=True,
     )
