@@ -144,6 +144,18 @@ def test_cuda_graphs_value_reaches_the_engine_config() -> None:
         assert AppConfig.model_validate(args).engine.cuda_graphs is want
 
 
+def test_kv_dtype_value_reaches_the_engine_config() -> None:
+    for values, want in (
+        (None, "auto"),
+        ({"engine": {"cache": {"kvDtype": "bfloat16"}}}, "bfloat16"),
+    ):
+        (rs,) = by_kind(render(values) if values else render(), "RayService")
+        args = yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"][0]["args"]
+        assert AppConfig.model_validate(args).engine.cache.kv_dtype == want
+    with pytest.raises(helm.HelmValuesError, match="/engine/cache/kvDtype"):
+        helm.Chart.load(CHART).validate_schema({"engine": {"cache": {"kvDtype": "fp8"}}})
+
+
 @pytest.mark.parametrize(
     ("option", "kind"),
     [
