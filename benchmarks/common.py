@@ -12,8 +12,8 @@ import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
 import torch
 
@@ -158,6 +158,16 @@ def machine() -> dict[str, Any]:
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
     }
+
+
+T = TypeVar("T")
+
+
+def rotated(items: Sequence[T], r: int) -> list[T]:
+    """`items` in round `r`'s order: alternating contenders, each round starting with
+    another, so that each sees the same drift and none always follows the same one."""
+    shift = r % len(items)
+    return [*items[shift:], *items[:shift]]
 
 
 def median(xs: list[float]) -> float:

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import emit, load, machine, median, setup_threads
+from benchmarks.common import emit, load, machine, median, rotated, setup_threads
 from sessionserve.replicas import cpu_linear
 from sessionserve.replicas.native_kernel import NativeKernel
 
@@ -112,10 +112,8 @@ def main() -> None:
                     got = contender(x, weight, panels)
                     torch.testing.assert_close(got, F.linear(x, weight), rtol=1e-4, atol=1e-4)
             times: dict[str, list[float]] = {name: [] for name in contenders}
-            names = list(contenders)
-            for r in range(args.rounds):  # contenders alternate, each round in another order:
-                # each sees the same drift, and none always follows the same one
-                for name in names[r % len(names) :] + names[: r % len(names)]:
+            for r in range(args.rounds):
+                for name in rotated(list(contenders), r):
                     contender = contenders[name]
                     one_pass(contender, weights, inputs)  # warm
                     best = min(one_pass(contender, weights, inputs) for _ in range(args.passes))

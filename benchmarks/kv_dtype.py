@@ -26,16 +26,10 @@ import argparse
 import statistics
 from typing import Any
 
-from benchmarks.common import bench_config_engine, emit, machine, setup_threads
+from benchmarks.common import bench_config_engine, emit, machine, rotated, setup_threads
 from benchmarks.decode_package import first_difference, timed_round
 from benchmarks.served_gap import CONVERSATION_WORKLOADS, conversations
 from sessionserve.replicas.engine import Engine
-
-
-def rotating(engines: dict[str, Engine], r: int) -> list[tuple[str, Engine]]:
-    """The engines in round `r`'s order (each goes first every other round)."""
-    items = list(engines.items())
-    return items[r % len(items) :] + items[: r % len(items)]
 
 
 def decode_rounds(
@@ -47,7 +41,7 @@ def decode_rounds(
     equal = total = 0
     for r in range(rounds):
         outs = {}
-        for name, eng in rotating(engines, r):
+        for name, eng in rotated(list(engines.items()), r):
             ms, outs[name] = timed_round(eng, batch, tokens, r, context)
             times[name].append(ms)
         for a, b in zip(outs["fp32"], outs["bf16"], strict=True):
@@ -71,7 +65,7 @@ def decode_rounds(
 def workload_rounds(engines: dict[str, Engine], workload: str, rounds: int) -> dict[str, Any]:
     runs: dict[str, list] = {name: [] for name in engines}
     for r in range(rounds):
-        for name, eng in rotating(engines, r):
+        for name, eng in rotated(list(engines.items()), r):
             run = conversations(eng, *CONVERSATION_WORKLOADS[workload])
             print(
                 f"{workload}, {name} KV: {run.output_tok_s:.1f} output tok/s, median TTFT "

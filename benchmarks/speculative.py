@@ -61,7 +61,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import emit, load, machine, setup_threads
+from benchmarks.common import emit, load, machine, rotated, setup_threads
 from sessionserve.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from sessionserve.replicas.engine import Engine
 from sessionserve.replicas.speculative.stats import SpecStats
@@ -431,10 +431,8 @@ def compare(name: str, loaded, spec: SpecConfig, c: int, args, work: Workload, s
         arm.spent = time_drafting(arm.engine)
     for arm in arms.values():
         arm.forwards = time_forwards(arm.engine.runner)
-    order = list(arms)
     for i in range(args.repeats):
-        shift = i % len(order)
-        keys = order[shift:] + order[:shift]
+        keys = rotated(list(arms), i)
         runs = [
             Pass(arms[k].engine, work, c, args.max_tokens, args.refill, args.sessions) for k in keys
         ]
