@@ -239,16 +239,8 @@ def session_turns(engine, turns: list[list[int]], sampled) -> list[tuple]:
     return outs
 
 
-def hf_greedy(
-    model, prompt: list[int], max_new_tokens: int, kv_dtype: torch.dtype | None = None
-) -> list[int]:
-    """transformers' own generate, the reference for token-exact comparisons. With
-    `kv_dtype` (`cache.kv_dtype`'s reference), on a copy of the model whose attention reads
-    every K/V rounded to that dtype: transformers' SDPA attention, registered with its
-    `AttentionInterface` behind that rounding."""
-    if kv_dtype is not None:
-        model = copy.deepcopy(model)
-        model.set_attn_implementation(kv_rounded_attention(kv_dtype))
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' own generate, the reference for token-exact comparisons."""
     ids = torch.tensor([prompt], device=model.device)
     out = model.generate(
         ids,
@@ -258,6 +250,15 @@ def hf_greedy(
         pad_token_id=0,
     )
     return out[0, len(prompt) :].tolist()
+
+
+def over_rounded_kv(model, kv_dtype: torch.dtype):
+    """`cache.kv_dtype`'s reference: a copy of `model` whose attention reads every K/V
+    rounded to `kv_dtype` (transformers' SDPA behind that rounding, registered with its
+    `AttentionInterface`)."""
+    reference = copy.deepcopy(model)
+    reference.set_attn_implementation(kv_rounded_attention(kv_dtype))
+    return reference
 
 
 def kv_rounded_attention(kv_dtype: torch.dtype) -> str:

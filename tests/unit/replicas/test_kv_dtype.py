@@ -1,7 +1,7 @@
 """`cache.kv_dtype: bfloat16` under a float32 model: the pool holds bf16 (half the bytes a
 token), every token's K/V is rounded when written and attention reads it so, its own step
 included. The reference is transformers' `generate` with its SDPA attention reading K/V
-rounded the same way (`tests.models.kv_rounded_attention`): greedy answers equal it token for
+rounded the same way (`tests.models.over_rounded_kv`): greedy answers equal it token for
 token on every path a decode step can take on a CPU (the eager gather and SDPA, the
 in-place CPU kernel, the decode step package's formula and its kernel, run eagerly here; a
 real package build is in test_compiled_decode.py), for sessions, verifies, the host tier and
@@ -9,8 +9,6 @@ a sliding-window model (Gemma 3) too, and differ from the float32 reference's on
 prompts, so the rounding is not a no-op."""
 
 from __future__ import annotations
-
-import copy
 
 import pytest
 import torch
@@ -22,7 +20,7 @@ from sessionserve.wire import SamplingParams
 from tests.models import (
     GEMMA3_SHAPE,
     hf_greedy,
-    kv_rounded_attention,
+    over_rounded_kv,
     tiny_engine,
     tiny_model,
 )
@@ -47,18 +45,12 @@ def bf16_kv_engine(model, path: str, tmp_path, **kw):
     return engine
 
 
-def over_bf16_kv(model):
-    """A copy of `model` whose attention reads K/V rounded to bf16 (transformers' SDPA)."""
-    reference = copy.deepcopy(model)
-    reference.set_attn_implementation(kv_rounded_attention(torch.bfloat16))
-    return reference
-
-
-def assert_as_transformers_over_bf16_kv(model, reference, prompt: list[int], r) -> None:
-    """Greedy tokens equal `generate`'s over bf16 K/V, and each token's logprob the one the
-    reference's forward gives it, within 1e-4 (fp32 paths sum in other orders: ~1e-6 here;
-    attending to a token's own K/V unrounded in its own step moved them ~3e-3)."""
-    assert r.output_ids == hf_greedy(model, prompt, len(r.output_ids), torch.bfloat16)
+def assert_as_transformers_over_bf16_kv(reference, prompt: list[int], r) -> None:
+    """Greedy tokens equal `generate`'s over bf16 K/V (`reference`: `over_rounded_kv`), and
+    each token's logprob the one the reference's forward gives it, within 1e-4 (fp32 paths
+    sum in other orders: ~1e-6 here; attending to a token's own K/V unrounded in its own
+    step moved them ~3e-3)."""
+    assert r.output_ids == hf_greedy(reference, prompt, len(r.output_ids))
     with torch.no_grad():
         logits = reference(torch.tensor([prompt + r.output_ids[:-1]])).logits[0]
     want = torch.log_softmax(logits[len(prompt) - 1 :], -1)
@@ -75,9 +67,9 @@ def test_bf16_kv_answers_as_transformers_attending_over_bf16_kv(path, tmp_path) 
     assert pool.dtype is torch.bfloat16
     assert pool.nbytes() * 2 == tiny_engine(model).runner.kv_pool.nbytes()  # same slots
     got = engine.generate(PROMPTS, GREEDY)
-    reference = over_bf16_kv(model)
+    reference = over_rounded_kv(model, torch.bfloat16)
     for r, prompt in zip(got, PROMPTS, strict=True):
-        assert_as_transformers_over_bf16_kv(model, reference, prompt, r)
+        assert_as_transformers_over_bf16_kv(reference, prompt, r)
     fp32 = [hf_greedy(model, p, GREEDY.max_tokens) for p in PROMPTS]
     assert any(r.output_ids != want for r, want in zip(got, fp32, strict=True))
     if path.startswith("step_"):
@@ -92,8 +84,9 @@ def test_bf16_kv_verifies_keep_the_plain_answers(path, tmp_path) -> None:
     model = tiny_model("llama", seed=3)
     engine = bf16_kv_engine(model, path, tmp_path, history_drafts=True)
     prompts = [[5, 6, 7, 8] * 6, [9, 10, 11] * 5 + [12]]
+    reference = over_rounded_kv(model, torch.bfloat16)
     for r, prompt in zip(engine.generate(prompts, GREEDY), prompts, strict=True):
-        assert r.output_ids == hf_greedy(model, prompt, GREEDY.max_tokens, torch.bfloat16)
+        assert r.output_ids == hf_greedy(reference, prompt, GREEDY.max_tokens)
     assert engine.spec_stats.steps > 0
     engine.check_memory()
 
@@ -168,7 +161,7 @@ def test_a_sliding_window_session_over_bf16_kv_answers_as_transformers() -> None
     engine = tiny_engine(model, kv_dtype="bfloat16", page_size=4, prefill=window + 3)
     assert engine.runner.kv_pool.has_sliding
     assert engine.runner.kv_pool.sliding_k.dtype is torch.bfloat16
-    reference = over_bf16_kv(model)
+    reference = over_rounded_kv(model, torch.bfloat16)
     greedy = SamplingParams(max_tokens=window, temperature=0, ignore_eos=True, logprobs=True)
     sid, history = engine.open_session(), []
     for turn in range(3):
@@ -176,7 +169,7 @@ def test_a_sliding_window_session_over_bf16_kv_answers_as_transformers() -> None
         (r,) = engine.generate([new], greedy, session_id=sid)
         history += new
         assert r.cached_tokens == (0 if turn == 0 else len(history) - len(new) - 1)
-        assert_as_transformers_over_bf16_kv(model, reference, history, r)
+        assert_as_transformers_over_bf16_kv(reference, history, r)
         history += r.output_ids
         engine.check_memory()
     assert len(history) > 4 * window
