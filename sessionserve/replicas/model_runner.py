@@ -243,10 +243,17 @@ class ModelRunner:
         forward's package: not where the prefill package was timed faster for steps this
         long (prefill_choice.split_point). Past the forward's package's range, only a step
         that would run eagerly, padded by at most MAX_PADDING (rows padded alike past it
-        cost more than the eager step of their own tokens). With the default ranges (32 and
-        64 tokens) a verify the speculative decoder kept within `widest_compiled_step` then
-        runs compiled, all its rows drafting or not: its own tokens in the forward's package,
-        or padded in this one."""
+        cost more than the eager step of their own tokens); where the package's linears are
+        the few-row kernel, also one the prefill package would run. With the default ranges
+        (32 and 64 tokens) a verify the speculative decoder kept within
+        `widest_compiled_step` then runs compiled, all its rows drafting or not: its own
+        tokens in the forward's package, or padded in this one.
+
+        Why the kernel changes the choice: it reads each weight once for all rows, and on
+        2 AVX2 cores (fp32, 300-token contexts) this package ran decode steps of 24-64 rows
+        1.28-1.37x faster than the prefill package, verifies of 6-12 rows of 5 tokens
+        1.40-1.44x, and padded ones (1.7-2.0x) as fast (docs/benchmarks.md). Without it its
+        GEMMs are the forward's package's, tuned for 2 rows, which the split timing compared."""
         tokens = decode.padded_tokens(batch.seqs, batch.sliding_out_slots is not None)
         if tokens is None:
             return False
@@ -254,7 +261,13 @@ class ModelRunner:
         if runs is self.compiled:
             return True
         n = len(batch.input_ids)
-        return runs is None and self.compiled_for(n) is None and tokens <= MAX_PADDING * n
+        yields_to = (None, self.compiled_prefill) if decode.linear_kernel else (None,)
+        own = self.compiled_for(n)
+        return (
+            any(runs is p for p in yields_to)
+            and any(own is p for p in yields_to)
+            and tokens <= MAX_PADDING * n
+        )
 
     def captures(self, batch: ForwardBatch) -> bool:
         """Would `forward(batch)` capture a CUDA graph first? While a stream captures, no

@@ -108,10 +108,11 @@ class EagerDecode(CompiledDecode):
     """`DecodeStep` run eagerly in a `CompiledDecode`'s place: the runner's decode path (slot
     tables, pending tokens, the one write of every layer's K/V) without a build."""
 
-    def __init__(self, step: DecodeStep, max_tokens: int = 32) -> None:
+    def __init__(self, step: DecodeStep, max_tokens: int = 32, linear_kernel: bool = False) -> None:
         self.package = None
         self.max_tokens, self.min_tokens, self.chunks = max_tokens, 1, step.chunks
         self.query_tokens = step.query_tokens
+        self.linear_kernel = linear_kernel  # (only the runner's choice of steps reads it here)
         self.calls = 0
 
         def run(*args: torch.Tensor) -> list[torch.Tensor]:
@@ -273,6 +274,8 @@ class ForwardRange:
     """Stands in for the forward's (or the prefill) package: runs steps of
     `min_tokens..max_tokens` tokens through the runner's eager forward, counting them."""
 
+    limited = False  # as a package that covers its range (CompiledForward.limit_to)
+
     def __init__(self, runner, min_tokens: int, max_tokens: int) -> None:
         self.runner, self.min_tokens, self.max_tokens = runner, min_tokens, max_tokens
         self.steps: list[int] = []
@@ -286,24 +289,28 @@ class ForwardRange:
         return self.runner.lm_head(last[logit_idx]), hidden
 
 
-@pytest.mark.parametrize("prefill_package", [False, True], ids=["eager", "prefill_package"])
-def test_the_step_runs_past_the_forwards_range_where_steps_would_run_eagerly(
-    prefill_package,
-) -> None:
+@pytest.mark.parametrize("other", ["eager", "prefill_package", "prefill_package_linear_kernel"])
+def test_the_step_runs_past_the_forwards_range_where_steps_would_run_eagerly(other) -> None:
     """A decode step package wider than the forward's (KERNEL_MAX_TOKENS, its linears the
     few-row kernel) runs decode steps of more requests than the forward's package takes,
     which would otherwise run eagerly, and rows of a few tokens padded by at most
-    MAX_PADDING; where a prefill package was chosen for those lengths, it keeps them.
-    Answers equal the plain engine's and transformers'."""
+    MAX_PADDING; where a prefill package was chosen for those lengths, it keeps them,
+    unless the decode package's linears are the few-row kernel (then it takes them as it
+    would from the eager forward). Answers equal the plain engine's and transformers'."""
     model = tiny_model("llama", seed=8)
     engine = tiny_engine(model, max_rows=48)
     runner = engine.runner
     step = DecodeStep(runner.model, CHUNKS, runner.feature_layers, False)
-    decode = EagerDecode(step.eval(), max_tokens=compiled_decode.KERNEL_MAX_TOKENS)
+    decode = EagerDecode(
+        step.eval(),
+        max_tokens=compiled_decode.KERNEL_MAX_TOKENS,
+        linear_kernel=other.endswith("linear_kernel"),
+    )
     runner.compiled_decode = decode
     runner.compiled = ForwardRange(runner, 1, 8)
-    if prefill_package:
+    if other != "eager":
         runner.compiled_prefill = ForwardRange(runner, 9, 512)
+    prefill_package = other == "prefill_package"  # the prefill package keeps its steps
     shapes = recorded_shapes(decode)
     greedy = SamplingParams(max_tokens=6, temperature=0)
     g = torch.Generator().manual_seed(5)
