@@ -326,10 +326,13 @@ class EngineConfig(_Strict):
         "power of two), its GEMMs laid "
         "out for 256 rows (inductor keeps oneDNN GEMMs on weights it prepacks; elementwise "
         "chains fused). It holds a second copy of the weights. true: build (or load) and use "
-        "it. auto: for models of 50M+ parameters on CPU, build it, time one 256-token prefill "
-        "through it and eagerly (once; the verdict is kept beside the package) and use it only "
-        "where it is 1.05x faster or more (SmolLM2, 2 cores: 1.22-1.55x on an AMD EPYC with "
-        "AVX-512, slower from 128 tokens on an AVX2 CPU). false: those steps run eagerly.",
+        "it for all of them. auto: for models of 50M+ parameters on CPU, build it, time "
+        "prefills of 64, 128, 192 and 256 tokens through it and eagerly (once; the verdict is "
+        "kept beside the package) and use it for the steps up to the largest size at which it, "
+        "and at every smaller size timed, was 1.05x faster or more: for all of them where "
+        "every size was, for none where the smallest was not (SmolLM2, 2 cores: 1.22-1.55x "
+        "on an AMD EPYC with AVX-512; on an AVX2 CPU 1.22x at 64 tokens, 1.08x at 128, 1.00x "
+        "at 192: steps of up to 128 tokens). false: those steps run eagerly.",
     )
     compile_decode: bool | Literal["auto"] = Field(
         "auto",

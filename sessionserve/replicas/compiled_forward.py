@@ -141,8 +141,16 @@ class CompiledForward:
         self.min_tokens = min_tokens
         self._fn = self.load(package)
 
+    limited = False  # steps its range holds run eagerly past `max_tokens` (`limit_to`)
+
     def accepts(self, num_tokens: int) -> bool:
         return self.min_tokens <= num_tokens <= self.max_tokens
+
+    def limit_to(self, max_tokens: int) -> None:
+        """Take steps of at most `max_tokens` where the package, exported for longer ones,
+        was timed slower than the eager forward past it (prefill_choice.step_limit)."""
+        if max_tokens < self.max_tokens:
+            self.max_tokens, self.limited = max_tokens, True
 
     def run(
         self,
@@ -682,7 +690,8 @@ class CompileJob:
 
 def start_compile(jobs: list[CompileJob], background: bool) -> threading.Thread | None:
     """Load or build each job's package in turn and install it (a prefill package with
-    `only_if_faster` only where prefill_choice.py times it faster than eager). Cached
+    `only_if_faster` only where prefill_choice.py times it faster than eager, and for the
+    step sizes where it does). Cached
     packages load at once; a build blocks unless `background` (then a daemon thread waits
     for build processes at the lowest CPU priority, `build_in_subprocess`, one at a time,
     the replica serving eagerly meanwhile, and installs each package when it is done: the
@@ -694,11 +703,15 @@ def start_compile(jobs: list[CompileJob], background: bool) -> threading.Thread 
         if plan.only_if_faster and prefill_choice.known_slower(plan.package):
             return
         compiled = load_or_build(plan, job.model, build)
-        if compiled is None or (
-            plan.only_if_faster
-            and not prefill_choice.pays(job.model, plan.package, compiled.run, plan.max_tokens)
-        ):
+        if compiled is None:
             return
+        if plan.only_if_faster:
+            limit = prefill_choice.step_limit(
+                job.model, plan.package, compiled.run, plan.max_tokens
+            )
+            if limit is None:
+                return
+            compiled.limit_to(limit)
         job.install(compiled)
         if build is build_in_subprocess:
             log.info(  # the installed range: installing may move its start (split_point)

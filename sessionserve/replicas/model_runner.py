@@ -296,10 +296,14 @@ class ModelRunner:
         """The most tokens a step runs through a compiled package, where the longer ones run
         eagerly (the speculative decoder keeps a verify within it: decoder.py `draft_lens`).
         None where nothing is compiled (yet: a package may still be building), where the
-        prefill package runs the longer steps too, as no step then falls off a cliff, and on
+        prefill package runs every longer step too, as no step then falls off a cliff, and on
         a GPU, whose verifies replay their own graphs (`verify_graphs`; the cut was measured
-        on CPUs only)."""
-        if self.device.type != "cpu" or self.compiled is None or self.compiled_prefill is not None:
+        on CPUs only). A prefill package `limited` to the shorter prefills it was timed
+        faster on leaves the cut where it was measured: at the other packages' range."""
+        prefill = self.compiled_prefill
+        if self.device.type != "cpu" or self.compiled is None:
+            return None
+        if prefill is not None and not prefill.limited:
             return None
         packages = (self.compiled, self.compiled_decode)
         return max(p.max_tokens for p in packages if p is not None)

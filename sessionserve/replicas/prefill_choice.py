@@ -1,16 +1,19 @@
-"""Whether the prefill package (`engine.compile_prefill: auto`) pays on this machine: one
-prefill timed through it and through the eager forward, once, the verdict kept beside the
-package; and from which step size it takes over from the forward's package (`split_point`),
-timed likewise.
+"""Whether the prefill package (`engine.compile_prefill: auto`) pays on this machine, and up
+to which step size: prefills of a few sizes timed through it and through the eager forward,
+once, the verdict kept beside the package; and from which step size it takes over from the
+forward's package (`split_point`), timed likewise.
 
 Why time it rather than decide from the CPU's name: the same package (inductor's code with
 oneDNN GEMMs on weights it prepacks) was 1.22-1.55x faster than the eager forward on an AMD
-EPYC with AVX-512 and 0.73-0.92x, slower, from 128 tokens on, on an AVX2 CPU whose eager
-GEMMs (MKL) were faster (docs/benchmarks.md); which GEMM library wins at a few hundred rows
-depends on the CPU. The timing runs one fresh sequence over a scratch KV pool of its own (a
-background build installs while the engine serves: its pool is not ours to write), the two
-forwards alternating, and `<package>.timing.json` keeps the verdict: later starts read it and
-do not even load a package that lost (it would hold a second copy of the weights for nothing).
+EPYC with AVX-512, and on an AVX2 CPU whose eager GEMMs (MKL) are faster at a few hundred
+rows 1.24x at 64 tokens, 1.07x at 128 and 0.91x at 256 (docs/benchmarks.md): which GEMM
+library wins depends on the CPU and the rows, and a step of a chat turn (tens to a hundred
+and some tokens) is where the package's fused elementwise chains matter most. The timing
+runs one fresh sequence of each size over a scratch KV pool of its own (a background build
+installs while the engine serves: its pool is not ours to write), the two forwards
+alternating, and `<package>.timing.json` keeps the verdict: later starts read it and do not
+even load a package that lost at every size (it would hold a second copy of the weights for
+nothing).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from sessionserve.replicas.hidden_states import decoder_features
 from sessionserve.replicas.logits_head import head_logits
 
 log = logging.getLogger(__name__)
-TIMED_TOKENS = 256  # one prefill chunk of this many tokens (at most the package's largest)
+TIMED_TOKENS = (64, 128, 192, 256)  # prefill sizes timed (those within the package's range)
 ROUNDS = 3  # alternating pairs after one warm-up each; the best of each compared (a
 # background build installs while requests may run: interference only ever adds time)
 MARGIN = 1.05  # the package must be this much faster: a tie does not pay a second weight copy
@@ -53,17 +56,37 @@ class CompiledPackage(Protocol):
 
 @dataclass(frozen=True)
 class PrefillTiming:
-    tokens: int
-    eager_ms: float
-    package_ms: float
+    """Prefills of each of `tokens` (ascending) through the eager forward and the package."""
 
-    @property
-    def speedup(self) -> float:
-        return self.eager_ms / self.package_ms
+    tokens: list[int]
+    eager_ms: list[float]
+    package_ms: list[float]
+
+    def speedups(self) -> list[float]:
+        return [e / p for e, p in zip(self.eager_ms, self.package_ms, strict=True)]
+
+    def largest_paying(self) -> int | None:
+        """The largest size timed up to which the package was MARGIN faster at every size
+        timed (None: not even at the smallest)."""
+        largest = None
+        for tokens, speedup in zip(self.tokens, self.speedups(), strict=True):
+            if speedup < MARGIN:
+                break
+            largest = tokens
+        return largest
 
     @property
     def pays(self) -> bool:
-        return self.speedup >= MARGIN
+        return self.largest_paying() is not None
+
+    def step_limit(self, max_tokens: int) -> int | None:
+        """The longest step the package (exported for `max_tokens`) should take: all of them
+        where it paid at every size timed, else the largest size up to which it did (steps
+        between that and the next size timed stay eager); None where it never paid."""
+        largest = self.largest_paying()
+        if largest is None or largest == self.tokens[-1]:
+            return None if largest is None else max_tokens
+        return largest
 
 
 def timing_file(package: Path) -> Path:
@@ -71,59 +94,84 @@ def timing_file(package: Path) -> Path:
 
 
 def recorded(package: Path) -> PrefillTiming | None:
-    """The verdict an earlier start wrote for `package` (None: none, or unreadable)."""
+    """The verdict an earlier start wrote for `package` (None: none, unreadable, or one
+    timed at a single size by an older version: timed again)."""
     try:
-        return PrefillTiming(**json.loads(timing_file(package).read_text()))
+        timing = PrefillTiming(**json.loads(timing_file(package).read_text()))
     except (OSError, ValueError, TypeError):
         return None
+    columns = (timing.tokens, timing.eager_ms, timing.package_ms)
+    if not all(isinstance(c, list) and c and len(c) == len(timing.tokens) for c in columns):
+        return None
+    return timing
 
 
 def known_slower(package: Path) -> bool:
     """Whether an earlier start timed `package` and found it not worth loading."""
     timing = recorded(package)
     if timing is not None and not timing.pays:
-        log.info(_verdict(timing, "recorded"))
+        log.info(_verdict(timing, "recorded", None))
         return True
     return False
 
 
-def pays(model: Any, package: Path, run_package: RunPackage, max_tokens: int) -> bool:
-    """Whether `package` (loaded as `run_package`) is faster than `model`'s eager forward
-    on a prefill: the recorded verdict, else timed now and recorded."""
+def step_limit(model: Any, package: Path, run_package: RunPackage, max_tokens: int) -> int | None:
+    """The longest step `package` (loaded as `run_package`, exported for steps of up to
+    `max_tokens`) should take instead of `model`'s eager forward (None: none): from the
+    recorded verdict, else timed now and recorded."""
     timing = recorded(package)
-    if timing is not None:
-        log.info(_verdict(timing, "recorded"))
-        return timing.pays
-    timing = measure(model, run_package, min(TIMED_TOKENS, max_tokens))
-    try:
-        timing_file(package).write_text(json.dumps(asdict(timing)))
-    except OSError as e:  # a read-only cache: time again next start
-        log.warning("compile: could not record the prefill timing: %r", e)
-    log.info(_verdict(timing, "timed"))
-    return timing.pays
+    how = "recorded"
+    if timing is None:
+        how = "timed"
+        timing = measure(model, run_package, sizes_to_time(max_tokens))
+        try:
+            timing_file(package).write_text(json.dumps(asdict(timing)))
+        except OSError as e:  # a read-only cache: time again next start
+            log.warning("compile: could not record the prefill timing: %r", e)
+    limit = timing.step_limit(max_tokens)
+    log.info(_verdict(timing, how, limit))
+    return limit
 
 
-def _verdict(timing: PrefillTiming, how: str) -> str:
-    choice = "prefill steps run compiled" if timing.pays else "prefill steps stay eager"
+def sizes_to_time(max_tokens: int) -> list[int]:
+    """TIMED_TOKENS within a package exported for steps of up to `max_tokens` (that alone
+    where it is shorter than them all)."""
+    return [t for t in TIMED_TOKENS if t <= max_tokens] or [max_tokens]
+
+
+def _verdict(timing: PrefillTiming, how: str, limit: int | None) -> str:
+    if limit is None:
+        choice = "prefill steps stay eager"
+    elif timing.largest_paying() == timing.tokens[-1]:
+        choice = "prefill steps run compiled"
+    else:
+        choice = f"steps of up to {limit} tokens run compiled, longer ones eagerly"
+    sizes = ", ".join(
+        f"{t} tokens {p:.0f} ms vs {e:.0f} ms eager ({e / p:.2f}x)"
+        for t, e, p in zip(timing.tokens, timing.eager_ms, timing.package_ms, strict=True)
+    )
     return (
-        f"compile: the prefill package ({how} on this machine): {timing.tokens} tokens in "
-        f"{timing.package_ms:.0f} ms vs {timing.eager_ms:.0f} ms eager "
-        f"({timing.speedup:.2f}x, needs {MARGIN:.2f}x): {choice}"
+        f"compile: the prefill package ({how} on this machine): {sizes}; needs {MARGIN:.2f}x: "
+        f"{choice}"
     )
 
 
 @torch.inference_mode()
-def measure(model: Any, run_package: RunPackage, tokens: int) -> PrefillTiming:
-    """The best ms of a `tokens`-token prefill (one fresh sequence, its last row's logits)
-    through the eager forward and through the package, alternating `ROUNDS` times."""
+def measure(model: Any, run_package: RunPackage, sizes: list[int]) -> PrefillTiming:
+    """The best ms of a prefill of each of `sizes` tokens (one fresh sequence, its last row's
+    logits) through the eager forward and through the package, alternating `ROUNDS` times."""
     decoder, head = model.get_decoder(), model.get_output_embeddings()
 
     def eager(ids: torch.Tensor, positions: torch.Tensor, last: torch.Tensor, meta: ForwardMeta):
         hidden, _ = decoder_features(decoder, ids, positions, None, paged_meta=meta)
         head_logits(head, hidden[last])
 
-    best = _best_ms(model, tokens, {"eager": eager, "package": run_package})
-    return PrefillTiming(tokens, best["eager"], best["package"])
+    eager_ms, package_ms = [], []
+    for tokens in sizes:
+        best = _best_ms(model, tokens, {"eager": eager, "package": run_package})
+        eager_ms.append(best["eager"])
+        package_ms.append(best["package"])
+    return PrefillTiming(list(sizes), eager_ms, package_ms)
 
 
 def _best_ms(model: Any, tokens: int, forwards: dict[str, Callable[..., Any]]) -> dict[str, float]:

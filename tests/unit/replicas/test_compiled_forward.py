@@ -70,6 +70,23 @@ def count_compiled_steps(engine) -> list[int]:
     return calls
 
 
+def step_sizes(runner, package) -> tuple[list[int], list[int]]:
+    """The tokens of every step `runner` runs, and of those that ran `package`."""
+    steps, packaged = [], []
+    forward, run = runner.forward, package.run
+
+    def counted_forward(batch):
+        steps.append(len(batch.input_ids))
+        return forward(batch)
+
+    def counted_run(ids, *args):
+        packaged.append(len(ids))
+        return run(ids, *args)
+
+    runner.forward, package.run = counted_forward, counted_run
+    return steps, packaged
+
+
 def prompts(vocab: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(7)
     lengths = [5, 40, 150]  # with 40-token chunks: steps above compile_max_tokens (32) run
@@ -437,10 +454,12 @@ def test_the_prefill_package_runs_the_long_steps_as_eager_and_transformers(arch,
 def test_auto_keeps_the_prefill_package_only_where_it_was_timed_faster(
     cache_dir, monkeypatch, caplog
 ) -> None:
-    """`compile_prefill: auto` times the package once (`prefill_choice.measure`, faked here:
-    tests do not time things) and keeps the verdict beside it: a package timed slower is not
-    installed, nor loaded again by the next engine (which does not time it again); one
-    recorded faster is installed."""
+    """`compile_prefill: auto` times the package once at the sizes within its range
+    (`prefill_choice.measure`, faked here: tests do not time things) and keeps the verdict
+    beside it: a package timed slower at every size is not installed, nor loaded again by the
+    next engine (which does not time it again); one recorded faster at every size takes all
+    its steps; one faster at the shorter sizes only takes the steps up to the last of them,
+    and the longer ones run eagerly; a verdict of the old single-size form is timed again."""
     from sessionserve.replicas import prefill_choice
 
     model = model_for("llama")
@@ -450,15 +469,16 @@ def test_auto_keeps_the_prefill_package_only_where_it_was_timed_faster(
     monkeypatch.setattr(compiled_forward, "AUTO_MIN_PARAMS", 0)
     timed = []
 
-    def slower(model, run_package, tokens):
-        timed.append(tokens)
-        return prefill_choice.PrefillTiming(tokens, eager_ms=100.0, package_ms=99.0)
+    def slower(model, run_package, sizes):
+        timed.append(sizes)
+        return prefill_choice.PrefillTiming(sizes, [100.0] * len(sizes), [99.0] * len(sizes))
 
     monkeypatch.setattr(prefill_choice, "measure", slower)
     auto = {"prefill": PREFILL_CHUNK, "compile_prefill": "auto"}
     assert compiled_engine(model, cache_dir, **auto).runner.compiled_prefill is None
-    assert timed == [min(prefill_choice.TIMED_TOKENS, 128)]  # 40 + 64 rows, to a power of 2
-    assert prefill_choice.recorded(package) == prefill_choice.PrefillTiming(timed[0], 100.0, 99.0)
+    assert timed == [[64, 128]]  # the package's range: 40 + 64 rows, to a power of 2
+    want = prefill_choice.PrefillTiming([64, 128], [100.0, 100.0], [99.0, 99.0])
+    assert prefill_choice.recorded(package) == want
     loads = []
     monkeypatch.setattr(compiled_forward, "CompiledForward", _counting(loads))
     with caplog.at_level(logging.INFO, logger=prefill_choice.__name__):
@@ -466,9 +486,36 @@ def test_auto_keeps_the_prefill_package_only_where_it_was_timed_faster(
     assert again.runner.compiled_prefill is None and len(timed) == 1
     assert [p for p in loads if p == package] == []  # a package that lost is not loaded
     assert any("prefill steps stay eager" in r.getMessage() for r in caplog.records)
-    record.write_text(json.dumps({"tokens": 104, "eager_ms": 120.0, "package_ms": 100.0}))
-    faster = compiled_engine(model, cache_dir, **auto)
-    assert faster.runner.compiled_prefill is not None and len(timed) == 1
+
+    def verdict(package_ms: list[float]) -> None:
+        timing = {"tokens": [64, 128], "eager_ms": [120.0, 200.0], "package_ms": package_ms}
+        record.write_text(json.dumps(timing))
+
+    verdict([100.0, 180.0])
+    auto["compile_prefill_min_tokens"] = 33  # the split (timed for a model this size) set
+    faster = compiled_engine(model, cache_dir, **auto).runner.compiled_prefill
+    assert (faster.min_tokens, faster.max_tokens, faster.limited) == (33, 128, False)
+    assert len(timed) == 1
+    verdict([100.0, 195.0])  # 1.2x at 64 tokens, 1.03x at 128: short of MARGIN
+    # chunks of 64: steps of a chunk beside decode rows pass 64 (the same package: 64 + 64)
+    limited = compiled_engine(model, cache_dir, **(auto | {"prefill": 64}))
+    prefill = limited.runner.compiled_prefill
+    assert (prefill.max_tokens, prefill.limited, len(timed)) == (64, True, 1)
+    routed = [limited.runner.compiled_for(n) for n in (32, 33, 64, 65, 128)]
+    assert routed == [limited.runner.compiled, prefill, prefill, None, None]
+    steps, packaged = step_sizes(limited.runner, prefill)
+    greedy = SamplingParams(max_tokens=4, temperature=0)
+    g = torch.Generator().manual_seed(3)
+    inputs = [torch.randint(3, 200, (n,), generator=g).tolist() for n in (50, 70, 90)]
+    got = limited.generate(inputs, greedy)
+    for prompt, result in zip(inputs, got, strict=True):
+        assert result.output_ids == hf_greedy(model, prompt, 4)
+    longer = [n for n in steps if n > 64]
+    assert longer and packaged and max(packaged) <= 64  # the longer steps ran eagerly
+    limited.check_memory()
+    record.write_text(json.dumps({"tokens": 256, "eager_ms": 120.0, "package_ms": 100.0}))
+    assert compiled_engine(model, cache_dir, **auto).runner.compiled_prefill is None
+    assert timed == [[64, 128]] * 2  # the old form was timed again (slower: not installed)
     record.unlink()
 
 
@@ -541,8 +588,8 @@ def test_the_timing_runs_a_real_prefill_through_both_forwards(cache_dir) -> None
         return logits, features
 
     ours = tiny_engine(model).runner.model  # with our paged attention installed, as served
-    timing = prefill_choice.measure(ours, run, 48)
-    assert timing.tokens == 48 and len(seen) == prefill_choice.ROUNDS + 1
+    timing = prefill_choice.measure(ours, run, [48])
+    assert timing.tokens == [48] and len(seen) == prefill_choice.ROUNDS + 1
     ids, logits = seen[-1]
     with torch.inference_mode():
         want = model(ids[None]).logits[0, -1:]  # transformers' own attention

@@ -602,7 +602,8 @@ def test_a_seeded_sampled_chain_is_not_cut_by_the_load() -> None:
 def test_the_decoder_reads_the_runners_compiled_edge_at_each_step() -> None:
     """The packages may land after the engine serves (built in the background): the decoder
     asks the runner each time. The edge is the widest package's, and there is none where the
-    prefill package runs the longer steps, nor on a GPU."""
+    prefill package runs every longer step (not only the prefills it was timed faster on),
+    nor on a GPU."""
     from types import SimpleNamespace
 
     engine = tiny_engine(tiny_model(num_hidden_layers=1, seed=3), drafter=mimic_drafter)
@@ -611,8 +612,11 @@ def test_the_decoder_reads_the_runners_compiled_edge_at_each_step() -> None:
     runner.compiled = SimpleNamespace(max_tokens=32)
     runner.compiled_decode = SimpleNamespace(max_tokens=48)
     assert spec.widest_step() == 48
-    runner.compiled_prefill = SimpleNamespace(max_tokens=1024)
+    runner.compiled_prefill = SimpleNamespace(max_tokens=1024, limited=False)
     assert spec.widest_step() is None
+    # one limited to the prefills it was timed faster on: the longer verifies run eagerly
+    runner.compiled_prefill = SimpleNamespace(max_tokens=128, limited=True)
+    assert spec.widest_step() == 48
     runner.compiled_prefill = None
     runner.device = torch.device("cuda")  # a GPU's verifies replay graphs: no edge there
     assert spec.widest_step() is None
