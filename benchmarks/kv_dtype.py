@@ -28,7 +28,7 @@ from typing import Any
 
 from benchmarks.common import bench_config_engine, emit, machine, rotated, setup_threads
 from benchmarks.decode_package import first_difference, timed_round
-from benchmarks.served_gap import CONVERSATION_WORKLOADS, conversations
+from benchmarks.served_gap import CONVERSATION_WORKLOADS, compared_runs, conversations
 from sessionserve.replicas.engine import Engine
 
 
@@ -73,18 +73,7 @@ def workload_rounds(engines: dict[str, Engine], workload: str, rounds: int) -> d
                 flush=True,
             )
             runs[name].append(run)
-    out: dict[str, Any] = {}
-    for name, got in runs.items():
-        out[f"{workload}_tok_s_{name}"] = round(statistics.median(x.output_tok_s for x in got), 1)
-        out[f"{workload}_ttft_s_{name}"] = round(statistics.median(x.ttft_median_s for x in got), 3)
-        out[f"{workload}_cached_{name}"] = round(statistics.median(x.cached_frac for x in got), 3)
-    out[f"{workload}_tok_s_ratio"] = round(
-        out[f"{workload}_tok_s_bf16"] / out[f"{workload}_tok_s_fp32"], 3
-    )
-    out[f"{workload}_ttft_ratio"] = round(
-        out[f"{workload}_ttft_s_bf16"] / out[f"{workload}_ttft_s_fp32"], 3
-    )
-    return out
+    return compared_runs(workload, runs, "bf16", "fp32")
 
 
 def main() -> None:

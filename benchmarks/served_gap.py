@@ -30,6 +30,7 @@ import statistics
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
+from typing import Any
 
 import openai
 
@@ -168,6 +169,23 @@ class ConversationsRun:
     # per compiled package that ran (forward, decode, prefill): calls, ms a call, share of
     # the run's wall time (what a turn's time goes to: decode steps or prefills)
     packages: dict[str, tuple[int, float, float]] = field(default_factory=dict)
+
+
+def compared_runs(
+    workload: str, runs: dict[str, list[ConversationsRun]], new: str, base: str
+) -> dict[str, Any]:
+    """Each contender's medians over its rounds of `workload` (`<w>_tok_s_<name>`,
+    `<w>_ttft_s_<name>`, `<w>_cached_<name>`) and `new`'s over `base`'s (`<w>_tok_s_ratio`,
+    `<w>_ttft_ratio`): the JSON of the scripts that alternate two engines on one workload."""
+    out: dict[str, Any] = {}
+    for name, got in runs.items():
+        out[f"{workload}_tok_s_{name}"] = round(statistics.median(x.output_tok_s for x in got), 1)
+        out[f"{workload}_ttft_s_{name}"] = round(statistics.median(x.ttft_median_s for x in got), 3)
+        out[f"{workload}_cached_{name}"] = round(statistics.median(x.cached_frac for x in got), 3)
+    for measure, key in (("tok_s", "tok_s_ratio"), ("ttft_s", "ttft_ratio")):
+        ratio = out[f"{workload}_{measure}_{new}"] / out[f"{workload}_{measure}_{base}"]
+        out[f"{workload}_{key}"] = round(ratio, 3)
+    return out
 
 
 def conversations(
