@@ -519,6 +519,29 @@ def test_auto_keeps_the_prefill_package_only_where_it_was_timed_faster(
     record.unlink()
 
 
+def test_the_prefill_verdict_keeps_the_sizes_up_to_the_first_that_lost(tmp_path) -> None:
+    """The package takes the steps up to the largest size at which it, and every smaller size
+    timed, was MARGIN faster: a later size that paid again does not count past one that lost;
+    all of its range where every size paid; none where the smallest lost. A record whose
+    columns do not line up is no verdict (timed again)."""
+    from sessionserve.replicas import prefill_choice
+
+    timing = prefill_choice.PrefillTiming
+    sizes = [64, 128, 192, 256]
+    gap = timing(sizes, [100.0] * 4, [80.0, 99.0, 80.0, 80.0])  # 1.25x, 1.01x, 1.25x, 1.25x
+    assert (gap.largest_paying(), gap.step_limit(1024), gap.pays) == (64, 64, True)
+    every = timing(sizes, [100.0] * 4, [80.0] * 4)
+    assert every.step_limit(1024) == 1024
+    first_lost = timing(sizes, [100.0] * 4, [99.0, 80.0, 80.0, 80.0])
+    assert (first_lost.step_limit(1024), first_lost.pays) == (None, False)
+    assert prefill_choice.sizes_to_time(128) == [64, 128]
+    assert prefill_choice.sizes_to_time(40) == [40]
+    package = tmp_path / "p.pt2"
+    record = prefill_choice.timing_file(package)
+    record.write_text(json.dumps({"tokens": [64, 128], "eager_ms": [1.0], "package_ms": [1.0]}))
+    assert prefill_choice.recorded(package) is None
+
+
 def test_the_prefill_package_takes_the_steps_from_where_it_was_timed_faster(
     cache_dir, monkeypatch
 ) -> None:
