@@ -84,9 +84,7 @@ class PrefillTiming:
         where it paid at every size timed, else the largest size up to which it did (steps
         between that and the next size timed stay eager); None where it never paid."""
         largest = self.largest_paying()
-        if largest is None or largest == self.tokens[-1]:
-            return None if largest is None else max_tokens
-        return largest
+        return max_tokens if largest == self.tokens[-1] else largest
 
 
 def timing_file(package: Path) -> Path:
@@ -166,12 +164,19 @@ def measure(model: Any, run_package: RunPackage, sizes: list[int]) -> PrefillTim
         hidden, _ = decoder_features(decoder, ids, positions, None, paged_meta=meta)
         head_logits(head, hidden[last])
 
-    eager_ms, package_ms = [], []
+    ms = _best_ms_by_size(model, sizes, {"eager": eager, "package": run_package})
+    return PrefillTiming(list(sizes), ms["eager"], ms["package"])
+
+
+def _best_ms_by_size(
+    model: Any, sizes: list[int], forwards: dict[str, Callable[..., Any]]
+) -> dict[str, list[float]]:
+    """`_best_ms` at each of `sizes`: each forward's list of best ms, in the order of `sizes`."""
+    ms: dict[str, list[float]] = {name: [] for name in forwards}
     for tokens in sizes:
-        best = _best_ms(model, tokens, {"eager": eager, "package": run_package})
-        eager_ms.append(best["eager"])
-        package_ms.append(best["package"])
-    return PrefillTiming(list(sizes), eager_ms, package_ms)
+        for name, best in _best_ms(model, tokens, forwards).items():
+            ms[name].append(best)
+    return ms
 
 
 def _best_ms(model: Any, tokens: int, forwards: dict[str, Callable[..., Any]]) -> dict[str, float]:
@@ -247,12 +252,8 @@ def split_point(
     if timing is None:
         how = "timed"
         sizes = [t for t in SPLIT_TOKENS if t <= forward_max]
-        forward_ms, package_ms = [], []
-        for tokens in sizes:
-            best = _best_ms(model, tokens, {"forward": forward.run, "package": prefill.run})
-            forward_ms.append(best["forward"])
-            package_ms.append(best["package"])
-        timing = SplitTiming(forward.package.name, sizes, forward_ms, package_ms)
+        ms = _best_ms_by_size(model, sizes, {"forward": forward.run, "package": prefill.run})
+        timing = SplitTiming(forward.package.name, sizes, ms["forward"], ms["package"])
         try:
             split_file(prefill.package).write_text(json.dumps(asdict(timing)))
         except OSError as e:  # a read-only cache: time again next start
