@@ -849,8 +849,12 @@ def main() -> None:
         flush=True,
     )
 
+    def best_ms(c: int) -> float:
+        """The best configuration's step at c, overlap included."""
+        return min(best(c)[1], overlapped.get(c, float("inf")))
+
     def ratio(base: dict[int, float], c: int) -> float | None:
-        return round(base[c] / best(c)[1], 3) if c in base else None  # tok/s ratio = ms ratio
+        return round(base[c] / best_ms(c), 3) if c in base else None  # tok/s ratio = ms ratio
 
     emit(
         {
@@ -877,10 +881,7 @@ def main() -> None:
             **{f"compile_speedup_{c}": compile_speedup(c) for c in args.concurrency},
             "overlap_ms": overlapped,
             **{f"overlap_speedup_{c}": round(best(c)[1] / ms, 3) for c, ms in overlapped.items()},
-            **{  # the best configuration, overlap included
-                f"ms_per_step_{c}": round(min(best(c)[1], overlapped.get(c, float("inf"))), 3)
-                for c in args.concurrency
-            },
+            **{f"ms_per_step_{c}": round(best_ms(c), 3) for c in args.concurrency},
             "step_split_ms": {k: round(v, 3) for k, v in split.items()},
             "ratio_vs_hf_static_1": ratio(hf["static"], 1),
             "ratio_vs_hf_static_32": ratio(hf["static"], c_mid),
@@ -888,7 +889,7 @@ def main() -> None:
             "gpu_busy_frac_32": None if busy is None else round(busy, 3),
             "gpu_busy_frac_32_overlap": None if busy_overlap is None else round(busy_overlap, 3),
             "gpu_busy_frac_32_profiler": None if busy_profiler is None else round(busy_profiler, 3),
-            "roofline_frac_64": round(roofline_ms / best(c_top)[1], 3),
+            "roofline_frac_64": round(roofline_ms / best_ms(c_top), 3),
             "ttft_ms_8k": {k: round(1000 * v, 2) for k, v in t.items()},
             "ttft_ratio_8k": round(t["stateless"] / t["session"], 2),
         }

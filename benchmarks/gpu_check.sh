@@ -39,24 +39,23 @@ stage() {  # stage NAME MAX_SECONDS COMMAND...: run under min(MAX, time left), l
     python3 -c "import time; t = time.perf_counter(); sum(range(10**7)); print('python: sum(range(1e7))', round(time.perf_counter() - t, 3), 's')"
 } 2>&1 | tee "$out/env.log"
 
-# what never ran on a GPU first: overlap's forward thread must never wait for the device;
-# speculation's verify steps replay graphs
-stage new_gpu_tests 120 "${PYTEST[@]}" -m gpu tests/unit/replicas/test_overlap_schedule.py \
-    tests/unit/replicas/test_speculative_decoding.py
-# the overlap count of a step next to a graph capture, corrected from run G's CUDA figures
-stage count_test 60 "${PYTEST[@]}" --device cuda \
-    tests/unit/replicas/test_overlap_schedule.py::test_max_tokens_reached_in_flight_costs_no_extra_step
-stage benchmark 360 python3 -m benchmarks.gpu --concurrency ${CONCURRENCY:-1 32 64} --backends flashinfer \
-    --graph-modes on --skip-hf --compile on --verify-cost --switch-intervals 0.001 0.0002 \
-    --trace-steps 20 --pin-threads \
-    --log-dir "$out"   # + spec step split, GIL switch intervals, host profiles, a timeline
-stage freezing 150 python3 -m benchmarks.gpu --concurrency 1 32 --backends flashinfer \
-    --graph-modes on --skip-hf --compile on --no-overlap --jit-freezing
+# what never ran on a GPU first: verify graphs over FlashInfer's paged prefill; overlap's
+# forward thread must never wait for the device; speculation's verify steps replay graphs
+stage new_gpu_tests 120 "${PYTEST[@]}" -m gpu tests/unit/replicas/test_speculative_decoding.py \
+    tests/unit/replicas/test_overlap_schedule.py
+stage benchmark 300 python3 -m benchmarks.gpu --concurrency ${CONCURRENCY:-1 32 64} --backends flashinfer \
+    --graph-modes on --skip-hf --compile on --verify-cost --pin-threads --trace-steps 20 \
+    --log-dir "$out"   # + spec step split, thread placement, host profiles, a timeline
+# the compiled HF baseline at 32 (issue 23's ratio_vs_hf_static_32), ours beside it in the same run
+stage hf_static 130 python3 -m benchmarks.gpu --concurrency 32 --backends flashinfer \
+    --graph-modes on --compile on --hf-static-concurrency 32 --held 1000
 stage gpu_tests 90 "${PYTEST[@]}" -m gpu tests/unit/replicas/test_device_path.py \
-    tests/unit/replicas/test_loader_and_backends.py
-stage compile_tests 150 "${PYTEST[@]}" -m gpu tests/unit/replicas/test_compiled_forward.py
+    tests/unit/replicas/test_loader_and_backends.py tests/unit/replicas/test_compiled_forward.py
 stage cuda_suite 300 "${PYTEST[@]}" --device cuda -m "not gpu" \
     tests/unit/replicas/test_overlap_schedule.py tests/unit/replicas/test_equivalence.py \
     tests/unit/replicas/test_speculative_decoding.py tests/unit/replicas/test_engine_sessions.py
 echo "== done $(date +%T)"
-mkdir -p "${OUT:-.}" && tar czf "${OUT:-.}/gpu-logs.tgz" -C "$out" .
+# timelines travel as files of their own (the tool returns files of up to 16 MiB each)
+mkdir -p "${OUT:-.}" && tar czf "${OUT:-.}/gpu-logs.tgz" --exclude 'trace_*' -C "$out" .
+cp "$out"/trace_*.json.gz "${OUT:-.}/" 2>/dev/null || true
+ls -la "${OUT:-.}"
