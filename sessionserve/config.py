@@ -217,7 +217,8 @@ class SpecConfig(_Strict):
         "this; 0 = always `num_drafts`. A draft that is unlikely to be kept still costs a head "
         "step and a verify column: with SmolLM2's trained head on a CPU, 0.1 kept the same 1.48 "
         "tokens a verify with 2.8 drafts instead of 4 (docs/benchmarks.md). The head's first "
-        "draft is always verified; CUDA chain graphs draft all `num_drafts`. A tree (`tree_topk` "
+        "draft is always verified (on a GPU too, where the head's chain graphs draft every "
+        "step and the drafts past the stop are dropped). A tree (`tree_topk` "
         "above 1) likewise expands only nodes whose path is this likely, and verifies a node "
         "only if it is its parent's best child or is this likely itself.",
     )

@@ -1,8 +1,9 @@
 """The EAGLE head's catch-up after a step as one CUDA graph per (batch bucket, context bucket,
 input width): the head over each request's newly committed positions (its pending token and
 the drafts a verify accepted: 1 to `max_query` tokens a row), then, for each row's last one,
-its draft logits and greedy pick: the next step's first draft and the feature the chain
-continues from, kept on the device but for the picks' one read back.
+its draft logits and greedy pick: the next step's first draft, its probability under the head
+(where a chain's `min_confidence` stop starts from) and the feature the chain continues from,
+kept on the device but for the picks' one read back.
 
 Eagerly this pass is a Python loop of a few dozen kernels, a plan built on the host and three
 reads back; on an H100 it cost 3.8 ms of a 10.2 ms speculative step at one request (run H,
@@ -55,7 +56,9 @@ class _CatchUpGraph:
     last: torch.Tensor  # [B] each row's last real token, a flat index
     plan: Any
     features: torch.Tensor | None = None  # [B, h] the head's output at `last`
-    tokens: torch.Tensor | None = None  # [B] its greedy draft (target vocabulary)
+    # [2, B] its greedy draft (target vocabulary) and that draft's probability under the
+    # head (what a chain's `min_confidence` stop reads), float64 so one read back takes both
+    picks: torch.Tensor | None = None
     graph: Any = None
 
 
@@ -127,11 +130,12 @@ class CatchUpGraphs:
         else:
             self._forward(g)
         self.replays += 1
-        assert g.features is not None and g.tokens is not None
+        assert g.features is not None and g.picks is not None
         n = len(entries)
         feats = g.features[:n].clone()  # the next replay rewrites the graph's buffer
-        for e, token, feat in zip(entries, g.tokens[:n].tolist(), feats, strict=True):
-            e.req.draft = DraftState(token, feat)
+        tokens, confidence = g.picks[:, :n].tolist()
+        for e, token, p_token, feat in zip(entries, tokens, confidence, feats, strict=True):
+            e.req.draft = DraftState(int(token), feat, confidence=p_token)
         return True
 
     @torch.inference_mode()
@@ -140,8 +144,10 @@ class CatchUpGraphs:
         meta = ForwardMeta(self.backend, p.pool, g.out_slots, g.plan)
         out = p.drafter.features(g.ids[None], g.hidden[None], g.positions[None], paged_meta=meta)
         g.features = out[0].index_select(0, g.last)
-        picks = p.drafter.draft_logits(g.features).float().argmax(dim=-1)
-        g.tokens = p.drafter.to_target(picks)
+        logits = p.drafter.draft_logits(g.features).float()
+        picks = logits.argmax(dim=-1)
+        confidence = logits.softmax(-1).amax(-1)  # as the eager pass's `_choose`
+        g.picks = torch.stack((p.drafter.to_target(picks).double(), confidence.double()))
 
     @torch.inference_mode()
     def _build(self, size: int, width: int, features: int) -> _CatchUpGraph:

@@ -6,7 +6,9 @@ Eagerly each head step is a Python loop over a few dozen kernels plus a read bac
 picks, so on a GPU a chain of 4 drafts costs about as much as the target's decode it is meant
 to save. Replayed, the steps run back to back. What the graph needs is known before the chain
 starts: each step's position and output slot are the request's next ones (the scheduler
-allocated them for the verify), and its context is the one before plus that slot. Only
+allocated them for the verify), and its context is the one before plus that slot. Each step
+also keeps its drafts' probabilities, read back with them, so a chain ends where the eager
+loop's `min_confidence` stop would end it. Only
 greedy requests drafting the same number of tokens take it (a sampled request keeps its draft
 distributions for the acceptance test: the eager loop); the attention is the torch backend's
 static decode plan, one per step, over the drafter's own pool (padding rows read and write
@@ -38,7 +40,9 @@ class _ChainGraph:
     positions: torch.Tensor  # [S, B] step j's positions (S = chain length - 1)
     out_slots: torch.Tensor  # [S, B]
     plans: list[Any]  # step j's static decode plan over the drafter's pool
-    tokens: torch.Tensor  # [S, B] the drafts each step picks (target vocabulary)
+    # [2, S, B] the drafts each step picks (target vocabulary) and each one's probability
+    # under the head, float64 so one read back takes both
+    picks: torch.Tensor
     graph: Any = None
 
 
@@ -60,7 +64,10 @@ class ChainGraphs:
 
     def run(self, reqs: Sequence[Request], length: int) -> list[list[int]] | None:
         """Drafts 2..`length` for each of `reqs` (all greedy, each with a first draft), or
-        None when no graph fits (the eager loop drafts them)."""
+        None when no graph fits (the eager loop drafts them). A row's chain ends where the
+        eager loop's would: at the draft that took the product of its drafts' probabilities
+        below the proposer's `min_confidence` (the graph drafts every step; the drafts past
+        that one are dropped, so they cost no verify column)."""
         size = bucket_for(len(reqs), self.buckets)
         if size is None or length < 2 or any(not r.sampling.is_greedy for r in reqs):
             return None
@@ -96,7 +103,17 @@ class ChainGraphs:
         else:
             self._forward(g)
         self.replays += 1
-        return g.tokens[:, :n].t().tolist()
+        tokens, confidence = g.picks[:, :, :n].tolist()  # [S][n] each
+        floor, chains = self.proposer.min_confidence, []
+        for i, r in enumerate(reqs):
+            chain, likely = [], r.draft.confidence  # the first draft's
+            for j in range(steps):
+                if likely < floor:
+                    break
+                chain.append(int(tokens[j][i]))
+                likely *= confidence[j][i]
+            chains.append(chain)
+        return chains
 
     @torch.inference_mode()
     def _forward(self, g: _ChainGraph) -> None:
@@ -108,9 +125,10 @@ class ChainGraphs:
             meta = ForwardMeta(self.backend, p.pool, g.out_slots[j], plan)
             out = p.drafter.features(ids[None], hidden[None], g.positions[j][None], paged_meta=meta)
             hidden = out[0]
-            picks = p.drafter.draft_logits(hidden).float().argmax(dim=-1)
-            ids = p.drafter.to_target(picks)
-            g.tokens[j].copy_(ids)
+            logits = p.drafter.draft_logits(hidden).float()
+            ids = p.drafter.to_target(logits.argmax(dim=-1))
+            g.picks[0, j].copy_(ids)
+            g.picks[1, j].copy_(logits.softmax(-1).amax(-1))  # as the eager loop's `_choose`
 
     @torch.inference_mode()
     def _build(self, size: int, steps: int, width: int) -> _ChainGraph:
@@ -124,7 +142,7 @@ class ChainGraphs:
             ints(steps, size),
             ints(steps, size),
             [self.backend.static_decode(size, width, dev) for _ in range(steps)],
-            ints(steps, size),
+            torch.zeros(2, steps, size, dtype=torch.float64, device=dev),
         )
         self.graphs[(size, steps, width)] = g
         if self.capture:

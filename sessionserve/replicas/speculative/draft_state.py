@@ -33,8 +33,8 @@ class DraftState:
     # a greedy request's best first drafts (target ids) and their log-probabilities, most
     # likely first, when the head drafts trees: the tree's first level
     candidates: tuple[list[int], list[float]] | None = None
-    # the head's probability of `token` (1.0 where not measured: a CUDA catch-up graph);
-    # a chain drafts on from it while its drafts' product stays at `min_confidence`
+    # the head's probability of `token`; a chain drafts on from it while its drafts'
+    # product stays at `min_confidence`
     confidence: float = 1.0
 
 

@@ -609,6 +609,7 @@ def test_the_decoder_reads_the_runners_compiled_edge_at_each_step() -> None:
     engine = tiny_engine(tiny_model(num_hidden_layers=1, seed=3), drafter=mimic_drafter)
     runner, spec = engine.runner, engine.speculative
     assert spec.widest_step() is None  # nothing compiled
+    runner.device = torch.device("cpu")  # (the rule by device; the suite may run on CUDA)
     runner.compiled = SimpleNamespace(max_tokens=32)
     runner.compiled_decode = SimpleNamespace(max_tokens=48)
     assert spec.widest_step() == 48
@@ -751,9 +752,9 @@ def _reads_features(model):
     return head
 
 
-@pytest.mark.parametrize("history", [False, True])
+@pytest.mark.parametrize(("history", "min_confidence"), [(False, 0.0), (True, 0.0), (False, 0.3)])
 def test_the_heads_chain_through_its_graphs_static_path_drafts_what_the_loop_drafts(
-    history: bool,
+    history: bool, min_confidence: float
 ) -> None:
     """`ChainGraphs` (on a GPU one graph of the head's k - 1 chain steps for greedy rows; here
     its static path runs eagerly: per-step static plans over the drafter's pool, padding rows,
@@ -761,15 +762,24 @@ def test_the_heads_chain_through_its_graphs_static_path_drafts_what_the_loop_dra
     the eager loop proposes, and the answers stay transformers'. The head's input is its
     token's embedding plus the feature before it, so a feature given to the wrong row or step
     changes the drafts. With history drafts beside it, steps whose rows draft unequal chains
-    take the loop."""
+    take the loop. With `min_confidence` the graph's chains end where the loop's do (the
+    graph drafts every step and keeps each draft's probability: a chain is cut at the draft
+    that took their product below it), so some chains are shorter than asked."""
     from sessionserve.replicas.attention.torch_backend import TorchPagedBackend
     from sessionserve.replicas.speculative.chain_graphs import ChainGraphs
 
-    model = tiny_model(num_hidden_layers=1, seed=3)
+    confident_at_times = {"init_std": 0.4} if min_confidence else {}
+    model = tiny_model(num_hidden_layers=1, seed=3, **confident_at_times)
     prompts = _prompts(2, (6, 19, 33, 47, 70))
 
     def engine(graphs: bool):
-        e = tiny_engine(model, drafter=_reads_features, prefill=24, history_drafts=history)
+        e = tiny_engine(
+            model,
+            drafter=_reads_features,
+            prefill=24,
+            history_drafts=history,
+            min_draft_confidence=min_confidence,
+        )
         eagle, proposed = e.speculative.eagle, []
         if graphs:
             eagle.chain_graphs = ChainGraphs(eagle, (1, 2, 4, 8), TorchPagedBackend(), False)
@@ -788,6 +798,8 @@ def test_the_heads_chain_through_its_graphs_static_path_drafts_what_the_loop_dra
     for prompt, r, w in zip(prompts, got, want, strict=True):
         assert r.output_ids == w.output_ids == hf_greedy(model, prompt, GREEDY.max_tokens)
     assert got_drafts == want_drafts and len(want_drafts) > 10
+    lengths = {len(c) for step in got_drafts for c in step}
+    assert lengths == ({1, 2, 3, 4} if min_confidence else {4}), lengths  # cut at every length
     chain = graphed.speculative.eagle.chain_graphs
     assert chain.replays > 0 and len({size for size, _, _ in chain.graphs}) > 1
     graphed.checker.check_idle()
@@ -824,7 +836,7 @@ def test_the_heads_catch_up_through_its_graphs_static_path_guesses_what_the_eage
             catch_up(entries)
             graphed.append(graphs and eagle.catch_up_graphs.replays > replays)
             drafts = [e.req.draft for e in entries if e.end > e.start]
-            guesses.append([(d.token, d.feature) for d in drafts if d is not None])
+            guesses.append([(d.token, d.feature, d.confidence) for d in drafts if d is not None])
 
         eagle.catch_up = logged
         return e, guesses, graphed
@@ -835,9 +847,10 @@ def test_the_heads_catch_up_through_its_graphs_static_path_guesses_what_the_eage
         assert r.output_ids == w.output_ids == hf_greedy(model, prompt, GREEDY.max_tokens)
     assert len(got) == len(want) > 10
     for step_got, step_want in zip(got, want, strict=True):
-        assert [t for t, _ in step_got] == [t for t, _ in step_want]
-        for (_, f), (_, w) in zip(step_got, step_want, strict=True):
+        assert [t for t, _, _ in step_got] == [t for t, _, _ in step_want]
+        for (_, f, p), (_, w, q) in zip(step_got, step_want, strict=True):
             assert torch.allclose(f, w, atol=1e-5), (f - w).abs().max()
+            assert p == pytest.approx(q, rel=1e-5) and p < 1  # where a chain's stop starts
     catch_ups = graphs.speculative.eagle.catch_up_graphs
     assert catch_ups.replays == sum(replayed) > 0 and not all(replayed)  # prefills: eager
     assert len({size for size, _, _ in catch_ups.graphs}) > 1  # batch buckets, padding rows
