@@ -13,11 +13,12 @@ and min-p), whatever the drafter proposes.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from sessionserve.replicas.sampling import draw, greedy_tokens, uniforms
+from sessionserve.replicas.sampling import draw, uniforms
 
 
 @dataclass(frozen=True)
@@ -26,10 +27,11 @@ class Verdict:
     accepted: int  # drafts kept
 
 
-def accept_greedy(target_logits: torch.Tensor, drafts: list[int]) -> Verdict:
-    """`target_logits` [k+1, V]: row i scores the token after draft i (row 0: after the
-    last committed token)."""
-    best = greedy_tokens(target_logits).tolist()
+def accept_greedy(best: Sequence[int], drafts: list[int]) -> Verdict:
+    """`best` [k+1]: the target's argmax after draft i (row 0: after the last committed
+    token; `greedy_tokens` of its logits, taken for a whole step's rows at once: one read
+    back, where one a row cost ~0.13 ms each on a GPU host, 4.2 ms of a 22.7 ms speculative
+    step at 32 requests, docs/benchmarks.md)."""
     n = 0
     while n < len(drafts) and drafts[n] == best[n]:
         n += 1
@@ -37,13 +39,12 @@ def accept_greedy(target_logits: torch.Tensor, drafts: list[int]) -> Verdict:
 
 
 def accept_greedy_tree(
-    target_logits: torch.Tensor, drafts: list[int], parents: list[int]
+    best: Sequence[int], drafts: list[int], parents: list[int]
 ) -> tuple[Verdict, list[int]]:
-    """`target_logits` [k+1, V]: row 0 scores the token after the pending one, row i + 1 the
-    token after draft i. From the pending token, follow the child whose token is the target's
-    argmax while there is one; returns the verdict and the kept drafts' indices (the path).
-    The output is the non-speculative greedy output, as for a chain."""
-    best = greedy_tokens(target_logits).tolist()
+    """`best` [k+1]: the target's argmax after the pending token (row 0) and after draft i
+    (row i + 1), as for `accept_greedy`. From the pending token, follow the child whose token
+    is the target's argmax while there is one; returns the verdict and the kept drafts'
+    indices (the path). The output is the non-speculative greedy output, as for a chain."""
     children: dict[int, dict[int, int]] = {}
     for i, (token, parent) in enumerate(zip(drafts, parents, strict=True)):
         children.setdefault(parent, {}).setdefault(token, i)

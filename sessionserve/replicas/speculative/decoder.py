@@ -42,7 +42,7 @@ import torch
 from sessionserve.cache.kv_pool import KVPool
 from sessionserve.cache.session_cache import SessionCache
 from sessionserve.replicas.request import Request
-from sessionserve.replicas.sampling import filter_logits, token_logprobs
+from sessionserve.replicas.sampling import filter_logits, greedy_tokens, token_logprobs
 from sessionserve.replicas.speculative.acceptance import (
     accept_greedy,
     accept_greedy_tree,
@@ -295,30 +295,36 @@ class SpeculativeDecoder:
     # ---- after the forward ----
     def verify(self, batch: ScheduledBatch, drafts: dict[str, Drafts], out: StepOutput) -> None:
         """Each speculating sequence keeps the drafts the target agrees with, plus the target's
-        own next token; a verify that raises ends that request alone."""
-        for s in batch.seqs:
-            if s.num_drafts:
-                try:
-                    out.emitted[s.req.rid] = self._verify(s, drafts[s.req.rid], out)
-                except Exception as e:
-                    out.errors[s.req.rid] = e
+        own next token; a verify that raises ends that request alone. The target's argmax
+        over every logits row is taken once for the step's greedy rows (one read back)."""
+        verifying = [s for s in batch.seqs if s.num_drafts]
+        greedy = any(s.req.sampling.is_greedy for s in verifying)
+        best = greedy_tokens(out.logits).tolist() if greedy else []
+        for s in verifying:
+            try:
+                out.emitted[s.req.rid] = self._verify(s, drafts[s.req.rid], out, best)
+            except Exception as e:
+                out.errors[s.req.rid] = e
 
-    def _verify(self, s: ScheduledSeq, chain: Drafts, out: StepOutput) -> tuple[list, list]:
+    def _verify(
+        self, s: ScheduledSeq, chain: Drafts, out: StepOutput, best: list[int]
+    ) -> tuple[list, list]:
         """Accept a prefix of the chain (a path of the tree); commit its KV (and the pending
-        token's), free the rejected drafts' slots now."""
+        token's), free the rejected drafts' slots now. `best`: the target's argmax at every
+        logits row of the step (greedy rows read theirs)."""
         req, k, row = s.req, len(chain.tokens), out.layout[s.req.rid].logit_row
-        target = out.logits[row : row + k + 1].float()
+        target = out.logits[row : row + k + 1]
         p = req.sampling
         rows = None  # the logits rows of the kept tokens, where not the first ones
         if chain.parents is not None:
-            verdict, path = accept_greedy_tree(target, chain.tokens, chain.parents)
+            verdict, path = accept_greedy_tree(best[row : row + k + 1], chain.tokens, chain.parents)
             self._keep_path(s, path, out)
             rows = [0] + [1 + i for i in path]
             depth = max(chain.depths())
         elif p.is_greedy:
-            verdict, depth = accept_greedy(target, chain.tokens), k
+            verdict, depth = accept_greedy(best[row : row + k + 1], chain.tokens), k
         else:
-            probs = filter_logits(target, p).softmax(-1)
+            probs = filter_logits(target.float(), p).softmax(-1)
             verdict = accept_sampled(probs, chain.probs, chain.tokens, req.generator)
             depth = k
         self.cache.commit(req.kv, s.end + verdict.accepted)
@@ -332,7 +338,7 @@ class SpeculativeDecoder:
         self.by_source.setdefault(source, SpecStats()).record(k, verdict.accepted)
         self.on_verify(verdict.accepted + 1)
         kept = target[: len(verdict.tokens)] if rows is None else target[rows]
-        lps = token_logprobs(kept, verdict.tokens, p.top_logprobs) if p.logprobs else []
+        lps = token_logprobs(kept.float(), verdict.tokens, p.top_logprobs) if p.logprobs else []
         return verdict.tokens, lps
 
     @torch.inference_mode()

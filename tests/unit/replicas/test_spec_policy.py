@@ -673,9 +673,9 @@ def test_a_source_its_floor_declines_leaves_the_request_to_the_head() -> None:
     history.draft_len, history.propose = draft_len, propose
     verify = spec._verify
 
-    def counted(s, chain, out):
+    def counted(s, chain, out, best):
         verified[s.req.drafting.source] += 1
-        return verify(s, chain, out)
+        return verify(s, chain, out, best)
 
     spec._verify = counted
     (prompt,) = _prompts(1)

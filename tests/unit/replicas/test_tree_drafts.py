@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from sessionserve.errors import InvalidConfigError
+from sessionserve.replicas.sampling import greedy_tokens
 from sessionserve.replicas.speculative.acceptance import accept_greedy_tree
 from sessionserve.replicas.speculative.draft_state import DraftState
 from sessionserve.replicas.speculative.proposer import _Tree
@@ -64,11 +65,11 @@ def test_greedy_acceptance_follows_the_targets_path() -> None:
     logits = torch.zeros(6, 20)
     for row, best in enumerate([6, 0, 8, 0, 9, 4]):  # pending -> 6 (#1) -> 8 (#3) -> 9 (#4)
         logits[row, best] = 1.0
-    verdict, path = accept_greedy_tree(logits, tokens, parents)
+    verdict, path = accept_greedy_tree(greedy_tokens(logits).tolist(), tokens, parents)
     assert path == [1, 3, 4] and verdict.tokens == [6, 8, 9, 4] and verdict.accepted == 3
     logits[0] = 0
     logits[0, 7] = 1.0  # no first-level draft is the target's token
-    verdict, path = accept_greedy_tree(logits, tokens, parents)
+    verdict, path = accept_greedy_tree(greedy_tokens(logits).tolist(), tokens, parents)
     assert path == [] and verdict.tokens == [7]
 
 
