@@ -650,13 +650,17 @@ def ttft(eng: Engine, ids: list[int], **kw: Any) -> float:
     return time.perf_counter() - t
 
 
-def session_ttft(model, backend: str, args) -> dict[str, float]:
+def session_ttft(model, backend: str, args) -> tuple[dict[str, float], dict[str, Any]]:
     """TTFT (s) of a 32-token turn after `args.held` held tokens: in a session (the median of
     three turns; each adds ~33 tokens to what it holds), with its extend replayed as a CUDA
-    graph and eagerly, and the same whole request stateless (radix off)."""
+    graph and eagerly, and the same whole request stateless (radix off). Also what explains
+    it: every turn's ms and the extend graphs' replays over the timed turns (an H200 run read
+    23.8 ms at 8k, the H100 runs ~7: was the graph used?), and with `--log-dir` a cProfile of
+    one more graphed turn (`host_profile_session_turn.txt`)."""
     history = prompts(1, args.held, model.config.vocab_size, 5)[0].tolist()
     turn = prompts(1, 32, model.config.vocab_size, 6)[0].tolist()
     out: dict[str, float] = {}
+    detail: dict[str, Any] = {}
     for name, extend in (("session", True), ("session_eager_extend", False)):
         eng = make_engine(model, backend, True, 4, args, sessions=True, extend=extend)
         ttft(eng, turn)  # warm-up
@@ -664,12 +668,40 @@ def session_ttft(model, backend: str, args) -> dict[str, float]:
         first = eng.generate(
             [history], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True), session_id=sid
         )[0]
-        out[name] = statistics.median(ttft(eng, turn, session_id=sid) for _ in range(3))
+        graphs = eng.runner.extend_graphs
+        before = graphs.replays if graphs is not None else 0
+        turns = [ttft(eng, turn, session_id=sid) for _ in range(3)]
+        out[name] = statistics.median(turns)
+        detail[name] = {
+            "turn_ms": [round(1000 * t, 2) for t in turns],
+            "extend_graph_replays": None if graphs is None else graphs.replays - before,
+            "extend_graphs": None if graphs is None else len(graphs.graphs),
+        }
+        if extend and args.log_dir:
+            profile_turn(eng, turn, sid, f"{args.log_dir}/host_profile_session_turn.txt")
     full = history + first.output_ids + turn
     plain = make_engine(model, backend, True, 4, args, sessions=False)
     ttft(plain, turn)
     out["stateless"] = statistics.median(ttft(plain, full) for _ in range(2))
-    return out
+    return out, detail
+
+
+def profile_turn(eng: Engine, turn: list[int], sid: str, path: str) -> None:
+    """cProfile of one session turn (TTFT: max_tokens 1), by cumulative time, to `path`."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    ms = 1000 * ttft(eng, turn, session_id=sid)
+    profiler.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("cumulative").print_stats(50)
+    stats.sort_stats("tottime").print_stats(25)
+    with open(path, "w") as f:
+        f.write(f"one session turn, {ms:.2f} ms (profiled)\n{text.getvalue()}")
 
 
 def main() -> None:
@@ -841,11 +873,11 @@ def main() -> None:
         flush=True,
     )
     # eager extends / graphs, not compiled
-    t = session_ttft(model, best(min(args.concurrency))[0][0], args)
+    t, turns = session_ttft(model, best(min(args.concurrency))[0][0], args)
     print(
         f"TTFT with {args.held} tokens held: session {1000 * t['session']:.1f} ms (eager "
         f"extend {1000 * t['session_eager_extend']:.1f} ms), stateless "
-        f"{1000 * t['stateless']:.1f} ms",
+        f"{1000 * t['stateless']:.1f} ms; turns {turns}",
         flush=True,
     )
 
@@ -892,6 +924,7 @@ def main() -> None:
             "roofline_frac_64": round(roofline_ms / best_ms(c_top), 3),
             "ttft_ms_8k": {k: round(1000 * v, 2) for k, v in t.items()},
             "ttft_ratio_8k": round(t["stateless"] / t["session"], 2),
+            "ttft_turns_8k": turns,
         }
     )
 
