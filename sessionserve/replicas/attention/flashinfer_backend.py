@@ -28,6 +28,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from sessionserve.replicas.attention.base import AttentionBackend, ForwardMeta, SeqSpec, to_device
@@ -66,12 +67,14 @@ class _Plan:
 
 def page_table(seqs: list[SeqSpec], page_size: int) -> tuple[torch.Tensor, ...]:
     """Host int32 (kv_indptr [B+1], page ids [sum pages], last_page_len [B]) of `seqs`, whose
-    positions are laid out page by page (slot // page_size is the page)."""
-    indptr, last = _kv_indptr_and_last(torch.tensor([s.ctx_len for s in seqs]), page_size)
-    if not seqs:
-        return indptr, torch.zeros(0, dtype=torch.int32), last
-    flat = torch.cat([s.ctx_slots[::page_size] for s in seqs]) // page_size
-    return indptr, flat.to(torch.int32), last
+    positions are laid out page by page (slot // page_size is the page). Built over numpy
+    views of the rows' slots: the forward thread builds one every decode step, and torch's
+    per-row slicing cost 220 us at 32 rows against 80 (a 2-core Zen 3; the H200 run's forward
+    thread spent most of an overlapped step at 32 here, docs/benchmarks.md)."""
+    lens = np.fromiter((s.ctx_len for s in seqs), dtype=np.int32, count=len(seqs))
+    indptr, last = _kv_indptr_and_last(lens, page_size)
+    pages = [s.ctx_slots.numpy()[::page_size] for s in seqs]
+    return _as_torch(indptr, _page_ids(pages, page_size), last)
 
 
 def padded_rows_page_table(
@@ -90,27 +93,36 @@ def padded_rows_page_table(
         if s.q_len > q_len:
             raise ValueError(f"a row of {s.q_len} new tokens in a plan of {q_len} a row")
         padded = s.ctx_len + q_len - s.q_len
-        real = s.ctx_slots[::page_size] // page_size
-        extra = -(-padded // page_size) - len(real)
-        pages += [real.to(torch.int32), torch.zeros(extra, dtype=torch.int32)]
+        real = s.ctx_slots.numpy()[::page_size]
+        pages += [real, np.zeros(-(-padded // page_size) - len(real), dtype=real.dtype)]
         lens.append(padded)
     pad = rows - len(seqs)
     if pad < 0:
         raise ValueError(f"{len(seqs)} sequences in a plan of {rows} rows")
     lens += [q_len] * pad
-    pages.append(torch.zeros(pad * -(-q_len // page_size), dtype=torch.int32))
-    kv_indptr, last = _kv_indptr_and_last(torch.tensor(lens), page_size)
-    qo_indptr = torch.arange(rows + 1, dtype=torch.int32) * q_len
-    return qo_indptr, kv_indptr, torch.cat(pages), last
+    pages.append(np.zeros(pad * -(-q_len // page_size), dtype=np.int64))
+    kv_indptr, last = _kv_indptr_and_last(np.array(lens, dtype=np.int32), page_size)
+    qo_indptr = np.arange(rows + 1, dtype=np.int32) * q_len
+    return _as_torch(qo_indptr, kv_indptr, _page_ids(pages, page_size), last)
 
 
-def _kv_indptr_and_last(lens: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _kv_indptr_and_last(lens: np.ndarray, page_size: int) -> tuple[np.ndarray, np.ndarray]:
     """int32 kv_indptr [B+1] and last_page_len [B] of rows holding `lens` positions."""
-    lens = lens.to(torch.int32)
     counts = (lens + page_size - 1) // page_size
-    indptr = torch.zeros(len(lens) + 1, dtype=torch.int32)
-    torch.cumsum(counts, 0, out=indptr[1:])
-    return indptr, lens - (counts - 1) * page_size
+    indptr = np.zeros(len(lens) + 1, dtype=np.int32)
+    np.cumsum(counts, out=indptr[1:])
+    return indptr, (lens - (counts - 1) * page_size).astype(np.int32)
+
+
+def _page_ids(first_slots: list[np.ndarray], page_size: int) -> np.ndarray:
+    """int32 page ids of each row's page-first slots, rows concatenated."""
+    if not first_slots:
+        return np.zeros(0, dtype=np.int32)
+    return (np.concatenate(first_slots) // page_size).astype(np.int32)
+
+
+def _as_torch(*arrays: np.ndarray) -> tuple[torch.Tensor, ...]:
+    return tuple(torch.from_numpy(a) for a in arrays)
 
 
 class FlashInferBackend(AttentionBackend):
