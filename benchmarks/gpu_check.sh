@@ -41,19 +41,20 @@ stage() {  # stage NAME MAX_SECONDS COMMAND...: run under min(MAX, time left), l
 
 # what never ran on a GPU first: verify graphs over FlashInfer's paged prefill; overlap's
 # forward thread must never wait for the device; speculation's verify steps replay graphs
-stage new_gpu_tests 120 "${PYTEST[@]}" -m gpu tests/unit/replicas/test_speculative_decoding.py \
+stage new_gpu_tests 90 "${PYTEST[@]}" -m gpu tests/unit/replicas/test_speculative_decoding.py \
     tests/unit/replicas/test_overlap_schedule.py
+# the engine suite on CUDA (64 s on an H200): where run M found the graphs' confidence bug
+stage cuda_suite 150 "${PYTEST[@]}" --device cuda -m "not gpu" \
+    tests/unit/replicas/test_overlap_schedule.py tests/unit/replicas/test_equivalence.py \
+    tests/unit/replicas/test_speculative_decoding.py tests/unit/replicas/test_engine_sessions.py
 stage benchmark 300 python3 -m benchmarks.gpu --concurrency ${CONCURRENCY:-1 32 64} --backends flashinfer \
-    --graph-modes on --skip-hf --compile on --verify-cost --pin-threads --trace-steps 20 \
-    --log-dir "$out"   # + spec step split, thread placement, host profiles, a timeline
+    --graph-modes on --skip-hf --compile on --verify-cost --trace-steps 20 \
+    --log-dir "$out"   # + spec step split, host profiles, a session turn's profile, a timeline
 # the compiled HF baseline at 32 (issue 23's ratio_vs_hf_static_32), ours beside it in the same run
 stage hf_static 130 python3 -m benchmarks.gpu --concurrency 32 --backends flashinfer \
     --graph-modes on --compile on --hf-static-concurrency 32 --held 1000
 stage gpu_tests 90 "${PYTEST[@]}" -m gpu tests/unit/replicas/test_device_path.py \
     tests/unit/replicas/test_loader_and_backends.py tests/unit/replicas/test_compiled_forward.py
-stage cuda_suite 300 "${PYTEST[@]}" --device cuda -m "not gpu" \
-    tests/unit/replicas/test_overlap_schedule.py tests/unit/replicas/test_equivalence.py \
-    tests/unit/replicas/test_speculative_decoding.py tests/unit/replicas/test_engine_sessions.py
 echo "== done $(date +%T)"
 # timelines travel as files of their own (the tool returns files of up to 16 MiB each)
 mkdir -p "${OUT:-.}" && tar czf "${OUT:-.}/gpu-logs.tgz" --exclude 'trace_*' -C "$out" .
