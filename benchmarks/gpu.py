@@ -41,8 +41,11 @@ Last line: one JSON object (ratios vs the baselines measured in the same run).
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import logging
 import os
+import pstats
 import statistics
 import sys
 import time
@@ -562,27 +565,29 @@ def host_profile(eng: Engine, c: int, args, name: str) -> None:
     each step, by function: a GPU step at 32 is host-bound), to `host_profile_<name>.txt`."""
     if not args.log_dir:
         return
-    import cProfile
-    import io
-    import pstats
-
     steady_decode(eng, c, args, 3)
-    profiler = cProfile.Profile()
     t = time.perf_counter()
-    profiler.enable()
-    n = decode_steps(eng, 50)
-    profiler.disable()
+    n, stats = cprofiled(lambda: decode_steps(eng, 50))
     wall = time.perf_counter() - t
     eng.run_until_idle()
-    text = io.StringIO()
-    stats = pstats.Stats(profiler, stream=text)
     stats.sort_stats("tottime").print_stats(40)
     stats.sort_stats("cumulative").print_stats("sessionserve", 60)
     with open(f"{args.log_dir}/host_profile_{name}.txt", "w") as f:
         f.write(
             f"{n} decode steps at c={c}, wall {1000 * wall / max(n, 1):.2f} ms a step (profiled)\n"
         )
-        f.write(text.getvalue())
+        f.write(stats.stream.getvalue())
+
+
+def cprofiled(run: Callable[[], Any]) -> tuple[Any, pstats.Stats]:
+    """`run()`'s result and its cProfile statistics, printing into their own text stream."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        result = run()
+    finally:
+        profiler.disable()
+    return result, pstats.Stats(profiler, stream=io.StringIO())
 
 
 def gpu_busy(eng: Engine, c: int, args) -> tuple[float | None, float | None]:
@@ -688,20 +693,11 @@ def session_ttft(model, backend: str, args) -> tuple[dict[str, float], dict[str,
 
 def profile_turn(eng: Engine, turn: list[int], sid: str, path: str) -> None:
     """cProfile of one session turn (TTFT: max_tokens 1), by cumulative time, to `path`."""
-    import cProfile
-    import io
-    import pstats
-
-    profiler = cProfile.Profile()
-    profiler.enable()
-    ms = 1000 * ttft(eng, turn, session_id=sid)
-    profiler.disable()
-    text = io.StringIO()
-    stats = pstats.Stats(profiler, stream=text)
+    seconds, stats = cprofiled(lambda: ttft(eng, turn, session_id=sid))
     stats.sort_stats("cumulative").print_stats(50)
     stats.sort_stats("tottime").print_stats(25)
     with open(path, "w") as f:
-        f.write(f"one session turn, {ms:.2f} ms (profiled)\n{text.getvalue()}")
+        f.write(f"one session turn, {1000 * seconds:.2f} ms (profiled)\n{stats.stream.getvalue()}")
 
 
 def main() -> None:
