@@ -18,6 +18,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -159,30 +160,35 @@ def _load_gguf(gguf: Path, dtype: torch.dtype) -> LoadedModel:
     return LoadedModel(model.to(dtype), tok, gguf.stem, str(gguf))
 
 
+_GGUF_READER_SWAP = threading.Lock()
+
+
 @contextmanager
 def one_gguf_reader() -> Iterator[None]:
     """Within it, each GGUF file is parsed by one `gguf.GGUFReader`, however often it is
     opened. transformers builds a new reader in every `load_gguf_checkpoint` call, and a GGUF
     load calls it three times (tokenizer, config, weights); a reader's parse walks the
     vocabulary element by element, ~14 s of Gemma 3's conversion each time on 2 cores. The
-    reader is a read-only view of the file, so sharing it changes nothing it returns."""
+    reader is a read-only view of the file, so sharing it changes nothing it returns. One
+    conversion at a time holds it (the swap of `gguf.GGUFReader` is process-wide)."""
     import gguf
 
-    original, readers = gguf.GGUFReader, {}
+    with _GGUF_READER_SWAP:
+        original, readers = gguf.GGUFReader, {}
 
-    def shared(path: Any, *args: Any, **kwargs: Any) -> Any:
-        if args or kwargs:  # another mode than a plain read: not shared
-            return original(path, *args, **kwargs)
-        key = Path(path).resolve()
-        if key not in readers:
-            readers[key] = original(path)
-        return readers[key]
+        def shared(path: Any, *args: Any, **kwargs: Any) -> Any:
+            if args or kwargs:  # another mode than a plain read: not shared
+                return original(path, *args, **kwargs)
+            key = Path(path).resolve()
+            if key not in readers:
+                readers[key] = original(path)
+            return readers[key]
 
-    gguf.GGUFReader = shared
-    try:
-        yield
-    finally:
-        gguf.GGUFReader = original
+        gguf.GGUFReader = shared
+        try:
+            yield
+        finally:
+            gguf.GGUFReader = original
 
 
 def cache_root() -> Path:
