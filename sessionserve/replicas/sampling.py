@@ -34,6 +34,13 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     return logits.max(dim=-1).indices
 
 
+def top_probability(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's largest softmax probability: a greedy pick's, what an EAGLE chain's
+    `min_confidence` stop multiplies up. One formula for the eager chain and the CUDA graphs
+    that stand in for it, so they stop chains alike."""
+    return logits.softmax(-1).amax(-1)
+
+
 class SampleOutput(NamedTuple):
     token_ids: list[int]
     logprobs: list[TokenLogprob | None] | None  # per row, when any row asked for them

@@ -38,6 +38,7 @@ from sessionserve.replicas.cuda_graphs import (
     stage,
     stage_rows,
 )
+from sessionserve.replicas.sampling import top_probability
 from sessionserve.replicas.speculative.draft_state import DraftState
 from sessionserve.replicas.step import CatchUp
 
@@ -146,7 +147,7 @@ class CatchUpGraphs:
         g.features = out[0].index_select(0, g.last)
         logits = p.drafter.draft_logits(g.features).float()
         picks = logits.argmax(dim=-1)
-        confidence = logits.softmax(-1).amax(-1)  # as the eager pass's `_choose`
+        confidence = top_probability(logits)
         g.picks = torch.stack((p.drafter.to_target(picks).double(), confidence.double()))
 
     @torch.inference_mode()

@@ -28,6 +28,7 @@ from sessionserve.replicas.attention.base import ForwardMeta, SeqSpec, to_device
 from sessionserve.replicas.attention.torch_backend import TorchPagedBackend
 from sessionserve.replicas.cuda_graphs import bucket_for, capture, stage
 from sessionserve.replicas.request import Request
+from sessionserve.replicas.sampling import top_probability
 
 if TYPE_CHECKING:  # the proposer holds its graphs
     from sessionserve.replicas.speculative.proposer import EagleProposer
@@ -128,7 +129,7 @@ class ChainGraphs:
             logits = p.drafter.draft_logits(hidden).float()
             ids = p.drafter.to_target(logits.argmax(dim=-1))
             g.picks[0, j].copy_(ids)
-            g.picks[1, j].copy_(logits.softmax(-1).amax(-1))  # as the eager loop's `_choose`
+            g.picks[1, j].copy_(top_probability(logits))
 
     @torch.inference_mode()
     def _build(self, size: int, steps: int, width: int) -> _ChainGraph:

@@ -32,7 +32,7 @@ from sessionserve.cache.session_cache import SessionCache
 from sessionserve.replicas.attention import ATTN_NAME, AttentionBackend, ForwardMeta, SeqSpec
 from sessionserve.replicas.attention.base import to_device
 from sessionserve.replicas.request import Request
-from sessionserve.replicas.sampling import draw, greedy_tokens, uniforms
+from sessionserve.replicas.sampling import draw, greedy_tokens, top_probability, uniforms
 from sessionserve.replicas.speculative.draft_state import DraftState
 from sessionserve.replicas.speculative.drafter import DraftHead
 from sessionserve.replicas.step import CatchUp, Drafts
@@ -316,7 +316,7 @@ class EagleProposer:
         `logits`: the draft logits of `feats` where the compiled step already computed them."""
         logits = (self.drafter.draft_logits(feats) if logits is None else logits).float()
         picks = greedy_tokens(logits)
-        confidence = logits.softmax(-1).amax(-1).tolist()  # the argmax's probability
+        confidence = top_probability(logits).tolist()  # the argmax's probability
         dist: list[torch.Tensor | None] = [None] * len(reqs)
         for i, r in enumerate(reqs):
             if not r.sampling.is_greedy:
