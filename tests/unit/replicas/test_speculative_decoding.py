@@ -55,8 +55,11 @@ def _recorded_chains(engine) -> list[tuple[list[int], list[float]]]:
     """Each chain the head proposes from now on (one request a step), with its drafts'
     probabilities under the head as the proposer saw them: the first from the request's
     `DraftState` (checked against the head's own softmax of its feature), the rest from the
-    head's picks inside `propose`."""
+    head's picks inside `propose`. The eager loop's picks: on a GPU the chain graphs (which
+    keep their picks on the device) are turned off here; they cut chains where this loop does
+    (`test_the_heads_chain_through_its_graphs_static_path_drafts_what_the_loop_drafts`)."""
     eagle = engine.speculative.eagle
+    eagle.chain_graphs = None
     propose, choose = eagle.propose, eagle._choose
     chains: list[tuple[list[int], list[float]]] = []
     picks: list[float] = []
@@ -781,8 +784,11 @@ def test_the_heads_chain_through_its_graphs_static_path_drafts_what_the_loop_dra
             min_draft_confidence=min_confidence,
         )
         eagle, proposed = e.speculative.eagle, []
-        if graphs:
-            eagle.chain_graphs = ChainGraphs(eagle, (1, 2, 4, 8), TorchPagedBackend(), False)
+        # on a GPU (`--device cuda`) the graphs are captured and replayed; the loop runs eagerly
+        captured = eagle.device.type == "cuda"
+        eagle.chain_graphs = (
+            ChainGraphs(eagle, (1, 2, 4, 8), TorchPagedBackend(), captured) if graphs else None
+        )
         propose = eagle.propose
 
         def logged(reqs, lengths):
@@ -825,10 +831,13 @@ def test_the_heads_catch_up_through_its_graphs_static_path_guesses_what_the_eage
     def engine(graphs: bool):
         e = tiny_engine(model, drafter=_reads_features, prefill=24, history_drafts=history)
         eagle, guesses, graphed = e.speculative.eagle, [], []
-        if graphs:
-            eagle.catch_up_graphs = CatchUpGraphs(
-                eagle, (1, 2, 4, 8), TorchPagedBackend(), eagle.num_drafts + 1, False
-            )
+        # on a GPU (`--device cuda`) the graphs are captured and replayed; the pass runs eagerly
+        captured, rows = eagle.device.type == "cuda", eagle.num_drafts + 1
+        eagle.catch_up_graphs = (
+            CatchUpGraphs(eagle, (1, 2, 4, 8), TorchPagedBackend(), rows, captured)
+            if graphs
+            else None
+        )
         catch_up = eagle.catch_up
 
         def logged(entries):
