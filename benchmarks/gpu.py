@@ -142,12 +142,13 @@ def parse() -> argparse.Namespace:
     ap.add_argument(
         "--switch-intervals",
         type=float,
-        nargs="+",
+        nargs="*",
         default=None,
-        help="also time the overlapped engine at the middle c with and without the wait for "
-        "each step's launch (Engine.await_launch), under Python's switch interval (0.005 s) "
-        "and each of these (sys.setswitchinterval): how soon the forward thread gets the GIL "
-        "back from the engine thread after each torch call",
+        help="also time the overlapped engine at the middle and the largest c with and "
+        "without the wait for each step's launch (Engine.await_launch), under Python's switch "
+        "interval (0.005 s) and each of these (sys.setswitchinterval; none given: the two "
+        "orders only): how soon the forward thread gets the GIL back from the engine thread "
+        "after each torch call",
     )
     ap.add_argument(
         "--pin-threads",
@@ -162,7 +163,9 @@ def parse() -> argparse.Namespace:
         type=int,
         default=0,
         help="with --log-dir: a torch.profiler timeline of this many overlapped decode steps "
-        "at the middle c (trace_overlap_c<c>.json.gz; host threads with Python stacks)",
+        "at the middle and the largest c, in both orders (trace_overlap_c<c>.json.gz, "
+        "trace_overlap_await_c<c>.json.gz; host threads with Python stacks), each read for "
+        "the forward thread's GIL stalls (benchmarks/trace_stalls.py, run where they land)",
     )
     ap.add_argument("--profile-steps", type=int, default=20)
     ap.add_argument("--log-dir", default=None, help="write the profiler tables here")
@@ -367,7 +370,9 @@ def pin_threads(eng: Engine, cpus: tuple[int, int] | None, allowed: set[int]) ->
 def trace_steps(eng: Engine, c: int, args, name: str) -> None:
     """With `--log-dir` and `--trace-steps N`: a torch.profiler timeline (host threads with
     Python stacks, and the GPU's kernels) of N decode steps, `trace_<name>.json.gz`, for
-    chrome://tracing or Perfetto: where a step waits, on which thread."""
+    chrome://tracing or Perfetto: where a step waits, on which thread. Read overlapped ones
+    with `benchmarks/trace_stalls.py` where they land (it takes seconds a trace: not on the
+    lent GPU's clock)."""
     if not args.log_dir or not args.trace_steps:
         return
     import gzip
@@ -806,25 +811,24 @@ def main() -> None:
         )
 
     # overlapped ms a step at c_mid, each reading: launch wait x switch interval
+    c_top = max(args.concurrency)
     variants: dict[str, list[float]] = {}
     variant_quantiles: dict[str, list[list[float]]] = {}  # each reading's p10 / p50 / p90
-    if args.switch_intervals and not args.no_overlap:
+    for c in [] if args.switch_intervals is None or args.no_overlap else sorted({c_mid, c_top}):
         default = sys.getswitchinterval()
-        eng = engine_for(best(c_mid)[0], c_mid, overlap=True)
-        grid = [(a, i) for a in (False, True) for i in (default, *args.switch_intervals)]
-        for await_launch, interval in [*grid, grid[0]]:  # the first again: drift
+        eng = engine_for(best(c)[0], c, overlap=True)
+        intervals = sorted({default, *args.switch_intervals})
+        grid = [(a, i) for a in (False, True) for i in intervals]
+        for await_launch, interval in [*grid, *grid]:  # twice, alternating: drift shows
             eng.await_launch = await_launch
             sys.setswitchinterval(interval)
             steps: list[float] = []
-            ms = engine_step_ms(eng, c_mid, args, steps)
-            key = f"await_launch={await_launch},switch_interval={interval:g}"
+            ms = engine_step_ms(eng, c, args, steps)
+            key = f"c={c},await_launch={await_launch},switch_interval={interval:g}"
             spread = quantiles_ms(steps)
             variants.setdefault(key, []).append(round(ms, 3))
             variant_quantiles.setdefault(key, []).append(spread)
-            print(
-                f"c={c_mid:3d} overlap, {key}: {ms:.2f} ms/step (p10 / p50 / p90 {spread})",
-                flush=True,
-            )
+            print(f"overlap, {key}: {ms:.2f} ms/step (p10 / p50 / p90 {spread})", flush=True)
         sys.setswitchinterval(default)
         eng.close()
     pinning: dict[str, list[float]] = {}
@@ -848,13 +852,14 @@ def main() -> None:
                 )
         pin_threads(eng, None, allowed)
         eng.close()
-    if args.trace_steps and not args.no_overlap:
-        eng = engine_for(best(c_mid)[0], c_mid, overlap=True)
-        trace_steps(eng, c_mid, args, f"overlap_c{c_mid}")
+    for c in [] if not args.trace_steps or args.no_overlap else sorted({c_mid, c_top}):
+        eng = engine_for(best(c)[0], c, overlap=True)
+        for await_launch, name in [(False, f"overlap_c{c}"), (True, f"overlap_await_c{c}")]:
+            eng.await_launch = await_launch
+            trace_steps(eng, c, args, name)
         eng.close()
 
     verify = verify_costs(model, best(c_mid)[0], args) if args.verify_cost else {}
-    c_top = max(args.concurrency)
     mid, _ = best(c_mid)
     split = step_split(kept[(mid, c_mid)], c_mid, args)  # idle after its rounds
     busy, busy_profiler = gpu_busy(kept[(mid, c_mid)], c_mid, args)

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# One call on a lent GPU host (see ../shared/gpu/README.md): the `gpu` tests, the GPU
-# benchmark, then the engine tests on CUDA, each stage under its own time limit and all of
-# them under DEADLINE_S, logs and profiler tables in /tmp/gpu-logs, packed at the end into
-# $OUT/gpu-logs.tgz (one file: the device tool returns at most 8). Stages run in order of value,
-# so a call cut short still returns what ran; a stage's failure does not stop the next.
+# One call on a lent GPU host (see ../shared/gpu/README.md): the GPU benchmark, the engine
+# tests on CUDA, the `gpu` tests, then HF's compiled baseline, each stage under its own time
+# limit and all of them under DEADLINE_S, logs and profiler tables in /tmp/gpu-logs, packed
+# at the end into $OUT/gpu-logs.tgz (timelines beside it: the device tool returns at most 8
+# files). Stages run in order of value, so a call cut short still returns what ran; a stage's
+# failure does not stop the next.
 # STAGES (space-separated names) runs only those; CONCURRENCY sets the benchmark's (1 32 64).
 #
 #   bash .gpu/setup.sh && export PYTHONPATH=/tmp/site:$PWD FLASHINFER_WORKSPACE_BASE=/tmp/fi \
@@ -39,22 +40,27 @@ stage() {  # stage NAME MAX_SECONDS COMMAND...: run under min(MAX, time left), l
     python3 -c "import time; t = time.perf_counter(); sum(range(10**7)); print('python: sum(range(1e7))', round(time.perf_counter() - t, 3), 's')"
 } 2>&1 | tee "$out/env.log"
 
-# what never ran on a GPU first: verify graphs over FlashInfer's paged prefill; overlap's
-# forward thread must never wait for the device; speculation's verify steps replay graphs
-stage new_gpu_tests 90 "${PYTEST[@]}" -m gpu tests/unit/replicas/test_speculative_decoding.py \
-    tests/unit/replicas/test_overlap_schedule.py
-# the engine suite on CUDA (64 s on an H200): where run M found the graphs' confidence bug
+# first: the overlapped step at 32 and 64 in both orders (the engine thread landing the last
+# step first, or waiting for the next one's launch: Engine.await_launch), alternating, and a
+# timeline of each; read them with benchmarks/trace_stalls.py where they land (runs N and P
+# found the forward thread's launch waiting for the GIL while the GPU idled)
+stage benchmark 330 python3 -m benchmarks.gpu --concurrency ${CONCURRENCY:-1 32 64} --backends flashinfer \
+    --graph-modes on --skip-hf --compile on --verify-cost --trace-steps 20 --switch-intervals \
+    --log-dir "$out"   # + spec step split, host profiles, a session turn's profile
+# the engine suite on CUDA (60 s on an H200)
 stage cuda_suite 150 "${PYTEST[@]}" --device cuda -m "not gpu" \
     tests/unit/replicas/test_overlap_schedule.py tests/unit/replicas/test_equivalence.py \
     tests/unit/replicas/test_speculative_decoding.py tests/unit/replicas/test_engine_sessions.py
-stage benchmark 300 python3 -m benchmarks.gpu --concurrency ${CONCURRENCY:-1 32 64} --backends flashinfer \
-    --graph-modes on --skip-hf --compile on --verify-cost --trace-steps 20 \
-    --log-dir "$out"   # + spec step split, host profiles, a session turn's profile, a timeline
-# the compiled HF baseline at 32 (issue 23's ratio_vs_hf_static_32), ours beside it in the same run
-stage hf_static 130 python3 -m benchmarks.gpu --concurrency 32 --backends flashinfer \
-    --graph-modes on --compile on --hf-static-concurrency 32 --held 1000
+# overlap's forward thread must never wait for the device; speculation's verify steps replay
+# graphs
+stage new_gpu_tests 90 "${PYTEST[@]}" -m gpu tests/unit/replicas/test_speculative_decoding.py \
+    tests/unit/replicas/test_overlap_schedule.py
 stage gpu_tests 90 "${PYTEST[@]}" -m gpu tests/unit/replicas/test_device_path.py \
     tests/unit/replicas/test_loader_and_backends.py tests/unit/replicas/test_compiled_forward.py
+# the compiled HF baseline at 32 (issue 23's ratio_vs_hf_static_32, 2.37x in run O), ours
+# beside it in the same run
+stage hf_static 130 python3 -m benchmarks.gpu --concurrency 32 --backends flashinfer \
+    --graph-modes on --compile on --hf-static-concurrency 32 --held 1000
 echo "== done $(date +%T)"
 # timelines travel as files of their own (the tool returns files of up to 16 MiB each)
 mkdir -p "${OUT:-.}" && tar czf "${OUT:-.}/gpu-logs.tgz" --exclude 'trace_*' -C "$out" .
