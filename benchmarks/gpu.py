@@ -810,7 +810,7 @@ def main() -> None:
             flush=True,
         )
 
-    # overlapped ms a step at c_mid, each reading: launch wait x switch interval
+    # overlapped ms a step at c_mid and c_top, each reading: launch wait x switch interval
     c_top = max(args.concurrency)
     variants: dict[str, list[float]] = {}
     variant_quantiles: dict[str, list[list[float]]] = {}  # each reading's p10 / p50 / p90
