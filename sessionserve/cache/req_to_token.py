@@ -25,6 +25,9 @@ class RequestRows:
         # the per-step hot path (one decode slot per request) cost ~0.2 us in numpy, ~3 us in torch
         self._np = np.zeros((num_rows, max_context_len), dtype=np.int64)
         self.table = torch.from_numpy(self._np)
+        # each row as a torch view, made once: a step reads every running request's row
+        # (`read`), and one slice of a row view costs half of indexing the table (~1.5 vs ~2.8 us)
+        self._rows = self.table.unbind(0)
         self._free_rows: list[int] = list(range(num_rows - 1, -1, -1))
         self._in_use = [False] * num_rows
 
@@ -60,10 +63,13 @@ class RequestRows:
             raise ValueError(
                 f"positions up to {start + count} exceed max_context_len={self.max_context_len}"
             )
-        self._np[row, start : start + count] = np.arange(first_slot, first_slot + count)
+        if count == 1:  # a decode's one slot: a scalar store, ~10x cheaper than a range's
+            self._np[row, start] = first_slot
+        else:
+            self._np[row, start : start + count] = np.arange(first_slot, first_slot + count)
 
     def read(self, row: int, start: int, end: int) -> torch.Tensor:
-        return self.table[row, start:end]
+        return self._rows[row][start:end]
 
     def read_list(self, row: int, start: int, end: int) -> list[int]:
         return self._np[row, start:end].tolist()

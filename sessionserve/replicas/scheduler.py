@@ -174,7 +174,8 @@ class Scheduler:
             drafts.append(k)
             i += 1
         for r, k in zip(decodes, drafts, strict=True):
-            n, pending = r.num_tokens + r.pending_tokens, r.pending_tokens
+            pending = r.pending_tokens
+            n = r.num_tokens + pending
             batch.seqs.append(ScheduledSeq(r, n - 1, n, k, pending=pending))
 
     def _allocate_decode(self, req: Request, num_drafts: int) -> None:
