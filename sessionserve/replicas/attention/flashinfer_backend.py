@@ -65,15 +65,23 @@ class _Plan:
     q_len: int = 1  # static plans: the query tokens of every row (padding included)
 
 
-def page_table(seqs: list[SeqSpec], page_size: int) -> tuple[torch.Tensor, ...]:
+def page_table(
+    seqs: list[SeqSpec], page_size: int, rows: int | None = None
+) -> tuple[torch.Tensor, ...]:
     """Host int32 (kv_indptr [B+1], page ids [sum pages], last_page_len [B]) of `seqs`, whose
-    positions are laid out page by page (slot // page_size is the page). Built over numpy
-    views of the rows' slots: the forward thread builds one every decode step, and torch's
-    per-row slicing cost 220 us at 32 rows against 80 (a 2-core Zen 3; the H200 run's forward
-    thread spent most of an overlapped step at 32 here, docs/benchmarks.md)."""
-    lens = np.fromiter((s.ctx_len for s in seqs), dtype=np.int32, count=len(seqs))
+    positions are laid out page by page (slot // page_size is the page), and of `rows` - B
+    padding rows after them (a decode graph's fixed batch), each one page, page 0 (reserved),
+    holding one token. Built in numpy over views of the rows' slots: the forward thread builds
+    one every decode step, and torch's per-row slicing cost 220 us at 32 rows against 80 (a
+    2-core Zen 3; the H200 run's forward thread spent most of an overlapped step at 32 here,
+    docs/benchmarks.md)."""
+    pad = (len(seqs) if rows is None else rows) - len(seqs)
+    if pad < 0:
+        raise ValueError(f"{len(seqs)} sequences in a plan of {rows} rows")
+    lens = np.ones(len(seqs) + pad, dtype=np.int32)
+    lens[: len(seqs)] = np.fromiter((s.ctx_len for s in seqs), dtype=np.int32, count=len(seqs))
     indptr, last = _kv_indptr_and_last(lens, page_size)
-    pages = [s.ctx_slots.numpy()[::page_size] for s in seqs]
+    pages = [s.ctx_slots.numpy()[::page_size] for s in seqs] + [np.zeros(pad, dtype=np.int64)]
     return _as_torch(indptr, _page_ids(pages, page_size), last)
 
 
@@ -214,14 +222,8 @@ class FlashInferBackend(AttentionBackend):
         return _Plan(wrapper, batch_size)
 
     def fill_decode(self, static: _Plan, seqs: list[SeqSpec]) -> None:
-        """Padding rows get one page, page 0 (reserved), holding one token."""
-        pad = static.batch_size - len(seqs)
-        indptr, pages, last = page_table(seqs, self.page_size)
-        if pad:
-            tail = indptr[-1] + torch.arange(1, pad + 1, dtype=torch.int32)
-            indptr = torch.cat([indptr, tail])
-            pages = torch.cat([pages, torch.zeros(pad, dtype=torch.int32)])
-            last = torch.cat([last, torch.ones(pad, dtype=torch.int32)])
+        """Padding rows get one page, page 0 (reserved), holding one token (`page_table`)."""
+        indptr, pages, last = page_table(seqs, self.page_size, static.batch_size)
         pages = to_device(pages, self.device)  # its copy into the fixed buffer: device to device
         self._plan_decode(static.wrapper, indptr.pin_memory(), pages, last.pin_memory())
 

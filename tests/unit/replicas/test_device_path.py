@@ -145,6 +145,13 @@ def test_flashinfer_page_table_is_built_on_the_host() -> None:
     assert indptr.tolist() == [0, 2, 6] and pages.tolist() == [8, 9, 16, 17, 18, 19]
     assert last.tolist() == [1, 4]
     assert all(t.device.type == "cpu" and t.dtype == torch.int32 for t in (indptr, pages, last))
+    # a decode graph's fixed batch: each padding row one page, page 0, holding one token
+    indptr, pages, last = page_table(seqs, page_size=4, rows=4)
+    assert indptr.tolist() == [0, 2, 6, 7, 8] and pages.tolist() == [8, 9, 16, 17, 18, 19, 0, 0]
+    assert last.tolist() == [1, 4, 1, 1] and pages.dtype == torch.int32
+    assert [t.tolist() for t in page_table([], 4, rows=2)] == [[0, 1, 2], [0, 0], [1, 1]]
+    with pytest.raises(ValueError, match="2 sequences in a plan of 1 rows"):
+        page_table(seqs, page_size=4, rows=1)
 
 
 def _paged_row(pages: torch.Tensor, start: int, kv_len: int, page_size: int) -> list[int]:
