@@ -71,10 +71,11 @@ def page_table(
     """Host int32 (kv_indptr [B+1], page ids [sum pages], last_page_len [B]) of `seqs`, whose
     positions are laid out page by page (slot // page_size is the page), and of `rows` - B
     padding rows after them (a decode graph's fixed batch), each one page, page 0 (reserved),
-    holding one token. Built in numpy over views of the rows' slots: the forward thread builds
-    one every decode step, and torch's per-row slicing cost 220 us at 32 rows against 80 (a
-    2-core Zen 3; the H200 run's forward thread spent most of an overlapped step at 32 here,
-    docs/benchmarks.md)."""
+    holding one token: `padded_rows_page_table`'s one-query rows, without its per-row padding
+    (a decode's rows need none). Built in numpy over views of the rows' slots: the forward
+    thread builds one every decode step, and torch's per-row slicing cost 220 us at 32 rows
+    against 80 (a 2-core Zen 3; the H200 run's forward thread spent most of an overlapped step
+    at 32 here, docs/benchmarks.md)."""
     pad = (len(seqs) if rows is None else rows) - len(seqs)
     if pad < 0:
         raise ValueError(f"{len(seqs)} sequences in a plan of {rows} rows")

@@ -150,6 +150,9 @@ def test_flashinfer_page_table_is_built_on_the_host() -> None:
     assert indptr.tolist() == [0, 2, 6, 7, 8] and pages.tolist() == [8, 9, 16, 17, 18, 19, 0, 0]
     assert last.tolist() == [1, 4, 1, 1] and pages.dtype == torch.int32
     assert [t.tolist() for t in page_table([], 4, rows=2)] == [[0, 1, 2], [0, 0], [1, 1]]
+    decode = [SeqSpec(1, torch.arange(32, 37)), SeqSpec(1, torch.arange(64, 80))]
+    _, *verify_plan = padded_rows_page_table(decode, 1, 4, 4)  # the one-query case of it
+    assert [t.tolist() for t in page_table(decode, 4, 4)] == [t.tolist() for t in verify_plan]
     with pytest.raises(ValueError, match="2 sequences in a plan of 1 rows"):
         page_table(seqs, page_size=4, rows=1)
 
