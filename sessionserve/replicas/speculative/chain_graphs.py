@@ -105,11 +105,11 @@ class ChainGraphs:
             self._forward(g)
         self.replays += 1
         tokens, confidence = g.picks[:, :, :n].tolist()  # [S][n] each
-        floor, chains = self.proposer.min_confidence, []
+        chains = []
         for i, r in enumerate(reqs):
             chain, likely = [], r.draft.confidence  # the first draft's
             for j in range(steps):
-                if likely < floor:
+                if not self.proposer.drafts_on(likely):
                     break
                 chain.append(int(tokens[j][i]))
                 likely *= confidence[j][i]

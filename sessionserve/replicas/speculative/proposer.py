@@ -116,6 +116,12 @@ class EagleProposer:
         decode one token at a time (still in the same batch)."""
         return not req.sampling.has_penalties
 
+    def drafts_on(self, likely: float) -> bool:
+        """A chain drafts past a draft while the product of its drafts' probabilities under
+        the head (`likely`) is at `min_confidence`: the one rule of the eager loop and the
+        chain graphs (chain_graphs.py), so both cut a chain at the same draft."""
+        return likely >= self.min_confidence
+
     def draft_len(self, req: Request, limit: int) -> int:
         """Drafts for `req`'s next step: k, fewer near the context limit, 0 without a guess."""
         if req.draft is None or not self.eligible(req):
@@ -137,9 +143,7 @@ class EagleProposer:
         feats = [r.draft.feature for r in reqs]
         confidence = [r.draft.confidence for r in reqs]  # of each chain so far
         for j in range(1, max(lengths, default=0)):
-            active = [
-                i for i, n in enumerate(lengths) if n > j and confidence[i] >= self.min_confidence
-            ]
+            active = [i for i, n in enumerate(lengths) if n > j and self.drafts_on(confidence[i])]
             if not active:
                 break
             ids, pos, out_slots, seqs = [], [], [], []
