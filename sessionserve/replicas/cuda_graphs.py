@@ -175,11 +175,17 @@ def forward_every_row(runner: ModelRunner, backend: Any, g: _Graph | _VerifyGrap
 
 def stage(buffers: Sequence[torch.Tensor], rows: Sequence[torch.Tensor], device) -> None:
     """Host rows into a graph's static int64 buffers with one host-to-device copy; each
-    buffer's tail past its row is zero (padding: token 0 at position 0, slot 0)."""
-    host = torch.zeros(len(buffers), max(b.numel() for b in buffers), dtype=torch.int64)
+    buffer's tail past its row is zero (padding: token 0 at position 0, slot 0). The rows are
+    gathered in numpy, into memory pinned from the start (on CUDA): the forward thread stages
+    a decode graph's inputs every step, and each torch call skipped is one point fewer where it
+    may wait for the GIL before the launch."""
+    width = max(b.numel() for b in buffers)
+    pinned = torch.device(device).type == "cuda"
+    host = torch.zeros(len(buffers), width, dtype=torch.int64, pin_memory=pinned)
+    table = host.numpy()
     for i, row in enumerate(rows):
-        host[i, : row.numel()] = row
-    staged = to_device(host, device)
+        table[i, : row.numel()] = row.numpy()
+    staged = host.to(device, non_blocking=True) if pinned else host.to(device)
     for buf, row in zip(buffers, staged, strict=True):
         buf.copy_(row[: buf.numel()], non_blocking=True)
 

@@ -80,6 +80,7 @@ class ModelRunner:
         self.compiling: threading.Thread | None = None  # a background build, while it runs
         self.last_sampled: LastSampled | None = None  # the last step's tokens, on the
         # device: what the next step's pending positions read (overlap scheduling)
+        self._arange = torch.arange(256, device=self.device)  # views: _index_on_device
         install(model)
 
     def run_prepared(
@@ -110,16 +111,32 @@ class ModelRunner:
 
     def _pending_ids(self, pending: list[tuple[int, str]]) -> PendingIds:
         """Where the previous step's tokens go in this step's input ids, taken from that
-        step's sampled tokens on the device (a request it did not sample reads 0)."""
-        last, zero = self.last_sampled, torch.zeros(1, dtype=torch.int64, device=self.device)
+        step's sampled tokens on the device (a request it did not sample reads 0). A steady
+        decode batch (the same requests in the same order, a token each) takes views instead
+        of copies: this runs on the forward thread before every launch, and each torch call
+        it skips is one point fewer where it waits for the GIL (docs/benchmarks.md)."""
+        last = self.last_sampled
         rows = last.rows if last is not None else {}
-        source = torch.cat([last.tokens, zero]) if last is not None else zero
         index, rids = zip(*pending, strict=True)
-        picks = torch.tensor([rows.get(r, len(rows)) for r in rids])
-        return PendingIds(
-            to_device(torch.tensor(index), self.device),
-            source.index_select(0, to_device(picks, self.device)),
-        )
+        picks = [rows.get(r, len(rows)) for r in rids]
+        if last is not None and picks == list(range(len(picks))):
+            tokens = last.tokens[: len(picks)]
+        else:
+            zero = torch.zeros(1, dtype=torch.int64, device=self.device)
+            source = torch.cat([last.tokens, zero]) if last is not None else zero
+            tokens = source.index_select(0, to_device(torch.tensor(picks), self.device))
+        return PendingIds(self._index_on_device(index), tokens)
+
+    def _index_on_device(self, index: tuple[int, ...]) -> torch.Tensor:
+        """`index` on the device: a view of a kept arange where it is a run of consecutive
+        positions (a decode batch's pending tokens), else a copy up."""
+        first, n = index[0], len(index)
+        if index[-1] - first == n - 1 and index == tuple(range(first, first + n)):
+            if self._arange.numel() < first + n:  # (grown by doubling)
+                size = max(first + n, 2 * self._arange.numel())
+                self._arange = torch.arange(size, device=self.device)
+            return self._arange[first : first + n]
+        return to_device(torch.tensor(index), self.device)
 
     def prepare(
         self, batch: ScheduledBatch, drafts: dict[str, Drafts], want_hidden: bool
@@ -180,7 +197,12 @@ class ModelRunner:
             if s.req.sampling.seed is not None and not s.req.sampling.is_greedy
         }
         try:
-            picked = out.logits.index_select(0, to_device(torch.tensor(rows), out.logits.device))
+            if rows == list(range(len(rows))) and all(s.req.grammar is None for s in seqs):
+                picked = out.logits[: len(rows)]  # (a decode's rows: a view, masked nowhere)
+            else:  # a copy, as a grammar masks its rows in place
+                picked = out.logits.index_select(
+                    0, to_device(torch.tensor(rows), out.logits.device)
+                )
             groups = [(seqs, _sample_rows(seqs, picked))]
         except Exception:
             groups = []
@@ -194,7 +216,8 @@ class ModelRunner:
         for _, sampled in groups:
             sampled.start_copy()
         if groups:  # (several when rows were sampled alone: their tokens in one vector)
-            tokens = torch.cat([sampled.tokens for _, sampled in groups])
+            parts = [sampled.tokens for _, sampled in groups]
+            tokens = parts[0] if len(parts) == 1 else torch.cat(parts)
             rids = [s.req.rid for group, _ in groups for s in group]
             self.last_sampled = LastSampled(tokens, {r: i for i, r in enumerate(rids)})
         out.resolver = lambda: _read_samples(groups, out)

@@ -208,7 +208,8 @@ def sample_on_device(
     if want:
         rows = to_device(torch.tensor(want), logits.device)
         parts.append(logprob_table(raw[rows], chosen[rows], top_n).flatten())
-    return DeviceSample(torch.cat(parts), len(params), want, tops, top_n)
+    packed = parts[0] if len(parts) == 1 else torch.cat(parts)  # (no logprobs: no copy)
+    return DeviceSample(packed, len(params), want, tops, top_n)
 
 
 def token_logprobs(

@@ -13,6 +13,7 @@ import threading
 from dataclasses import dataclass, field
 
 import pytest
+import torch
 
 from sessionserve.replicas.engine_loop import EngineLoop
 from sessionserve.replicas.outputs import StepEvent
@@ -571,3 +572,38 @@ def test_sampled_requests_speculate_under_overlap_and_keep_their_lengths() -> No
     assert any(not p.is_greedy for p in params.values())
     assert engine.spec_stats.steps > 0
     engine.close()
+
+
+@pytest.mark.parametrize(
+    "pending",
+    [
+        [(0, "a"), (1, "b"), (2, "c")],  # a steady decode batch: views, no copies
+        [(0, "b"), (1, "a"), (2, "c")],  # reordered
+        [(0, "a"), (1, "b")],  # one ended: the first rows still
+        [(0, "a"), (1, "c")],  # one ended in the middle
+        [(0, "a"), (1, "x"), (2, "c")],  # one the last step did not sample: reads 0
+        [(3, "a"), (4, "b"), (5, "c")],  # after a prefill chunk's tokens
+        [(0, "a"), (5, "b"), (9, "c")],  # between other sequences' tokens
+        [(300, "a"), (301, "b"), (302, "c")],  # past the kept arange's first size
+    ],
+)
+def test_the_pending_tokens_land_where_the_batch_reads_them(pending) -> None:
+    """The tokens the step in flight samples reach this step's input ids, each at its
+    request's place, whether the batch is the last one again (views) or not (copies)."""
+    from sessionserve.replicas.step import ForwardBatch, LastSampled
+
+    eng = tiny_engine(overlap=True)
+    try:
+        runner = eng.runner
+        sampled = {"a": 11, "b": 22, "c": 33}
+        tokens = torch.tensor(list(sampled.values()), device=runner.device)
+        runner.last_sampled = LastSampled(tokens, {r: i for i, r in enumerate(sampled)})
+        fb = ForwardBatch(*(torch.zeros(1) for _ in range(3)), [], torch.zeros(1))
+        fb.pending_ids = runner._pending_ids(pending)
+        ids = fb.device_ids(torch.full((400,), -1, device=runner.device)).cpu()
+        expected = torch.full((400,), -1)
+        for place, rid in pending:
+            expected[place] = sampled.get(rid, 0)
+        assert torch.equal(ids, expected)
+    finally:
+        eng.close()
