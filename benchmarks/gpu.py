@@ -19,7 +19,9 @@ sampling; with a device sync after the forward, in a separate run) and the GPU-b
 bandwidth (read + write counted) bounds a decode step from below. Sessions: TTFT of a turn with
 `--held` tokens already held vs the same request stateless (radix off). Overlap scheduling
 (`engine.overlap_schedule`): the best configuration at each c again with overlap on
-(`overlap_ms`, `overlap_speedup_<c>`; `--no-overlap` skips it); the overlapped engine's GPU-busy
+(`overlap_ms`, `overlap_speedup_<c>`, and the mean step `overlap_mean_ms`: a call to step() may
+leave the forward thread's launch to the next, so a median can miss what the round cost;
+`--no-overlap` skips it); the overlapped engine's GPU-busy
 share at that c (`gpu_busy_frac_32_overlap`). `--verify-cost`: speculative verify forwards (4
 drafts a row, a random head, graphed where graphs are on) against decode forwards in the best
 configuration of the middle c (`verify_cost_ratio_<c>`), and whole speculative steps (the head's
@@ -794,18 +796,23 @@ def main() -> None:
         return round(off[c] / on[c], 3) if on and off else None
 
     overlapped: dict[int, float] = {}  # the best configuration again, with overlap on
+    # Under overlap a call to step() may leave work to the next one (the forward thread's
+    # launch runs on past it), so its median can miss what a round costs: the mean does not
+    overlapped_mean: dict[int, float] = {}
     busy_overlap = None  # at c_mid: what share of the overlapped step the GPU computes
     for c in [] if args.no_overlap else args.concurrency:
         config, plain_ms = best(c)
         eng = engine_for(config, c, overlap=True)
-        overlapped[c] = engine_step_ms(eng, c, args)
+        steps: list[float] = []
+        overlapped[c] = engine_step_ms(eng, c, args, steps)
+        overlapped_mean[c] = round(statistics.mean(steps), 3)
         if c == c_mid:
             busy_overlap, _ = gpu_busy(eng, c, args)
             host_profile(eng, c, args, f"overlap_c{c}")
         eng.close()
         print(
             f"c={c:3d} engine {label(config):26s} overlap {overlapped[c]:.2f} ms/step "
-            f"({plain_ms / overlapped[c]:.2f}x without)"
+            f"({plain_ms / overlapped[c]:.2f}x without), mean {overlapped_mean[c]:.2f}"
             + (f"; GPU busy {busy_overlap:.0%}" if c == c_mid and busy_overlap else ""),
             flush=True,
         )
@@ -814,6 +821,7 @@ def main() -> None:
     c_top = max(args.concurrency)
     variants: dict[str, list[float]] = {}
     variant_quantiles: dict[str, list[list[float]]] = {}  # each reading's p10 / p50 / p90
+    variant_means: dict[str, list[float]] = {}
     for c in [] if args.switch_intervals is None or args.no_overlap else sorted({c_mid, c_top}):
         default = sys.getswitchinterval()
         eng = engine_for(best(c)[0], c, overlap=True)
@@ -828,7 +836,11 @@ def main() -> None:
             spread = quantiles_ms(steps)
             variants.setdefault(key, []).append(round(ms, 3))
             variant_quantiles.setdefault(key, []).append(spread)
-            print(f"overlap, {key}: {ms:.2f} ms/step (p10 / p50 / p90 {spread})", flush=True)
+            variant_means.setdefault(key, []).append(mean := round(statistics.mean(steps), 3))
+            print(
+                f"overlap, {key}: {ms:.2f} ms/step (p10 / p50 / p90 {spread}, mean {mean})",
+                flush=True,
+            )
         sys.setswitchinterval(default)
         eng.close()
     pinning: dict[str, list[float]] = {}
@@ -899,6 +911,7 @@ def main() -> None:
             "jit_options": dict(compiled_forward.JIT_OPTIONS),
             "overlap_ms_variants": variants,
             "overlap_ms_variant_quantiles": variant_quantiles,
+            "overlap_ms_variant_means": variant_means,
             "overlap_ms_pinning": pinning,
             "overlap_ms_pinning_quantiles": pinning_quantiles,
             "verify_cost": verify,
@@ -913,6 +926,7 @@ def main() -> None:
             "compile_build_s": None if build_s is None else round(build_s, 1),
             **{f"compile_speedup_{c}": compile_speedup(c) for c in args.concurrency},
             "overlap_ms": overlapped,
+            "overlap_mean_ms": overlapped_mean,
             **{f"overlap_speedup_{c}": round(best(c)[1] / ms, 3) for c, ms in overlapped.items()},
             **{f"ms_per_step_{c}": round(best_ms(c), 3) for c in args.concurrency},
             "step_split_ms": {k: round(v, 3) for k, v in split.items()},

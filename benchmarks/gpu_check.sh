@@ -44,8 +44,10 @@ stage() {  # stage NAME MAX_SECONDS COMMAND...: run under min(MAX, time left), l
 # step first, or waiting for the next one's launch: Engine.await_launch), alternating, and a
 # timeline of each; read them with benchmarks/trace_stalls.py where they land (runs N and P
 # found the forward thread's launch waiting for the GIL while the GPU idled)
+# BENCH_FLAGS replaces the extras (e.g. "--switch-intervals 0.0005 0.002" for a shorter call)
 stage benchmark 330 python3 -m benchmarks.gpu --concurrency ${CONCURRENCY:-1 32 64} --backends flashinfer \
-    --graph-modes on --skip-hf --compile on --verify-cost --trace-steps 20 --switch-intervals \
+    --graph-modes on --skip-hf --compile on \
+    ${BENCH_FLAGS:---verify-cost --trace-steps 20 --switch-intervals} \
     --log-dir "$out"   # + spec step split, host profiles, a session turn's profile
 # the engine suite on CUDA (60 s on an H200)
 stage cuda_suite 150 "${PYTEST[@]}" --device cuda -m "not gpu" \
