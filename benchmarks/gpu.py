@@ -21,7 +21,8 @@ bandwidth (read + write counted) bounds a decode step from below. Sessions: TTFT
 (`engine.overlap_schedule`): the best configuration at each c again with overlap on
 (`overlap_ms`, `overlap_speedup_<c>`, and the mean step `overlap_mean_ms`: a call to step() may
 leave the forward thread's launch to the next, so a median can miss what the round cost;
-`--no-overlap` skips it); the overlapped engine's GPU-busy
+`--no-overlap` skips it), and inline (`overlap_inline_ms`, `overlap_inline_mean_ms`: the
+engine thread launches each step itself, no forward thread); the overlapped engine's GPU-busy
 share at that c (`gpu_busy_frac_32_overlap`). `--verify-cost`: speculative verify forwards (4
 drafts a row, a random head, graphed where graphs are on) against decode forwards in the best
 configuration of the middle c (`verify_cost_ratio_<c>`), and whole speculative steps (the head's
@@ -29,8 +30,9 @@ chain and catch-up too) against plain decode steps (`spec_step_ratio_<c>`). `--j
 the compiled forward with inductor's freezing (merged q/k/v and gate/up GEMMs on CUDA).
 With `--log-dir`: profiler tables, a cProfile of the host over decode steps at the middle c
 (with and without overlap), and with `--trace-steps N` a timeline of N overlapped steps.
-`--switch-intervals`: the overlapped engine at the middle c under each order of its two
-threads (`Engine.await_launch`) and GIL switch interval, every reading kept.
+`--switch-intervals`: the overlapped engine at the middle and the largest c under each order
+(landing the last step first, waiting for the next one's launch first: `Engine.await_launch`,
+or inline) and GIL switch interval, alternating, every reading kept.
 
     python -m benchmarks.gpu                       # an H100: the figures
     python -m benchmarks.gpu --concurrency 1 32 64 --backends flashinfer --graph-modes on \
@@ -146,11 +148,11 @@ def parse() -> argparse.Namespace:
         type=float,
         nargs="*",
         default=None,
-        help="also time the overlapped engine at the middle and the largest c with and "
-        "without the wait for each step's launch (Engine.await_launch), under Python's switch "
-        "interval (0.005 s) and each of these (sys.setswitchinterval; none given: the two "
-        "orders only): how soon the forward thread gets the GIL back from the engine thread "
-        "after each torch call",
+        help="also time the overlapped engine at the middle and the largest c in each order "
+        "(landing the last step first; waiting for the next one's launch first, "
+        "Engine.await_launch; inline, engine.overlap_schedule: inline) under Python's switch "
+        "interval (0.005 s) and each of these (sys.setswitchinterval; none given: the orders "
+        "only), alternating: how soon a thread gets the GIL back after each torch call",
     )
     ap.add_argument(
         "--pin-threads",
@@ -246,7 +248,7 @@ def make_engine(
     args,
     sessions: bool = True,
     extend: bool = True,
-    overlap: bool = False,
+    overlap: bool | str = False,  # or "inline"
     compiled: bool = False,
     drafter: Any = None,
 ):
@@ -799,6 +801,8 @@ def main() -> None:
     # Under overlap a call to step() may leave work to the next one (the forward thread's
     # launch runs on past it), so its median can miss what a round costs: the mean does not
     overlapped_mean: dict[int, float] = {}
+    inline: dict[int, float] = {}
+    inline_mean: dict[int, float] = {}
     busy_overlap = None  # at c_mid: what share of the overlapped step the GPU computes
     for c in [] if args.no_overlap else args.concurrency:
         config, plain_ms = best(c)
@@ -816,23 +820,41 @@ def main() -> None:
             + (f"; GPU busy {busy_overlap:.0%}" if c == c_mid and busy_overlap else ""),
             flush=True,
         )
+        # the same order with no forward thread (engine.overlap_schedule: inline)
+        eng = engine_for(config, c, overlap="inline")
+        steps = []
+        inline[c] = engine_step_ms(eng, c, args, steps)
+        inline_mean[c] = round(statistics.mean(steps), 3)
+        eng.close()
+        print(
+            f"c={c:3d} engine {label(config):26s} overlap inline {inline[c]:.2f} ms/step, "
+            f"mean {inline_mean[c]:.2f}",
+            flush=True,
+        )
 
-    # overlapped ms a step at c_mid and c_top, each reading: launch wait x switch interval
+    # overlapped ms a step at c_mid and c_top, each reading: order x switch interval (the
+    # order: land the last step first, wait for the next one's launch first, or inline)
     c_top = max(args.concurrency)
     variants: dict[str, list[float]] = {}
     variant_quantiles: dict[str, list[list[float]]] = {}  # each reading's p10 / p50 / p90
     variant_means: dict[str, list[float]] = {}
     for c in [] if args.switch_intervals is None or args.no_overlap else sorted({c_mid, c_top}):
         default = sys.getswitchinterval()
-        eng = engine_for(best(c)[0], c, overlap=True)
+        engines = {
+            "thread": engine_for(best(c)[0], c, overlap=True),
+            "inline": engine_for(best(c)[0], c, overlap="inline"),
+        }
         intervals = sorted({default, *args.switch_intervals})
-        grid = [(a, i) for a in (False, True) for i in intervals]
-        for await_launch, interval in [*grid, *grid]:  # twice, alternating: drift shows
+        orders = [("land_first", "thread", False), ("await_launch", "thread", True)]
+        orders.append(("inline", "inline", False))
+        grid = [(o, i) for o in orders for i in intervals]
+        for (order, kind, await_launch), interval in [*grid, *grid]:  # twice: drift shows
+            eng = engines[kind]
             eng.await_launch = await_launch
             sys.setswitchinterval(interval)
             steps: list[float] = []
             ms = engine_step_ms(eng, c, args, steps)
-            key = f"c={c},await_launch={await_launch},switch_interval={interval:g}"
+            key = f"c={c},order={order},switch_interval={interval:g}"
             spread = quantiles_ms(steps)
             variants.setdefault(key, []).append(round(ms, 3))
             variant_quantiles.setdefault(key, []).append(spread)
@@ -842,7 +864,8 @@ def main() -> None:
                 flush=True,
             )
         sys.setswitchinterval(default)
-        eng.close()
+        for eng in engines.values():
+            eng.close()
     pinning: dict[str, list[float]] = {}
     pinning_quantiles: dict[str, list[list[float]]] = {}
     if args.pin_threads and not args.no_overlap:
@@ -927,6 +950,8 @@ def main() -> None:
             **{f"compile_speedup_{c}": compile_speedup(c) for c in args.concurrency},
             "overlap_ms": overlapped,
             "overlap_mean_ms": overlapped_mean,
+            "overlap_inline_ms": inline,
+            "overlap_inline_mean_ms": inline_mean,
             **{f"overlap_speedup_{c}": round(best(c)[1] / ms, 3) for c, ms in overlapped.items()},
             **{f"ms_per_step_{c}": round(best_ms(c), 3) for c in args.concurrency},
             "step_split_ms": {k: round(v, 3) for k, v in split.items()},

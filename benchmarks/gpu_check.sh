@@ -40,10 +40,12 @@ stage() {  # stage NAME MAX_SECONDS COMMAND...: run under min(MAX, time left), l
     python3 -c "import time; t = time.perf_counter(); sum(range(10**7)); print('python: sum(range(1e7))', round(time.perf_counter() - t, 3), 's')"
 } 2>&1 | tee "$out/env.log"
 
-# first: the overlapped step at 32 and 64 in both orders (the engine thread landing the last
-# step first, or waiting for the next one's launch: Engine.await_launch), alternating, and a
-# timeline of each; read them with benchmarks/trace_stalls.py where they land (runs N and P
-# found the forward thread's launch waiting for the GIL while the GPU idled)
+# first: the overlapped step at 1, 32 and 64 on a forward thread and inline (overlap_mean_ms,
+# overlap_inline_mean_ms: means, as a step() call may leave work to the next), then at 32 and
+# 64 in each order (landing the last step first, waiting for the next one's launch:
+# Engine.await_launch, inline), alternating, and a timeline of the first two; read them with
+# benchmarks/trace_stalls.py where they land (runs N, P and Q found the forward thread's launch
+# waiting for the GIL while the GPU idled)
 # BENCH_FLAGS replaces the extras (e.g. "--switch-intervals 0.0005 0.002" for a shorter call)
 stage benchmark 330 python3 -m benchmarks.gpu --concurrency ${CONCURRENCY:-1 32 64} --backends flashinfer \
     --graph-modes on --skip-hf --compile on \

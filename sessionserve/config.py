@@ -368,7 +368,7 @@ class EngineConfig(_Strict):
         description="Where compiled packages are kept; default $SESSIONSERVE_CACHE/compiled, "
         "else ~/.cache/sessionserve/compiled.",
     )
-    overlap_schedule: bool | Literal["auto"] = Field(
+    overlap_schedule: bool | Literal["auto", "inline"] = Field(
         "auto",
         description="Schedule step N+1 and process step N's results while step N's forward "
         "runs (on a forward thread; SGLang's overlap scheduler, vLLM's async scheduling), so "
@@ -380,7 +380,11 @@ class EngineConfig(_Strict):
         "accepts decides where the next step starts); steps without drafts overlap. auto: on "
         "where the forward runs on a GPU (an H100, 1.2B Llama, compiled forward in CUDA "
         "graphs: 1.53x at 1 request, 1.08x at 32, 1.04x at 64), off on a CPU, where the "
-        "forward's threads take the cores the host work would use (docs/benchmarks.md).",
+        "forward's threads take the cores the host work would use (docs/benchmarks.md). "
+        "inline: the same order without the forward thread: the engine thread launches step "
+        "N+1 itself, then lands step N (SGLang's event loop), so no two threads take turns at "
+        "the GIL; it gains only where a launch does not wait for the device (CUDA). Not yet "
+        "measured on a GPU.",
     )
     memory_check: Literal["every_step", "periodic", "off"] = Field(
         "periodic",
@@ -397,7 +401,7 @@ class EngineConfig(_Strict):
         """`overlap_schedule` resolved for `model.device`."""
         if self.overlap_schedule == "auto":
             return self.model.device_type == "cuda"
-        return self.overlap_schedule
+        return self.overlap_schedule is not False
 
     def prefill_batch_limit(self) -> int | None:
         """`scheduler.prefill_batch_tokens` resolved for `model.device` (None: no limit)."""

@@ -138,7 +138,7 @@ class Engine:
         # no better (docs/benchmarks.md, 2026-11-27 runs I-K).
         self.await_launch = False
         if cfg.overlaps():
-            self.forwards = ForwardThread(self.runner)
+            self.forwards = ForwardThread(self.runner, inline=cfg.overlap_schedule == "inline")
             self.runner.kv_pool.fence = self.forwards.wait
             if self.speculative is not None and self.speculative.eagle is not None:
                 # the head's catch-up lands beside the next step's forward: no capture then

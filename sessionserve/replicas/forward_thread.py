@@ -12,6 +12,13 @@ it waits for the submitted steps first (`KVPool.fence`, set to `wait`). A step t
 drafts runs here too, with nothing before it, and the engine waits for it (every target
 forward runs on this thread); the EAGLE head's catch-up runs on the engine thread, over its
 own KV pool.
+
+`inline` (`engine.overlap_schedule: inline`) keeps the order and drops the thread: a step runs
+on the caller's thread when it is submitted, so the engine thread launches step N+1 before it
+lands step N, as SGLang's event loop does. On a GPU the two threads share one GIL: the H200
+runs of 2026-12-04 found the forward thread's launch waiting for it while the engine thread
+landed the last step, and the overlapped step no faster than the host work of both threads
+together (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -34,8 +41,13 @@ T = TypeVar("T")
 
 
 class ForwardThread:
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: ModelRunner, inline: bool = False) -> None:
         self.runner = runner
+        self._thread: threading.Thread | None = None  # the executor's one thread, once started
+        self._last: Future[StepOutput] | None = None
+        self._pool: ThreadPoolExecutor | None = None  # None: inline, steps run as submitted
+        if inline:
+            return
         threads = torch.get_num_threads()  # the engine's (a new thread may not inherit them)
         # libgomp counts both threads' teams; more threads than cores: it barely spins
         if 2 * threads > (os.cpu_count() or 1) and "OMP_WAIT_POLICY" not in os.environ:
@@ -49,13 +61,11 @@ class ForwardThread:
                 threads,
                 os.cpu_count(),
             )
-        self._thread: threading.Thread | None = None  # the executor's one thread, once started
         self._pool = ThreadPoolExecutor(
             1,
             thread_name_prefix="sessionserve-forward",
             initializer=lambda: self._start(threads, runner.device),
         )
-        self._last: Future[StepOutput] | None = None
 
     def _start(self, threads: int, device: torch.device) -> None:
         self._thread = threading.current_thread()
@@ -66,9 +76,20 @@ class ForwardThread:
     def submit(
         self, batch: ScheduledBatch, fb: ForwardBatch, layout: dict[str, SeqLayout]
     ) -> Future[StepOutput]:
-        """Run `batch` (already prepared) after every step submitted before it."""
-        self._last = self._pool.submit(self._run, batch, fb, layout)
+        """Run `batch` (already prepared) after every step submitted before it (inline: now,
+        its error, if any, kept in the future as the thread's would be)."""
+        self._last = self._do(self._run, batch, fb, layout)
         return self._last
+
+    def _do(self, fn: Callable[..., T], *args: Any) -> Future[T]:
+        if self._pool is not None:
+            return self._pool.submit(fn, *args)
+        done: Future[T] = Future()
+        try:
+            done.set_result(fn(*args))
+        except Exception as e:
+            done.set_exception(e)
+        return done
 
     def _run(
         self, batch: ScheduledBatch, fb: ForwardBatch, layout: dict[str, SeqLayout]
@@ -82,7 +103,7 @@ class ForwardThread:
     def call(self, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)` on this thread, after the steps submitted before it: for what is set
         per thread (its CPU affinity, in `benchmarks/gpu.py --pin-threads`)."""
-        return self._pool.submit(fn, *args).result()
+        return self._do(fn, *args).result()
 
     def wait(self) -> None:
         """Return once every submitted step has finished (its error, if any, stays in its
@@ -92,4 +113,5 @@ class ForwardThread:
             wait_for([last])
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)

@@ -23,6 +23,8 @@ from sessionserve.wire import FinishReason, SamplingParams
 from tests.models import engine_device, mimic_drafter, tiny_engine, tiny_model
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+# overlap on a forward thread, and inline (the engine thread launches the next step itself)
+MODES = pytest.mark.parametrize("mode", [True, "inline"])
 
 
 def _ids(rng: random.Random, n: int) -> list[int]:
@@ -103,15 +105,16 @@ def _run(engine, work: Workload) -> Workload:
     return work
 
 
+@MODES
 @pytest.mark.parametrize(
     ("arch", "seed"), [("llama", 0), ("llama", 1), ("qwen2", 2), ("gemma3", 3)]
 )
-def test_overlap_gives_the_tokens_it_gives_without(arch: str, seed: int) -> None:
+def test_overlap_gives_the_tokens_it_gives_without(arch: str, seed: int, mode) -> None:
     """gemma3: sliding-window layers, whose window slots are given back as sequences grow
     (while the step in flight may still read them)."""
     model = tiny_model(arch)
     plain = _run(tiny_engine(model, prefill=24), _workload(seed))
-    overlapped = tiny_engine(model, prefill=24, overlap=True)
+    overlapped = tiny_engine(model, prefill=24, overlap=mode)
     got = _run(overlapped, _workload(seed))
     assert got.results == plain.results
     assert got.reasons == plain.reasons
@@ -134,6 +137,8 @@ def test_overlap_is_on_by_default_where_the_forward_runs_on_a_gpu() -> None:
         for d in ("cpu", "cuda"):
             cfg = EngineConfig(model=ModelConfig(device=d), overlap_schedule=choice)
             assert cfg.overlaps() is choice
+    for d in ("cpu", "cuda"):  # inline: overlapped, on the engine thread
+        assert EngineConfig(model=ModelConfig(device=d), overlap_schedule="inline").overlaps()
     with pytest.raises(ValidationError):
         EngineConfig(overlap_schedule="sometimes")
     engine = tiny_engine(tiny_model(), overlap="auto")  # on the test device (`--device`)
@@ -141,14 +146,15 @@ def test_overlap_is_on_by_default_where_the_forward_runs_on_a_gpu() -> None:
     engine.close()
 
 
-def test_overlap_under_kv_pressure_retracts_and_restores_from_the_host_tier() -> None:
+@MODES
+def test_overlap_under_kv_pressure_retracts_and_restores_from_the_host_tier(mode) -> None:
     """A pool too small for the load: decodes run out of KV (the overlapped schedule stalls,
     the running step is processed, then requests are retracted) and idle sessions go to the
     host tier and come back; each copy back into the pool waits for the forward in flight."""
     model = tiny_model()
     kw = {"page_size": 16, "num_slots": 384, "prefill": 32, "host_tier_bytes": 64 << 20}
     plain = _run(tiny_engine(model, **kw), _workload(7))
-    engine = tiny_engine(model, overlap=True, **kw)
+    engine = tiny_engine(model, overlap=mode, **kw)
     fenced = []
     wait = engine.runner.kv_pool.fence
     engine.runner.kv_pool.fence = lambda: (fenced.append(1), wait())[1]
@@ -208,14 +214,15 @@ def test_forced_retractions_under_overlap() -> None:
     engine.checker.check_idle()
 
 
+@MODES
 @pytest.mark.parametrize("when", ["prefilling", "decoding"])
-def test_an_abort_while_its_step_runs_gives_its_kv_back(when: str) -> None:
+def test_an_abort_while_its_step_runs_gives_its_kv_back(when: str, mode) -> None:
     model = tiny_model()
     rng = random.Random(9)
     keep = [_ids(rng, 20), _ids(rng, 33)]
     doomed = _ids(rng, 120 if when == "prefilling" else 10)
     ref = tiny_engine(model, prefill=16).generate(keep, GREEDY)
-    engine = tiny_engine(model, prefill=16, overlap=True)
+    engine = tiny_engine(model, prefill=16, overlap=mode)
     rids = [engine.submit(ids, GREEDY) for ids in keep]
     victim = engine.submit(doomed, GREEDY)
     for _ in range(4):  # prefilling: its 120 tokens take 8 steps of 16
@@ -230,7 +237,8 @@ def test_an_abort_while_its_step_runs_gives_its_kv_back(when: str) -> None:
     engine.checker.check_idle()
 
 
-def test_a_stop_token_ends_the_answer_while_the_next_step_runs() -> None:
+@MODES
+def test_a_stop_token_ends_the_answer_while_the_next_step_runs(mode) -> None:
     """The step after the stop token is already running when the stop is seen: its token is
     dropped and the slot it wrote is given back (the every-step check sees the pool)."""
     model = tiny_model()
@@ -238,7 +246,7 @@ def test_a_stop_token_ends_the_answer_while_the_next_step_runs() -> None:
     (free,) = tiny_engine(model).generate([prompt], GREEDY)
     stop = SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[free.output_ids[4]])
     (ref,) = tiny_engine(model).generate([prompt], stop)
-    engine = tiny_engine(model, overlap=True)
+    engine = tiny_engine(model, overlap=mode)
     sid = engine.open_session()
     (got,) = engine.generate([prompt], stop, session_id=sid)
     assert got.output_ids == ref.output_ids == free.output_ids[: len(ref.output_ids)]
@@ -359,8 +367,9 @@ def test_waiting_for_the_launch_runs_the_next_step_before_the_last_lands() -> No
 
 
 @pytest.mark.gpu
+@MODES
 @pytest.mark.parametrize("backend", ["torch", "flashinfer"])
-def test_the_forward_thread_never_waits_for_the_gpu(backend: str) -> None:
+def test_the_forward_thread_never_waits_for_the_gpu(backend: str, mode) -> None:
     """With graphs captured (a first pass), a second pass of the same workload runs under
     `torch.cuda.set_sync_debug_mode("error")`: any operation that would make a thread wait for
     the device through torch (a token read back, a copy from pageable memory, FlashInfer's
@@ -368,7 +377,8 @@ def test_the_forward_thread_never_waits_for_the_gpu(backend: str) -> None:
     plan fence) are not such operations. Answers: fp32 (torch backend) equal the plain
     engine's; bf16 (FlashInfer) equal the pass's before it, once the graphs all replay (the
     first pass's capturing steps ran outside a graph, whose kernels round bf16 differently:
-    on an H100 one answer of four differed from the second pass's)."""
+    on an H100 one answer of four differed from the second pass's). Inline, the launch is the
+    engine thread's, and it must not wait either."""
     import torch
 
     if backend == "flashinfer":
@@ -378,7 +388,7 @@ def test_the_forward_thread_never_waits_for_the_gpu(backend: str) -> None:
         model = tiny_model()
     # no radix cache: the second pass prefills, batches and replays exactly as the first
     engine = tiny_engine(
-        model, device="cuda", backend=backend, prefill=24, overlap=True, radix=False
+        model, device="cuda", backend=backend, prefill=24, overlap=mode, radix=False
     )
     assert engine.runner.backend.name == backend
     _run(engine, _workload(4, sampled=False))  # captures the graphs the next passes replay
@@ -463,8 +473,8 @@ def test_the_heads_catch_up_graphs_are_captured_only_with_no_step_in_flight() ->
     engine.close()
 
 
-@pytest.mark.parametrize("seed", [0, 5])
-def test_speculation_under_overlap_gives_the_plain_engines_tokens(seed: int) -> None:
+@pytest.mark.parametrize(("seed", "mode"), [(0, True), (5, True), (5, "inline")])
+def test_speculation_under_overlap_gives_the_plain_engines_tokens(seed: int, mode) -> None:
     """EAGLE and history drafts with overlap scheduling, over sessions and plain requests
     with stops, EOS and max_tokens landing inside verified runs: greedy answers are the
     plain engine's (no speculation, no overlap), with the every-step memory check. Steps
@@ -472,7 +482,7 @@ def test_speculation_under_overlap_gives_the_plain_engines_tokens(seed: int) -> 
     model = tiny_model(num_hidden_layers=1, seed=3)
     plain = _run(tiny_engine(model, prefill=24), _workload(seed, sampled=False))
     engine = tiny_engine(
-        model, drafter=mimic_drafter, history_drafts=True, prefill=24, overlap=True
+        model, drafter=mimic_drafter, history_drafts=True, prefill=24, overlap=mode
     )
     # both sources' accounting under overlap is what is checked: history drafts wherever
     # they offer (its rare matches would otherwise lose to a head this good; the choice by
