@@ -74,6 +74,9 @@ class RequestRows:
     def read_list(self, row: int, start: int, end: int) -> list[int]:
         return self._np[row, start:end].tolist()
 
+    def slot_at(self, row: int, position: int) -> int:
+        return int(self._np[row, position])
+
     def last_slot(self, row: int, length: int) -> int | None:
         """Slot of position `length - 1`, the anchor for filling a partial page."""
-        return int(self._np[row, length - 1]) if length > 0 else None
+        return self.slot_at(row, length - 1) if length > 0 else None

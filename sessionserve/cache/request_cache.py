@@ -102,6 +102,10 @@ class RequestCache:
     def slots(self, req: RequestKV, start: int, end: int) -> torch.Tensor:
         return self.rows.read(req.row, start, end)
 
+    def slot_at(self, req: RequestKV, position: int) -> int:
+        """The slot of one position (a decode's new token)."""
+        return self.rows.slot_at(req.row, position)
+
     def slot_list(self, req: RequestKV, start: int, end: int) -> list[int]:
         """`slots` as host ints (cheaper for a few positions, e.g. a decode's one)."""
         return self.rows.read_list(req.row, start, end)

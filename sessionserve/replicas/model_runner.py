@@ -148,6 +148,21 @@ class ModelRunner:
         sliding = self.cache.allocator.sliding if self.kv_pool.has_sliding else None
         for s in batch.seqs:
             kv, chain = s.req.kv, drafts.get(s.req.rid)
+            if chain is None and sliding is None and s.end - s.start == 1:  # a plain decode
+                if s.pending:  # (its one token: the one the step in flight samples)
+                    pending.append((len(ids), s.req.rid))
+                    ids.append(0)
+                else:
+                    ids.append(s.req.token_at(s.start))
+                pos.append(s.start)
+                ctx = self.cache.slots(kv, 0, s.end)
+                out_slots.append(self.cache.slot_at(kv, s.start))
+                seqs.append(SeqSpec(1, ctx))
+                layout[s.req.rid] = SeqLayout(n, len(logit_idx) if s.samples else -1)
+                if s.samples:
+                    logit_idx.append(n)
+                n += 1
+                continue
             extra = chain.tokens if chain else []
             end = s.end + len(extra)
             ids.extend(s.req.token_slice(s.start, s.end - s.pending))

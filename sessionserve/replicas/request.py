@@ -100,6 +100,11 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.input_ids) + len(self.output_ids)
 
+    def token_at(self, i: int) -> int:
+        """`tokens[i]` without building the whole history."""
+        n = len(self.input_ids)
+        return self.input_ids[i] if i < n else self.output_ids[i - n]
+
     def token_slice(self, start: int, end: int) -> list[int]:
         """`tokens[start:end]` without building the whole history."""
         n = len(self.input_ids)
