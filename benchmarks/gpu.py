@@ -155,6 +155,13 @@ def parse() -> argparse.Namespace:
         "only), alternating: how soon a thread gets the GIL back after each torch call",
     )
     ap.add_argument(
+        "--fast-plan",
+        action="store_true",
+        help="also time the decode steps at the middle and the largest c with FlashInfer's "
+        "plan() and with fast_decode_plan (FlashInferBackend.fast_plan), alternating, without "
+        "overlap (fast_plan_ms: mean ms a step)",
+    )
+    ap.add_argument(
         "--pin-threads",
         action="store_true",
         help="also time the overlapped engine at the middle c with its two threads (engine, "
@@ -866,6 +873,26 @@ def main() -> None:
         sys.setswitchinterval(default)
         for eng in engines.values():
             eng.close()
+    # FlashInfer's decode plan: plan() against fast_decode_plan over buffers we fill, on one
+    # engine without overlap (its steps are not bimodal), alternating, three readings each
+    fast_plan: dict[int, dict[str, list[float]]] = {}
+    for c in sorted({c_mid, c_top}) if args.fast_plan else []:
+        eng = engine_for(best(c)[0], c)
+        if eng.runner.backend.name != "flashinfer":
+            eng.close()
+            continue
+        eng.runner.backend.fast_plan = True  # its graphs' buffers laid out for it when built
+        engine_step_ms(eng, c, args)
+        for _ in range(3):
+            for fast in (False, True):
+                eng.runner.backend.fast_plan = fast
+                steps: list[float] = []
+                engine_step_ms(eng, c, args, steps)
+                mean = round(statistics.mean(steps), 3)
+                name = "fast" if fast else "plan"
+                fast_plan.setdefault(c, {}).setdefault(name, []).append(mean)
+                print(f"c={c:3d} decode plan {name}: {mean:.3f} ms/step (mean)", flush=True)
+        eng.close()
     pinning: dict[str, list[float]] = {}
     pinning_quantiles: dict[str, list[list[float]]] = {}
     if args.pin_threads and not args.no_overlap:
@@ -952,6 +979,7 @@ def main() -> None:
             "overlap_mean_ms": overlapped_mean,
             "overlap_inline_ms": inline,
             "overlap_inline_mean_ms": inline_mean,
+            "fast_plan_ms": fast_plan,
             **{f"overlap_speedup_{c}": round(best(c)[1] / ms, 3) for c, ms in overlapped.items()},
             **{f"ms_per_step_{c}": round(best_ms(c), 3) for c in args.concurrency},
             "step_split_ms": {k: round(v, 3) for k, v in split.items()},

@@ -49,7 +49,7 @@ stage() {  # stage NAME MAX_SECONDS COMMAND...: run under min(MAX, time left), l
 # BENCH_FLAGS replaces the extras (e.g. "--switch-intervals 0.0005 0.002" for a shorter call)
 stage benchmark 330 python3 -m benchmarks.gpu --concurrency ${CONCURRENCY:-1 32 64} --backends flashinfer \
     --graph-modes on --skip-hf --compile on \
-    ${BENCH_FLAGS:---verify-cost --trace-steps 20 --switch-intervals} \
+    ${BENCH_FLAGS:---verify-cost --trace-steps 20 --switch-intervals --fast-plan} \
     --log-dir "$out"   # + spec step split, host profiles, a session turn's profile
 # the engine suite on CUDA (60 s on an H200)
 stage cuda_suite 150 "${PYTEST[@]}" --device cuda -m "not gpu" \

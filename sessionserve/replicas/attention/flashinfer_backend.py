@@ -63,6 +63,35 @@ class _Plan:
     wrapper: Any  # the planned wrapper whose `run` every layer calls
     batch_size: int = 0  # static plans: the fixed batch size (padding included)
     q_len: int = 1  # static plans: the query tokens of every row (padding included)
+    # a static decode plan's buffers, in one device tensor: kv_indptr [B+1], last_page_len
+    # [B], then page ids (`fast_fill`); planned: the wrapper has had one regular plan
+    meta: torch.Tensor | None = None
+    planned: bool = False
+
+
+def meta_views(meta: Any, rows: int) -> tuple[Any, ...]:
+    """`_Plan.meta`'s (or its host copy's, torch or numpy) kv_indptr [rows+1], last_page_len
+    [rows] and page ids, each starting 16-byte aligned (int32s in fours)."""
+    last_at = -(-(rows + 1) // 4) * 4
+    pages_at = last_at + -(-rows // 4) * 4
+    return meta[: rows + 1], meta[last_at : last_at + rows], meta[pages_at:]
+
+
+def meta_size(rows: int, pages: int) -> int:
+    """int32s in a `_Plan.meta` of `rows` rows with room for `pages` page ids."""
+    return -(-(rows + 1) // 4) * 4 + -(-rows // 4) * 4 + pages
+
+
+def fast_fill(
+    indptr: torch.Tensor, pages: torch.Tensor, last: torch.Tensor, pin: bool
+) -> torch.Tensor:
+    """A static decode plan's three host tables laid out as `_Plan.meta` (`meta_views`), in
+    one (pinned) host tensor, filled in numpy: one copy fills all three buffers."""
+    rows = last.numel()
+    host = torch.zeros(meta_size(rows, pages.numel()), dtype=torch.int32, pin_memory=pin)
+    for view, table in zip(meta_views(host.numpy(), rows), (indptr, last, pages), strict=True):
+        view[:] = table.numpy()
+    return host
 
 
 def page_table(
@@ -136,6 +165,12 @@ def _as_torch(*arrays: np.ndarray) -> tuple[torch.Tensor, ...]:
 
 class FlashInferBackend(AttentionBackend):
     name = "flashinfer"
+    # An experiment kept for benchmarks/gpu.py (`--fast-plan`), not yet run on a GPU: a decode
+    # graph's plan fills the wrapper's buffers itself, with one copy, and re-plans through
+    # FlashInfer's `fast_decode_plan` (SGLang's), which skips `plan()`'s argument handling and
+    # its three buffer copies. The forward thread plans before every decode graph's replay.
+    # Set it before the first decode step: a graph's buffers are laid out when it is built.
+    fast_plan = False
 
     def __init__(
         self,
@@ -210,23 +245,61 @@ class FlashInferBackend(AttentionBackend):
 
     # ---- static decode (CUDA graphs) ----
     def static_decode(self, batch_size: int, key: Any, device: torch.device) -> _Plan:
-        i32 = {"dtype": torch.int32, "device": device}
+        rows, capacity, i32 = batch_size, self._page_capacity(batch_size, 1), torch.int32
+        meta = None
+        if self.fast_plan:  # the three buffers in one tensor, filled by one copy
+            meta = torch.zeros(meta_size(rows, capacity), dtype=i32, device=device)
+            indptr, last, pages = meta_views(meta, rows)
+            last.fill_(1)
+        else:
+            indptr = torch.zeros(rows + 1, dtype=i32, device=device)
+            last = torch.ones(rows, dtype=i32, device=device)
+            pages = torch.zeros(capacity, dtype=i32, device=device)
         wrapper = self._fi.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace,
             "NHD",
             use_cuda_graph=True,
             use_tensor_cores=self.tensor_cores,
-            paged_kv_indptr_buffer=torch.zeros(batch_size + 1, **i32),
-            paged_kv_indices_buffer=torch.zeros(self._page_capacity(batch_size, 1), **i32),
-            paged_kv_last_page_len_buffer=torch.ones(batch_size, **i32),
+            paged_kv_indptr_buffer=indptr,
+            paged_kv_indices_buffer=pages,
+            paged_kv_last_page_len_buffer=last,
         )
-        return _Plan(wrapper, batch_size)
+        return _Plan(wrapper, batch_size, meta=meta)
 
     def fill_decode(self, static: _Plan, seqs: list[SeqSpec]) -> None:
         """Padding rows get one page, page 0 (reserved), holding one token (`page_table`)."""
         indptr, pages, last = page_table(seqs, self.page_size, static.batch_size)
+        if self.fast_plan and static.planned and static.meta is not None:
+            self._fast_plan_decode(static, indptr, pages, last)
+            return
         pages = to_device(pages, self.device)  # its copy into the fixed buffer: device to device
         self._plan_decode(static.wrapper, indptr.pin_memory(), pages, last.pin_memory())
+        static.planned = True  # (`fast_decode_plan` reuses what this plan set up)
+
+    def _fast_plan_decode(
+        self, static: _Plan, indptr: torch.Tensor, pages: torch.Tensor, last: torch.Tensor
+    ) -> None:
+        """`fill_decode` through `fast_decode_plan`: the buffers filled here, with one copy
+        queued behind the step in flight (which reads them), and the host schedule planned
+        from the host tables."""
+        assert static.meta is not None
+        host = fast_fill(indptr, pages, last, pin=True)
+        static.meta[: host.numel()].copy_(host, non_blocking=True)
+        indptr, last, pages = meta_views(host, static.batch_size)  # (host: what it plans from)
+        self.fence.before(static.wrapper)
+        self._fi.fast_decode_plan(
+            static.wrapper,
+            indptr,
+            pages,
+            last,
+            *self.dims,
+            self.page_size,
+            sm_scale=self.scaling,
+            q_data_type=self.dtype,
+            kv_data_type=self.dtype,
+            non_blocking=True,
+        )
+        self.fence.after(static.wrapper)
 
     def _page_capacity(self, rows: int, q_len: int) -> int:
         """Page ids a static plan of `rows` rows of `q_len` new tokens may list: each row's own

@@ -13,7 +13,13 @@ from sessionserve.config import EngineConfig, ModelConfig
 from sessionserve.errors import InvalidConfigError
 from sessionserve.replicas.attention import attention_scale, select_backend
 from sessionserve.replicas.attention.base import SeqSpec
-from sessionserve.replicas.attention.flashinfer_backend import padded_rows_page_table, page_table
+from sessionserve.replicas.attention.flashinfer_backend import (
+    fast_fill,
+    meta_size,
+    meta_views,
+    padded_rows_page_table,
+    page_table,
+)
 from sessionserve.replicas.attention.torch_backend import TorchPagedBackend, context_mask
 from sessionserve.replicas.cuda_graphs import (
     DecodeGraphs,
@@ -155,6 +161,40 @@ def test_flashinfer_page_table_is_built_on_the_host() -> None:
     assert [t.tolist() for t in page_table(decode, 4, 4)] == [t.tolist() for t in verify_plan]
     with pytest.raises(ValueError, match="2 sequences in a plan of 1 rows"):
         page_table(seqs, page_size=4, rows=1)
+
+
+def test_the_fast_plans_one_copy_lays_the_tables_out_as_the_graph_buffers() -> None:
+    """`FlashInferBackend.fast_plan` fills a decode graph's three buffers (views of one device
+    tensor, `meta_views`) with one copy of `fast_fill`'s host tensor: read through the same
+    views, the copy gives back each table, whatever the pages' count."""
+    seqs = [SeqSpec(1, torch.arange(32, 37)), SeqSpec(1, torch.arange(64, 80))]
+    for rows in (2, 4, 8):
+        tables = page_table(seqs, page_size=4, rows=rows)
+        host = fast_fill(*tables, pin=False)
+        indptr, last, pages = meta_views(host, rows)
+        assert [t.tolist() for t in (indptr, pages, last)] == [t.tolist() for t in tables]
+        assert host.dtype == torch.int32 and host.numel() == meta_size(rows, tables[1].numel())
+        # each buffer starts 16-byte aligned, as a separately allocated one would
+        assert all(v.storage_offset() % 4 == 0 for v in (indptr, last, pages))
+
+
+@pytest.mark.gpu
+def test_the_fast_decode_plan_gives_the_regular_plans_tokens() -> None:
+    """The same bf16 engine with decode graphs over FlashInfer, re-planned each step by
+    `fast_decode_plan` (buffers filled by one copy of ours) or by `plan()`: the same plan, so
+    the same kernels on the same inputs and the same tokens, bit for bit."""
+    pytest.importorskip("flashinfer")
+    model = tiny_model(hidden_size=256, num_attention_heads=4).to(torch.bfloat16)
+    prompts = [[5 + (7 * i + j) % 200 for j in range(9 + 13 * i)] for i in range(6)]
+    p = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    answers = {}
+    for fast in (False, True):
+        engine = tiny_engine(model, device="cuda", backend="flashinfer", radix=False)
+        engine.runner.backend.fast_plan = fast
+        answers[fast] = [r.output_ids for r in engine.generate(prompts, p)]
+        assert engine.runner.graphs.replays > 0
+        engine.checker.check_idle()
+    assert answers[True] == answers[False]
 
 
 def _paged_row(pages: torch.Tensor, start: int, kv_len: int, page_size: int) -> list[int]:
