@@ -24,6 +24,7 @@ Limits (FlashInfer 0.7): fp16/bf16 only, head dims 64/128/256; `select_backend` 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
@@ -229,9 +230,14 @@ class FlashInferBackend(AttentionBackend):
         )
         self.fence.after(wrapper)
 
-    def _plan_decode(self, wrapper: Any, indptr: Any, pages: Any, last: Any) -> None:
+    def _plan_decode(
+        self, wrapper: Any, indptr: Any, pages: Any, last: Any, fast: bool = False
+    ) -> None:
+        """`fast`: through FlashInfer's `fast_decode_plan`, the graph's buffers already filled
+        (`_fast_plan_decode`); else `plan()`, which fills them."""
+        plan = functools.partial(self._fi.fast_decode_plan, wrapper) if fast else wrapper.plan
         self.fence.before(wrapper)
-        wrapper.plan(
+        plan(
             indptr,
             pages,
             last,
@@ -286,20 +292,7 @@ class FlashInferBackend(AttentionBackend):
         host = fast_fill(indptr, pages, last, pin=True)
         static.meta[: host.numel()].copy_(host, non_blocking=True)
         indptr, last, pages = meta_views(host, static.batch_size)  # (host: what it plans from)
-        self.fence.before(static.wrapper)
-        self._fi.fast_decode_plan(
-            static.wrapper,
-            indptr,
-            pages,
-            last,
-            *self.dims,
-            self.page_size,
-            sm_scale=self.scaling,
-            q_data_type=self.dtype,
-            kv_data_type=self.dtype,
-            non_blocking=True,
-        )
-        self.fence.after(static.wrapper)
+        self._plan_decode(static.wrapper, indptr, pages, last, fast=True)
 
     def _page_capacity(self, rows: int, q_len: int) -> int:
         """Page ids a static plan of `rows` rows of `q_len` new tokens may list: each row's own
