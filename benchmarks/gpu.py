@@ -15,9 +15,11 @@ engine's time, compiling included, is printed), so
 model, same backend, same run.
 At c = 32 (or the largest c below it): the step-time split (schedule, batch building, forward,
 sampling; with a device sync after the forward, in a separate run) and the GPU-busy share
-(kernel time / step time, from torch.profiler). Roofline: weight bytes / measured device copy
-bandwidth (read + write counted) bounds a decode step from below. Sessions: TTFT of a turn with
-`--held` tokens already held vs the same request stateless (radix off). Overlap scheduling
+(kernel time / step time, from torch.profiler); at the largest c the split again
+(`step_split_ms_top`) and, with `--log-dir`, its host profile. Roofline: weight bytes /
+measured device copy bandwidth (read + write counted) bounds a decode step from below.
+Sessions: TTFT of a turn with `--held` tokens already held vs the same request stateless
+(radix off). Overlap scheduling
 (`engine.overlap_schedule`): the best configuration at each c again with overlap on
 (`overlap_ms`, `overlap_speedup_<c>`, and the mean step `overlap_mean_ms`: a call to step() may
 leave the forward thread's launch to the next, so a median can miss what the round cost;
@@ -935,6 +937,17 @@ def main() -> None:
         + (f", {busy_profiler:.0%} (profiler kernels)" if busy_profiler is not None else ""),
         flush=True,
     )
+    # the largest c's split and host profile too: where a host-bound step's time goes
+    split_top: dict[str, float] = {}
+    if c_top != c_mid:
+        eng = engine_for(best(c_top)[0], c_top)
+        split_top = step_split(eng, c_top, args)
+        host_profile(eng, c_top, args, f"c{c_top}")
+        eng.close()
+        print(
+            f"c={c_top} step split (ms) " + ", ".join(f"{k} {v:.2f}" for k, v in split_top.items()),
+            flush=True,
+        )
     # eager extends / graphs, not compiled
     t, turns = session_ttft(model, best(min(args.concurrency))[0][0], args)
     print(
@@ -983,6 +996,7 @@ def main() -> None:
             **{f"overlap_speedup_{c}": round(best(c)[1] / ms, 3) for c, ms in overlapped.items()},
             **{f"ms_per_step_{c}": round(best_ms(c), 3) for c in args.concurrency},
             "step_split_ms": {k: round(v, 3) for k, v in split.items()},
+            "step_split_ms_top": {k: round(v, 3) for k, v in split_top.items()},
             "ratio_vs_hf_static_1": ratio(hf["static"], 1),
             "ratio_vs_hf_static_32": ratio(hf["static"], c_mid),
             "ratio_vs_hf_eager_32": ratio(hf["eager"], c_mid),
