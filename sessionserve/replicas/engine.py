@@ -135,7 +135,8 @@ class Engine:
         # two threads share the GIL, and landing a host-bound step never blocks, so the forward
         # thread may get the GIL back only at Python's switch interval and launch late. Off: on
         # an H100 at 32 requests both orders read 2.2-3.6 ms a step, bimodal, the wait's median
-        # no better (docs/benchmarks.md, 2026-11-27 runs I-K).
+        # no better (docs/benchmarks.md, 2026-11-27 runs I-K), nor its mean on an H200 at 32
+        # and 64 (2026-12-04 run R). `overlap_schedule: inline` is the same order, one thread.
         self.await_launch = False
         if cfg.overlaps():
             self.forwards = ForwardThread(self.runner, inline=cfg.overlap_schedule == "inline")
