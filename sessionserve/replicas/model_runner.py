@@ -118,8 +118,8 @@ class ModelRunner:
         last = self.last_sampled
         rows = last.rows if last is not None else {}
         index, rids = zip(*pending, strict=True)
-        picks = [rows.get(r, len(rows)) for r in rids]
-        if last is not None and picks == list(range(len(picks))):
+        picks = [rows.get(r, len(rows)) for r in rids]  # (len(rows): not sampled, reads 0)
+        if last is not None and len(picks) <= len(rows) and picks == list(range(len(picks))):
             tokens = last.tokens[: len(picks)]
         else:
             zero = torch.zeros(1, dtype=torch.int64, device=self.device)

@@ -592,6 +592,7 @@ def test_sampled_requests_speculate_under_overlap_and_keep_their_lengths() -> No
         [(0, "a"), (1, "b")],  # one ended: the first rows still
         [(0, "a"), (1, "c")],  # one ended in the middle
         [(0, "a"), (1, "x"), (2, "c")],  # one the last step did not sample: reads 0
+        [(0, "a"), (1, "b"), (2, "c"), (3, "x")],  # the same, where its pick would be row 3
         [(3, "a"), (4, "b"), (5, "c")],  # after a prefill chunk's tokens
         [(0, "a"), (5, "b"), (9, "c")],  # between other sequences' tokens
         [(300, "a"), (301, "b"), (302, "c")],  # past the kept arange's first size
