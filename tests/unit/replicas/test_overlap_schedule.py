@@ -260,16 +260,16 @@ def test_a_stop_token_ends_the_answer_while_the_next_step_runs(mode) -> None:
     engine.checker.check_idle()
 
 
-@pytest.mark.parametrize("speculate", [False, True])
-def test_the_served_engine_thread_runs_overlapped_steps(speculate: bool) -> None:
+@pytest.mark.parametrize(("speculate", "mode"), [(False, True), (True, True), (True, "inline")])
+def test_the_served_engine_thread_runs_overlapped_steps(speculate: bool, mode) -> None:
     """Also with history and EAGLE drafts: verify steps run between the overlapped ones
-    while submits arrive as commands."""
+    while submits arrive as commands (inline: every forward on the engine thread)."""
     model = tiny_model(num_hidden_layers=1, seed=3) if speculate else tiny_model()
     rng = random.Random(11)
     prompts = [_ids(rng, rng.randrange(5, 40)) for _ in range(5)]
     ref = tiny_engine(model).generate(prompts, GREEDY)
     spec = {"drafter": mimic_drafter, "history_drafts": True} if speculate else {}
-    engine = tiny_engine(model, overlap=True, **spec)
+    engine = tiny_engine(model, overlap=mode, **spec)
     if speculate:  # plain steps between the verifies, whatever the device's timings
         engine.speculative.policy = _Alternating()
     loop = EngineLoop(engine)
