@@ -102,9 +102,9 @@ class Scheduler:
             raise
 
     def _schedule(self, batch: ScheduledBatch, overlap: bool) -> ScheduledBatch:
-        self._schedule_decodes(batch, overlap)
+        prefilling = self._schedule_decodes(batch, overlap)
         budget = self.config.max_prefill_tokens
-        for req in [r for r in self.running if not self._decodes(r)]:  # chunked prefills
+        for req in prefilling:  # chunked prefills
             budget = self._schedule_prefill(req, budget, batch, overlap)
         while (
             self.waiting
@@ -130,11 +130,6 @@ class Scheduler:
             or self.config.max_prefill_tokens - budget < self.prefill_batch_limit
         )
 
-    @staticmethod
-    def _decodes(req: Request) -> bool:
-        """Its input is computed (or will be, by the step in flight): it decodes next."""
-        return req.sampled or req.pending_tokens > 0
-
     def _ends_with_pending(self, req: Request) -> bool:
         """The token the step in flight samples for `req` ends it whatever it is (max_tokens or
         the context reached): nothing to schedule after it."""
@@ -143,11 +138,18 @@ class Scheduler:
         n = len(req.output_ids) + 1
         return n >= req.sampling.max_tokens or req.num_tokens + 1 >= self.stopper.max_context_len
 
-    def _schedule_decodes(self, batch: ScheduledBatch, overlap: bool) -> None:
-        decodes = sorted(
-            (r for r in self.running if self._decodes(r) and not self._ends_with_pending(r)),
-            key=lambda r: r.timings.arrival,
-        )
+    def _schedule_decodes(self, batch: ScheduledBatch, overlap: bool) -> list[Request]:
+        """Schedule the running requests that decode (oldest first); the ones that prefill
+        instead are returned, in running order (one pass over the batch: this runs every
+        step for every request)."""
+        decodes, prefilling = [], []
+        for r in self.running:
+            pending = r.pending_tokens
+            if not (r.sampled or pending):  # its input is not all computed (nor in flight)
+                prefilling.append(r)
+            elif not (pending and self._ends_with_pending(r)):
+                decodes.append(r)
+        decodes.sort(key=lambda r: r.timings.arrival)
         every = self.config.force_retract_every
         if every and decodes and self.steps % every == 0:
             if overlap:
@@ -177,6 +179,7 @@ class Scheduler:
             pending = r.pending_tokens
             n = r.num_tokens + pending
             batch.seqs.append(ScheduledSeq(r, n - 1, n, k, pending=pending))
+        return prefilling
 
     def _allocate_decode(self, req: Request, num_drafts: int) -> None:
         """Slots for the pending token and its drafts; the pending token's is the 'bonus slot',
