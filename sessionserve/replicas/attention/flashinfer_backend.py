@@ -70,17 +70,23 @@ class _Plan:
     planned: bool = False
 
 
+def _meta_offsets(rows: int) -> tuple[int, int]:
+    """Where a `_Plan.meta`'s last_page_len and page ids start: each 16-byte aligned (int32s
+    in fours), as a buffer allocated alone would be."""
+    last_at = -(-(rows + 1) // 4) * 4
+    return last_at, last_at + -(-rows // 4) * 4
+
+
 def meta_views(meta: Any, rows: int) -> tuple[Any, ...]:
     """`_Plan.meta`'s (or its host copy's, torch or numpy) kv_indptr [rows+1], last_page_len
-    [rows] and page ids, each starting 16-byte aligned (int32s in fours)."""
-    last_at = -(-(rows + 1) // 4) * 4
-    pages_at = last_at + -(-rows // 4) * 4
+    [rows] and page ids."""
+    last_at, pages_at = _meta_offsets(rows)
     return meta[: rows + 1], meta[last_at : last_at + rows], meta[pages_at:]
 
 
 def meta_size(rows: int, pages: int) -> int:
     """int32s in a `_Plan.meta` of `rows` rows with room for `pages` page ids."""
-    return -(-(rows + 1) // 4) * 4 + -(-rows // 4) * 4 + pages
+    return _meta_offsets(rows)[1] + pages
 
 
 def fast_fill(
