@@ -371,20 +371,20 @@ class EngineConfig(_Strict):
     overlap_schedule: bool | Literal["auto", "inline"] = Field(
         "auto",
         description="Schedule step N+1 and process step N's results while step N's forward "
-        "runs (on a forward thread; SGLang's overlap scheduler, vLLM's async scheduling), so "
-        "host work hides behind the device's. A decode is scheduled before its previous token "
-        "is known and the forward reads that token when it starts; steps that need what the "
+        "runs on the device (SGLang's overlap scheduler, vLLM's async scheduling), so host "
+        "work hides behind the device's. A decode is scheduled before its previous token is "
+        "known and the forward reads that token when it starts; steps that need what the "
         "running one produces (a retraction, KV too short) wait for it first, as do requests "
         "with a grammar or sampling penalties. With speculative decoding, a step that verifies "
         "drafts runs with nothing in flight (its drafts follow the previous token, and what it "
-        "accepts decides where the next step starts); steps without drafts overlap. auto: on "
-        "where the forward runs on a GPU (an H100, 1.2B Llama, compiled forward in CUDA "
-        "graphs: 1.53x at 1 request, 1.08x at 32, 1.04x at 64), off on a CPU, where the "
-        "forward's threads take the cores the host work would use (docs/benchmarks.md). "
-        "inline: the same order without the forward thread: the engine thread launches step "
-        "N+1 itself, then lands step N (SGLang's event loop), so no two threads take turns at "
-        "the GIL; it gains only where a launch does not wait for the device (CUDA). Not yet "
-        "measured on a GPU.",
+        "accepts decides where the next step starts); steps without drafts overlap. inline: "
+        "the engine thread launches step N+1 itself, then lands step N (SGLang's event loop); "
+        "true: the forwards run on a second thread, which takes turns with the engine thread "
+        "at the GIL. auto: inline where the forward runs on a GPU (an H200, 1.2B Llama, "
+        "compiled forward in CUDA graphs, mean ms a step at 1 / 32 / 64 requests: inline 1.58 "
+        "/ 3.04 / 4.01, a forward thread 1.80 / 3.65-4.15 / 4.71-4.99, none 2.30 / 3.76 / "
+        "4.78), off on a CPU, where the forward's threads take the cores the host work would "
+        "use (docs/benchmarks.md).",
     )
     memory_check: Literal["every_step", "periodic", "off"] = Field(
         "periodic",
@@ -397,11 +397,13 @@ class EngineConfig(_Strict):
         10.0, gt=0, description="Seconds between checks under memory_check: periodic."
     )
 
-    def overlaps(self) -> bool:
+    def overlap_mode(self) -> Literal["off", "thread", "inline"]:
         """`overlap_schedule` resolved for `model.device`."""
         if self.overlap_schedule == "auto":
-            return self.model.device_type == "cuda"
-        return self.overlap_schedule is not False
+            return "inline" if self.model.device_type == "cuda" else "off"
+        if self.overlap_schedule == "inline":
+            return "inline"
+        return "thread" if self.overlap_schedule else "off"
 
     def prefill_batch_limit(self) -> int | None:
         """`scheduler.prefill_batch_tokens` resolved for `model.device` (None: no limit)."""

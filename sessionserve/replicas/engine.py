@@ -138,8 +138,8 @@ class Engine:
         # no better (docs/benchmarks.md, 2026-11-27 runs I-K), nor its mean on an H200 at 32
         # and 64 (2026-12-04 run R). `overlap_schedule: inline` is the same order, one thread.
         self.await_launch = False
-        if cfg.overlaps():
-            self.forwards = ForwardThread(self.runner, inline=cfg.overlap_schedule == "inline")
+        if (overlap := cfg.overlap_mode()) != "off":
+            self.forwards = ForwardThread(self.runner, inline=overlap == "inline")
             self.runner.kv_pool.fence = self.forwards.wait
             if self.speculative is not None and self.speculative.eagle is not None:
                 # the head's catch-up lands beside the next step's forward: no capture then

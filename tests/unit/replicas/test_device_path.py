@@ -515,6 +515,26 @@ class _FakeFlashInferWrapper:
         return out
 
 
+def _fake_fast_decode_plan(wrapper, indptr, pages, last, heads, kv_heads, dim, page_size, **kw):
+    """FlashInfer's `fast_decode_plan` as the fake runs it: the kernels read the graph's
+    buffers, which the caller filled (the host tables only size the schedule), so the plan is
+    taken from the buffers: a layout that missed them gives wrong tokens."""
+    buf = {k.split("_buffer")[0]: v for k, v in wrapper.bufs.items()}
+    fixed_indptr = buf["paged_kv_indptr"].cpu().clone()
+    assert len(indptr) == len(fixed_indptr), "graph mode: the batch size is fixed"
+    used = int(fixed_indptr[-1])
+    planned = (fixed_indptr, buf["paged_kv_indices"][:used].cpu(), buf["paged_kv_last_page_len"])
+    for read, host in zip(planned, (indptr, pages[:used], last), strict=True):
+        assert torch.equal(read.cpu(), torch.as_tensor(host)), "the schedule's tables differ"
+    wrapper.planned = (
+        torch.arange(len(fixed_indptr), dtype=torch.int32),
+        *(t.cpu().clone() for t in planned),
+        page_size,
+        False,
+        kw.get("sm_scale"),
+    )
+
+
 class _NoFence:
     def before(self, wrapper) -> None: ...
 
@@ -529,6 +549,7 @@ def _fake_flashinfer(monkeypatch) -> None:
     fake = types.SimpleNamespace(
         BatchPrefillWithPagedKVCacheWrapper=_FakeFlashInferWrapper,
         BatchDecodeWithPagedKVCacheWrapper=_FakeFlashInferWrapper,
+        fast_decode_plan=_fake_fast_decode_plan,
     )
     monkeypatch.setitem(sys.modules, "flashinfer", fake)
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a, **k: self)
