@@ -25,14 +25,16 @@ Sessions: TTFT of a turn with `--held` tokens already held vs the same request s
 the forward thread's launch to the next, so a median can miss what the round cost; the mean is
 what `overlap_speedup_<c>` and `ms_per_step_<c>` take; `--no-overlap` skips it), and inline
 (`overlap_inline_ms`, `overlap_inline_mean_ms`: the engine thread launches each step itself,
-no forward thread); the overlapped engine's GPU-busy
-share at that c (`gpu_busy_frac_32_overlap`). `--verify-cost`: speculative verify forwards (4
-drafts a row, a random head, graphed where graphs are on) against decode forwards in the best
-configuration of the middle c (`verify_cost_ratio_<c>`), and whole speculative steps (the head's
-chain and catch-up too) against plain decode steps (`spec_step_ratio_<c>`). `--jit-freezing`:
-the compiled forward with inductor's freezing (merged q/k/v and gate/up GEMMs on CUDA).
+no forward thread, the CUDA default); the overlapped engines' GPU-busy share at the middle c
+(`gpu_busy_frac_32_overlap`, `gpu_busy_frac_32_inline`). `--verify-cost`: speculative verify
+forwards (4 drafts a row, a random head, graphed where graphs are on) against decode forwards
+in the best configuration of the middle c (`verify_cost_ratio_<c>`), and whole speculative
+steps (the head's chain and catch-up too) against plain decode steps (`spec_step_ratio_<c>`).
+`--jit-freezing`: the compiled forward with inductor's freezing (merged q/k/v and gate/up GEMMs
+on CUDA).
 With `--log-dir`: profiler tables, a cProfile of the host over decode steps at the middle c
-(with and without overlap), and with `--trace-steps N` a timeline of N overlapped steps.
+(without overlap, on a forward thread and inline), and with `--trace-steps N` a timeline of N
+overlapped steps.
 `--switch-intervals`: the overlapped engine at the middle and the largest c under each order
 (landing the last step first, waiting for the next one's launch first: `Engine.await_launch`,
 or inline) and GIL switch interval, alternating, every reading kept.
@@ -609,10 +611,11 @@ def cprofiled(run: Callable[[], Any]) -> tuple[Any, pstats.Stats]:
     return result, pstats.Stats(profiler, stream=io.StringIO())
 
 
-def gpu_busy(eng: Engine, c: int, args) -> tuple[float | None, float | None]:
+def gpu_busy(eng: Engine, c: int, args, tag: str = "") -> tuple[float | None, float | None]:
     """GPU-busy share of a decode step at concurrency `c`, two ways (CUDA only):
     - replay: the GPU time of the step's decode graph replayed back to back (no host work in
-      between; CUDA events) over the wall time of a real step: what share of a step the GPU
+      between; CUDA events) over the wall time of a real step (the median; under overlap the
+      mean, as a step() call may leave work to the next): what share of a step the GPU
       computes. Needs graphs.
     - profiler: kernel time / wall time over decode steps (torch.profiler). Its table goes to
       `--log-dir` for reading; it may not see every kernel inside graph replays."""
@@ -626,7 +629,7 @@ def gpu_busy(eng: Engine, c: int, args) -> tuple[float | None, float | None]:
         t = time.perf_counter()
         eng.step()
         walls.append(time.perf_counter() - t)
-    step_ms = 1000 * statistics.median(walls)
+    step_ms = 1000 * (statistics.mean if eng.forwards else statistics.median)(walls)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t = time.perf_counter()
         n = decode_steps(eng, args.profile_steps)
@@ -636,7 +639,7 @@ def gpu_busy(eng: Engine, c: int, args) -> tuple[float | None, float | None]:
     if args.log_dir:
         table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=40)
         cpu = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
-        with open(f"{args.log_dir}/profile_c{c}.txt", "w") as f:
+        with open(f"{args.log_dir}/profile_{tag}c{c}.txt", "w") as f:
             f.write(f"{n} decode steps, wall {1000 * wall:.1f} ms\n{table}\n{cpu}\n")
     replay = graph_replay_ms(eng, c)
     eng.run_until_idle()
@@ -814,6 +817,7 @@ def main() -> None:
     inline: dict[int, float] = {}
     inline_mean: dict[int, float] = {}
     busy_overlap = None  # at c_mid: what share of the overlapped step the GPU computes
+    busy_inline = None  # the same, overlapped inline (the CUDA default)
     for c in [] if args.no_overlap else args.concurrency:
         config, plain_ms = best(c)
         eng = engine_for(config, c, overlap=True)
@@ -821,7 +825,7 @@ def main() -> None:
         overlapped[c] = engine_step_ms(eng, c, args, steps)
         overlapped_mean[c] = round(statistics.mean(steps), 3)
         if c == c_mid:
-            busy_overlap, _ = gpu_busy(eng, c, args)
+            busy_overlap, _ = gpu_busy(eng, c, args, "overlap_")
             host_profile(eng, c, args, f"overlap_c{c}")
         eng.close()
         print(
@@ -835,10 +839,14 @@ def main() -> None:
         steps = []
         inline[c] = engine_step_ms(eng, c, args, steps)
         inline_mean[c] = round(statistics.mean(steps), 3)
+        if c == c_mid:
+            busy_inline, _ = gpu_busy(eng, c, args, "inline_")
+            host_profile(eng, c, args, f"inline_c{c}")
         eng.close()
         print(
             f"c={c:3d} engine {label(config):26s} overlap inline {inline[c]:.2f} ms/step, "
-            f"mean {inline_mean[c]:.2f}",
+            f"mean {inline_mean[c]:.2f}"
+            + (f"; GPU busy {busy_inline:.0%}" if c == c_mid and busy_inline else ""),
             flush=True,
         )
 
@@ -1008,6 +1016,7 @@ def main() -> None:
             "ratio_vs_hf_eager_32": ratio(hf["eager"], c_mid),
             "gpu_busy_frac_32": None if busy is None else round(busy, 3),
             "gpu_busy_frac_32_overlap": None if busy_overlap is None else round(busy_overlap, 3),
+            "gpu_busy_frac_32_inline": None if busy_inline is None else round(busy_inline, 3),
             "gpu_busy_frac_32_profiler": None if busy_profiler is None else round(busy_profiler, 3),
             "roofline_frac_64": round(roofline_ms / best_ms(c_top), 3),
             "ttft_ms_8k": {k: round(1000 * v, 2) for k, v in t.items()},
