@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One call on a lent GPU host (see ../shared/gpu/README.md): the GPU benchmark, the engine
-# tests on CUDA, the `gpu` tests, then HF's compiled baseline, each stage under its own time
+# One call on a lent GPU host (see ../shared/gpu/README.md): the `gpu` tests the defaults rest
+# on, the GPU benchmark, the engine tests on CUDA, the other `gpu` tests, then HF's compiled
+# baseline, each stage under its own time
 # limit and all of them under DEADLINE_S, logs and profiler tables in /tmp/gpu-logs, packed
 # at the end into $OUT/gpu-logs.tgz (timelines beside it: the device tool returns at most 8
 # files). Stages run in order of value, so a call cut short still returns what ran; a stage's
@@ -40,7 +41,14 @@ stage() {  # stage NAME MAX_SECONDS COMMAND...: run under min(MAX, time left), l
     python3 -c "import time; t = time.perf_counter(); sum(range(10**7)); print('python: sum(range(1e7))', round(time.perf_counter() - t, 3), 's')"
 } 2>&1 | tee "$out/env.log"
 
-# first: the overlapped step at 1, 32 and 64 on a forward thread and inline (overlap_mean_ms,
+# first, what the defaults rest on: overlap's launch never waits for the device (on a forward
+# thread and inline, the CUDA default), speculation's verify steps replay graphs (77 s in run
+# T), and the fast decode plan (on by default) gives plan()'s tokens (never yet run: runs S and
+# T cut the stage that held it)
+stage new_gpu_tests 150 "${PYTEST[@]}" -m gpu tests/unit/replicas/test_speculative_decoding.py \
+    tests/unit/replicas/test_overlap_schedule.py \
+    "tests/unit/replicas/test_device_path.py::test_the_fast_decode_plan_gives_the_regular_plans_tokens"
+# then the overlapped step at 1, 32 and 64 on a forward thread and inline (overlap_mean_ms,
 # overlap_inline_mean_ms: means, as a step() call may leave work to the next), then at 32 and
 # 64 in each order (landing the last step first, waiting for the next one's launch:
 # Engine.await_launch, inline), alternating, and a timeline of the first two; read them with
@@ -55,15 +63,11 @@ stage benchmark 330 python3 -m benchmarks.gpu --concurrency ${CONCURRENCY:-1 32 
 stage cuda_suite 150 "${PYTEST[@]}" --device cuda -m "not gpu" \
     tests/unit/replicas/test_overlap_schedule.py tests/unit/replicas/test_equivalence.py \
     tests/unit/replicas/test_speculative_decoding.py tests/unit/replicas/test_engine_sessions.py
-# overlap's launch must never wait for the device (on a forward thread and inline);
-# speculation's verify steps replay graphs (26 s in run Q, before the inline cases)
-stage new_gpu_tests 120 "${PYTEST[@]}" -m gpu tests/unit/replicas/test_speculative_decoding.py \
-    tests/unit/replicas/test_overlap_schedule.py
-# (73 s in run Q, before the fast decode plan's test)
+# (73 s in run Q; cut at 35 s in run T before a result)
 stage gpu_tests 120 "${PYTEST[@]}" -m gpu tests/unit/replicas/test_device_path.py \
     tests/unit/replicas/test_loader_and_backends.py tests/unit/replicas/test_compiled_forward.py
 # the compiled HF baseline at 32 (issue 23's ratio_vs_hf_static_32: 2.37x in run O by a
-# median, ~1.7x by run R's mean), ours
+# median, ~1.7x by run R's mean; run T's inline mean against run O's HF would be 2.43x), ours
 # beside it in the same run
 stage hf_static 130 python3 -m benchmarks.gpu --concurrency 32 --backends flashinfer \
     --graph-modes on --compile on --hf-static-concurrency 32 --held 1000

@@ -19,8 +19,8 @@ lands step N, as SGLang's event loop does. On a GPU the two threads share one GI
 runs of 2026-12-04 found the forward thread's launch waiting for it while the engine thread
 landed the last step, and the overlapped step no faster than the host work of both threads
 together (docs/benchmarks.md); inline, the same step measured 1.58 / 3.04 / 4.01 ms at 1 / 32 /
-64 requests against the thread's 1.80 / 3.65-4.15 / 4.71-4.99 (run S), so `auto` picks it on a
-GPU.
+64 requests against the thread's 1.80 / 3.65-4.15 / 4.71-4.99 (run S; run T: 1.98 / 2.48 at
+32 / 64 against 2.75 / 3.68), so `auto` picks it on a GPU.
 """
 
 from __future__ import annotations
