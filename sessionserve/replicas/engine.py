@@ -11,8 +11,9 @@
     -> events to listeners (outputs.py); the memory check per the `memory_check` policy
 
 With `engine.overlap_schedule` the same parts run in another order: step N+1 is scheduled and
-prepared, then submitted to the forward thread (forward_thread.py) behind step N, and only
-then are step N's results processed (verify has nothing to do: such a step has no drafts),
+prepared, then submitted behind step N (forward_thread.py: on a forward thread, or inline,
+what `auto` picks on CUDA: launched at once from this thread), and only then are step N's
+results processed (verify has nothing to do: such a step has no drafts),
 while N+1 computes. A step that cannot be scheduled before N's results are known
 (`OverlapStall`: a retraction, a decode that drafts; or a request with a grammar or
 penalties) processes N first; a step with drafts, or one that captures a CUDA graph (a
