@@ -163,8 +163,8 @@ def parse() -> argparse.Namespace:
         "--fast-plan",
         action="store_true",
         help="also time the decode steps at the middle and the largest c with FlashInfer's "
-        "plan() and with fast_decode_plan (FlashInferBackend.fast_plan), alternating, without "
-        "overlap (fast_plan_ms: mean ms a step)",
+        "plan() and with fast_decode_plan (FlashInferBackend.fast_plan, the default), "
+        "alternating, overlapped inline (fast_plan_ms: mean ms a step)",
     )
     ap.add_argument(
         "--pin-threads",
@@ -345,6 +345,18 @@ def engine_step_ms(eng: Engine, c: int, args, steps_ms: list[float] | None = Non
     if steps_ms is not None:
         steps_ms.extend(1000 * t for t in times)
     return 1000 * statistics.median(times)
+
+
+def host_probe_ms() -> float:
+    """ms this process's Python takes to sum range(10**6) (best of three): a host-bound step
+    scales with it, and a run's host can slow down partway (runs S and T, docs/benchmarks.md),
+    so each overlapped reading carries the probe taken just before it (`host_probe_ms`)."""
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        sum(range(10**6))
+        best = min(best, time.perf_counter() - t)
+    return round(1000 * best, 2)
 
 
 def quantiles_ms(steps_ms: list[float]) -> list[float]:
@@ -767,6 +779,7 @@ def main() -> None:
             flush=True,
         )
 
+    probes = {"start": host_probe_ms()}  # host_probe_ms: the host's Python speed, by reading
     ours: dict[Config, dict[int, float]] = {}
     kept: dict[tuple[Config, int], Engine] = {}  # c_mid's engines, for the step split
     c_mid = max((c for c in args.concurrency if c <= 32), default=args.concurrency[0])
@@ -820,6 +833,7 @@ def main() -> None:
     busy_inline = None  # the same, overlapped inline (the CUDA default)
     for c in [] if args.no_overlap else args.concurrency:
         config, plain_ms = best(c)
+        probes[f"overlap_c{c}"] = host_probe_ms()
         eng = engine_for(config, c, overlap=True)
         steps: list[float] = []
         overlapped[c] = engine_step_ms(eng, c, args, steps)
@@ -831,10 +845,12 @@ def main() -> None:
         print(
             f"c={c:3d} engine {label(config):26s} overlap {overlapped[c]:.2f} ms/step "
             f"median; mean {overlapped_mean[c]:.2f} ({plain_ms / overlapped_mean[c]:.2f}x without)"
-            + (f"; GPU busy {busy_overlap:.0%}" if c == c_mid and busy_overlap else ""),
+            + (f"; GPU busy {busy_overlap:.0%}" if c == c_mid and busy_overlap else "")
+            + f" (host probe {probes[f'overlap_c{c}']} ms)",
             flush=True,
         )
         # the same order with no forward thread (engine.overlap_schedule: inline)
+        probes[f"inline_c{c}"] = host_probe_ms()
         eng = engine_for(config, c, overlap="inline")
         steps = []
         inline[c] = engine_step_ms(eng, c, args, steps)
@@ -846,7 +862,8 @@ def main() -> None:
         print(
             f"c={c:3d} engine {label(config):26s} overlap inline {inline[c]:.2f} ms/step, "
             f"mean {inline_mean[c]:.2f}"
-            + (f"; GPU busy {busy_inline:.0%}" if c == c_mid and busy_inline else ""),
+            + (f"; GPU busy {busy_inline:.0%}" if c == c_mid and busy_inline else "")
+            + f" (host probe {probes[f'inline_c{c}']} ms)",
             flush=True,
         )
 
@@ -885,10 +902,12 @@ def main() -> None:
         for eng in engines.values():
             eng.close()
     # FlashInfer's decode plan: plan() against fast_decode_plan over buffers we fill, on one
-    # engine without overlap (its steps are not bimodal), alternating, three readings each
+    # engine overlapped inline (the CUDA default: where the plan's host work is the step's;
+    # without overlap, run S: 2-4%), alternating, three readings each
     fast_plan: dict[int, dict[str, list[float]]] = {}
     for c in sorted({c_mid, c_top}) if args.fast_plan else []:
-        eng = engine_for(best(c)[0], c)
+        probes[f"fast_plan_c{c}"] = host_probe_ms()
+        eng = engine_for(best(c)[0], c, overlap="inline")
         if eng.runner.backend.name != "flashinfer":
             eng.close()
             continue
@@ -934,6 +953,7 @@ def main() -> None:
 
     verify = verify_costs(model, best(c_mid)[0], args) if args.verify_cost else {}
     mid, _ = best(c_mid)
+    probes["step_split"] = host_probe_ms()
     split = step_split(kept[(mid, c_mid)], c_mid, args)  # idle after its rounds
     busy, busy_profiler = gpu_busy(kept[(mid, c_mid)], c_mid, args)
     host_profile(kept[(mid, c_mid)], c_mid, args, f"c{c_mid}")
@@ -1004,6 +1024,7 @@ def main() -> None:
             "overlap_inline_ms": inline,
             "overlap_inline_mean_ms": inline_mean,
             "fast_plan_ms": fast_plan,
+            "host_probe_ms": probes,
             **{
                 f"overlap_speedup_{c}": round(best(c)[1] / ms, 3)
                 for c, ms in overlapped_mean.items()
