@@ -169,3 +169,45 @@ def test_eviction_with_the_kept_heap_frees_what_a_rebuilt_heap_frees(seed: int) 
         assert kept.allocator.available_size() == rebuilt.allocator.available_size()
     for seq in seqs:
         assert kept.match_prefix(seq).length == rebuilt.match_prefix(seq).length
+
+
+@pytest.mark.parametrize("evictable_pages", [40, 2])
+def test_a_shortfall_evicts_a_batch_so_the_next_pages_find_room(monkeypatch, evictable_pages):
+    """With the pool full of cached prefixes (a server's steady state), the first decode that
+    needs a page evicts `evict_ahead` tokens (1/64 of the pool, whole pages) at once, so the
+    next pages need no eviction; with less evictable than that, what there is goes and the
+    decode still gets its page. The memory check holds after every step."""
+    from sessionserve.cache import MemoryChecker, RequestKV, build_session_cache
+
+    page = 4
+    cache = build_session_cache(num_slots=1024, page_size=page, max_rows=8, max_context_len=1024)
+    check = MemoryChecker(cache)
+    assert cache.evict_ahead == 16  # 1024 // 64: four pages
+    # a live request holds what the tree does not: the tree ends up with `evictable_pages`
+    holder = RequestKV(rid="holder")
+    cache.match(holder, list(range(10_000, 10_008)))
+    cache.allocate(holder, cache.allocator.available_size() - evictable_pages * page)
+    for i in range(evictable_pages // 2):  # finished requests of two pages each: the tree's
+        req = RequestKV(rid=f"done{i}")
+        tokens = [100 * i + j for j in range(2 * page + 1)]
+        cache.match(req, tokens)
+        cache.allocate(req, 2 * page)
+        cache.commit(req, 2 * page)
+        cache.finish(req, tokens[: 2 * page])
+    assert cache.allocator.available_size() == 0
+    assert cache.radix.evictable_size() == evictable_pages * page
+    check.check_busy([holder])
+
+    evictions: list[int] = []
+    evict = cache.radix.evict
+    monkeypatch.setattr(cache.radix, "evict", lambda n: evictions.append(evict(n)) or evictions[-1])
+    decoding = RequestKV(rid="decoding")
+    cache.match(decoding, [7])
+    pages = min(8, evictable_pages)  # a decode, one position a step
+    for length in range(1, pages * page + 1):
+        cache.allocate(decoding, length)
+        cache.commit(decoding, length)
+        check.check_busy([holder, decoding])
+    # four pages at a time (twice for eight), or all there was (two pages, in one eviction)
+    assert evictions == ([16, 16] if evictable_pages == 40 else [2 * page])
+    assert cache.allocator.available_size() == 0  # what was evicted ahead, the decode took
