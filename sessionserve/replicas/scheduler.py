@@ -130,10 +130,10 @@ class Scheduler:
             or self.config.max_prefill_tokens - budget < self.prefill_batch_limit
         )
 
-    def _ends_with_pending(self, req: Request) -> bool:
-        """The token the step in flight samples for `req` ends it whatever it is (max_tokens or
-        the context reached): nothing to schedule after it."""
-        if not req.pending_tokens:
+    def _ends_with_pending(self, req: Request, pending: int) -> bool:
+        """The token the step in flight samples for `req` (`pending`: its pending tokens) ends
+        it whatever it is (max_tokens or the context reached): nothing to schedule after it."""
+        if not pending:
             return False
         n = len(req.output_ids) + 1
         return n >= req.sampling.max_tokens or req.num_tokens + 1 >= self.stopper.max_context_len
@@ -147,7 +147,7 @@ class Scheduler:
             pending = r.pending_tokens
             if not (r.sampled or pending):  # its input is not all computed (nor in flight)
                 prefilling.append(r)
-            elif not (pending and self._ends_with_pending(r)):
+            elif not (pending and self._ends_with_pending(r, pending)):
                 decodes.append(r)
         decodes.sort(key=lambda r: r.timings.arrival)
         every = self.config.force_retract_every
@@ -158,33 +158,26 @@ class Scheduler:
         wanted = self.draft_lens(decodes) if self.draft_lens else [0] * len(decodes)
         if overlap and any(wanted):
             raise OverlapStall("a decode drafts")
-        i, drafts = 0, []
-        while i < len(decodes):
+        i = 0
+        while i < len(decodes):  # (a retraction pops the youngest: never one scheduled here)
             req, k = decodes[i], wanted[i]
-            try:
-                self._allocate_decode(req, k)
+            pending = req.pending_tokens
+            n = req.num_tokens + pending  # the pending token's slot is the 'bonus slot'
+            try:  # slots for the pending token and its drafts (a failed verify's are freed)
+                self.cache.allocate(req.kv, n + k)
             except KVCacheFullError:
                 try:  # no room for the drafts: decode one token this step
                     k = 0
-                    self._allocate_decode(req, k)
+                    self.cache.allocate(req.kv, n)
                 except KVCacheFullError:
                     if overlap:
                         raise OverlapStall("no KV for a decode") from None
                     self._retract(decodes.pop(), batch)  # the youngest; maybe `req` itself
                     wanted.pop()
                     continue
-            drafts.append(k)
+            batch.seqs.append(ScheduledSeq(req, n - 1, n, k, pending=pending))
             i += 1
-        for r, k in zip(decodes, drafts, strict=True):
-            pending = r.pending_tokens
-            n = r.num_tokens + pending
-            batch.seqs.append(ScheduledSeq(r, n - 1, n, k, pending=pending))
         return prefilling
-
-    def _allocate_decode(self, req: Request, num_drafts: int) -> None:
-        """Slots for the pending token and its drafts; the pending token's is the 'bonus slot',
-        claimed before the step. Drafts a failed verify leaves over are freed by the engine."""
-        self.cache.allocate(req.kv, req.num_tokens + req.pending_tokens + num_drafts)
 
     def _schedule_prefill(
         self, req: Request, budget: int, batch: ScheduledBatch, overlap: bool
