@@ -823,49 +823,43 @@ def main() -> None:
         on, off = ours.get((b, g, True)), ours.get((b, g, False))
         return round(off[c] / on[c], 3) if on and off else None
 
-    overlapped: dict[int, float] = {}  # the best configuration again, with overlap on
-    # Under overlap a call to step() may leave work to the next one (the forward thread's
-    # launch runs on past it), so its median can miss what a round costs: the mean does not
+    def overlapped_reading(c: int, mode: bool | str, tag: str) -> tuple[float, float]:
+        """The best configuration at `c` again, overlapped (`mode`: engine.overlap_schedule):
+        the median and the mean step (under overlap a call to step() may leave work to the
+        next one, so a median can miss what a round costs: the mean does not), printed with
+        the host probe taken before it; at c_mid also its GPU-busy share and host profile."""
+        config, plain_ms = best(c)
+        probes[f"{tag}_c{c}"] = host_probe_ms()
+        eng = engine_for(config, c, overlap=mode)
+        steps: list[float] = []
+        median = engine_step_ms(eng, c, args, steps)
+        mean = round(statistics.mean(steps), 3)
+        if c == c_mid:
+            busy[tag], _ = gpu_busy(eng, c, args, f"{tag}_")
+            host_profile(eng, c, args, f"{tag}_c{c}")
+        eng.close()
+        share = busy.get(tag) if c == c_mid else None
+        print(
+            f"c={c:3d} engine {label(config):26s} {tag} {median:.2f} ms/step median; mean "
+            f"{mean:.2f} ({plain_ms / mean:.2f}x without)"
+            + (f"; GPU busy {share:.0%}" if share else "")
+            + f" (host probe {probes[f'{tag}_c{c}']} ms)",
+            flush=True,
+        )
+        return median, mean
+
+    # the best configuration again with overlap on a forward thread, then inline (no forward
+    # thread, engine.overlap_schedule: inline); busy: at c_mid, what share of each the GPU
+    # computes
+    overlapped: dict[int, float] = {}
     overlapped_mean: dict[int, float] = {}
     inline: dict[int, float] = {}
     inline_mean: dict[int, float] = {}
-    busy_overlap = None  # at c_mid: what share of the overlapped step the GPU computes
-    busy_inline = None  # the same, overlapped inline (the CUDA default)
+    busy: dict[str, float | None] = {}
     for c in [] if args.no_overlap else args.concurrency:
-        config, plain_ms = best(c)
-        probes[f"overlap_c{c}"] = host_probe_ms()
-        eng = engine_for(config, c, overlap=True)
-        steps: list[float] = []
-        overlapped[c] = engine_step_ms(eng, c, args, steps)
-        overlapped_mean[c] = round(statistics.mean(steps), 3)
-        if c == c_mid:
-            busy_overlap, _ = gpu_busy(eng, c, args, "overlap_")
-            host_profile(eng, c, args, f"overlap_c{c}")
-        eng.close()
-        print(
-            f"c={c:3d} engine {label(config):26s} overlap {overlapped[c]:.2f} ms/step "
-            f"median; mean {overlapped_mean[c]:.2f} ({plain_ms / overlapped_mean[c]:.2f}x without)"
-            + (f"; GPU busy {busy_overlap:.0%}" if c == c_mid and busy_overlap else "")
-            + f" (host probe {probes[f'overlap_c{c}']} ms)",
-            flush=True,
-        )
-        # the same order with no forward thread (engine.overlap_schedule: inline)
-        probes[f"inline_c{c}"] = host_probe_ms()
-        eng = engine_for(config, c, overlap="inline")
-        steps = []
-        inline[c] = engine_step_ms(eng, c, args, steps)
-        inline_mean[c] = round(statistics.mean(steps), 3)
-        if c == c_mid:
-            busy_inline, _ = gpu_busy(eng, c, args, "inline_")
-            host_profile(eng, c, args, f"inline_c{c}")
-        eng.close()
-        print(
-            f"c={c:3d} engine {label(config):26s} overlap inline {inline[c]:.2f} ms/step, "
-            f"mean {inline_mean[c]:.2f}"
-            + (f"; GPU busy {busy_inline:.0%}" if c == c_mid and busy_inline else "")
-            + f" (host probe {probes[f'inline_c{c}']} ms)",
-            flush=True,
-        )
+        overlapped[c], overlapped_mean[c] = overlapped_reading(c, True, "overlap")
+        inline[c], inline_mean[c] = overlapped_reading(c, "inline", "inline")
+    busy_overlap, busy_inline = busy.get("overlap"), busy.get("inline")
 
     # overlapped ms a step at c_mid and c_top, each reading: order x switch interval (the
     # order: land the last step first, wait for the next one's launch first, or inline)
