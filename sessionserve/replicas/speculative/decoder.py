@@ -41,6 +41,7 @@ import torch
 
 from sessionserve.cache.kv_pool import KVPool
 from sessionserve.cache.session_cache import SessionCache
+from sessionserve.replicas.attention.base import to_device
 from sessionserve.replicas.request import Request
 from sessionserve.replicas.sampling import filter_logits, greedy_tokens, token_logprobs
 from sessionserve.replicas.speculative.acceptance import (
@@ -356,8 +357,8 @@ class SpeculativeDecoder:
         self.target_pool.copy_slots(slots[src], slots[dst])
         if out.hidden is not None:
             first = out.layout[s.req.rid].flat_start + 1
-            rows = out.hidden[(first + src).to(out.hidden.device)]
-            out.hidden[(first + dst).to(out.hidden.device)] = rows
+            where = to_device(first + torch.stack((src, dst)), out.hidden.device)  # one copy up
+            out.hidden[where[1]] = out.hidden[where[0]]
 
     def catch_up(self, batch: ScheduledBatch, out: StepOutput, updates: list[SeqUpdate]) -> None:
         """Decide whether the next step drafts; then the EAGLE head's pass over every position
