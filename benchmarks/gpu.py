@@ -26,10 +26,14 @@ the forward thread's launch to the next, so a median can miss what the round cos
 what `overlap_speedup_<c>` and `ms_per_step_<c>` take; `--no-overlap` skips it), and inline
 (`overlap_inline_ms`, `overlap_inline_mean_ms`: the engine thread launches each step itself,
 no forward thread, the CUDA default); the overlapped engines' GPU-busy share at the middle c
-(`gpu_busy_frac_32_overlap`, `gpu_busy_frac_32_inline`). `--verify-cost`: speculative verify
-forwards (4 drafts a row, a random head, graphed where graphs are on) against decode forwards
-in the best configuration of the middle c (`verify_cost_ratio_<c>`), and whole speculative
-steps (the head's chain and catch-up too) against plain decode steps (`spec_step_ratio_<c>`).
+(`gpu_busy_frac_32_overlap`, `gpu_busy_frac_32_inline`) and where their steps make the host
+wait for the device (`syncs_per_step_32`, by calling line: torch's sync debug mode). The host's
+Python speed is probed before each overlapped reading (`host_probe_ms`). `--verify-cost`:
+speculative verify forwards (4 drafts a row, a random head, graphed where graphs are on)
+against decode forwards in the best configuration of the middle c (`verify_cost_ratio_<c>`),
+and whole speculative
+steps (the head's chain and catch-up too) against plain decode steps (`spec_step_ratio_<c>`),
+and where a speculative step waits for the device (`verify_cost[c]["syncs_per_step"]`).
 `--jit-freezing`: the compiled forward with inductor's freezing (merged q/k/v and gate/up GEMMs
 on CUDA).
 With `--log-dir`: profiler tables, a cProfile of the host over decode steps at the middle c
@@ -58,6 +62,8 @@ import pstats
 import statistics
 import sys
 import time
+import warnings
+from collections import Counter
 from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
@@ -539,6 +545,7 @@ def verify_costs(model, config: Config, args) -> dict[int, dict[str, float]]:
         )
         split = {k: round(v, 3) for k, v in step_split(spec, c, args, speculative=True).items()}
         profile_spec_steps(spec, c, args)
+        syncs = sync_sites(spec, c, args, f"spec_c{c}")
         graphs = spec.runner.verify_graphs
         chain = spec.speculative.eagle.chain_graphs
         catch_ups = spec.speculative.eagle.catch_up_graphs
@@ -553,6 +560,7 @@ def verify_costs(model, config: Config, args) -> dict[int, dict[str, float]]:
             "chain_graph_replays": chain.replays if chain is not None else 0,
             "catch_up_graph_replays": catch_ups.replays if catch_ups is not None else 0,
             "spec_step_split_ms": split,
+            "syncs_per_step": syncs,
         }
         print(
             f"c={c:3d} {label(config)}: verify of {VERIFY_DRAFTS} drafts a row {verify:.2f} ms, "
@@ -569,6 +577,40 @@ def verify_costs(model, config: Config, args) -> dict[int, dict[str, float]]:
         spec.close()
         plain.close()
     return out
+
+
+def sync_sites(eng: Engine, c: int, args, name: str) -> dict[str, float] | None:
+    """Where decode steps make the host wait for the device (CUDA only): torch's sync debug
+    mode warns at each synchronizing torch operation (a read back, a copy from pageable
+    memory), and each warning names the Python line that called it. Per step, by site, to
+    `syncs_<name>.txt` in `--log-dir`; `total` is all of them. Event waits (landing a step)
+    are not such operations. A diagnostic: a failure is printed, not raised."""
+    if eng.runner.device.type != "cuda":
+        return None
+    try:
+        steady_decode(eng, c, args, 3)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                n = decode_steps(eng, args.profile_steps)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        eng.run_until_idle()
+    except Exception as e:  # noqa: BLE001 (a diagnostic must not end the run)
+        print(f"c={c:3d} sync sites ({name}): failed, {e!r}", flush=True)
+        return None
+    found = Counter(
+        f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)
+    )
+    per_step = {site: round(k / max(n, 1), 2) for site, k in found.most_common()}
+    per_step["total"] = round(sum(found.values()) / max(n, 1), 2)
+    if args.log_dir:
+        with open(f"{args.log_dir}/syncs_{name}.txt", "w") as f:
+            f.write(f"{n} decode steps at c={c}; synchronizing torch calls a step, by site\n")
+            f.writelines(f"{v:8.2f}  {site}\n" for site, v in per_step.items())
+    print(f"c={c:3d} sync sites ({name}): {per_step['total']} a step, {per_step}", flush=True)
+    return per_step
 
 
 def profile_spec_steps(eng: Engine, c: int, args) -> None:
@@ -837,6 +879,7 @@ def main() -> None:
         if c == c_mid:
             busy[tag], _ = gpu_busy(eng, c, args, f"{tag}_")
             host_profile(eng, c, args, f"{tag}_c{c}")
+            syncs[tag] = sync_sites(eng, c, args, f"{tag}_c{c}")
         eng.close()
         share = busy.get(tag) if c == c_mid else None
         print(
@@ -856,6 +899,7 @@ def main() -> None:
     inline: dict[int, float] = {}
     inline_mean: dict[int, float] = {}
     busy: dict[str, float | None] = {}
+    syncs: dict[str, dict[str, float] | None] = {}  # at c_mid: where a step waits (sync_sites)
     for c in [] if args.no_overlap else args.concurrency:
         overlapped[c], overlapped_mean[c] = overlapped_reading(c, True, "overlap")
         inline[c], inline_mean[c] = overlapped_reading(c, "inline", "inline")
@@ -1032,6 +1076,7 @@ def main() -> None:
             "gpu_busy_frac_32": None if busy is None else round(busy, 3),
             "gpu_busy_frac_32_overlap": None if busy_overlap is None else round(busy_overlap, 3),
             "gpu_busy_frac_32_inline": None if busy_inline is None else round(busy_inline, 3),
+            "syncs_per_step_32": syncs,
             "gpu_busy_frac_32_profiler": None if busy_profiler is None else round(busy_profiler, 3),
             "roofline_frac_64": round(roofline_ms / best_ms(c_top), 3),
             "ttft_ms_8k": {k: round(1000 * v, 2) for k, v in t.items()},
