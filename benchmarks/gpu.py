@@ -31,9 +31,9 @@ wait for the device (`syncs_per_step_32`, by calling line: torch's sync debug mo
 Python speed is probed before each overlapped reading (`host_probe_ms`). `--verify-cost`:
 speculative verify forwards (4 drafts a row, a random head, graphed where graphs are on)
 against decode forwards in the best configuration of the middle c (`verify_cost_ratio_<c>`),
-and whole speculative
-steps (the head's chain and catch-up too) against plain decode steps (`spec_step_ratio_<c>`),
-and where a speculative step waits for the device (`verify_cost[c]["syncs_per_step"]`).
+whole speculative steps (the head's chain and catch-up too) against plain decode steps
+(`spec_step_ratio_<c>`), and where a speculative step waits for the device
+(`verify_cost[c]["syncs_per_step"]`).
 `--jit-freezing`: the compiled forward with inductor's freezing (merged q/k/v and gate/up GEMMs
 on CUDA).
 With `--log-dir`: profiler tables, a cProfile of the host over decode steps at the middle c
