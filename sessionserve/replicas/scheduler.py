@@ -130,11 +130,9 @@ class Scheduler:
             or self.config.max_prefill_tokens - budget < self.prefill_batch_limit
         )
 
-    def _ends_with_pending(self, req: Request, pending: int) -> bool:
-        """The token the step in flight samples for `req` (`pending`: its pending tokens) ends
-        it whatever it is (max_tokens or the context reached): nothing to schedule after it."""
-        if not pending:
-            return False
+    def _ends_with_pending(self, req: Request) -> bool:
+        """The token the step in flight samples for `req` (one with a pending token) ends it
+        whatever it is (max_tokens or the context reached): nothing to schedule after it."""
         n = len(req.output_ids) + 1
         return n >= req.sampling.max_tokens or req.num_tokens + 1 >= self.stopper.max_context_len
 
@@ -147,7 +145,7 @@ class Scheduler:
             pending = r.pending_tokens
             if not (r.sampled or pending):  # its input is not all computed (nor in flight)
                 prefilling.append(r)
-            elif not (pending and self._ends_with_pending(r, pending)):
+            elif not (pending and self._ends_with_pending(r)):
                 decodes.append(r)
         decodes.sort(key=lambda r: r.timings.arrival)
         every = self.config.force_retract_every
