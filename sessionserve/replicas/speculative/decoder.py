@@ -352,13 +352,15 @@ class SpeculativeDecoder:
             return
         assert self.target_pool is not None
         slots = self.cache.slots(s.req.kv, s.end, s.end + max(i for i, _ in moves) + 1)
-        src = torch.tensor([i for i, _ in moves])
-        dst = torch.tensor([j for _, j in moves])
-        self.target_pool.copy_slots(slots[src], slots[dst])
+        moved = torch.tensor(moves).T  # [2, n]: drafts' offsets, then the positions'
+        first = out.layout[s.req.rid].flat_start + 1 if out.hidden is not None else 0
+        # the pool's slots and the hidden rows, both ways, in one pinned copy up: a pageable
+        # one would make the host wait for the device
+        host = torch.cat((slots[moved].to(moved.dtype), first + moved))
+        up = to_device(host, self.target_pool.k.device)
+        self.target_pool.copy_slots(up[0], up[1])
         if out.hidden is not None:
-            first = out.layout[s.req.rid].flat_start + 1
-            where = to_device(first + torch.stack((src, dst)), out.hidden.device)  # one copy up
-            out.hidden[where[1]] = out.hidden[where[0]]
+            out.hidden[up[3]] = out.hidden[up[2]]
 
     def catch_up(self, batch: ScheduledBatch, out: StepOutput, updates: list[SeqUpdate]) -> None:
         """Decide whether the next step drafts; then the EAGLE head's pass over every position
