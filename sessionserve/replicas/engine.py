@@ -329,7 +329,8 @@ class Engine:
             spec.verify(batch, drafts, output)
         updates = self.scheduler.process(batch, output)
         if spec:
-            spec.catch_up(batch, output, updates)
+            sched = self.scheduler
+            spec.catch_up(batch, output, updates, sched.arrivals_total, len(sched.waiting))
         events = self.outputs.events(self.scheduler.finish(updates))
         if spec:
             spec.finish_step(batch, output)
