@@ -41,7 +41,9 @@ engine having served the workload once unmeasured first, as a serving replica lo
 Last line: JSON with accept_len (mean tokens per verify step, EAGLE's tau, head, chat, first
 concurrency), speedup_1/_8/_32 (head, chat: decode tokens/s with / without speculation),
 speedup_agent_1 (history drafter, agent workload), with --forced-too the same keys prefixed
-forced_ (speedup_forced_1, ...), the policy's per-bucket measurements and
+forced_ (speedup_forced_1, ...), the policy's per-bucket measurements and the share of
+ended requests it saw replaced soon (`refilled_share_<point>`: near 1 with --refill and
+enough sessions, lower where a group's turns end without others starting), and
 the speculative engine's forwards timed by kind (`forward_ms_<point>`: ms a decode, a verify
 and a prompt step, and `verify_over_decode`, what a verify costs over a decode here; and the
 plain engine's decode step, `plain_engine_decode`, with `decode_over_plain_engine`: where
@@ -56,7 +58,7 @@ import statistics
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -119,6 +121,7 @@ class Workload:
     name: str
     tasks: list[tuple[Turn, Turn]]  # one session each: two turns
     stop: tuple[str, ...] = ()
+    ignore_eos: bool = False  # every answer runs to max_tokens (--ignore-eos)
 
 
 # An agent's file-editing step: a tool's output in the context, then the edited file written
@@ -304,7 +307,9 @@ class Pass:
         sessions: int | None,
     ) -> Iterator[None]:
         tok = eng.tokenizer
-        params = SamplingParams(max_tokens=max_tokens, temperature=0, stop=work.stop)
+        params = SamplingParams(
+            max_tokens=max_tokens, temperature=0, stop=work.stop, ignore_eos=work.ignore_eos
+        )
         decode_s, decode_tokens, outputs = 0.0, 0, {}
         count = sessions or max(len(work.tasks), concurrency)
         opened = [(i, eng.open_session()) for i in range(count)]
@@ -500,7 +505,9 @@ def _report(key: str, arm: _Arm, plain: _Arm, summary: dict) -> None:
         f"outputs identical: {arm.same}"
     )
     if policy:
-        print(f"  policy per batch bucket: {policy}")
+        refilled = round(spec_dec.policy.refills.share, 3)
+        print(f"  policy per batch bucket: {policy}; endings replaced (share): {refilled}")
+        summary[f"refilled_share_{key}"] = refilled
     print(f"  the decoder's own work, share of decode time: {share}")
     ms = {k: round(1e3 * t / n, 2) for k, (t, n) in arm.forwards.items() if n}
     if "decode" in ms and "verify" in ms:
@@ -592,6 +599,13 @@ def main() -> int:
         "keeping the concurrency busy, instead of starting each group's turns together",
     )
     ap.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="run every answer to --max-tokens (stop strings still end the agent's): in "
+        "bf16 the engines' greedy answers can part at near-ties and end at other lengths, "
+        "so their passes do different work; this gives both the same tokens to write",
+    )
+    ap.add_argument(
         "--sessions",
         type=int,
         help="sessions a pass serves, cycling through the tasks (default: one a task, at "
@@ -613,7 +627,8 @@ def main() -> int:
         return 2
     assert not set(EVAL_PROMPTS) & set(shipped_prompts()), "eval prompts must be unseen"
     prompts = shipped_prompts()[: len(EVAL_PROMPTS)] if args.seen_prompts else EVAL_PROMPTS
-    chat = Workload("chat", [(Turn(p), Turn(FOLLOW_UP)) for p in prompts])
+    chat = Workload("chat", [(Turn(p), Turn(FOLLOW_UP)) for p in prompts], (), args.ignore_eos)
+    agent = replace(AGENT, ignore_eos=args.ignore_eos)
     setup_threads(args.threads)
     loaded = load(dtype=getattr(torch, args.dtype))
     tree = f" tree {args.tree_topk}/{args.tree_budget}" if args.tree_topk > 1 else ""
@@ -629,6 +644,7 @@ def main() -> int:
         "head_compiled": args.compile and not args.eager_head,
         "adaptive": args.adaptive,
         "warm": args.warm,
+        "ignore_eos": args.ignore_eos,
     }
     cost = verify_cost(loaded)
     print(
@@ -639,7 +655,7 @@ def main() -> int:
     k, adaptive = args.num_drafts, args.adaptive
     history = SpecConfig(num_drafts=k, history_drafts=True, adaptive=adaptive)
     for c in args.agent_concurrency:
-        compare(f"agent_{c}", loaded, history, c, args, AGENT, summary)
+        compare(f"agent_{c}", loaded, history, c, args, agent, summary)
     for c in args.agent_concurrency:  # history drafts are `serve run`'s default on chat too
         compare(f"chat_history_{c}", loaded, history, c, args, chat, summary)
     if not args.skip_head:
@@ -654,7 +670,7 @@ def main() -> int:
         for c in args.concurrency:
             compare(str(c), loaded, head, c, args, chat, summary)
         both = head.model_copy(update={"history_drafts": True})
-        compare("agent_head_history_1", loaded, both, 1, args, AGENT, summary)
+        compare("agent_head_history_1", loaded, both, 1, args, agent, summary)
         compare("chat_head_history_1", loaded, both, 1, args, chat, summary)
         summary["accept_len"] = summary.get(f"accept_len_{args.concurrency[0]}")
     emit(summary)
