@@ -396,9 +396,9 @@ class SpeculativeDecoder:
         # a step after which nothing decodes leaves the choice as it was: made for no one, it
         # would count as a re-check and decide whether an ending turn catches the head up
         if self.policy is not None and decoding and (mark is None or mark.choice == self.choices):
-            going_on = [s.req for s in batch.seqs if s.req.rid in decoding]
-            owed = sum(self._owed(s) for s in batch.seqs if s.req.rid in decoding)
-            rows = [(r.drafting.spec_tokens, r.drafting.spec_steps) for r in going_on]
+            going_on = [s for s in batch.seqs if s.req.rid in decoding]
+            owed = sum(self._owed(s) for s in going_on)
+            rows = [(s.req.drafting.spec_tokens, s.req.drafting.spec_steps) for s in going_on]
             self.drafting = self.policy.choose(len(decoding), owed, rows)
             self.draft_floor = self.policy.draft_floor(len(decoding)) or 0.0
             self.choices += 1
