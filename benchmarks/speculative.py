@@ -41,9 +41,7 @@ engine having served the workload once unmeasured first, as a serving replica lo
 Last line: JSON with accept_len (mean tokens per verify step, EAGLE's tau, head, chat, first
 concurrency), speedup_1/_8/_32 (head, chat: decode tokens/s with / without speculation),
 speedup_agent_1 (history drafter, agent workload), with --forced-too the same keys prefixed
-forced_ (speedup_forced_1, ...), the policy's per-bucket measurements and the share of
-ended requests it saw replaced soon (`refilled_share_<point>`: near 1 with --refill and
-enough sessions, lower where a group's turns end without others starting), and
+forced_ (speedup_forced_1, ...), the policy's per-bucket measurements and
 the speculative engine's forwards timed by kind (`forward_ms_<point>`: ms a decode, a verify
 and a prompt step, and `verify_over_decode`, what a verify costs over a decode here; and the
 plain engine's decode step, `plain_engine_decode`, with `decode_over_plain_engine`: where
@@ -505,9 +503,7 @@ def _report(key: str, arm: _Arm, plain: _Arm, summary: dict) -> None:
         f"outputs identical: {arm.same}"
     )
     if policy:
-        refilled = round(spec_dec.policy.refills.share, 3)
-        print(f"  policy per batch bucket: {policy}; endings replaced (share): {refilled}")
-        summary[f"refilled_share_{key}"] = refilled
+        print(f"  policy per batch bucket: {policy}")
     print(f"  the decoder's own work, share of decode time: {share}")
     ms = {k: round(1e3 * t / n, 2) for k, (t, n) in arm.forwards.items() if n}
     if "decode" in ms and "verify" in ms:

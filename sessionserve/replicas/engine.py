@@ -329,8 +329,7 @@ class Engine:
             spec.verify(batch, drafts, output)
         updates = self.scheduler.process(batch, output)
         if spec:
-            sched = self.scheduler
-            spec.catch_up(batch, output, updates, sched.arrivals_total, len(sched.waiting))
+            spec.catch_up(batch, output, updates)
         events = self.outputs.events(self.scheduler.finish(updates))
         if spec:
             spec.finish_step(batch, output)

@@ -64,12 +64,10 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.retractions_total = 0
-        self.arrivals_total = 0  # requests added (a retracted one re-queued is not one)
         self.steps = 0
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
-        self.arrivals_total += 1
 
     def live(self) -> list[Request]:
         """Requests holding KV: what the memory checker must be shown."""

@@ -362,17 +362,8 @@ class SpeculativeDecoder:
         if out.hidden is not None:
             out.hidden[up[3]] = out.hidden[up[2]]
 
-    def catch_up(
-        self,
-        batch: ScheduledBatch,
-        out: StepOutput,
-        updates: list[SeqUpdate],
-        arrivals: int = 0,
-        waiting: int = 0,
-    ) -> None:
-        """Decide whether the next step drafts (told how many requests the engine was given in
-        all and how many wait, so the policy learns whether ending requests are replaced:
-        policy.py); then the EAGLE head's pass over every position
+    def catch_up(self, batch: ScheduledBatch, out: StepOutput, updates: list[SeqUpdate]) -> None:
+        """Decide whether the next step drafts; then the EAGLE head's pass over every position
         committed this step (see proposer.py), before finished requests give their KV back.
         Requests that go on decoding get a guess when the next step drafts from the head; when
         it does not (the policy turned drafting off, the request copies its history, or it
@@ -384,22 +375,11 @@ class SpeculativeDecoder:
         skip = {u.req.rid for u in updates if u.error}
         decoding = {u.req.rid for u in updates if not (u.error or u.finished)}
         mark = self._marks.get(batch.step)
-        if self.policy is not None:
-            self._track_yields(batch, out)
-            ended = [u.req for u in updates if u.finished or u.error]
-            for req in ended:
-                self.policy.observe_ended(req.drafting.spec_tokens, req.drafting.spec_steps)
-            # an ending counts where others decode on: one that empties the batch leaves no
-            # answer to run in thinner steps (a group whose answers end together is replaced
-            # by the next group, which would read as refilled whatever its earlier endings)
-            self.policy.observe_load(len(ended) if decoding else 0, arrivals, waiting)
         # a step after which nothing decodes leaves the choice as it was: made for no one, it
         # would count as a re-check and decide whether an ending turn catches the head up
         if self.policy is not None and decoding and (mark is None or mark.choice == self.choices):
-            going_on = [s for s in batch.seqs if s.req.rid in decoding]
-            owed = sum(self._owed(s) for s in going_on)
-            rows = [(s.req.drafting.spec_tokens, s.req.drafting.spec_steps) for s in going_on]
-            self.drafting = self.policy.choose(len(decoding), owed, rows)
+            owed = sum(self._owed(s) for s in batch.seqs if s.req.rid in decoding)
+            self.drafting = self.policy.choose(len(decoding), owed)
             self.draft_floor = self.policy.draft_floor(len(decoding)) or 0.0
             self.choices += 1
         if self.eagle is None or out.hidden is None:
@@ -438,20 +418,6 @@ class SpeculativeDecoder:
             if mark.caught_up_deferred:  # what taking drafting up again costs (policy.py):
                 # the head's pass over the positions deferred while the batch did not draft
                 policy.observe_switch(mark.head_positions, mark.head_s)
-
-    @staticmethod
-    def _track_yields(batch: ScheduledBatch, out: StepOutput) -> None:
-        """After a step where some request verified drafts: each decoding request's tokens of
-        it (one where it drafted nothing), the record of what drafting steps give it that the
-        policy weighs a batch that may not refill by (`SpecPolicy.drain_factor`)."""
-        if not any(s.num_drafts for s in batch.seqs):
-            return
-        for s in batch.seqs:
-            emitted = out.emitted.get(s.req.rid)
-            if emitted is None or s.end - s.start != 1 or not s.samples:
-                continue  # (a prompt's chunk, or a request that failed)
-            s.req.drafting.spec_tokens += len(emitted[0])
-            s.req.drafting.spec_steps += 1
 
     def _owed(self, s: ScheduledSeq) -> int:
         """Positions before this step whose head pass `s`'s request put off and would pay

@@ -124,10 +124,6 @@ class Drafting:
     log: TokenLog | None = None
     history_tokens: list[int] = field(default_factory=list)
     records: dict[str, SourceRecord] = field(default_factory=dict)
-    # tokens it made on the steps where some request of its batch verified drafts, and how
-    # many such steps: what drafting gives this answer (the policy's `row_yield`)
-    spec_tokens: int = 0
-    spec_steps: int = 0
     # the history chains offered at recent steps, whether verified, cut short or declined:
     # (the position of the first draft, the drafts), oldest first; the tokens the sequence
     # makes there judge each as a verify of the whole chain would (decoder.py)

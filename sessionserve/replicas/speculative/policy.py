@@ -47,25 +47,6 @@ cores a chat's history chains, kept 55% a draft, pay at one request, where a dra
 ~0.15 of a row, and lose at 32, where it costs ~0.6 (docs/benchmarks.md); the on/off choice
 above alone could only keep them whole or drop them.
 
-Whether the batch refills changes what a kept draft is worth. Where a request that ends is
-soon replaced (a busy server, a queue), the batch stays full and a token is worth its row
-whichever request wrote it: the mean yield above counts. Where it is not (a batch job's last
-answers, a group of turns started together), the batch only shrinks, and it ends with its
-slowest answer: drafting that speeds the requests that copy their history ends them sooner,
-and the rest then run in thinner steps that cost nearly what full ones do (SmolLM2 on 2 AMX
-cores: ~18 ms at 1 row, ~21 ms at 8), paying the verifies' cost on the way (chat with history
-drafts, 8 sessions x 2 turns: 0.84x in bf16 while the policy measured drafting 1.3-1.5x
-faster per step, docs/benchmarks.md). So the policy also learns how often a request that
-ended was replaced within `refill_window_s` (`Refills`: at once where one was waiting), and
-weighs the yield by it: drafting's yield counts as `share * mean + (1 - share) * slowest`,
-where the slowest is the lowest yield of the decoding requests' own drafting steps so far
-(`row_yield`), each shrunk over its first few steps toward what the slowest of that many
-requests gave among requests that ended (`slowest_of`: a turn's requests start with no
-record, and shrunk toward the mean instead, 50 of a group's 137 eight-row steps still drafted,
-each ~1.6x a plain one, before the slow requests showed). A group whose requests all copy
-(an agent's edits) still drafts; one where some request gains nothing does not, until the
-batch is down to the requests that do.
-
 Taking drafting up again has a price of its own: while requests do not draft, the head's
 pass over their new positions waits (and a session turn that ends with it waiting leaves it
 to the session's next turn), and taking drafting up pays for all of it (the step
@@ -88,7 +69,7 @@ import functools
 import statistics
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -98,11 +79,6 @@ DRAFT_COST_WINDOW = 16  # the last paired samples it is read from (and the pairs
 # the highest floor for drafts (`SpecPolicy.draft_floor`): chains kept nearly always (an
 # agent's copies) still draft, so drafting steps go on measuring what a draft costs
 MAX_DRAFT_FLOOR = 0.9
-# a request's own yield (`SpecPolicy.row_yield`) counts as this many drafting steps of its
-# prior before its own: a request's first steps say little of what its answer copies
-ROW_PRIOR_STEPS = 4
-ENDED_YIELDS = 64  # the ended requests' yields the prior is read from (`slowest_of`)
-MIN_ENDED_YIELDS = 8  # before that many, the bucket's mean stands in
 
 
 def smoothed(last: float | None, value: float, smoothing: float) -> float:
@@ -285,42 +261,6 @@ class PassCost:
         return ratio if slope < 0 else min(slope, ratio)  # (below 0: the machine's drift)
 
 
-class Refills:
-    """How often a slot that an ending request frees is taken by new work soon: at once where
-    a request is waiting, or by one that arrives within `window_s` (a served client's next
-    turn comes tens of milliseconds after its answer). A running share over endings, starting
-    at 1 (a serving replica is assumed busy until it is seen to drain)."""
-
-    def __init__(self, window_s: float, smoothing: float) -> None:
-        self.window_s = window_s
-        self.smoothing = smoothing
-        self.share = 1.0
-        self._open: deque[float] = deque()  # when each ending not yet replaced happened
-        self._arrived: int | None = None  # the arrivals count at the last observation
-
-    def observe(self, now: float, ended: int, arrived: int, waiting: int) -> None:
-        """A step ended `ended` requests; `arrived` requests have been submitted so far and
-        `waiting` wait now. Arrivals since the last call fill the oldest open slots first
-        (they are among the waiting, so they cover this step's endings only once)."""
-        new = 0 if self._arrived is None else max(0, arrived - self._arrived)
-        self._arrived = arrived
-        used = 0
-        while used < new and self._open:  # (they came since the last step: counted in time)
-            self._open.popleft()
-            self._fold(1.0)
-            used += 1
-        while self._open and now - self._open[0] > self.window_s:
-            self._open.popleft()
-            self._fold(0.0)
-        covered = min(ended, max(0, waiting - used))
-        for _ in range(covered):
-            self._fold(1.0)
-        self._open.extend([now] * (ended - covered))
-
-    def _fold(self, replaced: float) -> None:
-        self.share += self.smoothing * (replaced - self.share)
-
-
 def bucket(num_decodes: int) -> int:
     """Batch-size buckets 1, 2-3, 4-7, 8-15, ...: a verify's relative cost changes slowly
     with the batch, so powers of two share what they learn."""
@@ -339,8 +279,6 @@ class SpecPolicy:
         max_explore_s: float = 30.0,
         yield_smoothing: float = 0.005,
         pair_window: int = 8,
-        refill_window_s: float = 0.1,
-        refill_smoothing: float = 0.25,
     ) -> None:
         self.clock = clock
         self.explore_every = explore_every
@@ -353,75 +291,27 @@ class SpecPolicy:
         self.warmup_steps = warmup_steps
         self.buckets: dict[int, Bucket] = {}
         self.passes = PassCost(smoothing)  # the head's passes when drafting was taken up
-        self.refills = Refills(refill_window_s, refill_smoothing)
-        # what drafting steps gave requests that ended (their tokens a drafting step)
-        self.ended_yields: deque[float] = deque(maxlen=ENDED_YIELDS)
 
     def bucket(self, num_decodes: int) -> Bucket:
         return self.buckets.setdefault(bucket(num_decodes), Bucket())
 
-    def choose(
-        self,
-        num_decodes: int,
-        owed_positions: int = 0,
-        rows: Sequence[tuple[int, int]] = (),
-    ) -> bool:
+    def choose(self, num_decodes: int, owed_positions: int = 0) -> bool:
         """Should the next step, with about `num_decodes` decoding requests that owe the head
-        `owed_positions` put-off positions between them, draft? `rows`: each decoding
-        request's tokens and steps on drafting steps so far (`row_yield`), for a batch that
-        may not refill."""
+        `owed_positions` put-off positions between them, draft?"""
         b = self.bucket(num_decodes)
         if b.on.steps < self.warmup_steps or b.off.steps < self.warmup_steps:
             return b.on.steps < self.warmup_steps  # drafting's warm-up first
         speed = b.speed_ratio()
         if speed is None:  # (no pair yet: the arms' steps were never neighbours)
             return b.on.last < b.off.last  # take the one measured longest ago
-        speed *= self.drain_factor(b, rows)
         b.since_recheck += 1
         owed_s = self.owed_s(owed_positions)
         best = self._drafting_pays(b, speed, owed_s)
         owed = 0.0 if best else owed_s  # a re-check of drafting pays it
-        choice = best if b.since_recheck < self.recheck_every(b, owed, speed) else not best
+        choice = best if b.since_recheck < self.recheck_every(b, owed) else not best
         if choice != best:
             b.since_recheck = 0
         return choice
-
-    @staticmethod
-    def row_yield(prior: float, tokens: int, steps: int) -> float:
-        """A request's tokens a drafting step, from its own `steps` drafting steps (`tokens`
-        over them, its drafts' and not), shrunk toward `prior` (`ROW_PRIOR_STEPS`)."""
-        return (tokens + ROW_PRIOR_STEPS * prior) / (steps + ROW_PRIOR_STEPS)
-
-    def slowest_of(self, n: int) -> float | None:
-        """What drafting gave the slowest of `n` requests, as read from the requests that
-        ended: their yields' 1 / (n + 1) quantile (None before `MIN_ENDED_YIELDS` of them)."""
-        if len(self.ended_yields) < MIN_ENDED_YIELDS:
-            return None
-        ordered = sorted(self.ended_yields)
-        return ordered[len(ordered) // (n + 1)]
-
-    def drain_factor(self, b: Bucket, rows: Sequence[tuple[int, int]]) -> float:
-        """What drafting's speed keeps where the batch may not refill: its yield weighed as
-        `share * mean + (1 - share) * slowest` over the mean (1 where every ending was
-        replaced, or no request's yield was given)."""
-        share = self.refills.share
-        if share >= 1.0 or not rows or b.on.tokens <= 0:
-            return 1.0
-        prior = self.slowest_of(len(rows))
-        prior = b.on.tokens if prior is None else prior
-        slowest = min(self.row_yield(prior, tokens, steps) for tokens, steps in rows)
-        return share + (1.0 - share) * min(slowest, b.on.tokens) / b.on.tokens
-
-    def observe_ended(self, tokens: int, steps: int) -> None:
-        """A request ended having made `tokens` on its `steps` drafting steps (counted from
-        `ROW_PRIOR_STEPS // 2` steps: fewer say little)."""
-        if steps >= max(1, ROW_PRIOR_STEPS // 2):
-            self.ended_yields.append(tokens / steps)
-
-    def observe_load(self, ended: int, arrived: int, waiting: int) -> None:
-        """A step ended `ended` requests; `arrived` had been submitted in all, `waiting` wait
-        (`Refills`)."""
-        self.refills.observe(self.clock(), ended, arrived, waiting)
 
     def owed_s(self, positions: int) -> float:
         """What the head's pass over `positions` put-off positions costs, as measured (nothing
@@ -438,11 +328,11 @@ class SpecPolicy:
         gain = (1.0 - 1.0 / speed) * b.step_s(True) * self.explore_every
         return gain >= owed_s
 
-    def recheck_every(self, b: Bucket, owed_s: float = 0.0, speed: float | None = None) -> int:
+    def recheck_every(self, b: Bucket, owed_s: float = 0.0) -> int:
         """Decisions between re-checks of the other arm: more, the more one costs (its speed
         gap, in steps as long as its own, plus `owed_s` of work it pays first, counted in the
-        faster arm's steps). `speed`: drafting's over plain's (default: the bucket's)."""
-        speed = b.speed_ratio() if speed is None else speed
+        faster arm's steps)."""
+        speed = b.speed_ratio()
         if speed is None or speed <= 0:
             return self.explore_every
         fast_s, slow_s = b.step_s(speed >= 1.0), b.step_s(speed < 1.0)

@@ -415,7 +415,7 @@ class _Alternating(SpecPolicy):
 
     calls = 0
 
-    def choose(self, num_decodes: int, owed_positions: int = 0, rows=()) -> bool:
+    def choose(self, num_decodes: int, owed_positions: int = 0) -> bool:
         self.calls += 1
         return self.calls % 2 == 0
 

@@ -201,87 +201,6 @@ def test_taking_drafting_up_is_priced_by_what_is_owed_now() -> None:
     assert policy.choose(5, owed_positions=100) is False
 
 
-def test_endings_count_as_replaced_where_work_waits_or_comes_soon() -> None:
-    """An ending request's slot is replaced where a request waits then, or one arrives within
-    the window; otherwise not. An arrival is counted once: one that replaces an earlier
-    ending (and still waits) does not also cover an ending of the same step."""
-    now = [0.0]
-    policy = SpecPolicy(clock=lambda: now[0], refill_window_s=0.1, refill_smoothing=0.5)
-    refills = policy.refills
-    policy.observe_load(ended=0, arrived=8, waiting=0)
-    policy.observe_load(ended=2, arrived=8, waiting=2)  # two waited: taken at once
-    assert refills.share == 1.0
-    now[0] = 1.0
-    policy.observe_load(ended=1, arrived=8, waiting=0)
-    now[0] = 1.05
-    policy.observe_load(ended=0, arrived=9, waiting=1)  # a client's next turn, in time
-    assert refills.share == 1.0
-    now[0] = 2.0
-    policy.observe_load(ended=1, arrived=9, waiting=0)
-    now[0] = 2.2
-    policy.observe_load(ended=0, arrived=9, waiting=0)  # nothing came: not replaced
-    assert refills.share == 0.5
-    now[0] = 2.3
-    policy.observe_load(ended=0, arrived=10, waiting=1)  # too late: replaces nothing
-    assert refills.share == 0.5
-    now[0] = 3.0
-    policy.observe_load(ended=1, arrived=10, waiting=0)
-    now[0] = 3.05
-    policy.observe_load(ended=1, arrived=11, waiting=1)  # replaces 3.0's, not its own
-    assert refills.share == 0.75
-    now[0] = 3.5
-    policy.observe_load(ended=0, arrived=11, waiting=0)
-    assert refills.share == 0.375
-
-
-def test_a_batch_that_does_not_refill_drafts_by_its_slowest_request() -> None:
-    """Drafting yields 2 tokens a request on average for a step 1.5x as long: 1.33x where
-    the batch refills. Where it does not, the batch ends with its slowest answer: with a
-    request that drafting gives 1 token a step, drafting loses, and only re-checks draft;
-    where every request gains 2, it still drafts. A request's own yield counts after its
-    first steps (shrunk toward the bucket's mean)."""
-    policy = SpecPolicy(explore_every=16, warmup_steps=1, explore_loss=0.01)
-    _serve(policy, 50, lambda i, d: 1.5 if d else 1.0, lambda i, d: 16 if d else 8)
-    b = policy.bucket(8)
-    assert b.speed_ratio() == pytest.approx(2 / 1.5, rel=0.01)
-    slow = [(40, 40)] + [(120, 40)] * 7  # one request got 1 token a drafting step
-    fast = [(80, 40)] * 8
-    assert policy.drain_factor(b, slow) == 1.0  # every ending so far was replaced
-    assert policy.choose(8, rows=slow) is True
-    policy.refills.share = 0.0  # (endings seen not replaced: the test above)
-    assert policy.drain_factor(b, slow) == pytest.approx((40 + 4 * 2) / 44 / 2)
-    assert policy.drain_factor(b, fast) == 1.0
-    assert policy.drain_factor(b, [(0, 0)] * 8) == 1.0  # none has drafted yet: the mean
-    picks = [policy.choose(8, rows=slow) for _ in range(64)]
-    assert 1 <= sum(picks) <= 4  # re-checks only
-    assert sum(policy.choose(8, rows=fast) for _ in range(10)) >= 9  # (a re-check at most)
-    policy.refills.share = 0.5  # half the endings replaced: halfway
-    assert policy.drain_factor(b, slow) == pytest.approx(0.5 + 0.5 * 48 / 44 / 2)
-
-
-def test_a_new_request_is_first_read_as_the_slowest_of_its_batch_among_those_that_ended() -> None:
-    """A turn's requests start with no drafting steps of their own. Read at the bucket's
-    mean, a group that does not refill drafts until its slow requests show; read as what the
-    slowest of as many requests gave among those that ended, it does not, where some of those
-    gained nothing. Requests that ended after fewer than two drafting steps say too little."""
-    policy = SpecPolicy(explore_every=16, warmup_steps=1, explore_loss=0.01)
-    _serve(policy, 50, lambda i, d: 1.5 if d else 1.0, lambda i, d: 16 if d else 8)
-    b = policy.bucket(8)
-    policy.refills.share = 0.0
-    new = [(0, 0)] * 8
-    assert policy.slowest_of(8) is None
-    assert policy.drain_factor(b, new) == 1.0  # (the mean stands in)
-    for tokens in [10] * 2 + [30] * 14:  # two of 16 ended requests gained nothing
-        policy.observe_ended(tokens, 10)
-    policy.observe_ended(5, 1)  # too few steps: not counted
-    assert len(policy.ended_yields) == 16
-    assert policy.slowest_of(8) == 1.0  # the slowest of 8: the 16 // 9 = 1st lowest
-    assert policy.slowest_of(1) == 3.0  # of one: the median
-    assert policy.drain_factor(b, new) == pytest.approx(1.0 / 2)
-    own = [(60, 20)] * 8  # 20 steps of their own at 3 tokens: (60 + 4 * 1) / 24
-    assert policy.drain_factor(b, own) == pytest.approx(min(64 / 24, 2) / 2)
-
-
 def test_a_backlog_is_priced_by_what_each_position_adds_to_a_pass() -> None:
     """A head pass has a fixed cost (one forward, its next guess) and a cost per position.
     Most passes that take drafting up cover a few positions; priced by their ratio, a
@@ -459,7 +378,7 @@ def test_a_drafting_step_whose_head_pass_waits_is_priced_as_if_it_ran() -> None:
 
     picks = iter([True] * 6 + [False, True] * 50)  # steady drafting, then re-checks between
     spec.eagle.catch_up, spec.policy.observe = dear_catch_up, observe
-    spec.policy.choose = lambda num_decodes, owed_positions=0, rows=(): next(picks, False)
+    spec.policy.choose = lambda num_decodes, owed_positions=0: next(picks, False)
     (prompt,) = _prompts(1)
     params = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
     (r,) = engine.generate([prompt], params)
@@ -484,7 +403,7 @@ def test_the_decoder_tells_the_policy_what_the_requests_owe_the_head(drafting: b
     engine = tiny_engine(model, drafter=mimic_drafter, adaptive=True)
     asked: list[tuple[int, int]] = []
 
-    def choose(num_decodes: int, owed_positions: int = 0, rows=()) -> bool:
+    def choose(num_decodes: int, owed_positions: int = 0) -> bool:
         asked.append((num_decodes, owed_positions))
         return drafting
 
@@ -499,44 +418,6 @@ def test_the_decoder_tells_the_policy_what_the_requests_owe_the_head(drafting: b
         assert decisions == [0] * len(decisions)
     else:  # the prompt's pass waits from the first step on, then one position a step
         assert decisions == [0] + [len(prompt) + i for i in range(len(decisions) - 1)]
-
-
-def test_a_batch_that_drains_stops_drafting_for_an_answer_it_cannot_speed_up() -> None:
-    """Two answers decode side by side after three short ones end, none replaced: one drafts
-    from the head (~3 tokens a verify), one cannot draft (a repetition penalty). A verify
-    costs 1.4 plain steps: by the batch's mean yield (~2 tokens a request) drafting is ~1.4x
-    faster, but the batch lasts as long as the answer that drafting gives one token a step, so
-    after the endings only re-checks draft. The decoder tells the policy the endings, the
-    arrivals and each request's yield on drafting steps. Outputs are the plain engine's; the
-    strict memory check runs after every step."""
-    model = tiny_model(num_hidden_layers=1, seed=3)
-    engine = tiny_engine(model, drafter=mimic_drafter, adaptive=True, max_rows=8)
-    FakeClock(engine, plain=1.0, verify=1.4)
-    policy = engine.speculative.policy
-    policy.refills.smoothing = 0.5
-    prompts = _prompts(5)
-    drafts = SamplingParams(max_tokens=160, temperature=0, ignore_eos=True)
-    penalised = SamplingParams(
-        max_tokens=160, temperature=0, ignore_eos=True, repetition_penalty=1.3
-    )
-    params = [drafts, penalised] + [
-        SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (4, 8, 12)
-    ]
-    rids = [engine.submit(ids, p) for ids, p in zip(prompts, params, strict=True)]
-    drafted_after: list[bool] = []
-    while engine.scheduler.has_work():
-        engine.step()
-        if len(engine.scheduler.running) == 2 and engine.scheduler.steps > 20:
-            drafted_after.append(engine.speculative.drafting)
-    results = [engine.take_result(r) for r in rids]
-    plain = tiny_engine(model)
-    expected = [plain.generate([ids], p)[0] for ids, p in zip(prompts, params, strict=True)]
-    assert [r.output_ids for r in results] == [r.output_ids for r in expected]
-    assert results[0].spec_accepted > 0 and results[1].spec_accepted == 0
-    assert policy.refills.share < 0.2
-    assert policy.bucket(2).speed_ratio() > 1.2  # drafting is the faster by the mean
-    assert len(drafted_after) > 60
-    assert sum(drafted_after) <= len(drafted_after) // 10
 
 
 def test_an_unsure_heads_chains_stop_after_one_draft() -> None:
@@ -737,7 +618,7 @@ def test_history_drafts_below_the_floor_wait_and_are_judged_by_the_target(floor)
     )
     FakeClock(engine, plain=1.0, verify=1.0)
     spec = engine.speculative
-    spec.policy.choose = lambda num_decodes, owed_positions=0, rows=(): True
+    spec.policy.choose = lambda num_decodes, owed_positions=0: True
     spec.policy.draft_floor = lambda num_decodes: floor
     (prompt,) = _prompts(1)
     answer = hf_greedy(model, prompt, GREEDY.max_tokens)
@@ -778,7 +659,7 @@ def test_a_source_its_floor_declines_leaves_the_request_to_the_head() -> None:
         model, drafter=mimic_drafter, history_drafts=True, adaptive=True, min_draft_confidence=0.5
     )
     spec = engine.speculative
-    spec.policy.choose = lambda num_decodes, owed_positions=0, rows=(): True
+    spec.policy.choose = lambda num_decodes, owed_positions=0: True
     spec._expected = lambda req, source, n: 2.0 if source == "history" else 1.0
     history, verified = spec.history, {"history": 0, "eagle": 0}
 
@@ -820,7 +701,7 @@ def test_a_seeded_answer_does_not_depend_on_the_measured_floor() -> None:
             model, history_drafts=True, num_drafts=4, adaptive=True, min_draft_confidence=0.0
         )
         spec = engine.speculative
-        spec.policy.choose = lambda num_decodes, owed_positions=0, rows=(): True
+        spec.policy.choose = lambda num_decodes, owed_positions=0: True
         spec.policy.draft_floor = lambda num_decodes, floor=floor: floor
 
         def draft_len(req, limit: int) -> int:

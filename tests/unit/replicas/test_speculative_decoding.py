@@ -321,9 +321,7 @@ def test_a_turn_leaves_the_heads_put_off_catch_up_to_the_sessions_next_turn(
             overlap=overlap,
         )
         drafting = [False]
-        monkeypatch.setattr(
-            engine.speculative.policy, "choose", lambda n, owed, rows=(), d=drafting: d[0]
-        )
+        monkeypatch.setattr(engine.speculative.policy, "choose", lambda n, owed, d=drafting: d[0])
         passes = _head_passes(engine)
         sid = engine.open_session()
         (r1,) = engine.generate([first], GREEDY, session_id=sid)
@@ -355,7 +353,7 @@ def test_a_turn_leaves_the_heads_put_off_catch_up_to_the_sessions_next_turn(
     theirs = fresh.speculative.eagle.pool.k[0][match.slots[: kept - 1]]
     torch.testing.assert_close(ours[check], theirs[check], atol=1e-4, rtol=1e-4)
     # a turn that fails drops what it carried: nothing waits for a session whose turn failed
-    monkeypatch.setattr(engine.speculative.policy, "choose", lambda n, owed, rows=(): False)
+    monkeypatch.setattr(engine.speculative.policy, "choose", lambda n, owed: False)
     engine.generate([_prompts(22, (6,))[0]], GREEDY, session_id=sid)
     assert engine.sessions.records[sid].head_backlog is not None
     rid = engine.submit(_prompts(23, (6,))[0], GREEDY, session_id=sid)
@@ -377,7 +375,7 @@ def test_a_turn_that_ends_keeps_the_policys_choice_and_its_backlog(monkeypatch) 
     engine = tiny_engine(model, drafter=random_drafter, page_size=1, adaptive=True)
     asked: list[int] = []
 
-    def choose(num_decodes: int, owed: int, rows=()) -> bool:
+    def choose(num_decodes: int, owed: int) -> bool:
         asked.append(num_decodes)
         return num_decodes == 0  # as the policy did for no one with drafting the faster arm
 
@@ -405,7 +403,7 @@ def test_a_turn_ending_as_drafting_resumes_carries_its_backlog(monkeypatch, over
     transformers does."""
     model = tiny_model(seed=3)
     engine = tiny_engine(model, drafter=random_drafter, page_size=1, adaptive=True, overlap=overlap)
-    monkeypatch.setattr(engine.speculative.policy, "choose", lambda n, owed, rows=(): n < 2)
+    monkeypatch.setattr(engine.speculative.policy, "choose", lambda n, owed: n < 2)
     passes = _head_passes(engine)
     short, long = engine.open_session(), engine.open_session()
     first, other, second = _prompts(25, (12, 10, 7))
