@@ -41,11 +41,10 @@ engine having served the workload once unmeasured first, as a serving replica lo
 Last line: JSON with accept_len (mean tokens per verify step, EAGLE's tau, head, chat, first
 concurrency), speedup_1/_8/_32 (head, chat: decode tokens/s with / without speculation),
 speedup_agent_1 (history drafter, agent workload), with --forced-too the same keys prefixed
-forced_ (speedup_forced_1, ...), the policy's per-bucket measurements (and, with the head
-beside history drafts, the head policy's: `head_policy_<point>`) and the speculative engine's
-forwards timed by kind (`forward_ms_<point>`: ms a decode, a verify and a prompt step, and
-`verify_over_decode`, what a verify costs over a decode here; and the plain engine's decode
-step, `plain_engine_decode`, with `decode_over_plain_engine`: where
+forced_ (speedup_forced_1, ...), the policy's per-bucket measurements and
+the speculative engine's forwards timed by kind (`forward_ms_<point>`: ms a decode, a verify
+and a prompt step, and `verify_over_decode`, what a verify costs over a decode here; and the
+plain engine's decode step, `plain_engine_decode`, with `decode_over_plain_engine`: where
 that is well above 1, the speculative engine's plain steps ran slower than the plain
 engine's in the same rounds, which no drafting explains).
 """
@@ -495,7 +494,6 @@ def _report(key: str, arm: _Arm, plain: _Arm, summary: dict) -> None:
     s = arm.engine.spec_stats.as_dict()
     by_source = {k: v.as_dict()["mean_accept_len"] for k, v in spec_dec.by_source.items()}
     policy = spec_dec.policy.summary() if spec_dec.policy else {}
-    head_policy = spec_dec.head_policy.summary() if spec_dec.head_policy else {}
     share = {k: round(v / arm.seconds, 4) for k, v in arm.spent.items()}
     print(
         f"{key}: decode {plain_tps:.1f} tok/s plain, {spec_tps:.1f} tok/s speculative -> "
@@ -506,8 +504,6 @@ def _report(key: str, arm: _Arm, plain: _Arm, summary: dict) -> None:
     )
     if policy:
         print(f"  policy per batch bucket: {policy}")
-    if head_policy:
-        print(f"  head policy (may draft from the head / history alone): {head_policy}")
     print(f"  the decoder's own work, share of decode time: {share}")
     ms = {k: round(1e3 * t / n, 2) for k, (t, n) in arm.forwards.items() if n}
     if "decode" in ms and "verify" in ms:
@@ -529,8 +525,6 @@ def _report(key: str, arm: _Arm, plain: _Arm, summary: dict) -> None:
     summary[f"histogram_{key}"] = s["accept_len_histogram"]
     summary[f"identical_{key}"] = arm.same
     summary[f"policy_{key}"] = policy
-    if head_policy:
-        summary[f"head_policy_{key}"] = head_policy
     summary[f"drafting_share_{key}"] = share
     summary[f"forward_ms_{key}"] = ms
 

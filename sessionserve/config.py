@@ -187,9 +187,7 @@ class SpecConfig(_Strict):
         "whole session history (no weights, no forward). Pays where answers "
         "repeat their context: agents quoting tool output, code edits, JSON. With an EAGLE "
         "head too, each request drafts from the source whose record (how often its drafts "
-        "were kept) promises more tokens, and with `adaptive` the head drafts only while the "
-        "engine measures it paying beside history drafts (its proposals and catch-up cost "
-        "time that history drafts do not).",
+        "were kept) promises more tokens.",
     )
     history_min_match: int = Field(
         2, ge=1, le=16, description="Shortest suffix the history drafter looks up (tokens)."

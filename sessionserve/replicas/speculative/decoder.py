@@ -76,8 +76,6 @@ class StepMark:
 
     choice: int
     started: float | None
-    drafting: bool = True  # the policy's choice it was scheduled under
-    head: bool = True  # and the head policy's (history drafts beside a head)
     caught_up_deferred: bool = False
     head_s: float = 0.0  # the head's catch-up pass of this step (timed with a policy)
     head_positions: int = 0  # the positions that pass covered
@@ -124,15 +122,6 @@ class SpeculativeDecoder:
         self.stats = SpecStats()
         self.by_source: dict[str, SpecStats] = {}
         self.drafting = True  # the policy's choice for the coming step
-        # with history drafts beside a head, a second policy of the same kind weighs drafting
-        # steps that may draft from the head against those that draft from history alone
-        # (`_may_draft_head`), on the same clock
-        self.head_policy = (
-            SpecPolicy(clock=lambda: self.policy.clock())
-            if policy is not None and eagle is not None and history is not None
-            else None
-        )
-        self.head_drafting = True  # the head policy's choice for the coming step
         self.draft_floor = 0.0  # the policy's measured floor for the coming step's drafts
         self.choices = 0  # how many choices the policy made (a step's mark names the last)
         self._marks: dict[int, StepMark] = {}  # by step number, from propose to finish_step
@@ -190,7 +179,7 @@ class SpeculativeDecoder:
             if n:
                 offers.append((self._expected(req, "history", n), n, "history"))
                 d.offered.append((req.num_tokens, d.history_tokens[:n]))
-        if self.eagle is not None and self._may_draft_head(req):
+        if self.eagle is not None:
             n = self.eagle.draft_len(req, self.limit)
             if n:
                 offers.append((self._expected(req, "eagle", n), n, "eagle"))
@@ -242,16 +231,6 @@ class SpeculativeDecoder:
         would make its answer depend on the load, so it drafts by its own record only."""
         return self.drafting or self._seeded(req)
 
-    def _may_draft_head(self, req: Request) -> bool:
-        """The head policy's choice (history drafts beside the head), except for a seeded
-        sampled request, as in `_may_draft`. The head's proposals and its pass over every
-        committed position cost a drafting step ~15-20% of a plain one on two cores, and
-        where its drafts are kept little that is more than they gain beside history drafts,
-        which cost nothing to propose: chat at one request read 1.25x with both against
-        1.37x with history drafts alone (SmolLM2, bf16, docs/benchmarks.md). While it does
-        not draft, the head's pass waits (`catch_up`), as when drafting is off."""
-        return self.head_drafting or self._seeded(req)
-
     @staticmethod
     def _seeded(req: Request) -> bool:
         p = req.sampling
@@ -295,9 +274,7 @@ class SpeculativeDecoder:
             s.end - s.start == 1 and s.samples for s in batch.seqs
         ):
             started = self.policy.clock()
-        self._marks[batch.step] = StepMark(
-            self.choices, started, self.drafting, self.head_drafting or self.head_policy is None
-        )
+        self._marks[batch.step] = StepMark(self.choices, started)
         seqs = [s for s in batch.seqs if s.num_drafts]
         chains: dict[str, Drafts] = {}
         for s in seqs:
@@ -402,10 +379,7 @@ class SpeculativeDecoder:
         # would count as a re-check and decide whether an ending turn catches the head up
         if self.policy is not None and decoding and (mark is None or mark.choice == self.choices):
             owed = sum(self._owed(s) for s in batch.seqs if s.req.rid in decoding)
-            # taking drafting up pays the head's backlog only where the head drafts
-            self.drafting = self.policy.choose(len(decoding), owed if self.head_drafting else 0)
-            if self.drafting and self.head_policy is not None:
-                self.head_drafting = self.head_policy.choose(len(decoding), owed)
+            self.drafting = self.policy.choose(len(decoding), owed)
             self.draft_floor = self.policy.draft_floor(len(decoding)) or 0.0
             self.choices += 1
         if self.eagle is None or out.hidden is None:
@@ -419,8 +393,7 @@ class SpeculativeDecoder:
             first, end = out.layout[req.rid].flat_start, req.kv.committed_len
             hidden: torch.Tensor = out.hidden[first : first + end - s.start]
             going_on = req.rid in decoding
-            wants = going_on and self._may_draft(req) and self._may_draft_head(req)
-            wants = wants and self.eagle.eligible(req)
+            wants = going_on and self._may_draft(req) and self.eagle.eligible(req)
             wants = wants and not d.copying
             d.resume_at(s.start)
             puts_off = (going_on and not wants) or (
@@ -445,8 +418,6 @@ class SpeculativeDecoder:
             if mark.caught_up_deferred:  # what taking drafting up again costs (policy.py):
                 # the head's pass over the positions deferred while the batch did not draft
                 policy.observe_switch(mark.head_positions, mark.head_s)
-                if self.head_policy is not None:
-                    self.head_policy.observe_switch(mark.head_positions, mark.head_s)
 
     def _owed(self, s: ScheduledSeq) -> int:
         """Positions before this step whose head pass `s`'s request put off and would pay
@@ -489,33 +460,19 @@ class SpeculativeDecoder:
             return
         now, last_end = self.policy.clock(), self._last_end
         self._last_end = now
-        if mark.started is None:
+        speculated = any(s.num_drafts for s in batch.seqs)
+        if mark.started is None or (speculated and mark.caught_up_deferred):
             return
         started = mark.started if last_end is None else max(mark.started, last_end)
+        seconds = now - started - (0.0 if speculated else mark.head_s)
         tokens = sum(len(emitted[0]) for emitted in out.emitted.values())
-        drafts = sum(s.num_drafts for s in batch.seqs)
-        observed = (len(batch.seqs), tokens, now - started, mark, drafts)
-        self._observe(self.policy, drafts > 0, *observed)
-        if self.head_policy is not None and mark.drafting:
-            # the head policy's arms: steps that drafted with the head allowed, and without
-            self._observe(self.head_policy, mark.head, *observed)
-
-    @staticmethod
-    def _observe(
-        policy: SpecPolicy,
-        on: bool,
-        rows: int,
-        tokens: int,
-        seconds: float,
-        mark: StepMark,
-        drafts: int,
-    ) -> None:
-        """One step for `policy`, on its drafting arm or not (`finish_step` says which steps
-        count and how they are timed). A step with the head not allowed puts its pass off
-        for the head policy's sake, not the drafting policy's: that backlog is priced when
-        the head is taken up (`choose`), so the drafting policy is not charged for it."""
-        if on and mark.caught_up_deferred:
-            return
-        put_off = mark.put_off if mark.head else 0
-        seconds -= 0.0 if on else mark.head_s
-        policy.observe(rows, on, tokens, seconds, mark.head_s, mark.head_positions, put_off, drafts)
+        self.policy.observe(
+            len(batch.seqs),
+            speculated,
+            tokens,
+            seconds,
+            mark.head_s,
+            mark.head_positions,
+            mark.put_off,
+            sum(s.num_drafts for s in batch.seqs),
+        )

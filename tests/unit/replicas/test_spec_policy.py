@@ -660,7 +660,6 @@ def test_a_source_its_floor_declines_leaves_the_request_to_the_head() -> None:
     )
     spec = engine.speculative
     spec.policy.choose = lambda num_decodes, owed_positions=0: True
-    spec.head_policy.choose = lambda num_decodes, owed_positions=0: True
     spec._expected = lambda req, source, n: 2.0 if source == "history" else 1.0
     history, verified = spec.history, {"history": 0, "eagle": 0}
 
@@ -714,54 +713,3 @@ def test_a_seeded_answer_does_not_depend_on_the_measured_floor() -> None:
         runs.append((r.output_ids, r.spec_steps))
     assert runs[0] == runs[1]
     assert runs[0][1] >= 50  # (every step but the last few verified its chain)
-
-
-@pytest.mark.parametrize("overlap", [False, True])
-@pytest.mark.parametrize("head_cost", [4.0, 0.0])
-def test_beside_history_drafts_the_head_drafts_only_where_it_pays(
-    head_cost: float, overlap: bool
-) -> None:
-    """With history drafts beside a head, a second policy weighs drafting steps that may
-    draft from the head against those that draft from history alone (drafting itself kept
-    on here). A head proposal costs `head_cost` plain steps on the fake clock: at 4 its kept
-    drafts do not pay that, and after its warm-up the head drafts only on re-checks while
-    history drafts go on (the head's pass waits meanwhile, and is caught up when it drafts
-    again); free, it keeps drafting. Greedy output equals transformers' either way; the
-    strict memory check runs every step."""
-    model = tiny_model(num_hidden_layers=1, seed=3)
-    engine = tiny_engine(
-        model, drafter=mimic_drafter, history_drafts=True, adaptive=True, overlap=overlap
-    )
-    clock = FakeClock(engine, plain=1.0, verify=1.2)
-    spec = engine.speculative
-    spec.policy.choose = lambda num_decodes, owed_positions=0: True
-    spec.policy.draft_floor = lambda num_decodes: None  # (history chains cut by their record)
-    spec.head_policy.max_explore_every = 16  # a few re-checks within the answers
-    spec.head_policy.max_explore_s = 0.0  # (the cap in decisions alone)
-    propose, proposals = spec.eagle.propose, []
-
-    def dear_propose(reqs, lens):
-        proposals.append(len(reqs))
-        clock.now += head_cost
-        return propose(reqs, lens)
-
-    spec.eagle.propose = dear_propose
-    params = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)
-    for prompt in _prompts(3):  # one at a time: every step in the one-request bucket
-        (r,) = engine.generate([prompt], params)
-        assert r.output_ids == hf_greedy(model, prompt, params.max_tokens)
-    arms = spec.head_policy.summary()["1"]
-    decisions = arms["spec_steps"] + arms["plain_steps"]
-    assert decisions > 60
-    if head_cost > 0:
-        assert arms["spec_request_tokens_per_s"] < arms["plain_request_tokens_per_s"]
-        # 2 warm-up steps, then at most every 16th decision
-        assert 4 <= len(proposals) <= 2 + decisions // 16 + 1, (proposals, arms)
-        assert spec.by_source["history"].steps > 2 * len(proposals)  # history went on
-    else:
-        assert arms["spec_request_tokens_per_s"] > arms["plain_request_tokens_per_s"]
-        assert arms["plain_steps"] <= 2 + decisions // 16 + 1, arms
-        assert spec.by_source["eagle"].steps > 50 and spec.by_source["eagle"].accepted > 100
-    engine.cache.flush()
-    terms = engine.checker.check_idle()
-    assert terms.free == terms.total
