@@ -4,7 +4,7 @@ Two workloads, each run plain and speculative in the same process on the same fo
 (compiled, as `serve run` decodes on this machine, unless --no-compile):
 - chat: sessions answer prompts that are not in the drafter's training set (two greedy turns
   each: a question, then a follow-up). Drafts from the EAGLE head (`--drafter`); also with the
-  history drafter beside it, which should neither help nor hurt here.
+  history drafter beside it (`chat_head_history_<c>`, at each --agent-concurrency).
 - agent: sessions are handed a tool's output (a config file, a JSON listing, a log, code) and
   asked to give it back edited, then edited again: what agents do. As agent frameworks do, the
   answer is started for the model (the code fence and the file's first line) and stops at the
@@ -624,7 +624,9 @@ def main() -> int:
         return 2
     assert not set(EVAL_PROMPTS) & set(shipped_prompts()), "eval prompts must be unseen"
     prompts = shipped_prompts()[: len(EVAL_PROMPTS)] if args.seen_prompts else EVAL_PROMPTS
-    chat = Workload("chat", [(Turn(p), Turn(FOLLOW_UP)) for p in prompts], (), args.ignore_eos)
+    chat = Workload(
+        "chat", [(Turn(p), Turn(FOLLOW_UP)) for p in prompts], ignore_eos=args.ignore_eos
+    )
     agent = replace(AGENT, ignore_eos=args.ignore_eos)
     setup_threads(args.threads)
     loaded = load(dtype=getattr(torch, args.dtype))
