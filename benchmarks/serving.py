@@ -7,7 +7,10 @@ Workloads (greedy, `ignore_eos` so every server writes exactly the requested tok
   single     one-turn requests: a ~300-token prompt, 64 tokens, at concurrency 1 and 8
   pressure   N conversations taking turns in a random order (seeded), C at a time: with more
              live conversations than the server's KV holds, an LRU prefix cache evicts the
-             histories that come back next; sessions keep them (size both servers' KV alike)
+             histories that come back next; sessions keep them (size both servers' KV alike:
+             for ~16 of the 64 conversations, ~730 tokens each at their end, as
+             serve-cpu-bench-bf16-pressure.yaml and vLLM's --num-gpu-blocks-override 92 do;
+             1 GiB of bf16 KV holds them all)
 Two servers can also run one after the other: `--save a.json` on the first run, then
 `--against a.json` on the second prints the ratios (this run / that run).
 Every request carries `x-session-id: <conversation>` (sessionserve pins and keeps the session;
