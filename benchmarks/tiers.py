@@ -13,24 +13,15 @@
    every round, --cold ones every 4th, in a pool holding 60% of their KV; session-cache hit
    rate (cached / prompt tokens), mean TTFT and re-prefilled tokens with the host tier on and
    off. ttft_gain_hotcold = mean TTFT off / on.
-4. The tier's copies under churn: --churn-sessions sessions of 200-700 tokens take short turns
-   in a random order over a pool holding a quarter of them, so most turns restore their
-   session from the host tier and spill others to make room. Blocks of turns alternate two
-   arms in one engine: the tier's spare buffers kept (what it does: a spill lands in memory
-   it has touched before) and dropped before every turn (a spill into new memory, as before
-   the tier recycled them). Mean restore time (the copy back, and the spills that made room
-   for it) and next-turn TTFT per arm; copy_gain_churn = restore time dropped / kept.
 All figures are medians of --repeats (part 1, 2) on the default model (SmolLM2-135M, fp32),
 radix cache off (so "re-prefill" is really the whole history). Last line: JSON.
 
     .venv/bin/python -m benchmarks.tiers [--histories 2048 7936] [--repeats 3] [--threads 2]
-    .venv/bin/python -m benchmarks.tiers --only churn [--churn-sessions 32 --churn-turns 256]
 """
 
 from __future__ import annotations
 
 import argparse
-import random
 import time
 
 import torch
@@ -140,36 +131,6 @@ def hot_cold(loaded, hot: int, cold: int, rounds: int, tier: bool) -> dict[str, 
     }
 
 
-def churn(loaded, sessions: int, turns: int, block: int) -> dict[str, dict[str, float]]:
-    rng = random.Random(7)
-    sizes = [rng.randrange(200, 700) for _ in range(sessions)]
-    slots = sum(sizes) // 4 // 16 * 16  # the pool holds about a quarter of them
-    eng = engine(loaded, radix=False, num_slots=slots + 1024, host_tier_bytes=HOST_TIER)
-    tier = eng.cache.host_tier
-    sids = [eng.open_session() for _ in range(sessions)]
-    for i, (sid, n) in enumerate(zip(sids, sizes, strict=True)):
-        eng.generate([ids(5000 + i, n)], ONE_TOKEN, session_id=sid)
-    print(f"  {sessions} sessions of {min(sizes)}-{max(sizes)} tokens, pool {slots + 1024}")
-    out = {arm: {"restore": [], "ttft": []} for arm in ("kept", "dropped")}
-    for t in range(turns):
-        arm = ("kept", "dropped")[(t // block) % 2]
-        if arm == "dropped":  # every spill of this turn goes to new memory
-            tier.free_spares()
-        done = len(tier.restore_seconds)
-        (r,) = eng.generate([ids(9000 + t, 8)], ONE_TOKEN, session_id=rng.choice(sids))
-        if r.cached_source == "host":
-            out[arm]["restore"].append(tier.restore_seconds[done])
-            out[arm]["ttft"].append(r.ttft_s)
-    return {
-        arm: {
-            "restores": len(v["restore"]),
-            "restore_ms": 1000 * sum(v["restore"]) / max(1, len(v["restore"])),
-            "ttft_ms": 1000 * sum(v["ttft"]) / max(1, len(v["ttft"])),
-        }
-        for arm, v in out.items()
-    } | {"reuses": {"total": tier.reused_total, "parks": tier.parked_total}}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--histories", type=int, nargs="+", default=[2048, 7936])
@@ -178,73 +139,49 @@ def main() -> None:
     ap.add_argument("--hot", type=int, default=16)
     ap.add_argument("--cold", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=8)
-    ap.add_argument("--churn-sessions", type=int, default=32)
-    ap.add_argument("--churn-turns", type=int, default=256)
-    ap.add_argument("--churn-block", type=int, default=8, help="turns an arm runs in a row")
-    parts = ("ttft", "migration", "hotcold", "churn")
-    ap.add_argument("--only", nargs="+", choices=parts, default=list(parts))
     args = ap.parse_args()
     setup_threads(args.threads)
     loaded = load()
     summary: dict = {"benchmark": "tiers", "machine": machine()}
 
-    if "ttft" in args.only:
-        print("== 1. next-turn TTFT: resident / host tier / re-prefill ==")
-        for n in args.histories:
-            t = next_turn_ttft(loaded, n, args.repeats)
-            k = f"{round(n / 1024)}k"
-            summary |= {
-                f"ttft_ms_resident_{k}": round(1000 * t["resident"], 1),
-                f"ttft_ms_host_{k}": round(1000 * t["host"], 1),
-                f"ttft_ms_reprefill_{k}": round(1000 * t["reprefill"], 1),
-                f"restore_speedup_{k}": round(t["reprefill"] / t["host"], 1),
-                f"kv_mib_{k}": round(t["kv_bytes"] / 2**20, 1),
-            }
-
-    if "migration" in args.only:
-        print("== 2. migration: export + object store + import vs re-prefill on the target ==")
-        n = args.histories[0]
-        m = migration(loaded, n, args.repeats)
+    print("== 1. next-turn TTFT: resident / host tier / re-prefill ==")
+    for n in args.histories:
+        t = next_turn_ttft(loaded, n, args.repeats)
         k = f"{round(n / 1024)}k"
         summary |= {
-            f"migrate_ms_{k}": round(1000 * m["move_s"], 1),
-            f"migrate_reprefill_ms_{k}": round(1000 * m["reprefill_s"], 1),
-            f"migrate_mib_{k}": round(m["kv_bytes"] / 2**20, 1),
-            f"migrate_speedup_{k}": round(m["reprefill_s"] / m["move_s"], 1),
+            f"ttft_ms_resident_{k}": round(1000 * t["resident"], 1),
+            f"ttft_ms_host_{k}": round(1000 * t["host"], 1),
+            f"ttft_ms_reprefill_{k}": round(1000 * t["reprefill"], 1),
+            f"restore_speedup_{k}": round(t["reprefill"] / t["host"], 1),
+            f"kv_mib_{k}": round(t["kv_bytes"] / 2**20, 1),
         }
 
-    if "hotcold" in args.only:
-        print(
-            f"== 3. hot/cold: {args.hot} hot + {args.cold} cold sessions, {args.rounds} rounds =="
-        )
-        runs = {}
-        for tier in (False, True):
-            runs[tier] = hot_cold(loaded, args.hot, args.cold, args.rounds, tier)
-            print(f"  host tier {'on ' if tier else 'off'}: {runs[tier]}", flush=True)
-        off, on = runs[False], runs[True]
-        summary |= {
-            "hotcold_hit_rate_off": round(off["hit_rate"], 3),
-            "hotcold_hit_rate_on": round(on["hit_rate"], 3),
-            "hotcold_mean_ttft_ms_off": round(1000 * off["mean_ttft_s"], 1),
-            "hotcold_mean_ttft_ms_on": round(1000 * on["mean_ttft_s"], 1),
-            "hotcold_reprefilled_tokens_off": off["reprefilled_tokens"],
-            "hotcold_reprefilled_tokens_on": on["reprefilled_tokens"],
-            "ttft_gain_hotcold": round(off["mean_ttft_s"] / on["mean_ttft_s"], 2),
-        }
+    print("== 2. migration: export + object store + import vs re-prefill on the target ==")
+    n = args.histories[0]
+    m = migration(loaded, n, args.repeats)
+    k = f"{round(n / 1024)}k"
+    summary |= {
+        f"migrate_ms_{k}": round(1000 * m["move_s"], 1),
+        f"migrate_reprefill_ms_{k}": round(1000 * m["reprefill_s"], 1),
+        f"migrate_mib_{k}": round(m["kv_bytes"] / 2**20, 1),
+        f"migrate_speedup_{k}": round(m["reprefill_s"] / m["move_s"], 1),
+    }
 
-    if "churn" in args.only:
-        print("== 4. the tier's copies under churn: spare buffers kept / dropped ==")
-        c = churn(loaded, args.churn_sessions, args.churn_turns, args.churn_block)
-        for arm in ("kept", "dropped"):
-            print(f"  spares {arm:>7}: {c[arm]}", flush=True)
-        print(f"  buffers reused: {c['reuses']['total']} of {c['reuses']['parks']} parks")
-        summary |= {
-            "churn_restore_ms_kept": round(c["kept"]["restore_ms"], 2),
-            "churn_restore_ms_dropped": round(c["dropped"]["restore_ms"], 2),
-            "churn_ttft_ms_kept": round(c["kept"]["ttft_ms"], 1),
-            "churn_ttft_ms_dropped": round(c["dropped"]["ttft_ms"], 1),
-            "copy_gain_churn": round(c["dropped"]["restore_ms"] / c["kept"]["restore_ms"], 2),
-        }
+    print(f"== 3. hot/cold: {args.hot} hot + {args.cold} cold sessions, {args.rounds} rounds ==")
+    runs = {}
+    for tier in (False, True):
+        runs[tier] = hot_cold(loaded, args.hot, args.cold, args.rounds, tier)
+        print(f"  host tier {'on ' if tier else 'off'}: {runs[tier]}", flush=True)
+    off, on = runs[False], runs[True]
+    summary |= {
+        "hotcold_hit_rate_off": round(off["hit_rate"], 3),
+        "hotcold_hit_rate_on": round(on["hit_rate"], 3),
+        "hotcold_mean_ttft_ms_off": round(1000 * off["mean_ttft_s"], 1),
+        "hotcold_mean_ttft_ms_on": round(1000 * on["mean_ttft_s"], 1),
+        "hotcold_reprefilled_tokens_off": off["reprefilled_tokens"],
+        "hotcold_reprefilled_tokens_on": on["reprefilled_tokens"],
+        "ttft_gain_hotcold": round(off["mean_ttft_s"] / on["mean_ttft_s"], 2),
+    }
     print(f"\nmachine: {machine()}")
     emit(summary)
 

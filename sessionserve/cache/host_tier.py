@@ -140,12 +140,6 @@ class HostTier:
         while self.spares and self.held_bytes > self.budget_bytes:
             self._unspare(self.spares[0])
 
-    def free_spares(self) -> None:
-        """Give the spare buffers back to the allocator (the process may keep or return
-        them); parked snapshots stay."""
-        while self.spares:
-            self._unspare(self.spares[0])
-
     def _evict_least_recent(self) -> None:
         session_id = next(iter(self.entries))
         self.drop(session_id)
