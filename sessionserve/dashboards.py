@@ -280,13 +280,11 @@ def kv_and_sessions() -> Dashboard:
                     (rate("host_tier_parks_total"), "parks/s"),
                     (rate("host_tier_restores_total"), "restores/s"),
                     (rate("host_tier_evictions_total"), "host evictions/s"),
-                    (rate("host_tier_buffer_reuses_total"), "buffer reuses/s"),
                     (f"{quantile(0.5, 'host_tier_restore_seconds')} or vector(0)", "restore p50 s"),
                 ],
-                "ray_sessionserve_host_tier_{parks,restores,evictions,buffer_reuses}_total per "
-                "second (evictions: parked KV dropped for the budget, that session re-prefills; "
-                "buffer reuses: parks into host memory the tier kept, on a CPU replica) and the "
-                "median of ray_sessionserve_host_tier_restore_seconds.",
+                "ray_sessionserve_host_tier_{parks,restores,evictions}_total per second "
+                "(evictions: parked KV dropped for the budget, that session re-prefills) and "
+                "the median of ray_sessionserve_host_tier_restore_seconds.",
             ),
             Panel(
                 "Session migrations",
