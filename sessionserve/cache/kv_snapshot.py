@@ -91,7 +91,6 @@ def _from_raw(raw: np.ndarray, dtype: torch.dtype, shape: tuple[int, ...]) -> to
 
 
 Alloc = Callable[[int], "torch.Tensor | None"]  # bytes -> a flat uint8 host buffer, or None
-_ALIGN = 64  # bytes: where each part of a lent buffer starts (every dtype's alignment, a line)
 
 
 def gather(
@@ -143,6 +142,9 @@ def _carve(parts: list[tuple], alloc: Alloc | None) -> tuple[list, torch.Tensor 
         outs.append(buffer[offset : offset + size].view(dtype).view(shape))
         offset += span
     return outs, buffer
+
+
+_ALIGN = 64  # bytes: every dtype's alignment, and a cache line
 
 
 def _copy_out(
