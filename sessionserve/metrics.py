@@ -56,11 +56,6 @@ REPLICA_METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "sessionserve_host_tier_parks": ("counter", "Idle sessions' KV copied to the host tier", ()),
     "sessionserve_host_tier_restores": ("counter", "Sessions' KV copied back from host", ()),
     "sessionserve_host_tier_evictions": ("counter", "Parked KV dropped for the host budget", ()),
-    "sessionserve_host_tier_buffer_reuses": (
-        "counter",
-        "Parks copied into host memory the tier kept from an earlier snapshot (none touched anew)",
-        (),
-    ),
     "sessionserve_host_tier_restore_seconds": (
         "histogram",
         "Time to copy a parked session's KV back into the pool (host side)",

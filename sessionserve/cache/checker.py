@@ -186,8 +186,7 @@ class MemoryChecker:
         tier = self.cache.host_tier
         if tier is None:
             return 0, 0
-        total = capacity = 0
-        buffers = [b.data_ptr() for b in tier.spares]
+        total = 0
         for sid, snap in tier.entries.items():
             slot = self.cache.session_slots.get(sid)
             if slot is None:
@@ -199,21 +198,10 @@ class MemoryChecker:
             ):
                 problems.append(f"host tier: session {sid!r}'s KV length != its tokens")
             total += snap.nbytes
-            capacity += snap.capacity
-            if snap.buffer is not None:
-                buffers.append(snap.buffer.data_ptr())
         if total != tier.bytes_in_use:
             problems.append(f"host tier: counts {tier.bytes_in_use} bytes, holds {total}")
-        spare = sum(b.numel() for b in tier.spares)
-        if (capacity, spare) != (tier.entry_capacity, tier.spare_bytes):
-            problems.append(
-                f"host tier: counts {tier.entry_capacity} + {tier.spare_bytes} spare bytes "
-                f"held, holds {capacity} + {spare}"
-            )
-        if len(set(buffers)) != len(buffers):
-            problems.append("host tier: one buffer lent twice (two snapshots, or one and spare)")
-        if capacity + spare > tier.budget_bytes:
-            problems.append(f"host tier: holds {capacity + spare} bytes, over its budget")
+        if tier.bytes_in_use > tier.budget_bytes:
+            problems.append(f"host tier: {tier.bytes_in_use} bytes over its budget")
         return total, len(tier.entries)
 
     def check_busy(self, live: Iterable[RequestKV]) -> MemoryTerms:

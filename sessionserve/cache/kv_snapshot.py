@@ -14,9 +14,8 @@ the session goes on from, which is all the replica holds of them.
 
 from __future__ import annotations
 
-import math
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -35,19 +34,10 @@ class KVSnapshot:
     # num_kv_heads, head_dim]; empty otherwise
     sliding_kv: list[torch.Tensor] = field(default_factory=list)
     sliding_from: int = 0
-    # the flat host buffer the tensors above are carved from, when the host tier lent it
-    # (`HostTier.buffer`): the tier takes it back once the snapshot is restored or dropped
-    buffer: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.kv) + sum(t.nbytes for t in self.sliding_kv)
-
-    @property
-    def capacity(self) -> int:
-        """The host memory it holds: its buffer's size when carved from one (a reused buffer
-        may be larger than the KV in it), else its bytes."""
-        return self.buffer.numel() if self.buffer is not None else self.nbytes
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -67,7 +57,6 @@ class KVSnapshot:
         self.kv = [_from_raw(raw, dtype, shape) for raw, dtype, shape in state["kv"]]
         self.sliding_kv = [_from_raw(r, dtype, shape) for r, dtype, shape in state["sliding_kv"]]
         self.sliding_from = state["sliding_from"]
-        self.buffer = None
 
     def prefix(self, n: int) -> KVSnapshot:
         """The first `n` positions, copied (a view would keep the whole buffer alive)."""
@@ -90,75 +79,33 @@ def _from_raw(raw: np.ndarray, dtype: torch.dtype, shape: tuple[int, ...]) -> to
         return torch.from_numpy(raw).view(dtype).view(shape)
 
 
-Alloc = Callable[[int], "torch.Tensor | None"]  # bytes -> a flat uint8 host buffer, or None
-
-
 def gather(
     pools: Sequence[KVPool],
     slots: torch.Tensor,
     tokens: Sequence[int],
     page_size: int = 1,
     sliding: SlidingSlots | None = None,
-    alloc: Alloc | None = None,
 ) -> KVSnapshot:
     """Copy the KV at `slots` (one per token) out of every pool (and, with `sliding`, the
     sliding layers' KV of the window the positions end with). On CUDA the copy lands in
     pinned host memory without blocking the host: it is ordered before any later kernel on the
     stream (so the freed slots can be reused at once); `synchronize` before reading it on the
-    host (export does). With `alloc` (the host tier's `buffer`) and pools in host memory, the
-    copy lands in one buffer it lends, carved into the snapshot's tensors: memory a process
-    touches for the first time costs more than the copy (page faults; 5-10 ms a MiB on some
-    VMs), and a lent buffer has been touched before."""
+    host (export does)."""
     if slots.numel() != len(tokens):
         raise ValueError(f"{slots.numel()} slots for {len(tokens)} tokens")
-    start, where = len(tokens), None
-    if sliding is not None and any(pool.has_sliding for pool in pools):
-        start = len(tokens) - min(sliding.resident_suffix(slots), sliding.keep)
-        where = sliding.lookup(slots[start:])
-    parts = [(pool.k, pool.v, slots, page_size) for pool in pools]
-    if where is not None:
-        parts += [(pool.sliding_k, pool.sliding_v, where, 1) for pool in pools]
-    outs, buffer = _carve(parts, alloc)
-    copied = [_copy_out(*part, out) for part, out in zip(parts, outs, strict=True)]
-    if where is None:
-        return KVSnapshot(list(tokens), copied, buffer=buffer)
-    n = len(pools)
-    return KVSnapshot(list(tokens), copied[:n], copied[n:], start, buffer)
+    kv = [_copy_out(pool.k, pool.v, slots, page_size) for pool in pools]
+    if sliding is None or not any(pool.has_sliding for pool in pools):
+        return KVSnapshot(list(tokens), kv)
+    start = len(tokens) - min(sliding.resident_suffix(slots), sliding.keep)
+    where = sliding.lookup(slots[start:])
+    window = [_copy_out(pool.sliding_k, pool.sliding_v, where, 1) for pool in pools]
+    return KVSnapshot(list(tokens), kv, window, start)
 
 
-def _carve(parts: list[tuple], alloc: Alloc | None) -> tuple[list, torch.Tensor | None]:
-    """One output tensor per part, views into a buffer from `alloc` when the pools live in
-    host memory and it lends one (else None each: `_copy_out` allocates its own)."""
-    shapes = [(2, k.shape[0], idx.numel(), *k.shape[2:]) for k, _, idx, _ in parts]
-    dtypes = [k.dtype for k, *_ in parts]
-    on_host = all(k.device.type == "cpu" for k, *_ in parts)
-    sizes = [math.prod(s) * d.itemsize for s, d in zip(shapes, dtypes, strict=True)]
-    spans = [-(-size // _ALIGN) * _ALIGN for size in sizes]  # each part on a cache line
-    buffer = alloc(sum(spans)) if alloc is not None and on_host else None
-    if buffer is None:
-        return [None] * len(parts), None
-    outs, offset = [], 0
-    for shape, dtype, size, span in zip(shapes, dtypes, sizes, spans, strict=True):
-        outs.append(buffer[offset : offset + size].view(dtype).view(shape))
-        offset += span
-    return outs, buffer
-
-
-_ALIGN = 64  # bytes: every dtype's alignment, and a cache line
-
-
-def _copy_out(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    slots: torch.Tensor,
-    page_size: int,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
+def _copy_out(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, page_size: int):
     idx = slots.to(k.device)
     layers, _, heads, dim = k.shape
-    both = out
-    if both is None:
-        both = torch.empty((2, layers, idx.numel(), heads, dim), dtype=k.dtype, device=k.device)
+    both = torch.empty((2, layers, idx.numel(), heads, dim), dtype=k.dtype, device=idx.device)
     _read(k, idx, page_size, both[0])
     _read(v, idx, page_size, both[1])
     if both.device.type == "cuda":

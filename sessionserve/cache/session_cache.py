@@ -31,13 +31,7 @@ from typing import Literal
 from sessionserve.cache.allocator import ceil_align, floor_align
 from sessionserve.cache.host_tier import HostTier
 from sessionserve.cache.kv_pool import KVPool
-from sessionserve.cache.kv_snapshot import (
-    Alloc,
-    KVSnapshot,
-    check_compatible,
-    gather,
-    scatter,
-)
+from sessionserve.cache.kv_snapshot import KVSnapshot, check_compatible, gather, scatter
 from sessionserve.cache.request_cache import RequestCache
 from sessionserve.cache.request_kv import KVState, RequestKV, SessionSlot, lru_tick
 from sessionserve.errors import (
@@ -197,9 +191,6 @@ class SessionCache(RequestCache):
         if slot.holds_kv and slot.committed_len:
             return list(slot.history), self._snapshot(slot)
         parked = self.host_tier.get(session_id) if self.host_tier is not None else None
-        if parked is not None and parked.buffer is not None:
-            # a copy: the tier lends its buffer to another session once this one closes
-            parked = parked.prefix(len(parked))
         return list(slot.history), parked
 
     def adopt(self, session_id: str, history: Sequence[int], snap: KVSnapshot | None) -> str:
@@ -359,13 +350,11 @@ class SessionCache(RequestCache):
         """Copy an idle slot's committed KV into the host tier (before it is freed)."""
         if self.host_tier is None or slot.committed_len == 0:
             return False
-        snap = self._snapshot(slot, self.host_tier.buffer)
-        return self.host_tier.put(slot.session_id, snap)
+        return self.host_tier.put(slot.session_id, self._snapshot(slot))
 
-    def _snapshot(self, slot: SessionSlot, alloc: Alloc | None = None) -> KVSnapshot:
+    def _snapshot(self, slot: SessionSlot) -> KVSnapshot:
         slots = self.rows.read(slot.row, 0, slot.committed_len)
-        sliding = self.allocator.sliding
-        return gather(self.kv_pools, slots, slot.kv_tokens, self.page_size, sliding, alloc)
+        return gather(self.kv_pools, slots, slot.kv_tokens, self.page_size, self.allocator.sliding)
 
     def _usable_len(self, snap: KVSnapshot, upto: int) -> int:
         """How much of `snap[:upto]` a session can go on from: all of it, or nothing when the
@@ -392,7 +381,6 @@ class SessionCache(RequestCache):
         self.host_tier.take(slot.session_id)  # out of the tier: what follows may spill others
         upto = self._usable_len(snap, upto)
         if upto == 0:
-            self.host_tier.recycle(snap)
             return False
         started = time.perf_counter()
         try:
@@ -401,7 +389,6 @@ class SessionCache(RequestCache):
             self.host_tier.put(slot.session_id, snap)
             raise
         self.host_tier.note_restore(time.perf_counter() - started)
-        self.host_tier.recycle(snap)
         return True
 
     def _rollback_parked(self, slot: SessionSlot) -> None:
@@ -415,7 +402,6 @@ class SessionCache(RequestCache):
             self.host_tier.take(slot.session_id)
             if keep:
                 self.host_tier.put(slot.session_id, snap.prefix(keep))
-            self.host_tier.recycle(snap)
 
     def _restore(self, slot: SessionSlot, snap: KVSnapshot, upto: int) -> None:
         """Make `snap[:upto]` the slot's resident KV: the prefix the radix tree still holds
