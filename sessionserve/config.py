@@ -348,6 +348,19 @@ class EngineConfig(_Strict):
         "of 50M+ parameters. Models with sliding-window layers, and CUDA, keep the compiled "
         "forward. false: decode steps run the compiled forward.",
     )
+    gguf_int4_decode: bool | Literal["auto"] = Field(
+        "auto",
+        description="For a bf16 model loaded from a GGUF whose linears are stored as Q4_0 or "
+        "Q4_1 (the default model's are), a fourth package beside the decode step package, "
+        "its decoder linears the file's own 4-bit weights run through torch's int4 "
+        "weight-only GEMM, for steps of up to 4 tokens (decode steps of 1-4 requests): "
+        "such a step reads each weight for a few rows, and 4-bit weights are 2.5x fewer "
+        "bytes than bf16 ones. The weights are the file's exactly (each checked against the "
+        "dense weight loaded from it; scale and offset rounded to bf16 where the step "
+        "computes); the LM head, the attention and the KV stay as in the decode step "
+        "package. auto and true: build (or load) it where it applies (true logs why it does "
+        "not); false: those steps run the decode step package.",
+    )
     compile_prefill_min_tokens: int | None = Field(
         None,
         ge=1,

@@ -29,7 +29,7 @@ from sessionserve.replicas.attention import (
 )
 from sessionserve.replicas.attention.torch_backend import TorchPagedBackend
 from sessionserve.replicas.compiled_attention import HeadLayout, decode_kernel_for
-from sessionserve.replicas.compiled_decode import plan_decode_compile
+from sessionserve.replicas.compiled_decode import plan_decode_compile, plan_int4_decode_compile
 from sessionserve.replicas.compiled_forward import (
     CompiledForward,
     CompileJob,
@@ -87,10 +87,13 @@ def build_runner(
     cache: SessionCache,
     on_verify: Callable[[int], None],
     drafter: DraftHead | None = None,
+    weights_source: str | None = None,
 ) -> tuple[ModelRunner, SpeculativeDecoder | None]:
     """The runner and, when a drafter is given or configured or history drafts are on, the
     speculative decoder (which reports each verify's acceptance length to `on_verify`); both KV
-    pools are attached to the cache (the drafter's KV parks and moves with the target's)."""
+    pools are attached to the cache (the drafter's KV parks and moves with the target's).
+    `weights_source`: the file the model was loaded from (`LoadedModel.source`), whose 4-bit
+    linears a GGUF's decode steps may keep (`engine.gguf_int4_decode`)."""
     if drafter is None and cfg.spec.drafter_path is not None:
         drafter = load_drafter(cfg.spec.drafter_path, model)
     runner = ModelRunner(model, *pool_and_backend(cfg, model, cache), cache)
@@ -121,7 +124,7 @@ def build_runner(
                 eagle, runner.graphs.buckets, head_backend, cfg.spec.num_drafts + 1
             )
     eagle = speculative.eagle if speculative else None
-    compile_forwards(cfg, model, runner, eagle)
+    compile_forwards(cfg, model, runner, eagle, weights_source)
     if speculative is not None:  # read at each step: packages built in the background land late
         speculative.widest_step = runner.widest_compiled_step
     pools = [runner.kv_pool] + ([eagle.pool] if eagle else [])
@@ -131,10 +134,15 @@ def build_runner(
 
 
 def compile_forwards(
-    cfg: EngineConfig, model: Any, runner: ModelRunner, eagle: EagleProposer | None = None
+    cfg: EngineConfig,
+    model: Any,
+    runner: ModelRunner,
+    eagle: EagleProposer | None = None,
+    weights_source: str | None = None,
 ) -> None:
     """Install the compiled forward (`engine.compile`), the decode step package
-    (`engine.compile_decode`), the prefill package (`engine.compile_prefill`) and, on CPU,
+    (`engine.compile_decode`) and its 4-bit sibling for a GGUF's few-row steps
+    (`engine.gguf_int4_decode`), the prefill package (`engine.compile_prefill`) and, on CPU,
     the EAGLE head's compiled steps that the config asks for, at once or from a background
     build (the head's after the target's)."""
     plan = plan_compile(
@@ -176,6 +184,14 @@ def compile_forwards(
         jobs.append(CompileJob(decode, functools.partial(setattr, runner, "compiled_decode"), step))
     else:
         log.debug("compile: decode steps run the compiled forward (%s)", decode.reason)
+    int4, int4_step = plan_int4_decode_compile(
+        cfg.gguf_int4_decode, plan, decode, step, model, weights_source
+    )
+    if int4_step is not None:
+        install_int4 = functools.partial(setattr, runner, "compiled_int4_decode")
+        jobs.append(CompileJob(int4, install_int4, int4_step))
+    else:
+        log.debug("compile: no 4-bit decode step package (%s)", int4.reason)
 
     def install_prefill(compiled: CompiledForward) -> None:
         """Where `compile_prefill_min_tokens` is not set, the prefill package takes the steps

@@ -24,6 +24,7 @@ one more copy of the model in memory.
 from __future__ import annotations
 
 import functools
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from sessionserve.cache.kv_pool import KVPool, KVShape
-from sessionserve.replicas import cpu_linear
+from sessionserve.replicas import cpu_linear, gguf_int4
 from sessionserve.replicas.aoti_call import load_releasing_gil
 from sessionserve.replicas.attention import cpu_decode_kernel, install, sliding_windows
 from sessionserve.replicas.attention.base import SeqSpec, to_device
@@ -55,6 +56,7 @@ EXAMPLE_PART_WIDTH = 96
 # the forward's package (verifies of 8 rows of 5, decode steps of 33+ requests), which would
 # run eagerly: the kernel streams each weight once for all the rows (docs/benchmarks.md)
 KERNEL_MAX_TOKENS = 64
+log = logging.getLogger(__name__)
 
 
 class DecodeStep(torch.nn.Module):
@@ -80,6 +82,7 @@ class DecodeStep(torch.nn.Module):
         attention_kernel: bool = False,
         linear_kernel: bool = False,
         kv_dtype: torch.dtype | None = None,
+        int4_source: tuple[Path, str] | None = None,
     ) -> None:
         super().__init__()
         self.config = model.config  # for `package_key`
@@ -96,6 +99,9 @@ class DecodeStep(torch.nn.Module):
         # the linears run the few-row GEMM kernel (cpu_linear.py) instead of inductor's
         # template: swapped in on the copy that is exported (`export_inputs`)
         self.linear_kernel = linear_kernel
+        # the GGUF the decoder was loaded from and the decoder's name in the model: its 4-bit
+        # linears replace the dense ones in the copy that is exported (gguf_int4.py)
+        self.int4_source = int4_source
         # new tokens a row may have: the kernel's limit (T * G query rows), 1 for the formula
         shape = KVShape.from_hf_config(self.config)
         self.query_tokens = (
@@ -144,6 +150,12 @@ class DecodeStep(torch.nn.Module):
         install(self.decoder)
         if self.linear_kernel:
             cpu_linear.swap_linears(self)  # the decoder's and the LM head's
+        if self.int4_source is not None:
+            gguf, prefix = self.int4_source
+            weights = gguf_int4.read_int4_linears(gguf, self.decoder, prefix, self.config)
+            if not weights:
+                raise ValueError(f"none of {gguf.name}'s Q4_0 / Q4_1 tensors is a linear here")
+            gguf_int4.swap_int4_linears(self.decoder, weights)  # the LM head stays dense
         shape = KVShape.from_hf_config(self.config)
         dtype = self.kv_dtype or next(self.parameters()).dtype
         n, width = example_tokens, EXAMPLE_PART_WIDTH * self.chunks
@@ -192,6 +204,7 @@ class DecodeStep(torch.nn.Module):
             # only where used: packages built before stay valid
             **({"linear_kernel": cpu_linear.key_fact()} if self.linear_kernel else {}),
             **({"kv_dtype": str(self.kv_dtype)} if self.kv_dtype is not None else {}),
+            **({"gguf_int4": gguf_int4.INT4_FORMAT} if self.int4_source is not None else {}),
         }
 
 
@@ -348,6 +361,63 @@ def plan_decode_compile(
         loads_as=functools.partial(
             CompiledDecode, query_tokens=step.query_tokens, linear_kernel=step.linear_kernel
         ),
+    )
+    return plan, step
+
+
+def plan_int4_decode_compile(
+    mode: bool | str,
+    forward: CompilePlan,
+    decode: CompilePlan,
+    dense: DecodeStep | None,
+    model: Any,
+    source: str | None,
+) -> tuple[CompilePlan, DecodeStep | None]:
+    """Resolve `engine.gguf_int4_decode` (auto | true | false) beside the decode step package
+    (`decode`, exported from `dense`; `forward`: the compiled forward's plan): a second
+    decode step package whose decoder linears are the 4-bit weights of the GGUF the model
+    was loaded from (`source`), for steps of up to gguf_int4.MAX_TOKENS tokens, where such
+    steps read weights more than they compute.
+    Only for a bf16 model (torch's int4 GEMM is fast with bf16 activations on a CPU, not with
+    fp32) whose GGUF stores linears as Q4_0 or Q4_1; auto and true differ only in that true
+    logs why it cannot be had. Its attention and KV are the dense package's."""
+
+    def declined(why: str) -> tuple[CompilePlan, None]:
+        if mode is True:
+            log.warning("engine.gguf_int4_decode: not used, because %s", why)
+        return CompilePlan(False, why), None
+
+    if mode is False:
+        return CompilePlan(False, "engine.gguf_int4_decode is false"), None
+    if not decode.enabled or dense is None or decode.package is None:
+        return declined(f"there is no decode step package ({decode.reason})")
+    if next(model.parameters()).dtype != torch.bfloat16:
+        return declined("the model is not served in bf16")
+    gguf = Path(source) if source else None
+    if gguf is None or gguf.suffix != ".gguf" or not gguf.is_file():
+        return declined("the model was not loaded from a GGUF file")
+    decoder = model.get_decoder()
+    prefix = next(name for name, m in model.named_modules() if m is decoder)
+    step = DecodeStep(
+        model,
+        dense.chunks,
+        dense.feature_layers,
+        dense.attention_kernel,
+        kv_dtype=dense.kv_dtype,
+        int4_source=(gguf, prefix),
+    )
+    key = package_key(step, gguf_int4.MAX_TOKENS, weights=forward.weights)
+    package = decode.package.parent / f"{key}.pt2"
+    if not package.exists() and not gguf_int4.four_bit_tensors(gguf):
+        return declined(f"{gguf.name} stores no tensor as Q4_0 or Q4_1")
+    plan = CompilePlan(
+        True,
+        "engine.gguf_int4_decode",
+        package,
+        gguf_int4.MAX_TOKENS,
+        dense.feature_layers,
+        role="4-bit decode step package",
+        loads_as=functools.partial(CompiledDecode, query_tokens=step.query_tokens),
     )
     return plan, step
 

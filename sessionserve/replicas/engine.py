@@ -100,7 +100,9 @@ class Engine:
         self.metrics = metrics or EngineMetrics()
         self.cache = build_cache(cfg, model.config)
         on_verify = self.metrics.on_spec_step
-        self.runner, self.speculative = build_runner(cfg, model, self.cache, on_verify, drafter)
+        self.runner, self.speculative = build_runner(
+            cfg, model, self.cache, on_verify, drafter, self.loaded.gguf
+        )
         self.context_limit = context_limit(cfg, self.cache)
         self.stopper = StopChecker(self.tokenizer, cfg.cache.max_context_len)
         spec = self.speculative

@@ -51,6 +51,9 @@ class LoadedModel:
     tokenizer: Any
     name: str
     source: str  # where it came from, for logs and /v1/models
+    # the GGUF file its weights were read from (also when loaded from the converted copy):
+    # its 4-bit linears may serve decode steps (gguf_int4.py)
+    gguf: str | None = None
 
 
 def default_gguf_path() -> Path:
@@ -124,7 +127,9 @@ def _load_dir(directory: Path, dtype: torch.dtype, name: str) -> LoadedModel:
 def _load_gguf(gguf: Path, dtype: torch.dtype) -> LoadedModel:
     converted = _converted_root() / f"{gguf.stem}-{_file_hash(gguf)[:16]}"
     if (converted / "config.json").exists():
-        return _load_dir(converted, dtype, name=gguf.stem)
+        loaded = _load_dir(converted, dtype, name=gguf.stem)
+        loaded.gguf = str(gguf)
+        return loaded
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     # what takes the time is reading the file's metadata (gguf's reader walks the vocabulary
@@ -157,7 +162,7 @@ def _load_gguf(gguf: Path, dtype: torch.dtype) -> LoadedModel:
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)  # another process finished first: use its copy
     log.warning("converted in %.1f s", time.monotonic() - t0)
-    return LoadedModel(model.to(dtype), tok, gguf.stem, str(gguf))
+    return LoadedModel(model.to(dtype), tok, gguf.stem, str(gguf), gguf=str(gguf))
 
 
 _GGUF_READER_SWAP = threading.Lock()

@@ -73,6 +73,8 @@ class ModelRunner:
         self.compiled: CompiledForward | None = None  # installed by compiled_forward.py
         self.compiled_prefill: CompiledForward | None = None  # the longer steps' package
         self.compiled_decode: CompiledDecode | None = None  # pure decode steps, whole
+        # the same with the GGUF's 4-bit linears, for steps of a few tokens (gguf_int4.py)
+        self.compiled_int4_decode: CompiledDecode | None = None
         # which target hidden states the drafter reads (set by assembly.py before graphs are
         # captured): None = the last, after the final norm; else `output_hidden_states`
         # indices, concatenated (an EAGLE-3 head's three layers)
@@ -256,10 +258,10 @@ class ModelRunner:
             [n, n, n, len(batch.logit_idx)] + [n] * (sliding is not None)
         )
         ids = batch.device_ids(ids)
-        decode = self.compiled_decode
-        if decode is not None and self._takes_decode_package(decode, batch):
-            logits, hidden = decode.run(batch.seqs, ids, pos, slots, logit_idx, self.kv_pool)
-            return logits, hidden if batch.want_hidden else None
+        for decode in (self.compiled_int4_decode, self.compiled_decode):
+            if decode is not None and self._takes_decode_package(decode, batch):
+                logits, hidden = decode.run(batch.seqs, ids, pos, slots, logit_idx, self.kv_pool)
+                return logits, hidden if batch.want_hidden else None
         meta = ForwardMeta(
             self.backend,
             self.kv_pool,

@@ -1,0 +1,140 @@
+"""The GGUF's 4-bit linears in decode steps of a few rows (`engine.gguf_int4_decode`, the
+4-bit decode step package, replicas/gguf_int4.py) against the dense decode step package, in
+one process, alternating; and how close each stays to the file's exact weights.
+
+Speed: the engine is the bench configs' (`serve-cpu-bench-bf16.yaml`: the default model in
+bf16, compiled, 2 torch threads), built (or loaded) with both decode step packages. For each
+batch size, after a warm-up, `--rounds` pairs of rounds run B requests (a short prompt,
+`--tokens` greedy tokens each) with the 4-bit package installed and without it
+(`runner.compiled_int4_decode` set to None: those steps run the dense decode step package);
+ms a step is the runner's `forward` over the round's decode steps (benchmarks/decode_package.py
+`timed_round`). Each pair's greedy outputs are compared token for token (both round to bf16,
+at different points: near-tied logits may pick different tokens).
+
+Fidelity (`--fidelity N`, eager transformers forwards, no packages): the model in fp32 holds
+the GGUF's weights exactly (ggml's own dequantization); N texts (the benchmark's prompts and
+the fp32 model's greedy answers to them) are scored teacher-forced by the fp32 model, by the
+bf16 model, and by the bf16 model with its linears the 4-bit `Int4Linear`s. Printed: each
+bf16 variant's top-1 agreement with fp32 and the mean KL(fp32 || variant) over the answer
+tokens. The question it answers: is serving the file's 4-bit weights in bf16 as faithful to
+the file as serving its bf16 expansion?
+
+    .venv/bin/python -m benchmarks.int4_decode [--batches 1 2 3 4 8] [--tokens 128] [--rounds 3]
+        [--fidelity 8]
+
+Last line: JSON with `ms_dense_<B>`, `ms_int4_<B>` (medians), `speedup_<B>` (dense ms over
+4-bit ms), `same_outputs_<B>` (requests whose greedy outputs matched, of B x rounds) and with
+`--fidelity` `top1_dense`, `top1_int4`, `kl_dense`, `kl_int4`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+from typing import Any
+
+import torch
+
+from benchmarks.common import bench_config_engine, emit, machine, setup_threads
+from benchmarks.decode_package import PROMPT_WORDS, timed_round
+from sessionserve.replicas import gguf_int4
+from sessionserve.replicas.engine import Engine
+from sessionserve.replicas.loader import load_model
+
+
+def speed(eng: Engine, batches: list[int], tokens: int, rounds: int) -> dict[str, Any]:
+    """ms a decode step with and without the 4-bit package, alternating, per batch size."""
+    runner = eng.runner
+    int4 = runner.compiled_int4_decode
+    if int4 is None:
+        raise SystemExit(
+            "the engine has no 4-bit decode step package (the log says why): it needs a bf16 "
+            "model loaded from a GGUF with Q4_0 / Q4_1 linears, and the decode step package"
+        )
+    result: dict[str, Any] = {}
+    for batch in batches:
+        ms: dict[str, list[float]] = {"dense": [], "int4": []}
+        same = 0
+        timed_round(eng, batch, 8, -1)  # warm-up
+        for r in range(rounds):
+            outputs = {}
+            for side in ("int4", "dense"):
+                runner.compiled_int4_decode = int4 if side == "int4" else None
+                step_ms, outputs[side] = timed_round(eng, batch, tokens, r)
+                ms[side].append(step_ms)
+            same += sum(a == b for a, b in zip(outputs["int4"], outputs["dense"], strict=True))
+        runner.compiled_int4_decode = int4
+        dense, four = statistics.median(ms["dense"]), statistics.median(ms["int4"])
+        print(
+            f"B={batch}: dense {dense:.2f} ms a step, 4-bit {four:.2f} ms ({dense / four:.2f}x); "
+            f"rounds {[round(x, 2) for x in ms['dense']]} / {[round(x, 2) for x in ms['int4']]}; "
+            f"same greedy outputs {same} of {batch * rounds}",
+            flush=True,
+        )
+        result |= {
+            f"ms_dense_{batch}": round(dense, 3),
+            f"ms_int4_{batch}": round(four, 3),
+            f"speedup_{batch}": round(dense / four, 3),
+            f"same_outputs_{batch}": same,
+        }
+    return result
+
+
+@torch.inference_mode()
+def fidelity(texts: int, tokens: int) -> dict[str, float]:
+    """Top-1 agreement with the exact (fp32) model and KL(fp32 || variant), teacher-forced
+    over the fp32 model's greedy answers, for bf16 dense and bf16 with the 4-bit linears."""
+    loaded = load_model("default", torch.float32)
+    exact, tok = loaded.model, loaded.tokenizer
+    assert loaded.gguf is not None
+    dense = copy.deepcopy(exact).to(torch.bfloat16)
+    four = copy.deepcopy(dense)
+    weights = gguf_int4.read_int4_linears(loaded.gguf, four.get_decoder(), "model", four.config)
+    swapped = gguf_int4.swap_int4_linears(four.get_decoder(), weights)
+    print(f"fidelity: {swapped} linears 4-bit", flush=True)
+    agree = {"dense": [], "int4": []}
+    kl = {"dense": [], "int4": []}
+    for i in range(texts):
+        chat = [{"role": "user", "content": f"Text {i}: say something about {PROMPT_WORDS}"}]
+        prompt = tok.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt")
+        prompt = prompt if isinstance(prompt, torch.Tensor) else prompt["input_ids"]
+        ids = exact.generate(prompt, max_new_tokens=tokens, do_sample=False)
+        answer = slice(prompt.shape[1] - 1, ids.shape[1] - 1)  # positions predicting it
+        ref = torch.log_softmax(exact(ids).logits[0, answer].float(), -1)
+        for name, model in (("dense", dense), ("int4", four)):
+            got = torch.log_softmax(model(ids).logits[0, answer].float(), -1)
+            agree[name].append((got.argmax(-1) == ref.argmax(-1)).float().mean().item())
+            kl[name].append((ref.exp() * (ref - got)).sum(-1).mean().item())
+    out = {}
+    for name in ("dense", "int4"):
+        out[f"top1_{name}"] = round(statistics.mean(agree[name]), 4)
+        out[f"kl_{name}"] = round(statistics.mean(kl[name]), 6)
+        print(
+            f"fidelity, bf16 {name}: top-1 agreement with the exact weights "
+            f"{out[f'top1_{name}']:.4f}, KL {out[f'kl_{name}']:.2e}",
+            flush=True,
+        )
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 2, 3, 4])
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--fidelity", type=int, default=0, help="texts to score (0: skip)")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    setup_threads(args.threads)
+    result: dict[str, Any] = {"benchmark": "int4_decode", "machine": machine()}
+    eng = bench_config_engine(args.threads, "bfloat16")
+    result |= speed(eng, args.batches, args.tokens, args.rounds)
+    del eng
+    if args.fidelity:
+        result |= fidelity(args.fidelity, args.tokens)
+    emit(result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,248 @@
+"""The GGUF's own 4-bit linears (gguf_int4.py, `engine.gguf_int4_decode`): ggml's blocks
+unpacked into torch's int4 layout give the file's weights exactly; a GGUF written here with
+gguf's own writer and quantizer (Q4_1 and Q4_0, Llama's q/k rows permuted as llama.cpp's
+converter does) is read back onto a transformers model by name, each weight checked against
+the dense one (a weight that differs stays dense); the plan says when the 4-bit package
+applies; and an engine whose runner runs the 4-bit `DecodeStep` eagerly takes the steps of up
+to `MAX_TOKENS` tokens through it and answers as the plain engine and transformers, with the
+strict memory check after every step. Then one real AOTInductor build (a tiny bf16 Llama):
+the package's logits match the eager 4-bit step's within bf16 rounding."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from sessionserve.replicas import compiled_forward, gguf_int4
+from sessionserve.replicas.attention import install
+from sessionserve.replicas.compiled_decode import DecodeStep, plan_int4_decode_compile
+from sessionserve.replicas.compiled_forward import CompilePlan
+from sessionserve.replicas.gguf_int4 import Int4Linear
+from sessionserve.wire import SamplingParams
+from tests.models import hf_greedy, tiny_engine, tiny_model
+from tests.unit.replicas.test_compiled_decode import (
+    CHUNKS,
+    EagerDecode,
+    inputs_for,
+    recorded_shapes,
+)
+
+KINDS = {"Q4_1": gguf.GGMLQuantizationType.Q4_1, "Q4_0": gguf.GGMLQuantizationType.Q4_0}
+
+
+def quantized(weight: np.ndarray, kind: str) -> np.ndarray:
+    """`weight` [N, K] fp32 as ggml's blocks [N, K / 32 * block bytes] (gguf's quantizer)."""
+    return gguf.quants.quantize(weight.astype(np.float32), KINDS[kind])
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q4_0"])
+def test_blocks_unpack_to_ggmls_own_dequantization(kind) -> None:
+    weight = np.random.default_rng(1).normal(0, 0.05, (48, 96)).astype(np.float32)
+    raw = quantized(weight, kind)
+    q, d, m = gguf_int4.unpack_blocks(raw, kind)
+    assert q.shape == (48, 96) and q.min() >= 0 and q.max() <= 15
+    want = torch.from_numpy(gguf.quants.dequantize(raw, KINDS[kind]))
+    assert torch.equal(gguf_int4.dequantized(q, d, m), want)
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q4_0"])
+def test_the_int4_linear_computes_with_the_files_weights(kind) -> None:
+    """fp32 activations: the file's weights exactly (summed in another order); bf16: within
+    bf16 rounding of the scales, offsets and output. Any leading dims, a bias."""
+    rng = np.random.default_rng(2)
+    raw = quantized(rng.normal(0, 0.05, (32, 64)).astype(np.float32), kind)
+    q, d, m = gguf_int4.unpack_blocks(raw, kind)
+    exact = gguf_int4.dequantized(q, d, m)
+    bias = torch.randn(32)
+    x = torch.randn(2, 3, 64)
+    want = torch.nn.functional.linear(x, exact, bias)
+    fp32 = Int4Linear(gguf_int4.to_int4(q, d, m), bias, torch.float32)
+    torch.testing.assert_close(fp32(x), want, atol=1e-5, rtol=1e-5)
+    bf16 = Int4Linear(gguf_int4.to_int4(q, d, m), bias, torch.bfloat16)
+    got = bf16(x.bfloat16())
+    assert got.dtype == torch.bfloat16 and got.shape == (2, 3, 32)
+    torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=3e-2)
+
+
+def permuted(weight: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter's q/k row order (transformers' GGUF loader reverses it)."""
+    n = weight.shape[0]
+    return weight.reshape(heads, 2, n // heads // 2, -1).swapaxes(1, 2).reshape(weight.shape)
+
+
+def write_gguf(path, model, kind: str = "Q4_1", dense: tuple[str, ...] = ()) -> None:
+    """`model`'s decoder linears into a GGUF at `path` as llama.cpp writes a Llama (rows of
+    q/k permuted), quantized to `kind` ("F32": none) except the GGUF names in `dense` (F32);
+    the model's weights become the file's dequantized ones, as loading the file gives them."""
+    writer = gguf.GGUFWriter(str(path), "llama")
+    cfg = model.config
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, cfg.num_hidden_layers)
+    for name, linear in model.get_decoder().named_modules():
+        if not isinstance(linear, torch.nn.Linear):
+            continue
+        gguf_name = names.get_name(f"model.{name}") + ".weight"
+        heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}
+        heads = heads.get(name.rsplit(".", 1)[-1])
+        weight = linear.weight.detach().float().numpy()
+        stored = permuted(weight, heads) if heads else weight
+        if gguf_name in dense or kind == "F32":
+            writer.add_tensor(gguf_name, stored)
+            continue
+        raw = quantized(stored, kind)
+        writer.add_tensor(gguf_name, raw, raw_dtype=KINDS[kind])
+        back = gguf.quants.dequantize(raw, KINDS[kind])
+        if heads:  # transformers' reverse permutation
+            n = back.shape[0]
+            back = back.reshape(heads, n // heads // 2, 2, -1).swapaxes(2, 1).reshape(back.shape)
+        with torch.no_grad():
+            linear.weight.copy_(torch.from_numpy(back))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def linear_names(model) -> set[str]:
+    return {n for n, m in model.get_decoder().named_modules() if isinstance(m, torch.nn.Linear)}
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q4_0"])
+def test_a_written_gguf_is_read_back_onto_the_model(tmp_path, kind, caplog) -> None:
+    model = tiny_model("llama", seed=3)
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, model, kind, dense=("blk.1.ffn_up.weight",))
+    with torch.no_grad():  # a weight that is not the file's: must stay dense
+        model.get_decoder().layers[0].mlp.down_proj.weight[0, 0] += 1.0
+    decoder = model.get_decoder()
+    with caplog.at_level(logging.WARNING, logger="sessionserve.replicas.gguf_int4"):
+        taken = gguf_int4.read_int4_linears(path, decoder, "model", model.config)
+    assert set(taken) == linear_names(model) - {"layers.1.mlp.up_proj", "layers.0.mlp.down_proj"}
+    assert "does not match the loaded weight of layers.0.mlp.down_proj" in caplog.text
+    for name, weight in taken.items():  # q/k rows in transformers' order
+        linear = decoder.get_submodule(name)
+        x = torch.randn(5, linear.in_features)
+        got = Int4Linear(weight, linear.bias, torch.float32)(x)
+        torch.testing.assert_close(got, linear(x), atol=1e-5, rtol=1e-5)
+    four_bit = gguf_int4.four_bit_tensors(path)
+    assert len(four_bit) == len(linear_names(model)) - 1 and "blk.1.ffn_up.weight" not in four_bit
+
+
+def test_the_plan_says_when_the_4bit_package_applies(tmp_path, caplog) -> None:
+    model = tiny_model("llama", seed=3).to(torch.bfloat16)
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, model)
+    engine = tiny_engine(model)
+    forward = CompilePlan(True, "test", tmp_path / "forward.pt2", 32, weights="w")
+    decode = CompilePlan(True, "test", tmp_path / "decode.pt2", 32)
+    dense = DecodeStep(model, CHUNKS)
+    plan, step = plan_int4_decode_compile(True, forward, decode, dense, model, str(path))
+    assert plan.enabled and step is not None and step.int4_source == (path, "model")
+    assert plan.max_tokens == gguf_int4.MAX_TOKENS and plan.package.parent == tmp_path
+    assert step.key_facts()["gguf_int4"] == gguf_int4.INT4_FORMAT
+    assert "gguf_int4" not in dense.key_facts()
+    for mode in (True, "auto"):
+        assert plan_int4_decode_compile(mode, forward, decode, dense, model, str(path))[0].enabled
+    declines = {
+        "engine.gguf_int4_decode is false": (False, decode, dense, model, str(path)),
+        "no decode step package": (True, CompilePlan(False, "off"), None, model, str(path)),
+        "not served in bf16": (True, decode, dense, tiny_model("llama"), str(path)),
+        "not loaded from a GGUF": (True, decode, dense, model, str(tmp_path)),
+    }
+    no_q4 = tmp_path / "dense.gguf"
+    write_gguf(no_q4, copy.deepcopy(model), "F32")
+    declines["stores no tensor as Q4_0 or Q4_1"] = (True, decode, dense, model, str(no_q4))
+    for why, (mode, dec, step_, m, source) in declines.items():
+        with caplog.at_level(logging.WARNING):
+            got, none = plan_int4_decode_compile(mode, forward, dec, step_, m, source)
+        assert not got.enabled and none is None and why in got.reason
+    engine.check_memory()
+
+
+def int4_step(model, gguf_path) -> DecodeStep:
+    """The 4-bit `DecodeStep` of `model`, its linears swapped as the build's export does."""
+    ours = copy.deepcopy(model)
+    install(ours)  # our attention function (the runner's model has it)
+    step = DecodeStep(ours, CHUNKS, int4_source=(gguf_path, "model")).eval()
+    decoder = step.decoder
+    weights = gguf_int4.read_int4_linears(gguf_path, decoder, "model", model.config)
+    assert gguf_int4.swap_int4_linears(decoder, weights) == len(linear_names(model))
+    return step
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+def test_steps_of_a_few_rows_run_the_4bit_step_and_answer_as_the_plain_engine(
+    tmp_path, overlap
+) -> None:
+    """fp32, so that the file's weights give the dense model's answers exactly (the served
+    package is bf16; its build is checked below): steps of up to MAX_TOKENS tokens run the
+    4-bit step, wider ones not."""
+    model = tiny_model("llama", seed=6)
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, model)
+    engine = tiny_engine(model, prefill=40, overlap=overlap)
+    four = EagerDecode(int4_step(model, path), max_tokens=gguf_int4.MAX_TOKENS)
+    engine.runner.compiled_int4_decode = four
+    widths: list[int] = []
+    inner = four._fn
+    four._fn = lambda *a: widths.append(len(a[0])) or inner(*a)
+    plain = tiny_engine(model, prefill=40, overlap=overlap)
+    greedy = SamplingParams(max_tokens=12, temperature=0, logprobs=True)
+    inputs = inputs_for(model.config.vocab_size)
+    for batch in (inputs * 2, inputs):  # 6 requests (wider steps), then 3
+        before = len(widths)
+        got, want = engine.generate(batch, greedy), plain.generate(batch, greedy)
+        for a, b, prompt in zip(got, want, batch, strict=True):
+            assert a.output_ids == b.output_ids
+            assert a.output_ids == hf_greedy(model, prompt, len(a.output_ids))
+            for x, y in zip(a.logprobs, b.logprobs, strict=True):
+                assert x.logprob == pytest.approx(y.logprob, abs=1e-4)
+        assert all(w <= gguf_int4.MAX_TOKENS for w in widths)
+        engine.check_memory()
+    steps = max(len(r.output_ids) for r in got) - 1  # the 3 requests' decode steps
+    assert len(widths) - before >= steps > 0
+
+
+@pytest.mark.slow
+def test_the_built_4bit_package_matches_the_eager_step(tmp_path, package_cache) -> None:
+    """A real AOTInductor build of the 4-bit step (a tiny bf16 Llama, by a build process as
+    `compile: auto` builds it): its logits equal the eager 4-bit step's within bf16."""
+    model = tiny_model("llama", seed=7).to(torch.bfloat16)
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, model)
+    model = model.to(torch.bfloat16)  # the file's weights, rounded as loading in bf16 does
+    engine = tiny_engine(model, prefill=40)
+    runner = engine.runner
+    forward = compiled_forward.plan_compile(True, model, 32, package_cache)
+    dense = DecodeStep(model, CHUNKS)
+    decode = CompilePlan(True, "test", forward.package.parent / "dense.pt2", 32)
+    plan, step = plan_int4_decode_compile(True, forward, decode, dense, model, str(path))
+    assert plan.enabled and step is not None
+    build = copy.deepcopy(step)
+    compiled_forward.build_once(
+        plan.package, lambda: compiled_forward.build_in_subprocess(build, plan), "building"
+    )
+    built = plan.loads_as(plan.package, plan.max_tokens)
+    runner.compiled_int4_decode = built
+    shapes = recorded_shapes(built)
+    eager = EagerDecode(int4_step(model, path), max_tokens=gguf_int4.MAX_TOKENS)
+    greedy = SamplingParams(max_tokens=10, temperature=0, logprobs=True)
+    inputs = inputs_for(model.config.vocab_size)
+    got = engine.generate(inputs, greedy)
+    runner.compiled_int4_decode = eager
+    want = engine.generate(inputs, greedy)
+    assert len(shapes) >= 9 and eager.calls >= 9  # every decode step, through each
+    assert all(tokens <= gguf_int4.MAX_TOKENS for tokens, _ in shapes)
+    for a, b in zip(got, want, strict=True):
+        n = next(
+            (i for i, (x, y) in enumerate(zip(a.output_ids, b.output_ids, strict=True)) if x != y),
+            None,
+        )
+        upto = len(a.output_ids) if n is None else n + 1  # tie-aware: up to the first split
+        for x, y in zip(a.logprobs[:upto], b.logprobs[:upto], strict=True):
+            assert x.logprob == pytest.approx(y.logprob, abs=5e-2)
+    engine.check_memory()
