@@ -205,7 +205,7 @@ def share_packages(source: Engine, engines: list[Engine]) -> None:
     turns on one thread."""
     for eng in engines:
         shared = []
-        for name in ("compiled", "compiled_decode", "compiled_prefill"):
+        for name in ("compiled", "compiled_decode", "compiled_int4_decode", "compiled_prefill"):
             mine, theirs = getattr(eng.runner, name), getattr(source.runner, name)
             if mine is not None and theirs is not None and mine.package == theirs.package:
                 setattr(eng.runner, name, theirs)
