@@ -92,8 +92,8 @@ def build_runner(
     """The runner and, when a drafter is given or configured or history drafts are on, the
     speculative decoder (which reports each verify's acceptance length to `on_verify`); both KV
     pools are attached to the cache (the drafter's KV parks and moves with the target's).
-    `weights_source`: the file the model was loaded from (`LoadedModel.source`), whose 4-bit
-    linears a GGUF's decode steps may keep (`engine.gguf_int4_decode`)."""
+    `weights_source`: the GGUF the model's weights were read from (`LoadedModel.gguf`), whose
+    4-bit linears its few-row decode steps may keep (`engine.gguf_int4_decode`)."""
     if drafter is None and cfg.spec.drafter_path is not None:
         drafter = load_drafter(cfg.spec.drafter_path, model)
     runner = ModelRunner(model, *pool_and_backend(cfg, model, cache), cache)

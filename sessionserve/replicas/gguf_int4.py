@@ -144,7 +144,6 @@ def read_int4_linears(
         name, linear = linears.get(tensor.name, ("", None))
         if kind not in BLOCK_BYTES or linear is None:
             continue
-        rows = processor.process(weights=np.asarray(tensor.data), name=tensor.name).weights
         if linear.out_features % PANEL:
             log.info(
                 "gguf int4: %s has %d outputs, not a multiple of %d; it stays dense",
@@ -153,6 +152,7 @@ def read_int4_linears(
                 PANEL,
             )
             continue
+        rows = processor.process(weights=np.asarray(tensor.data), name=tensor.name).weights
         q, d, m = unpack_blocks(np.ascontiguousarray(rows), kind)
         dense = linear.weight.detach()
         if q.shape != tuple(dense.shape) or not torch.equal(
