@@ -1,6 +1,7 @@
-"""The GGUF's 4-bit linears in decode steps of a few rows (`engine.gguf_int4_decode`, the
-4-bit decode step package, replicas/gguf_int4.py) against the dense decode step package, in
-one process, alternating; and how close each stays to the file's exact weights.
+"""The GGUF's own quantized weights in decode steps of a few rows (`engine.gguf_int4_decode`,
+the 4-bit decode step package: replicas/gguf_int4.py, its 4-bit linears and Q8_0 LM head run
+by replicas/block_linear.cpp) against the dense decode step package, in one process,
+alternating; and how close each stays to the file's exact weights.
 
 Speed: the engine is the bench configs' (`serve-cpu-bench-bf16.yaml`: the default model in
 bf16, compiled, 2 torch threads), built (or loaded) with both decode step packages. For each
@@ -14,12 +15,13 @@ at different points: near-tied logits may pick different tokens).
 Fidelity (`--fidelity N`, eager transformers forwards, no packages): the model in fp32 holds
 the GGUF's weights exactly (ggml's own dequantization); N texts (the benchmark's prompts and
 the fp32 model's greedy answers to them) are scored teacher-forced by the fp32 model, by the
-bf16 model, and by the bf16 model with its linears the 4-bit `Int4Linear`s. Printed: each
-bf16 variant's top-1 agreement with fp32 and the mean KL(fp32 || variant) over the answer
-tokens. The question it answers: is serving the file's 4-bit weights in bf16 as faithful to
-the file as serving its bf16 expansion?
+bf16 model, and by the bf16 model with its linears and LM head the file's blocks run by the
+kernel (`BlockLinear`s, which take each row as two int8 terms). Printed: each bf16 variant's
+top-1 agreement with fp32 and the mean KL(fp32 || variant) over the answer tokens. The
+question it answers: is serving the file's quantized weights through the kernel as faithful
+to the file as serving its bf16 expansion?
 
-    .venv/bin/python -m benchmarks.int4_decode [--batches 1 2 3 4 8] [--tokens 128] [--rounds 3]
+    .venv/bin/python -m benchmarks.int4_decode [--batches 1 2 4 8] [--tokens 128] [--rounds 3]
         [--fidelity 8]
 
 Last line: JSON with `ms_dense_<B>`, `ms_int4_<B>` (medians), `speedup_<B>` (dense ms over
@@ -39,6 +41,7 @@ import torch
 from benchmarks.common import bench_config_engine, emit, machine, setup_threads
 from benchmarks.decode_package import PROMPT_WORDS, timed_round
 from sessionserve.replicas import gguf_int4
+from sessionserve.replicas.block_linear import BlockLinear
 from sessionserve.replicas.engine import Engine
 from sessionserve.replicas.loader import load_model
 
@@ -90,9 +93,14 @@ def fidelity(texts: int, tokens: int) -> dict[str, float]:
     assert loaded.gguf is not None
     dense = copy.deepcopy(exact).to(torch.bfloat16)
     four = copy.deepcopy(dense)
-    weights = gguf_int4.read_int4_linears(loaded.gguf, four.get_decoder(), "model", four.config)
-    swapped = gguf_int4.swap_int4_linears(four.get_decoder(), weights)
-    print(f"fidelity: {swapped} linears 4-bit", flush=True)
+    weights = gguf_int4.read_block_linears(
+        loaded.gguf, four.get_decoder(), "model", four.config, lm_head=four.lm_head
+    )
+    head = weights.pop("lm_head", None)
+    swapped = gguf_int4.swap_block_linears(four.get_decoder(), weights)
+    if head is not None:
+        four.lm_head = BlockLinear(head, None, torch.bfloat16)
+    print(f"fidelity: {swapped} linears 4-bit, LM head Q8_0: {head is not None}", flush=True)
     agree = {"dense": [], "int4": []}
     kl = {"dense": [], "int4": []}
     for i in range(texts):
@@ -120,7 +128,7 @@ def fidelity(texts: int, tokens: int) -> dict[str, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 2, 3, 4])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--fidelity", type=int, default=0, help="texts to score (0: skip)")

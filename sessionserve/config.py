@@ -351,15 +351,17 @@ class EngineConfig(_Strict):
     gguf_int4_decode: bool | Literal["auto"] = Field(
         "auto",
         description="For a bf16 model loaded from a GGUF whose linears are stored as Q4_0 or "
-        "Q4_1 (the default model's are), a fourth package beside the decode step package, "
-        "its decoder linears the file's own 4-bit weights run through torch's int4 "
-        "weight-only GEMM, for steps of up to 4 tokens (decode steps of 1-4 requests): "
-        "such a step reads each weight for a few rows, and 4-bit weights are 2.5x fewer "
-        "bytes than bf16 ones. The weights are the file's exactly (each checked against the "
-        "dense weight loaded from it; scale and offset rounded to bf16 where the step "
-        "computes); the LM head, the attention and the KV stay as in the decode step "
-        "package. auto and true: build (or load) it where it applies (true logs why it does "
-        "not); false: those steps run the decode step package.",
+        "Q4_1 (the default model's are), on a CPU with AVX-512 VNNI, a fourth package beside "
+        "the decode step package for steps of up to 8 tokens (decode steps of 1-8 requests, "
+        "a verify of one request's drafts): its decoder linears the file's own 4-bit weights "
+        "and its LM head the file's Q8_0 one where the file has it, run by a kernel that reads "
+        "them as stored (0.625 and 1.06 bytes a weight against bf16's 2). Such a step reads "
+        "each weight for a few rows, so it waits on memory. The weights are the file's "
+        "exactly (each checked against the dense weight loaded from it); the kernel takes "
+        "each block of 32 of a row as two int8 terms, about as fine as bf16 (measured "
+        "against the file's exact weights in docs/benchmarks.md); attention and KV stay as "
+        "in the decode step package. auto and true: build (or load) it where it applies "
+        "(true logs why it does not); false: those steps run the decode step package.",
     )
     compile_prefill_min_tokens: int | None = Field(
         None,

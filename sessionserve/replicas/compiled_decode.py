@@ -32,7 +32,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from sessionserve.cache.kv_pool import KVPool, KVShape
-from sessionserve.replicas import cpu_linear, gguf_int4
+from sessionserve.replicas import block_linear, cpu_linear, gguf_int4
 from sessionserve.replicas.aoti_call import load_releasing_gil
 from sessionserve.replicas.attention import cpu_decode_kernel, install, sliding_windows
 from sessionserve.replicas.attention.base import SeqSpec, to_device
@@ -100,7 +100,8 @@ class DecodeStep(torch.nn.Module):
         # template: swapped in on the copy that is exported (`export_inputs`)
         self.linear_kernel = linear_kernel
         # the GGUF the decoder was loaded from and the decoder's name in the model: its 4-bit
-        # linears replace the dense ones in the copy that is exported (gguf_int4.py)
+        # linears and Q8_0 LM head replace the dense ones in the copy that is exported
+        # (gguf_int4.py)
         self.int4_source = int4_source
         # new tokens a row may have: the kernel's limit (T * G query rows), 1 for the formula
         shape = KVShape.from_hf_config(self.config)
@@ -119,6 +120,8 @@ class DecodeStep(torch.nn.Module):
             shims |= cpu_decode_kernel.c_shims()
         if self.linear_kernel:
             shims |= cpu_linear.c_shims()
+        if self.int4_source is not None:
+            shims |= block_linear.c_shims()
         return {**self.BASE_INDUCTOR_CONFIGS, **({SHIMS_CONFIG: shims} if shims else {})}
 
     def forward(
@@ -152,10 +155,14 @@ class DecodeStep(torch.nn.Module):
             cpu_linear.swap_linears(self)  # the decoder's and the LM head's
         if self.int4_source is not None:
             gguf, prefix = self.int4_source
-            weights = gguf_int4.read_int4_linears(gguf, self.decoder, prefix, self.config)
+            weights = gguf_int4.read_block_linears(
+                gguf, self.decoder, prefix, self.config, lm_head=self.lm_head
+            )
             if not weights:
-                raise ValueError(f"none of {gguf.name}'s Q4_0 / Q4_1 tensors is a linear here")
-            gguf_int4.swap_int4_linears(self.decoder, weights)  # the LM head stays dense
+                raise ValueError(f"none of {gguf.name}'s quantized tensors is a linear here")
+            # names in this module: the decoder's linears and the LM head
+            ours = {k if k == "lm_head" else f"decoder.{k}": w for k, w in weights.items()}
+            gguf_int4.swap_block_linears(self, ours)
         shape = KVShape.from_hf_config(self.config)
         dtype = self.kv_dtype or next(self.parameters()).dtype
         n, width = example_tokens, EXAMPLE_PART_WIDTH * self.chunks
@@ -204,7 +211,11 @@ class DecodeStep(torch.nn.Module):
             # only where used: packages built before stay valid
             **({"linear_kernel": cpu_linear.key_fact()} if self.linear_kernel else {}),
             **({"kv_dtype": str(self.kv_dtype)} if self.kv_dtype is not None else {}),
-            **({"gguf_int4": gguf_int4.INT4_FORMAT} if self.int4_source is not None else {}),
+            **(
+                {"gguf_int4": [gguf_int4.INT4_FORMAT, *block_linear.key_fact()]}
+                if self.int4_source is not None
+                else {}
+            ),
         }
 
 
@@ -224,12 +235,15 @@ class CompiledDecode(CompiledForward):
         min_tokens: int = 1,
         query_tokens: int = 1,
         linear_kernel: bool = False,
+        block_kernel: bool = False,
     ) -> None:
         # a package built with a CPU kernel calls it by name: the op must exist first
         # (where it cannot be loaded, no package here was built with it)
         cpu_decode_kernel.load()
         if linear_kernel:
             cpu_linear.load()
+        if block_kernel:
+            block_linear.load()
         super().__init__(package, max_tokens, min_tokens)
         self.chunks = kernel_chunks()  # what it was exported for (the key has the threads)
         self.query_tokens = query_tokens  # DecodeStep.query_tokens of its build
@@ -375,12 +389,14 @@ def plan_int4_decode_compile(
 ) -> tuple[CompilePlan, DecodeStep | None]:
     """Resolve `engine.gguf_int4_decode` (auto | true | false) beside the decode step package
     (`decode`, exported from `dense`; `forward`: the compiled forward's plan): a second
-    decode step package whose decoder linears are the 4-bit weights of the GGUF the model
-    was loaded from (`source`), for steps of up to gguf_int4.MAX_TOKENS tokens, where such
-    steps read weights more than they compute.
-    Only for a bf16 model (torch's int4 GEMM is fast with bf16 activations on a CPU, not with
-    fp32) whose GGUF stores linears as Q4_0 or Q4_1; auto and true differ only in that true
-    logs why it cannot be had. Its attention and KV are the dense package's."""
+    decode step package whose decoder linears and LM head are the quantized weights of the
+    GGUF the model was loaded from (`source`), run by the block-quantized kernel
+    (block_linear.py), for steps of up to gguf_int4.MAX_TOKENS tokens, where such steps read
+    weights more than they compute.
+    Only for a bf16 model (the kernel's int8 pairs hold a row about as finely as bf16, not as
+    fp32), whose GGUF stores linears as Q4_0 or Q4_1, on a CPU with AVX-512 VNNI; auto and
+    true differ only in that true logs why it cannot be had. Its attention and KV are the
+    dense package's."""
 
     def declined(why: str) -> tuple[CompilePlan, None]:
         if mode is True:
@@ -396,6 +412,8 @@ def plan_int4_decode_compile(
     gguf = Path(source) if source else None
     if gguf is None or gguf.suffix != ".gguf" or not gguf.is_file():
         return declined("the model was not loaded from a GGUF file")
+    if not block_linear.load():
+        return declined(f"the block-quantized kernel cannot run here: {block_linear.why_not()}")
     decoder = model.get_decoder()
     prefix = next(name for name, m in model.named_modules() if m is decoder)
     step = DecodeStep(
@@ -417,7 +435,9 @@ def plan_int4_decode_compile(
         gguf_int4.MAX_TOKENS,
         dense.feature_layers,
         role="4-bit decode step package",
-        loads_as=functools.partial(CompiledDecode, query_tokens=step.query_tokens),
+        loads_as=functools.partial(
+            CompiledDecode, query_tokens=step.query_tokens, block_kernel=True
+        ),
     )
     return plan, step
 

@@ -42,7 +42,9 @@ def vector_lanes() -> int:
 class NativeKernel:
     """One .cpp: `load()` builds it (once per machine) and loads its ops; False, with the
     reason logged once and kept in `why_not()`, where it cannot be used here.
-    `disable_env`="0" turns it off; `after_load` registers what Python adds (fake impls)."""
+    `disable_env`="0" turns it off; `after_load` registers what Python adds (fake impls).
+    `needs`: what the kernel needs beyond the vector code it is built for (`extra_flags`):
+    returns why this CPU falls short, or ''."""
 
     def __init__(
         self,
@@ -51,8 +53,12 @@ class NativeKernel:
         what: str,
         after_load: Callable[[], None],
         logger: logging.Logger,
+        extra_flags: tuple[str, ...] = (),
+        needs: Callable[[], str] | None = None,
     ) -> None:
         self.source = source
+        self.extra_flags = extra_flags
+        self.needs = needs
         self.disable_env = disable_env
         self.what = what
         self.after_load = after_load
@@ -85,6 +91,8 @@ class NativeKernel:
         capability = torch.backends.cpu.get_cpu_capability()
         if capability not in ISA_FLAGS:
             return f"the CPU's vector capability is {capability}, the kernel needs AVX512 or AVX2"
+        if self.needs is not None and (why := self.needs()):
+            return why
         if shutil.which(compiler()) is None:
             return f"no C++ compiler ({compiler()!r}; set CXX)"
         return ""
@@ -98,6 +106,7 @@ class NativeKernel:
             compiler(),
             *FLAGS,
             *ISA_FLAGS[torch.backends.cpu.get_cpu_capability()],
+            *self.extra_flags,
             abi,
             *(f"-I{p}" for p in cpp_extension.include_paths()),
             str(self.source),

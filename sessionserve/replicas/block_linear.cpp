@@ -1,0 +1,248 @@
+// y = x @ W^T for a few rows of x against a GGUF's block-quantized weights (Q4_0, Q4_1, Q8_0),
+// with the rows quantized to int8 per block of 32 as ggml's own CPU matmul does, on x86 CPUs
+// with AVX-512 VNNI.
+//
+// Why a hand-written kernel: torch's int4 weight-only GEMM (`_weight_int4pack_mm_for_cpu`)
+// unpacks the weights again for every 4 rows of x and computes in floats, so past 4 rows it
+// lost to the bf16 GEMMs (docs/benchmarks.md, stop 99), and torch has no GEMM for Q8_0's
+// per-block scales (the LM head). Here every weight is unpacked once for all the rows, and one
+// VNNI instruction (`vpdpbusd`) multiplies 64 weights by 64 activations.
+//
+// Arithmetic: a weight is w = u * d + m with u an unsigned integer (4 bits: 0..15, 8 bits:
+// 0..255) and d, m per block of 32 weights of one output (Q4_1 as stored; Q4_0 m = -8 d;
+// Q8_0 stores q in -128..127, kept as u = q + 128 with m = -128 d). A row's block of 32 values
+// is quantized as ggml's Q8 does: dx = max|x| / 127, qx = round(x / dx) (to nearest even), so
+// x . w over the block = d * dx * (u . qx) + m * sum(x), with sum(x) the block's exact sum
+// (ggml uses the quantized sum). Accumulation is in fp32.
+//
+// Layout (`block_linear.pack`): outputs in panels of 16; for each panel and block one record
+// of 64 bytes of scales (d then m for the 16 outputs, fp16, as the file stores them) and the
+// weights as 4 (4 bits) or 8 (8 bits) vectors of 64 bytes: byte 4 j + i of vector g holds
+// output j's weight k = 4 g + i of the block (4 bits: vector t's low nibbles k = 4 t + i, its
+// high nibbles k = 16 + 4 t + i), so one `vpdpbusd` with 4 activations broadcast adds 4
+// products to each of the 16 outputs' sums.
+//
+// Built at run time by block_linear.py (g++ -mavx512f -mavx512vnni ...), loaded with
+// torch.ops.load_library; AOTInductor packages call it through the C function at the end.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/csrc/inductor/aoti_torch/c/shim.h>
+#include <torch/csrc/inductor/aoti_torch/utils.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <cstring>
+
+namespace {
+
+constexpr int kBlock = 32;     // weights per scale, activations per int8 scale
+constexpr int kPanel = 16;     // outputs a panel holds: one vector of int32 or fp32 sums
+constexpr int kScaleBytes = 64;  // a record's d and m for its 16 outputs, fp16
+constexpr int kMaxRows = 16;   // rows of x a pass keeps in registers (16 sums + 8 weights)
+
+constexpr int record_bytes(int bits) { return kScaleBytes + kPanel * kBlock * bits / 8; }
+
+// 16 values of x as fp32: fp32 as they are, bf16 widened (its bits are fp32's upper half)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+// 16 sums stored as fp32, or rounded to bf16 (to nearest even, as torch rounds)
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(at::BFloat16* p, __m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                      _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+}
+
+// x [M, K] -> per row and block: qx (int8: the block's coarse term, then its residual's), dx
+// (the coarse term's scale; the residual's is dx / 254) and the exact sum of x.
+template <typename T>
+void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* qx, float* dx, float* sx) {
+  const int64_t blocks = K / kBlock;
+  for (int64_t r = 0; r < M; ++r) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      const T* xb = x + r * K + b * kBlock;
+      int8_t* qb = qx + (r * blocks + b) * 2 * kBlock;
+      const __m512 a0 = load16(xb), a1 = load16(xb + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a0), _mm512_abs_ps(a1)));
+      const float scale = amax / 127.f;
+      const __m512 inverse = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+      const __m512 fine = _mm512_set1_ps(amax > 0.f ? 254.f * 127.f / amax : 0.f);
+      const __m512 step = _mm512_set1_ps(scale);
+      // rounding: the default MXCSR mode, to nearest even
+      const __m512i c0 = _mm512_cvtps_epi32(_mm512_mul_ps(a0, inverse));
+      const __m512i c1 = _mm512_cvtps_epi32(_mm512_mul_ps(a1, inverse));
+      // the residual, |x - c dx| <= dx / 2, on a grid 254 times finer
+      const __m512 e0 = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(c0), step, a0);
+      const __m512 e1 = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(c1), step, a1);
+      const __m512i f0 = _mm512_cvtps_epi32(_mm512_mul_ps(e0, fine));
+      const __m512i f1 = _mm512_cvtps_epi32(_mm512_mul_ps(e1, fine));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qb), _mm512_cvtsepi32_epi8(c0));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16), _mm512_cvtsepi32_epi8(c1));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 32), _mm512_cvtsepi32_epi8(f0));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 48), _mm512_cvtsepi32_epi8(f1));
+      dx[r * blocks + b] = scale;
+      sx[r * blocks + b] = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+    }
+  }
+}
+
+inline __m512i broadcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return _mm512_set1_epi32(v);
+}
+
+// R rows against one panel's records (all K / 32 blocks) -> y [R, 16] (row stride ldy).
+template <int R, int BITS, typename T>
+inline void panel_rows(const uint8_t* records, int64_t blocks, const int8_t* qx, const float* dx,
+                       const float* sx, T* y, int64_t ldy) {
+  __m512 acc[R];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const __m512 kFineStep = _mm512_set1_ps(1.f / 254.f);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* record = records + b * record_bytes(BITS);
+    const __m256i* halves = reinterpret_cast<const __m256i*>(record);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(halves));
+    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(halves + 1));
+    const uint8_t* packed = record + kScaleBytes;
+    __m512i w[8];
+    if constexpr (BITS == 4) {
+#pragma GCC unroll 4
+      for (int t = 0; t < 4; ++t) {
+        const __m512i v = _mm512_loadu_si512(packed + 64 * t);
+        w[t] = _mm512_and_si512(v, low);
+        w[t + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      }
+    } else {
+#pragma GCC unroll 8
+      for (int g = 0; g < 8; ++g) w[g] = _mm512_loadu_si512(packed + 64 * g);
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const int8_t* xq = qx + (r * blocks + b) * 2 * kBlock;
+      // the coarse and the residual terms' dots: two chains, the instruction's latency is
+      // several cycles
+      __m512i coarse = _mm512_setzero_si512(), fine = _mm512_setzero_si512();
+#pragma GCC unroll 8
+      for (int g = 0; g < 8; ++g) {
+        coarse = _mm512_dpbusd_epi32(coarse, w[g], broadcast4(xq + 4 * g));
+        fine = _mm512_dpbusd_epi32(fine, w[g], broadcast4(xq + kBlock + 4 * g));
+      }
+      const int64_t at = r * blocks + b;
+      const __m512 step = _mm512_mul_ps(d, _mm512_set1_ps(dx[at]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(coarse), step, acc[r]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(fine), _mm512_mul_ps(step, kFineStep), acc[r]);
+      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[at]), acc[r]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) store16(y + r * ldy, acc[r]);
+}
+
+template <int R, int BITS, typename T>
+void rows_upto(int rows, const uint8_t* records, int64_t blocks, const int8_t* qx,
+               const float* dx, const float* sx, T* y, int64_t ldy) {
+  if constexpr (R > 0) {
+    if (rows == R) return panel_rows<R, BITS>(records, blocks, qx, dx, sx, y, ldy);
+    rows_upto<R - 1, BITS>(rows, records, blocks, qx, dx, sx, y, ldy);
+  }
+}
+
+// All M rows against panels begin..end-1, in passes of at most kMaxRows rows, as even as
+// possible; a panel's records are in cache for its later passes.
+template <int BITS, typename T>
+void panel_range(const uint8_t* records, int64_t blocks, const int8_t* qx, const float* dx,
+                 const float* sx, int64_t M, int64_t K, T* y, int64_t N, int64_t begin,
+                 int64_t end) {
+  const int64_t passes = (M + kMaxRows - 1) / kMaxRows;
+  for (int64_t p = begin; p < end; ++p) {
+    const uint8_t* panel = records + p * blocks * record_bytes(BITS);
+    int64_t row = 0;
+    for (int64_t pass = 0; pass < passes; ++pass) {
+      const int rows = static_cast<int>((M - row + passes - pass - 1) / (passes - pass));
+      rows_upto<kMaxRows, BITS>(rows, panel, blocks, qx + row * 2 * K, dx + row * blocks,
+                                sx + row * blocks, y + row * N + p * kPanel, N);
+      row += rows;
+    }
+  }
+}
+
+template <typename T>
+void run(const at::Tensor& rows, const at::Tensor& records, int64_t bits, at::Tensor& y) {
+  const int64_t M = rows.size(0), K = rows.size(1), blocks = records.size(1);
+  const int64_t N = y.size(1);
+  // the rows' int8 terms and scales: per calling thread, kept between calls (no allocation
+  // on a step's ~200 calls)
+  static thread_local std::vector<int8_t> qx;
+  static thread_local std::vector<float> scales;
+  qx.resize(M * 2 * K);
+  scales.resize(2 * M * blocks);
+  float* dx = scales.data();
+  float* sx = dx + M * blocks;
+  quantize_rows(rows.data_ptr<T>(), M, K, qx.data(), dx, sx);
+  const uint8_t* rp = records.data_ptr<uint8_t>();
+  T* yp = y.data_ptr<T>();
+  const int8_t* q = qx.data();
+  at::parallel_for(0, records.size(0), 1, [&](int64_t begin, int64_t end) {
+    if (bits == 4)
+      panel_range<4>(rp, blocks, q, dx, sx, M, K, yp, N, begin, end);
+    else
+      panel_range<8>(rp, blocks, q, dx, sx, M, K, yp, N, begin, end);
+  });
+}
+
+at::Tensor block_linear(const at::Tensor& x, const at::Tensor& records, int64_t bits) {
+  TORCH_CHECK(bits == 4 || bits == 8, "block_linear: 4 or 8 bits, got ", bits);
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "block_linear: fp32 or bf16 rows, got ", x.scalar_type());
+  const int64_t bytes = record_bytes(static_cast<int>(bits));
+  TORCH_CHECK(records.scalar_type() == at::kByte && records.dim() == 3 &&
+                  records.size(2) == bytes && records.is_contiguous(),
+              "block_linear: the weight must be packed by block_linear.pack as [panels, blocks, ",
+              bytes, "] uint8, got ", records.sizes(), " ", records.scalar_type());
+  const int64_t K = x.size(-1), blocks = records.size(1);
+  TORCH_CHECK(K == blocks * kBlock, "block_linear: x has ", K, " features, the weight ",
+              blocks * kBlock);
+  const int64_t N = records.size(0) * kPanel;
+  const at::Tensor rows = x.reshape({-1, K}).contiguous();
+  std::vector<int64_t> sizes = x.sizes().vec();
+  sizes.back() = N;
+  at::Tensor y = at::empty({rows.size(0), N}, x.options());
+  if (rows.size(0) > 0) {
+    if (x.scalar_type() == at::kFloat)
+      run<float>(rows, records, bits, y);
+    else
+      run<at::BFloat16>(rows, records, bits, y);
+  }
+  return y.view(sizes);
+}
+
+}  // namespace
+
+extern "C" AOTI_TORCH_EXPORT AOTITorchError aoti_torch_cpu_block_linear(AtenTensorHandle x,
+                                                                       AtenTensorHandle records,
+                                                                       int64_t bits,
+                                                                       AtenTensorHandle* ret) {
+  using torch::aot_inductor::resolve_tensor_dispatch_flags;
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    at::Tensor out = block_linear(resolve_tensor_dispatch_flags(x),
+                                  resolve_tensor_dispatch_flags(records), bits);
+    *ret = torch::aot_inductor::new_tensor_handle(std::move(out));
+  });
+}
+
+TORCH_LIBRARY_FRAGMENT(sessionserve, m) {
+  m.def("block_linear(Tensor x, Tensor records, int bits) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(sessionserve, CPU, m) { m.impl("block_linear", &block_linear); }
