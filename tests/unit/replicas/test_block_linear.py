@@ -2,7 +2,8 @@
 rows (within a pass, several passes, uneven splits), bf16 and fp32 inputs, it computes what its
 stated arithmetic says (`block_linear.reference`, in float64); that arithmetic holds a row
 about as finely as bf16 does; and a weight it was not packed for is refused with a message
-that says what to change. Skipped where the CPU lacks AVX-512 VNNI (the kernel's reason)."""
+that says what to change. Skipped where the CPU lacks AVX-512 VNNI (the kernel's reason),
+except the check that says so."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 
 from sessionserve.replicas import block_linear
 
-pytestmark = pytest.mark.skipif(
+needs_kernel = pytest.mark.skipif(
     not block_linear.load(), reason=f"the block kernel cannot run here: {block_linear.why_not()}"
 )
 
@@ -31,6 +32,7 @@ def exact(x: torch.Tensor, u: np.ndarray, d: np.ndarray, m: np.ndarray) -> torch
     return x.double() @ torch.from_numpy(w).double().T
 
 
+@needs_kernel
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("rows", [1, 3, 16, 17, 40])
 def test_the_kernel_computes_its_stated_arithmetic(bits, rows) -> None:
@@ -46,6 +48,7 @@ def test_the_kernel_computes_its_stated_arithmetic(bits, rows) -> None:
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
+@needs_kernel
 def test_bf16_rows_leading_dims_and_a_bias() -> None:
     rng = np.random.default_rng(5)
     u, d, m = random_weight(rng, 32, 64, 4)
@@ -58,6 +61,7 @@ def test_bf16_rows_leading_dims_and_a_bias() -> None:
     torch.testing.assert_close(got.double(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
 
 
+@needs_kernel
 @pytest.mark.parametrize("bits", [4, 8])
 def test_a_row_is_held_about_as_finely_as_bf16(bits) -> None:
     """Each block of a row as two int8 terms (a coarse one and its residual): the outputs' error
@@ -73,6 +77,7 @@ def test_a_row_is_held_about_as_finely_as_bf16(bits) -> None:
     assert ours.mean() < bf16.mean() and ours.max() < bf16.max()
 
 
+@needs_kernel
 def test_a_weight_it_was_not_packed_for_is_refused() -> None:
     rng = np.random.default_rng(9)
     u, d, m = random_weight(rng, 32, 64, 4)
@@ -83,3 +88,13 @@ def test_a_weight_it_was_not_packed_for_is_refused() -> None:
         block_linear.linear(torch.randn(2, 96), weight)
     with pytest.raises(RuntimeError, match="must be packed by block_linear.pack"):
         torch.ops.sessionserve.block_linear(torch.randn(2, 64), weight.records, 8)
+
+
+def test_a_cpu_without_vnni_is_told_why(monkeypatch) -> None:
+    monkeypatch.setattr(torch.cpu, "_is_vnni_supported", lambda: False)
+    assert "needs AVX-512 VNNI" in block_linear._needs()
+    monkeypatch.setattr(torch.cpu, "_is_vnni_supported", lambda: True)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert block_linear._needs() == "it needs AVX-512 VNNI; this CPU's vector capability is AVX2"
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AMX")
+    assert block_linear._needs() == ""
