@@ -30,7 +30,7 @@ from sessionserve.replicas.block_linear import BLOCK, BlockLinear, BlockWeight, 
 INT4_FORMAT = 2  # bump when what a packed weight holds changes (the package key has it)
 # the largest step (tokens) the package runs: past it the dense package's bf16 GEMMs on AMX
 # tiles win (docs/benchmarks.md)
-MAX_TOKENS = 8
+MAX_TOKENS = 12
 # bytes of a block: Q4_1's fp16 d, fp16 m and 16 bytes of nibbles; Q4_0's d and nibbles;
 # Q8_0's d and 32 bytes
 BLOCK_BYTES = {"Q4_1": 20, "Q4_0": 18, "Q8_0": 34}
