@@ -412,8 +412,6 @@ def plan_int4_decode_compile(
     gguf = Path(source) if source else None
     if gguf is None or gguf.suffix != ".gguf" or not gguf.is_file():
         return declined("the model was not loaded from a GGUF file")
-    if not block_linear.load():
-        return declined(f"the block-quantized kernel cannot run here: {block_linear.why_not()}")
     decoder = model.get_decoder()
     prefix = next(name for name, m in model.named_modules() if m is decoder)
     step = DecodeStep(
@@ -428,6 +426,9 @@ def plan_int4_decode_compile(
     package = decode.package.parent / f"{key}.pt2"
     if not package.exists() and not gguf_int4.four_bit_tensors(gguf):
         return declined(f"{gguf.name} stores no tensor as Q4_0 or Q4_1")
+    # after the file's check: building the kernel (once per machine) is for files it serves
+    if not block_linear.load():
+        return declined(f"the block-quantized kernel cannot run here: {block_linear.why_not()}")
     plan = CompilePlan(
         True,
         "engine.gguf_int4_decode",
