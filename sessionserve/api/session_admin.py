@@ -105,13 +105,13 @@ class SessionAdmin:
         sid = header_sid or body_sid
         if sid is None:
             return {}
-        record = await self.directory.touch(sid, owner)
-        if record is None:
-            if not self.cfg.engine.sessions.implicit_open:
-                raise UnknownSessionError(sid)
-            if await self.open(sid, None, owner) is None:
-                raise UnknownSessionError(sid)  # taken by another key: as if it did not exist
-            ttl_s = self.cfg.engine.sessions.default_ttl_s
-            record = {"ttl_s": ttl_s, "replica": None, "log_tokens": 0}
+        sessions = self.cfg.engine.sessions
+        if sessions.implicit_open:  # one call, a new session's first turn too
+            limit = self.cfg.ingress.max_sessions_per_key
+            record = await self.directory.touch_or_open(sid, owner, sessions.default_ttl_s, limit)
+        else:
+            record = await self.directory.touch(sid, owner)
+        if record is None:  # unknown, or taken by another key: as if it did not exist
+            raise UnknownSessionError(sid)
         check_pin(sid, record["replica"])  # this process's routers follow the directory
         return {"session_id": sid, "ttl_s": record["ttl_s"], "log_tokens": record["log_tokens"]}

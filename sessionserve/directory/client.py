@@ -96,6 +96,23 @@ class DirectoryClient:
     async def touch(self, session_id: str, owner: str | None = None) -> dict | None:
         return await self._session(session_id, "touch", owner)
 
+    async def touch_or_open(
+        self,
+        session_id: str,
+        owner: str | None,
+        ttl_s: float | None,
+        owner_limit: int | None = None,
+    ) -> dict | None:
+        """`touch`, opening the session where it does not exist (implicit open): one call to
+        its shard. Where a key's limit is counted across shards (`open`), a touch and, for a
+        new session only, an open and a touch."""
+        if self.shards > 1 and owner is not None and owner_limit is not None:
+            record = await self.touch(session_id, owner)
+            if record is None and await self.open(session_id, ttl_s, owner, owner_limit):
+                record = await self.touch(session_id, owner)
+            return record
+        return await self._session(session_id, "touch_or_open", owner, ttl_s, owner_limit)
+
     async def log(self, session_id: str, owner: str | None = None) -> list[int] | None:
         return await self._session(session_id, "log", owner)
 

@@ -166,6 +166,21 @@ class SessionDirectoryState:
             return None
         return {"ttl_s": rec.ttl_s, "replica": rec.replica, "log_tokens": len(rec.log)}
 
+    def touch_or_open(
+        self,
+        session_id: str,
+        owner: str | None,
+        ttl_s: float | None,
+        owner_limit: int | None = None,
+    ) -> dict | None:
+        """`touch`, opening the session first where it does not exist (implicit open): a new
+        session's first turn costs the ingress one call here, not a touch and an open. None
+        if the id is another key's; 429 past `owner_limit` as `open`."""
+        record = self.touch(session_id, owner)
+        if record is None and self.open(session_id, ttl_s, owner, owner_limit) is not None:
+            record = self.touch(session_id, owner)
+        return record
+
     def log(self, session_id: str, owner: str | None = None) -> list[int] | None:
         """The token log, for an append-mode turn on a replica that lacks the session (None if
         the session does not exist)."""

@@ -106,3 +106,42 @@ def test_a_session_call_costs_one_shard_one_call() -> None:
     assert [b - a for a, b in zip(before, after, strict=True)] == [
         2 if i == home else 0 for i in range(SHARDS)
     ]
+
+
+def test_a_new_sessions_first_turn_costs_its_shard_one_call() -> None:
+    """Implicit open (`touch_or_open`): a new id is opened and touched in one call to its
+    shard, with the TTL given; a known one is only touched; another key's id is as if it did
+    not exist (and stays that key's); past a key's limit, a 429 as `open`."""
+    client, actors = sharded([MemoryStore() for _ in range(SHARDS)])
+    home = actors[shard_of("s-new", SHARDS)]
+    before = home.calls
+    record = asyncio.run(client.touch_or_open("s-new", "k", 30.0))
+    assert record == {"ttl_s": 30.0, "replica": None, "log_tokens": 0}
+    assert home.calls == before + 1 and home.state.sessions["s-new"].owner == "k"
+    asyncio.run(client.commit_turn("s-new", 0, [1, 2]))
+    again = asyncio.run(client.touch_or_open("s-new", "k", 99.0))
+    assert again == {"ttl_s": 30.0, "replica": None, "log_tokens": 2}  # touched, not re-opened
+    assert asyncio.run(client.touch_or_open("s-new", "other", 30.0)) is None
+    assert home.state.sessions["s-new"].owner == "k"
+    one = DirectoryClient("test", 60.0, 1, [ShardActor(SessionDirectoryState(60.0, MemoryStore()))])
+    assert asyncio.run(one.touch_or_open("a", "k", None, 1))["ttl_s"] == 60.0  # the default
+    with pytest.raises(TooManySessionsError, match="holds 1 open sessions, the limit"):
+        asyncio.run(one.touch_or_open("b", "k", None, 1))
+    assert asyncio.run(one.touch_or_open("a", "k", None, 1)) is not None  # known: no limit
+
+
+def test_implicit_open_counts_a_keys_limit_across_shards() -> None:
+    """Sharded with a per-key limit: the first turn of a new session is a touch, the open
+    (which counts the key's sessions on every shard) and a touch; a known one only a touch."""
+    client, actors = sharded([MemoryStore() for _ in range(SHARDS)])
+    by_shard: dict[int, list[str]] = {}
+    for i in range(256):
+        by_shard.setdefault(shard_of(f"k-{i}", SHARDS), []).append(f"k-{i}")
+    ids = [by_shard[i][0] for i in range(SHARDS)]  # one id on each shard
+    for sid in ids[:3]:
+        assert asyncio.run(client.touch_or_open(sid, "k", None, 3))["log_tokens"] == 0
+    with pytest.raises(TooManySessionsError, match="holds 3 open sessions, the limit"):
+        asyncio.run(client.touch_or_open(ids[3], "k", None, 3))
+    before = sum(a.calls for a in actors)
+    assert asyncio.run(client.touch_or_open(ids[0], "k", None, 3)) is not None
+    assert sum(a.calls for a in actors) == before + 1
