@@ -98,12 +98,12 @@ def pack(u: np.ndarray, d: np.ndarray, m: np.ndarray, bits: int) -> BlockWeight:
     # [panel, block, output j, k in block]
     ub = u.astype(np.uint8).reshape(panels, PANEL, blocks, BLOCK).transpose(0, 2, 1, 3)
     if bits == 4:
-        # vector t: output j's byte 4 t + i... as [panel, block, t, j, i]; k = 4 t + i low,
-        # 16 + 4 t + i high
+        # vector t's byte 4 j + i: output j's weight k = 4 t + i (low nibble) and k = 16 +
+        # 4 t + i (high), laid out as [panel, block, t, j, i]
         low = ub[..., :16].reshape(panels, blocks, PANEL, 4, 4).transpose(0, 1, 3, 2, 4)
         high = ub[..., 16:].reshape(panels, blocks, PANEL, 4, 4).transpose(0, 1, 3, 2, 4)
         weights = (low | (high << 4)).reshape(panels, blocks, -1)
-    else:
+    else:  # vector g's byte 4 j + i: output j's weight k = 4 g + i
         weights = ub.reshape(panels, blocks, PANEL, 8, 4).transpose(0, 1, 3, 2, 4)
         weights = weights.reshape(panels, blocks, -1)
 
