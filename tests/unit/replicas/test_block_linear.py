@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from sessionserve.replicas import block_linear
+from sessionserve.replicas import block_linear, gguf_int4
 
 needs_kernel = pytest.mark.skipif(
     not block_linear.load(), reason=f"the block kernel cannot run here: {block_linear.why_not()}"
@@ -27,9 +27,7 @@ def random_weight(rng, n: int, k: int, bits: int) -> tuple[np.ndarray, ...]:
 
 
 def exact(x: torch.Tensor, u: np.ndarray, d: np.ndarray, m: np.ndarray) -> torch.Tensor:
-    n, k = u.shape
-    w = (u.reshape(n, -1, 32) * d[..., None] + m[..., None]).reshape(n, k)
-    return x.double() @ torch.from_numpy(w).double().T
+    return x.double() @ gguf_int4.dequantized(u, d, m).double().T
 
 
 @needs_kernel
