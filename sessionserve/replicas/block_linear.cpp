@@ -33,8 +33,14 @@
 #include <torch/csrc/inductor/aoti_torch/utils.h>
 #include <torch/library.h>
 
+#include <cpuid.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
 #include <cstring>
 
 namespace {
@@ -187,6 +193,215 @@ void panel_range(const uint8_t* records, int64_t blocks, const int8_t* qx, const
   }
 }
 
+// ---- bf16 rows on AMX tiles ------------------------------------------------------------------
+//
+// Past some 10 rows the two int8 terms' arithmetic (16 `vpdpbusd` a row a record) outweighs
+// what reading the weights costs. On CPUs with AMX a record's 512 weights are instead expanded
+// once to bf16, w = u d + m rounded to nearest even as a bf16 copy of the file's weights would
+// be, into one 16 x 64-byte tile in the pair layout `tdpbf16ps` takes (tile row p holds, for
+// each of the 16 outputs, its weights k = 2 p and 2 p + 1 of the block), and one instruction
+// multiplies it by 16 bf16 rows of x (tile row r: row r's 32 values of the block), summing in
+// fp32 across all of K: the dense bf16 linear's arithmetic on the file's weights, with no
+// per-row cost but the tile instruction's. The expansion's ~150 cycles a record are the
+// path's cost (docs/benchmarks.md, stop 101); fp32 rows never take it (bf16 would not hold
+// them).
+
+constexpr int kTileRows = 16;     // rows of x a tile holds
+constexpr int kTileGroups = 4;    // row tiles a pass sums into (tmm0-3; tmm4 x, tmm5 weights)
+constexpr int kTileBytes = 1024;  // 16 rows x 64 bytes
+
+// the fewest bf16 rows that take the tiles: expanding a record costs about what 8-12 rows of
+// int8 terms do (all of a decode step's linears: 8 rows 0.91x, 12 rows 1.22x, 16 rows 1.65x;
+// docs/benchmarks.md, stop 101). SESSIONSERVE_BLOCK_TILE_ROWS overrides it, 0 turns them off
+constexpr int kTileMinRowsDefault = 10;
+
+bool cpu_has_amx_bf16() {
+  unsigned a, b, c, d;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  const bool tile = d & (1u << 24), bf16 = d & (1u << 22);  // AMX-TILE, AMX-BF16
+  if (!tile || !bf16 || !__get_cpuid_count(7, 1, &a, &b, &c, &d)) return false;
+  if (!(a & (1u << 5))) return false;  // AVX512-BF16: the expansion's conversion
+  // Linux hands a process the tiles' 8 KiB of state only when asked (ARCH_REQ_XCOMP_PERM for
+  // XFEATURE_XTILEDATA); asking again is harmless
+  return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+}
+
+bool amx_here() {
+  static const bool here = cpu_has_amx_bf16();
+  return here;
+}
+
+std::atomic<int>& tile_rows_setting() {
+  static std::atomic<int> rows{[] {
+    if (!amx_here()) return 0;
+    const char* env = std::getenv("SESSIONSERVE_BLOCK_TILE_ROWS");
+    return env != nullptr ? std::max(0, std::atoi(env)) : kTileMinRowsDefault;
+  }()};
+  return rows;
+}
+
+int tile_min_rows() { return tile_rows_setting().load(std::memory_order_relaxed); }
+
+// benchmarks and tests compare the two paths on the same rows; without AMX it stays 0
+int64_t set_tile_min_rows(int64_t rows) {
+  TORCH_CHECK(rows >= 0, "block_linear: the fewest rows for the tiles is >= 0, got ", rows);
+  tile_rows_setting().store(amx_here() ? static_cast<int>(rows) : 0);
+  return tile_min_rows();
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// all six tiles 16 rows of 64 bytes. Kept in memory as a whole: GCC's `_tile_loadconfig` tells
+// the compiler it reads 8 bytes, so the other stores to a local config could be dropped
+const TileConfig kTileConfig = [] {
+  TileConfig config;
+  for (int t = 0; t < 6; ++t) {
+    config.colsb[t] = 64;
+    config.rows[t] = kTileRows;
+  }
+  return config;
+}();
+
+__attribute__((target("amx-tile"))) void configure_tiles() { _tile_loadconfig(&kTileConfig); }
+
+__attribute__((target("amx-tile"))) void release_tiles() { _tile_release(); }
+
+// one record -> its weights as bf16 in the tile's pair layout (`tile`, 1 KiB, 64-byte aligned).
+// Source group s (4 bits: vector s's low nibbles for s < 4, vector s - 4's high ones after; 8
+// bits: vector s) holds output j's weights k = 4 s + i at byte 4 j + i, i.e. tile rows 2 s and
+// 2 s + 1: a shuffle within each 16 bytes puts bytes i = 0, 1 of its 4 outputs before i = 2,
+// 3, and a permute of the 8-byte halves makes the first 32 bytes row 2 s and the rest row
+// 2 s + 1, each ordered (output 0: k, k + 1), (output 1: ...), as the tile takes them.
+template <int BITS>
+__attribute__((target("avx512bf16,avx512bw,avx512f"))) inline void expand_record(
+    const uint8_t* record, uint8_t* tile) {
+  const __m256i* halves = reinterpret_cast<const __m256i*>(record);
+  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(halves));
+  const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(halves + 1));
+  // element e of a 16-wide quarter is output 8 h + e / 2 (h: the quarter's half of a row)
+  const __m512i first = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
+  const __m512 d0 = _mm512_permutexvar_ps(first, d), d1 = _mm512_permutexvar_ps(second, d);
+  const __m512 m0 = _mm512_permutexvar_ps(first, m), m1 = _mm512_permutexvar_ps(second, m);
+  const __m512i pairs = _mm512_broadcast_i32x4(
+      _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15));
+  const __m512i halves_order = _mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7);
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const uint8_t* packed = record + kScaleBytes;
+#pragma GCC unroll 8
+  for (int s = 0; s < 8; ++s) {
+    __m512i u;
+    if constexpr (BITS == 4) {
+      const __m512i v = _mm512_loadu_si512(packed + 64 * (s % 4));
+      u = s < 4 ? _mm512_and_si512(v, low) : _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+    } else {
+      u = _mm512_loadu_si512(packed + 64 * s);
+    }
+    u = _mm512_permutexvar_epi64(halves_order, _mm512_shuffle_epi8(u, pairs));
+    __m512 w[4];
+#pragma GCC unroll 4
+    for (int q = 0; q < 4; ++q) {
+      const __m512 uq = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(u, q)));
+      w[q] = _mm512_fmadd_ps(uq, q % 2 ? d1 : d0, q % 2 ? m1 : m0);
+    }
+    // cvtne2ps puts its second operand in the low half; bf16 rounding to nearest even
+    _mm512_store_si512(tile + 128 * s, (__m512i)_mm512_cvtne2ps_pbh(w[1], w[0]));
+    _mm512_store_si512(tile + 128 * s + 64, (__m512i)_mm512_cvtne2ps_pbh(w[3], w[2]));
+  }
+}
+
+// G row tiles (16 G rows of xs, bf16, row stride K) against one panel -> y [rows, 16]
+template <int G, int BITS, typename T>
+__attribute__((target("amx-tile,amx-bf16,avx512bf16,avx512bw,avx512f"))) void panel_tiles(
+    const uint8_t* records, int64_t blocks, const at::BFloat16* xs, int64_t K, int rows, T* y,
+    int64_t ldy) {
+  alignas(64) uint8_t tiles[2][kTileBytes];
+  alignas(64) float sums[kTileRows * kPanel];
+  _tile_zero(0);
+  if constexpr (G > 1) _tile_zero(1);
+  if constexpr (G > 2) _tile_zero(2);
+  if constexpr (G > 3) _tile_zero(3);
+  const int64_t stride = K * static_cast<int64_t>(sizeof(at::BFloat16));
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* record = records + b * record_bytes(BITS);
+#pragma GCC unroll 9
+    for (int line = 0; line < record_bytes(BITS); line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(record + kPrefetchAhead + line), _MM_HINT_T0);
+    uint8_t* tile = tiles[b % 2];  // two buffers: expanding the next does not wait on this one
+    expand_record<BITS>(record, tile);
+    _tile_loadd(5, tile, 64);
+    const at::BFloat16* xb = xs + b * kBlock;
+    _tile_loadd(4, xb, stride);
+    _tile_dpbf16ps(0, 4, 5);
+    if constexpr (G > 1) {
+      _tile_loadd(4, xb + kTileRows * K, stride);
+      _tile_dpbf16ps(1, 4, 5);
+    }
+    if constexpr (G > 2) {
+      _tile_loadd(4, xb + 2 * kTileRows * K, stride);
+      _tile_dpbf16ps(2, 4, 5);
+    }
+    if constexpr (G > 3) {
+      _tile_loadd(4, xb + 3 * kTileRows * K, stride);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+  }
+  for (int g = 0; g < G; ++g) {  // GCC's tile intrinsics take register numbers as literals
+    if (g == 0) _tile_stored(0, sums, 64);
+    if constexpr (G > 1) if (g == 1) _tile_stored(1, sums, 64);
+    if constexpr (G > 2) if (g == 2) _tile_stored(2, sums, 64);
+    if constexpr (G > 3) if (g == 3) _tile_stored(3, sums, 64);
+    const int valid = std::min(kTileRows, rows - g * kTileRows);
+    for (int r = 0; r < valid; ++r)
+      store16(y + (g * kTileRows + r) * ldy, _mm512_load_ps(sums + r * kPanel));
+  }
+}
+
+template <int BITS, typename T>
+void tile_range(const uint8_t* records, int64_t blocks, const at::BFloat16* xs, int64_t M,
+                int64_t K, T* y, int64_t N, int64_t begin, int64_t end) {
+  configure_tiles();
+  for (int64_t p = begin; p < end; ++p) {
+    const uint8_t* panel = records + p * blocks * record_bytes(BITS);
+    for (int64_t row = 0; row < M; row += kTileRows * kTileGroups) {
+      const int rows = static_cast<int>(std::min<int64_t>(M - row, kTileRows * kTileGroups));
+      const at::BFloat16* xr = xs + row * K;
+      T* yr = y + row * N + p * kPanel;
+      switch ((rows + kTileRows - 1) / kTileRows) {
+        case 1: panel_tiles<1, BITS>(panel, blocks, xr, K, rows, yr, N); break;
+        case 2: panel_tiles<2, BITS>(panel, blocks, xr, K, rows, yr, N); break;
+        case 3: panel_tiles<3, BITS>(panel, blocks, xr, K, rows, yr, N); break;
+        default: panel_tiles<4, BITS>(panel, blocks, xr, K, rows, yr, N); break;
+      }
+    }
+  }
+  release_tiles();
+}
+
+void run_tiles(const at::Tensor& rows, const at::Tensor& records, int64_t bits, at::Tensor& y) {
+  const int64_t M = rows.size(0), K = rows.size(1), blocks = records.size(1);
+  const int64_t N = y.size(1);
+  // the rows padded with zeros to whole tiles (a tile load reads 16 rows): per calling thread
+  static thread_local std::vector<at::BFloat16> padded;
+  const int64_t whole = (M + kTileRows - 1) / kTileRows * kTileRows;
+  padded.resize(whole * K);
+  std::memcpy(padded.data(), rows.data_ptr<at::BFloat16>(), M * K * sizeof(at::BFloat16));
+  std::memset(static_cast<void*>(padded.data() + M * K), 0, (whole - M) * K * sizeof(at::BFloat16));
+  const uint8_t* rp = records.data_ptr<uint8_t>();
+  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
+  const at::BFloat16* xs = padded.data();
+  at::parallel_for(0, records.size(0), 1, [&](int64_t begin, int64_t end) {
+    if (bits == 4)
+      tile_range<4>(rp, blocks, xs, M, K, yp, N, begin, end);
+    else
+      tile_range<8>(rp, blocks, xs, M, K, yp, N, begin, end);
+  });
+}
+
 template <typename T>
 void run(const at::Tensor& rows, const at::Tensor& records, int64_t bits, at::Tensor& y) {
   const int64_t M = rows.size(0), K = rows.size(1), blocks = records.size(1);
@@ -229,7 +444,10 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& records, int64_t 
   sizes.back() = N;
   at::Tensor y = at::empty({rows.size(0), N}, x.options());
   if (rows.size(0) > 0) {
-    if (x.scalar_type() == at::kFloat)
+    const int tiles_from = tile_min_rows();
+    if (x.scalar_type() == at::kBFloat16 && tiles_from > 0 && rows.size(0) >= tiles_from)
+      run_tiles(rows, records, bits, y);
+    else if (x.scalar_type() == at::kFloat)
       run<float>(rows, records, bits, y);
     else
       run<at::BFloat16>(rows, records, bits, y);
@@ -253,6 +471,9 @@ extern "C" AOTI_TORCH_EXPORT AOTITorchError aoti_torch_cpu_block_linear(AtenTens
 
 TORCH_LIBRARY_FRAGMENT(sessionserve, m) {
   m.def("block_linear(Tensor x, Tensor records, int bits) -> Tensor");
+  // the fewest bf16 rows the op takes on AMX tiles; 0: never (no AMX here, or turned off)
+  m.def("block_linear_tile_rows() -> int", []() -> int64_t { return tile_min_rows(); });
+  m.def("block_linear_set_tile_rows(int rows) -> int", &set_tile_min_rows);
 }
 
 TORCH_LIBRARY_IMPL(sessionserve, CPU, m) { m.impl("block_linear", &block_linear); }

@@ -1,5 +1,6 @@
 """The block-quantized linear (`block_linear.cpp`): a GGUF's Q4_0 / Q4_1 / Q8_0 weights as the
-file stores them, against rows taken per block of 32 as two int8 terms, on AVX-512 VNNI.
+file stores them, against rows taken per block of 32 as two int8 terms, on AVX-512 VNNI; on
+CPUs with AMX, from `tile_rows()` bf16 rows on, each record expanded once to bf16 on tiles.
 
 Why: decode steps and verifies of a few rows read every weight for a few rows, so on a CPU
 they wait on memory; the file's blocks are 0.625 (Q4_1) or 1.06 (Q8_0) bytes a weight against
@@ -25,6 +26,8 @@ from sessionserve.replicas.native_kernel import NativeKernel
 
 SOURCE = Path(__file__).with_name("block_linear.cpp")
 DISABLE_ENV = "SESSIONSERVE_BLOCK_LINEAR"  # "0": the kernel is not used
+# the fewest bf16 rows taken on AMX tiles, read when the op loads ("0": never; default 10)
+TILE_ROWS_ENV = "SESSIONSERVE_BLOCK_TILE_ROWS"
 C_SHIM = (
     "AOTITorchError aoti_torch_cpu_block_linear(AtenTensorHandle, AtenTensorHandle, int64_t, "
     "AtenTensorHandle*)"
@@ -117,6 +120,27 @@ def pack(u: np.ndarray, d: np.ndarray, m: np.ndarray, bits: int) -> BlockWeight:
     return BlockWeight(torch.from_numpy(records), bits)
 
 
+def tile_rows() -> int:
+    """The fewest bf16 rows the kernel takes on AMX tiles (the dense bf16 arithmetic on the
+    file's weights, see `reference`); 0 where it never does (no AMX, or `TILE_ROWS_ENV` 0)."""
+    KERNEL.require()
+    return int(torch.ops.sessionserve.block_linear_tile_rows())
+
+
+def set_tile_rows(rows: int) -> int:
+    """Take bf16 rows on tiles from `rows` on (0: never) in this process, for benchmarks and
+    tests that compare the two paths; returns what holds (0 without AMX)."""
+    KERNEL.require()
+    return int(torch.ops.sessionserve.block_linear_set_tile_rows(rows))
+
+
+def uses_tiles(x: torch.Tensor) -> bool:
+    """Whether the kernel takes these rows on AMX tiles rather than as two int8 terms."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    least = tile_rows()
+    return x.dtype == torch.bfloat16 and least > 0 and rows >= least
+
+
 def linear(x: torch.Tensor, weight: BlockWeight) -> torch.Tensor:
     """x @ W^T (loads the op first); the result in x's dtype."""
     KERNEL.require()
@@ -124,9 +148,17 @@ def linear(x: torch.Tensor, weight: BlockWeight) -> torch.Tensor:
 
 
 def reference(x: torch.Tensor, u: np.ndarray, d: np.ndarray, m: np.ndarray) -> torch.Tensor:
-    """The kernel's arithmetic in float64 (for tests): each block of 32 of x's rows as two int8
-    terms (dx = max|x| / 127, c = round(x / dx), then the residual on a grid of dx / 254, both
-    rounded to nearest even), the dots exact, w = u d + m."""
+    """The kernel's arithmetic in float64 (for tests), as it takes these rows (`uses_tiles`):
+    on tiles, w = u d + m rounded once to bf16 times the bf16 rows (a bf16 linear's); otherwise
+    each block of 32 of x's rows as two int8 terms (dx = max|x| / 127, c = round(x / dx), then
+    the residual on a grid of dx / 254, both rounded to nearest even), the dots exact,
+    w = u d + m."""
+    if uses_tiles(x):
+        w = torch.from_numpy(u.astype(np.float32)).reshape(u.shape[0], -1, BLOCK)
+        scale = torch.from_numpy(d.astype(np.float16).astype(np.float32))[..., None]
+        shift = torch.from_numpy(m.astype(np.float16).astype(np.float32))[..., None]
+        w = (w * scale + shift).reshape(u.shape).bfloat16()  # fp32's u d + m, then bf16
+        return (x.double() @ w.double().T).reshape(*x.shape[:-1], u.shape[0])
     rows = x.reshape(-1, x.shape[-1]).float()
     blocks = rows.reshape(rows.shape[0], -1, BLOCK)
     amax = blocks.abs().amax(-1, keepdim=True)

@@ -391,8 +391,9 @@ def plan_int4_decode_compile(
     (`decode`, exported from `dense`; `forward`: the compiled forward's plan): a second
     decode step package whose decoder linears and LM head are the quantized weights of the
     GGUF the model was loaded from (`source`), run by the block-quantized kernel
-    (block_linear.py), for steps of up to gguf_int4.MAX_TOKENS tokens, where such steps read
-    weights more than they compute.
+    (block_linear.py), for steps of up to `gguf_int4.max_tokens()` tokens (12; 64 where the
+    kernel takes wide steps on AMX tiles), where such steps read weights more than they
+    compute.
     Only for a bf16 model (the kernel's int8 pairs hold a row about as finely as bf16, not as
     fp32), whose GGUF stores linears as Q4_0 or Q4_1, on a CPU with AVX-512 VNNI; auto and
     true differ only in that true logs why it cannot be had. Its attention and KV are the
@@ -422,18 +423,23 @@ def plan_int4_decode_compile(
         kv_dtype=dense.kv_dtype,
         int4_source=(gguf, prefix),
     )
-    key = package_key(step, gguf_int4.MAX_TOKENS, weights=forward.weights)
-    package = decode.package.parent / f"{key}.pt2"
-    if not package.exists() and not gguf_int4.four_bit_tensors(gguf):
+
+    def package_for(max_tokens: int) -> Path:
+        key = package_key(step, max_tokens, weights=forward.weights)
+        return decode.package.parent / f"{key}.pt2"
+
+    limits = (gguf_int4.MAX_TOKENS, gguf_int4.MAX_TOKENS_ON_TILES)
+    if not any(package_for(n).exists() for n in limits) and not gguf_int4.four_bit_tensors(gguf):
         return declined(f"{gguf.name} stores no tensor as Q4_0 or Q4_1")
     # after the file's check: building the kernel (once per machine) is for files it serves
     if not block_linear.load():
         return declined(f"the block-quantized kernel cannot run here: {block_linear.why_not()}")
+    max_tokens = gguf_int4.max_tokens()
     plan = CompilePlan(
         True,
         "engine.gguf_int4_decode",
-        package,
-        gguf_int4.MAX_TOKENS,
+        package_for(max_tokens),
+        max_tokens,
         dense.feature_layers,
         role="4-bit decode step package",
         loads_as=functools.partial(

@@ -25,12 +25,17 @@ from typing import Any
 import numpy as np
 import torch
 
+from sessionserve.replicas import block_linear
 from sessionserve.replicas.block_linear import BLOCK, BlockLinear, BlockWeight, fits, pack
 
 INT4_FORMAT = 2  # bump when what a packed weight holds changes (the package key has it)
-# the largest step (tokens) the package runs: past it the dense package's bf16 GEMMs on AMX
-# tiles win (docs/benchmarks.md)
+# the largest step (tokens) the package runs where the kernel takes every row as int8 terms:
+# past it the dense package's bf16 GEMMs on AMX tiles win (docs/benchmarks.md, stop 100)
 MAX_TOKENS = 12
+# ... and where it takes wide steps on AMX tiles itself (`block_linear.tile_rows`): 16 rows
+# read 1.65x, 32 2.35x, 64 2.2-2.7x faster than as int8 terms; in process the steps of 10-48
+# requests read 1.04-1.33x the dense package, 64 1.00x (docs/benchmarks.md, stop 101)
+MAX_TOKENS_ON_TILES = 48
 # bytes of a block: Q4_1's fp16 d, fp16 m and 16 bytes of nibbles; Q4_0's d and nibbles;
 # Q8_0's d and 32 bytes
 BLOCK_BYTES = {"Q4_1": 20, "Q4_0": 18, "Q8_0": 34}
@@ -124,6 +129,12 @@ def _checked(tensor: Any, processor: Any, name: str, linear: torch.nn.Linear) ->
         )
         return None
     return pack(u, d, m, BITS[kind])
+
+
+def max_tokens() -> int:
+    """The widest step the 4-bit package takes on this machine (loads the kernel first)."""
+    tiles = block_linear.load() and block_linear.tile_rows() > 0
+    return MAX_TOKENS_ON_TILES if tiles else MAX_TOKENS
 
 
 def read_block_linears(

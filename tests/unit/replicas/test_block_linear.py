@@ -75,6 +75,71 @@ def test_a_row_is_held_about_as_finely_as_bf16(bits) -> None:
     assert ours.mean() < bf16.mean() and ours.max() < bf16.max()
 
 
+needs_tiles = pytest.mark.skipif(
+    not block_linear.load() or block_linear.tile_rows() == 0,
+    reason="no AMX tiles here (or SESSIONSERVE_BLOCK_TILE_ROWS=0)",
+)
+
+
+@pytest.fixture
+def tiles_from():
+    """Set the fewest rows on tiles for a test; put back what held before."""
+    before = block_linear.tile_rows()
+    yield block_linear.set_tile_rows
+    block_linear.set_tile_rows(before)
+
+
+@needs_tiles
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows", [1, 10, 17, 40, 64, 65, 130])
+def test_bf16_rows_on_tiles_compute_a_bf16_linear_of_the_files_weights(
+    bits, rows, tiles_from
+) -> None:
+    """On AMX tiles each record is expanded to bf16 (fp32's u d + m, rounded to nearest even)
+    and multiplied with the bf16 rows, summed in fp32: within one rounding of the output to
+    bf16 of the float64 product. 1 to 4 row tiles a pass, several passes, a ragged last
+    tile; from 1 row when told to, and from `tile_rows()` rows unless told otherwise."""
+    rng = np.random.default_rng(rows * 10 + bits)
+    u, d, m = random_weight(rng, 48, 576, bits)
+    weight = block_linear.pack(u, d, m, bits)
+    x = torch.from_numpy(rng.normal(0, 1, (rows, 576)).astype(np.float32)).bfloat16()
+    x[0, 32:64] = 0.0
+    tiles_from(1)
+    assert block_linear.uses_tiles(x)
+    got = block_linear.linear(x, weight)
+    w = gguf_int4.dequantized(u, d, m).bfloat16().double()
+    want = x.double() @ w.T
+    torch.testing.assert_close(got.double(), want, rtol=2**-8, atol=1e-4)
+    torch.testing.assert_close(want, block_linear.reference(x, u, d, m))
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 48)
+    tiles_from(0)  # the same rows as two int8 terms: a different arithmetic, not the same bits
+    assert not block_linear.uses_tiles(x)
+    terms = block_linear.linear(x, weight)
+    torch.testing.assert_close(
+        terms.double(), block_linear.reference(x, u, d, m), rtol=1e-2, atol=1e-2
+    )
+
+
+@needs_tiles
+def test_which_rows_take_the_tiles(tiles_from) -> None:
+    """bf16 rows from `tile_rows()` on; fp32 rows never (a bf16 product would not hold them);
+    a negative setting is refused with what to give."""
+    default = block_linear.tile_rows()
+    assert 1 < default <= 16
+    bf16 = torch.zeros(default, 64, dtype=torch.bfloat16)
+    assert block_linear.uses_tiles(bf16) and not block_linear.uses_tiles(bf16[1:])
+    assert not block_linear.uses_tiles(bf16.float())
+    rng = np.random.default_rng(11)
+    u, d, m = random_weight(rng, 32, 64, 4)
+    x = torch.from_numpy(rng.normal(0, 1, (default, 64)).astype(np.float32))
+    got = block_linear.linear(x, block_linear.pack(u, d, m, 4))
+    want = block_linear.reference(x, u, d, m)  # the int8 terms': fp32 to within 1e-5
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    assert tiles_from(3) == 3 and block_linear.tile_rows() == 3
+    with pytest.raises(RuntimeError, match="the fewest rows for the tiles is >= 0, got -1"):
+        tiles_from(-1)
+
+
 @needs_kernel
 def test_a_weight_it_was_not_packed_for_is_refused() -> None:
     rng = np.random.default_rng(9)

@@ -165,7 +165,7 @@ def test_the_plan_says_when_the_4bit_package_applies(tmp_path, caplog, monkeypat
     dense = DecodeStep(model, CHUNKS)
     plan, step = plan_int4_decode_compile(True, forward, decode, dense, model, str(path))
     assert plan.enabled and step is not None and step.int4_source == (path, "model")
-    assert plan.max_tokens == gguf_int4.MAX_TOKENS and plan.package.parent == tmp_path
+    assert plan.max_tokens == gguf_int4.max_tokens() and plan.package.parent == tmp_path
     assert step.key_facts()["gguf_int4"][0] == gguf_int4.INT4_FORMAT
     assert "gguf_int4" not in dense.key_facts()
     for mode in (True, "auto"):
@@ -270,7 +270,7 @@ def test_the_built_4bit_package_matches_the_eager_step(tmp_path, package_cache) 
     runner.compiled_int4_decode = eager
     want = engine.generate(inputs, greedy)
     assert len(shapes) >= 9 and eager.calls >= 9  # every decode step, through each
-    assert all(tokens <= gguf_int4.MAX_TOKENS for tokens, _ in shapes)
+    assert all(tokens <= plan.max_tokens for tokens, _ in shapes)
     # tie-aware: equal tokens up to a split at a near-tie, logprobs within 5e-2
     assert assert_tie_aware_equal(want, got, margin=0.1, logprob_tol=5e-2) >= 9
     engine.check_memory()
