@@ -207,7 +207,7 @@ void panel_range(const uint8_t* records, int64_t blocks, const int8_t* qx, const
 // them).
 
 constexpr int kTileRows = 16;     // rows of x a tile holds
-constexpr int kTileGroups = 4;    // row tiles a pass sums into (tmm0-3; tmm4 x, tmm5 weights)
+constexpr int kTileGroups = 4;  // row tiles a pass sums into (tmm0-3; tmm4, 6 x; tmm5 weights)
 constexpr int kTileBytes = 1024;  // 16 rows x 64 bytes
 
 // the fewest bf16 rows that take the tiles: expanding a record costs about what 8-12 rows of
@@ -255,11 +255,11 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// all six tiles 16 rows of 64 bytes. Kept in memory as a whole: GCC's `_tile_loadconfig` tells
+// tiles 0-6, 16 rows of 64 bytes each. Kept in memory as a whole: GCC's `_tile_loadconfig` tells
 // the compiler it reads 8 bytes, so the other stores to a local config could be dropped
 const TileConfig kTileConfig = [] {
   TileConfig config;
-  for (int t = 0; t < 6; ++t) {
+  for (int t = 0; t < 7; ++t) {
     config.colsb[t] = 64;
     config.rows[t] = kTileRows;
   }
@@ -337,17 +337,18 @@ __attribute__((target("amx-tile,amx-bf16,avx512bf16,avx512bw,avx512f"))) void pa
     const at::BFloat16* xb = xs + b * kBlock;
     _tile_loadd(4, xb, stride);
     _tile_dpbf16ps(0, 4, 5);
-    if constexpr (G > 1) {
-      _tile_loadd(4, xb + kTileRows * K, stride);
-      _tile_dpbf16ps(1, 4, 5);
+    if constexpr (G > 1) {  // rows in tmm4 and tmm6 by turns: a load need not wait for the
+      // previous product to have read its tile
+      _tile_loadd(6, xb + kTileRows * K, stride);
+      _tile_dpbf16ps(1, 6, 5);
     }
     if constexpr (G > 2) {
       _tile_loadd(4, xb + 2 * kTileRows * K, stride);
       _tile_dpbf16ps(2, 4, 5);
     }
     if constexpr (G > 3) {
-      _tile_loadd(4, xb + 3 * kTileRows * K, stride);
-      _tile_dpbf16ps(3, 4, 5);
+      _tile_loadd(6, xb + 3 * kTileRows * K, stride);
+      _tile_dpbf16ps(3, 6, 5);
     }
   }
   for (int g = 0; g < G; ++g) {  // GCC's tile intrinsics take register numbers as literals
