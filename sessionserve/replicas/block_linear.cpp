@@ -211,7 +211,7 @@ constexpr int kTileGroups = 4;  // row tiles a pass sums into (tmm0-3; tmm4, 6 x
 constexpr int kTileBytes = 1024;  // 16 rows x 64 bytes
 
 // the fewest bf16 rows that take the tiles: expanding a record costs about what 8-12 rows of
-// int8 terms do (all of a decode step's linears: 8 rows 0.91x, 12 rows 1.22x, 16 rows 1.65x;
+// int8 terms do (all of a decode step's linears: 8 rows 0.89x, 12 rows 1.21x, 16 rows 1.57x;
 // docs/benchmarks.md, stop 101). SESSIONSERVE_BLOCK_TILE_ROWS overrides it, 0 turns them off
 constexpr int kTileMinRowsDefault = 10;
 

@@ -391,7 +391,7 @@ def plan_int4_decode_compile(
     (`decode`, exported from `dense`; `forward`: the compiled forward's plan): a second
     decode step package whose decoder linears and LM head are the quantized weights of the
     GGUF the model was loaded from (`source`), run by the block-quantized kernel
-    (block_linear.py), for steps of up to `gguf_int4.max_tokens()` tokens (12; 64 where the
+    (block_linear.py), for steps of up to `gguf_int4.max_tokens()` tokens (12; 48 where the
     kernel takes wide steps on AMX tiles), where such steps read weights more than they
     compute.
     Only for a bf16 model (the kernel's int8 pairs hold a row about as finely as bf16, not as

@@ -32,9 +32,10 @@ INT4_FORMAT = 2  # bump when what a packed weight holds changes (the package key
 # the largest step (tokens) the package runs where the kernel takes every row as int8 terms:
 # past it the dense package's bf16 GEMMs on AMX tiles win (docs/benchmarks.md, stop 100)
 MAX_TOKENS = 12
-# ... and where it takes wide steps on AMX tiles itself (`block_linear.tile_rows`): 16 rows
-# read 1.65x, 32 2.35x, 64 2.2-2.7x faster than as int8 terms; in process the steps of 10-48
-# requests read 1.04-1.33x the dense package, 64 1.00x (docs/benchmarks.md, stop 101)
+# ... and where it takes wide steps on AMX tiles itself (`block_linear.tile_rows`): a step's
+# linears at 16 rows read 1.57x, 32 1.84x, 64 2.69x faster than as int8 terms; in process the
+# steps of 10-48 requests read 1.04-1.33x the dense package, 64 1.00x (docs/benchmarks.md,
+# stop 101)
 MAX_TOKENS_ON_TILES = 48
 # bytes of a block: Q4_1's fp16 d, fp16 m and 16 bytes of nibbles; Q4_0's d and nibbles;
 # Q8_0's d and 32 bytes
