@@ -202,13 +202,13 @@ void panel_range(const uint8_t* records, int64_t blocks, const int8_t* qx, const
 // each of the 16 outputs, its weights k = 2 p and 2 p + 1 of the block), and one instruction
 // multiplies it by 16 bf16 rows of x (tile row r: row r's 32 values of the block), summing in
 // fp32 across all of K: the dense bf16 linear's arithmetic on the file's weights, with no
-// per-row cost but the tile instruction's. The expansion's ~150 cycles a record are the
-// path's cost (docs/benchmarks.md, stop 101); fp32 rows never take it (bf16 would not hold
-// them).
+// per-row cost but the tile instruction's. Its cost is a near-fixed ~8.5 ms over a decode
+// step's linears up to 16 rows (expanding the records, and the tiles' poor overlap with their
+// stream; docs/benchmarks.md, stop 101). fp32 rows never take it (bf16 would not hold them).
 
-constexpr int kTileRows = 16;     // rows of x a tile holds
-constexpr int kTileGroups = 4;  // row tiles a pass sums into (tmm0-3; tmm4, 6 x; tmm5 weights)
-constexpr int kTileBytes = 1024;  // 16 rows x 64 bytes
+constexpr int kTileRows = 16;    // rows of x a tile holds
+constexpr int kTileGroups = 4;   // row tiles a pass sums into (tmm0-3; tmm4, 6 x; tmm5 weights)
+constexpr int kTileBytes = 1024; // 16 rows x 64 bytes
 
 // the fewest bf16 rows that take the tiles: expanding a record costs about what 8-12 rows of
 // int8 terms do (all of a decode step's linears: 8 rows 0.89x, 12 rows 1.21x, 16 rows 1.57x;
@@ -255,8 +255,8 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// tiles 0-6, 16 rows of 64 bytes each. Kept in memory as a whole: GCC's `_tile_loadconfig` tells
-// the compiler it reads 8 bytes, so the other stores to a local config could be dropped
+// tiles 0-6, 16 rows of 64 bytes each. Kept in memory as a whole: GCC's `_tile_loadconfig`
+// tells the compiler it reads 8 bytes, so the other stores to a local config could be dropped
 const TileConfig kTileConfig = [] {
   TileConfig config;
   for (int t = 0; t < 7; ++t) {
