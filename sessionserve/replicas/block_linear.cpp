@@ -314,11 +314,12 @@ __attribute__((target("avx512bf16,avx512bw,avx512f"))) inline void expand_record
   }
 }
 
-// G row tiles (16 G rows of xs, bf16, row stride K) against one panel -> y [rows, 16]
+// G row tiles (`tiles_of_x[g]`: 16 bf16 rows of stride K each) against one panel ->
+// y [rows, 16]
 template <int G, int BITS, typename T>
 __attribute__((target("amx-tile,amx-bf16,avx512bf16,avx512bw,avx512f"))) void panel_tiles(
-    const uint8_t* records, int64_t blocks, const at::BFloat16* xs, int64_t K, int rows, T* y,
-    int64_t ldy) {
+    const uint8_t* records, int64_t blocks, const at::BFloat16* const* tiles_of_x, int64_t K,
+    int rows, T* y, int64_t ldy) {
   alignas(64) uint8_t tiles[2][kTileBytes];
   alignas(64) float sums[kTileRows * kPanel];
   _tile_zero(0);
@@ -334,20 +335,20 @@ __attribute__((target("amx-tile,amx-bf16,avx512bf16,avx512bw,avx512f"))) void pa
     uint8_t* tile = tiles[b % 2];  // two buffers: expanding the next does not wait on this one
     expand_record<BITS>(record, tile);
     _tile_loadd(5, tile, 64);
-    const at::BFloat16* xb = xs + b * kBlock;
-    _tile_loadd(4, xb, stride);
+    const int64_t k0 = b * kBlock;  // the block's first column
+    _tile_loadd(4, tiles_of_x[0] + k0, stride);
     _tile_dpbf16ps(0, 4, 5);
     if constexpr (G > 1) {  // rows in tmm4 and tmm6 by turns: a load need not wait for the
       // previous product to have read its tile
-      _tile_loadd(6, xb + kTileRows * K, stride);
+      _tile_loadd(6, tiles_of_x[1] + k0, stride);
       _tile_dpbf16ps(1, 6, 5);
     }
     if constexpr (G > 2) {
-      _tile_loadd(4, xb + 2 * kTileRows * K, stride);
+      _tile_loadd(4, tiles_of_x[2] + k0, stride);
       _tile_dpbf16ps(2, 4, 5);
     }
     if constexpr (G > 3) {
-      _tile_loadd(6, xb + 3 * kTileRows * K, stride);
+      _tile_loadd(6, tiles_of_x[3] + k0, stride);
       _tile_dpbf16ps(3, 6, 5);
     }
   }
@@ -363,14 +364,14 @@ __attribute__((target("amx-tile,amx-bf16,avx512bf16,avx512bw,avx512f"))) void pa
 }
 
 template <int BITS, typename T>
-void tile_range(const uint8_t* records, int64_t blocks, const at::BFloat16* xs, int64_t M,
-                int64_t K, T* y, int64_t N, int64_t begin, int64_t end) {
+void tile_range(const uint8_t* records, int64_t blocks, const at::BFloat16* const* tiles_of_x,
+                int64_t M, int64_t K, T* y, int64_t N, int64_t begin, int64_t end) {
   configure_tiles();
   for (int64_t p = begin; p < end; ++p) {
     const uint8_t* panel = records + p * blocks * record_bytes(BITS);
     for (int64_t row = 0; row < M; row += kTileRows * kTileGroups) {
       const int rows = static_cast<int>(std::min<int64_t>(M - row, kTileRows * kTileGroups));
-      const at::BFloat16* xr = xs + row * K;
+      const at::BFloat16* const* xr = tiles_of_x + row / kTileRows;
       T* yr = y + row * N + p * kPanel;
       switch ((rows + kTileRows - 1) / kTileRows) {
         case 1: panel_tiles<1, BITS>(panel, blocks, xr, K, rows, yr, N); break;
@@ -386,15 +387,23 @@ void tile_range(const uint8_t* records, int64_t blocks, const at::BFloat16* xs, 
 void run_tiles(const at::Tensor& rows, const at::Tensor& records, int64_t bits, at::Tensor& y) {
   const int64_t M = rows.size(0), K = rows.size(1), blocks = records.size(1);
   const int64_t N = y.size(1);
-  // the rows padded with zeros to whole tiles (a tile load reads 16 rows): per calling thread
-  static thread_local std::vector<at::BFloat16> padded;
-  const int64_t whole = (M + kTileRows - 1) / kTileRows * kTileRows;
-  padded.resize(whole * K);
-  std::memcpy(padded.data(), rows.data_ptr<at::BFloat16>(), M * K * sizeof(at::BFloat16));
-  std::memset(static_cast<void*>(padded.data() + M * K), 0, (whole - M) * K * sizeof(at::BFloat16));
+  // where each row tile's 16 rows start: in x itself, but for a last tile of fewer than 16
+  // rows (a tile load reads 16), copied with zeros after them. Per calling thread, kept
+  // between calls (before, every row was copied on every call)
+  static thread_local std::vector<at::BFloat16> tail;
+  static thread_local std::vector<const at::BFloat16*> tiles_of_x;
+  const at::BFloat16* x = rows.data_ptr<at::BFloat16>();
+  const int64_t whole = M / kTileRows, left = M % kTileRows;
+  tiles_of_x.resize(whole + (left > 0));
+  for (int64_t g = 0; g < whole; ++g) tiles_of_x[g] = x + g * kTileRows * K;
+  if (left > 0) {
+    tail.assign(kTileRows * K, at::BFloat16(0.f));
+    std::memcpy(tail.data(), x + whole * kTileRows * K, left * K * sizeof(at::BFloat16));
+    tiles_of_x[whole] = tail.data();
+  }
   const uint8_t* rp = records.data_ptr<uint8_t>();
   at::BFloat16* yp = y.data_ptr<at::BFloat16>();
-  const at::BFloat16* xs = padded.data();
+  const at::BFloat16* const* xs = tiles_of_x.data();
   at::parallel_for(0, records.size(0), 1, [&](int64_t begin, int64_t end) {
     if (bits == 4)
       tile_range<4>(rp, blocks, xs, M, K, yp, N, begin, end);
