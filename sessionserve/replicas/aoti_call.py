@@ -65,10 +65,17 @@ class ReleasedCall:
             "read the output count",
         )
         self._outputs = count.value
+        self._check(
+            self._lib.AOTInductorModelContainerGetNumInputs(handle, ctypes.byref(count)),
+            "read the input count",
+        )
+        self._inputs = count.value
         self._lock = threading.Lock()  # the handles below are per call
         weakref.finalize(self, self._lib.AOTInductorModelContainerDelete, handle)
 
     def __call__(self, *inputs: torch.Tensor) -> list[torch.Tensor]:
+        if len(inputs) != self._inputs:  # the library would read past them and abort
+            raise TypeError(f"the package takes {self._inputs} tensors, not {len(inputs)}")
         capsules = torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors(list(inputs))
         handles = (ctypes.c_void_p * len(capsules))(*(_get_pointer(c, None) for c in capsules))
         outputs = (ctypes.c_void_p * self._outputs)()

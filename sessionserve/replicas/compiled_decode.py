@@ -14,11 +14,14 @@ them with one copy (`KVPool.write_layers`). Inductor fuses the attention's loops
 Where the layers attend through the hand-written CPU kernel (cpu_decode_kernel.py), a row may
 have several new tokens, each seeing its row's context and its row's tokens up to itself: a
 chain verify's k + 1 tokens, a short session turn. The same package then runs those steps
-(rows padded to one width; the padding's outputs dropped) instead of the compiled forward,
-whose attention calls back into Python at every layer. Mixed steps with longer prefill chunks,
-tree verifies and models with sliding-window layers (their KV can live apart) keep the
-compiled forward. The package holds its own copy of the weights (frozen, as the forward's):
-one more copy of the model in memory.
+instead of the compiled forward, whose attention calls back into Python at every layer. Rows
+of unequal widths (a verify where some rows draft fewer tokens, or none) are padded to the
+widest for the attention alone, whose kernel skips the padding; the linears and everything
+else run on the real tokens. (Before, the whole step was padded, or, past twice its tokens,
+ran the compiled forward: a verify of 8 requests where a few drafted cost 2.1x a decode step,
+docs/benchmarks.md.) Mixed steps with longer prefill chunks, tree verifies and models with
+sliding-window layers (their KV can live apart) keep the compiled forward. The package holds
+its own copy of the weights (frozen, as the forward's): one more copy of the model in memory.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ from sessionserve.replicas.compiled_forward import (
 from sessionserve.replicas.hidden_states import decoder_features
 from sessionserve.replicas.native_kernel import SHIMS_CONFIG
 
-DECODE_FORMAT = 2  # bump when DecodeStep's inputs or InlineDecode's formula change
+DECODE_FORMAT = 3  # bump when DecodeStep's inputs or InlineDecode's formula change
 EXAMPLE_POOL_SLOTS = 4096  # the export example's pool (its size stays dynamic)
 # the example's context columns per part (dynamic too, but inductor sizes the attention's
 # loops' threading from it: compiled_attention.py's reason for serving-sized examples)
@@ -60,11 +63,13 @@ log = logging.getLogger(__name__)
 
 
 class DecodeStep(torch.nn.Module):
-    """What is exported: token ids and positions [N] (rows of T new tokens each, N = B * T; T
-    = 1 without the CPU kernel), the pool's K and V [layers, S, KVH, D], each row's old
-    context slots [B, W] (W a multiple of `chunks`) and lengths [B], the tokens whose logits
-    are wanted [R] -> logits [R, V], the drafter's features [N, F] (as `_DecoderAndHead`) and
-    the new K and V of every layer [layers, N, KVH, D]."""
+    """What is exported: token ids and positions [N] (the rows' new tokens one row after
+    another; one a row without the CPU kernel), the pool's K and V [layers, S, KVH, D], each
+    row's old context slots [B, W] (W a multiple of `chunks`) and lengths [B], the tokens
+    whose logits are wanted [R], and where the attention's rows padded to one width T take
+    the tokens from (`InlineDecode.spread` [B * T], `kept` [N]; unused without the kernel)
+    -> logits [R, V], the drafter's features [N, F] (as `_DecoderAndHead`) and the new K and
+    V of every layer [layers, N, KVH, D]."""
 
     # Inductor inlines a pointwise chain into each loop that reads it unless the chain has
     # more ops than this (50 on a CPU by default): the query's rotary (cos, sin of the
@@ -133,8 +138,20 @@ class DecodeStep(torch.nn.Module):
         slots: torch.Tensor,
         lens: torch.Tensor,
         logit_idx: torch.Tensor,
+        spread: torch.Tensor,
+        kept: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        inline = InlineDecode(k_pool, v_pool, slots, lens, self.chunks, self.attention_kernel)
+        kernel = self.attention_kernel  # only the kernel takes rows of several tokens
+        inline = InlineDecode(
+            k_pool,
+            v_pool,
+            slots,
+            lens,
+            self.chunks,
+            kernel,
+            spread if kernel else None,
+            kept if kernel else None,
+        )
         last, features = decoder_features(
             self.decoder, ids, positions, self.feature_layers, inline_decode=inline
         )
@@ -177,11 +194,16 @@ class DecodeStep(torch.nn.Module):
             torch.arange(n * width).view(n, width) + 1,
             torch.full((n,), width),
             torch.arange(n),
+            torch.arange(n),
+            torch.arange(n),
         )
         # the example's sizes stay the decode step's (n tokens, n rows: the GEMMs are laid out
         # for them); the dimensions are distinct symbols all the same
         tokens = torch.export.Dim("tokens", min=1, max=max_tokens)
-        rows = torch.export.Dim("rows", min=1, max=max_tokens) if self.query_tokens > 1 else tokens
+        several = self.query_tokens > 1
+        rows = torch.export.Dim("rows", min=1, max=max_tokens) if several else tokens
+        # the rows' tokens padded to one width for the attention (`InlineDecode.spread`)
+        padded = torch.export.Dim("padded", min=1, max=max_tokens) if several else tokens
         logit_rows = torch.export.Dim("logit_rows", min=1, max=max_tokens)
         pool_slots = torch.export.Dim("pool_slots", min=2)
         columns = self.chunks * torch.export.Dim("part_width", min=1)
@@ -193,6 +215,8 @@ class DecodeStep(torch.nn.Module):
             {0: rows, 1: columns},
             {0: rows},
             {0: logit_rows},
+            {0: padded},
+            {0: tokens},
         )
         return tuple(t.to(device) for t in example), dynamic
 
@@ -282,19 +306,14 @@ class CompiledDecode(CompiledForward):
         lens = torch.tensor([len(o) for o in old])
         device = ids.device
         widths = [s.q_len for s in seqs]
+        n = len(ids)
+        # rows of unequal widths attend padded to the widest; the rest of the step (the
+        # linears above all) runs on the n real tokens
         kept = padded_rows(widths)
-        if kept is not None:  # rows of unequal widths: pad each to the widest
-            kept = to_device(kept, device)
-            ids = ids.new_zeros(len(seqs) * max(widths)).index_copy_(0, kept, ids)
-            # a padding token stands at its row's last position (not past the model's
-            # positions); it comes after its row's tokens, so none of them sees it
-            ends = torch.tensor(widths).cumsum(0) - 1
-            positions = (
-                positions[to_device(ends, device)]
-                .repeat_interleave(max(widths))
-                .index_copy_(0, kept, positions)
-            )
-            logit_idx = kept[logit_idx]
+        if kept is None:
+            kept = spread = torch.arange(n)
+        else:
+            spread = torch.full((len(seqs) * max(widths),), n).index_copy_(0, kept, torch.arange(n))
         wanted = len(logit_idx)  # none: a prefill chunk alone (the package returns >= 1)
         logits, features, new_k, new_v = self._fn(
             ids,
@@ -304,10 +323,10 @@ class CompiledDecode(CompiledForward):
             to_device(slots, device),
             to_device(lens, device),
             logit_idx if wanted else logit_idx.new_zeros(1),
+            to_device(spread, device),
+            to_device(kept, device),
         )
         logits = logits[:wanted]
-        if kept is not None:
-            features, new_k, new_v = features[kept], new_k[:, kept], new_v[:, kept]
         pool.write_layers(out_slots, new_k, new_v)
         return logits, features
 

@@ -46,15 +46,6 @@ from sessionserve.replicas.step import (
 if TYPE_CHECKING:  # the graphs hold the runner they replay for
     from sessionserve.replicas.cuda_graphs import DecodeGraphs, ExtendGraphs, VerifyGraphs
 
-# past the forward's package's range, the decode step package takes an eager step only if its
-# rows padded alike come to at most this many times its tokens. An eager step costs far more
-# than its GEMMs (every layer's Python, the gathered attention): on 2 AVX2 cores steps of
-# 33-44 tokens padded to 48-64 (1.4-1.9x) ran 1.02-1.40x faster in the package than eagerly,
-# over contexts of 400-1,300 (docs/benchmarks.md, stop 81); stop 79's 1.25, from per-token
-# costs alone, sent them eagerly. With the forward's package at 32 and this one at 64 no step
-# pads past 1.94x.
-MAX_PADDING = 2.0
-
 
 class ModelRunner:
     def __init__(
@@ -280,34 +271,23 @@ class ModelRunner:
     def _takes_decode_package(self, decode: CompiledDecode, batch: ForwardBatch) -> bool:
         """Whether `batch` runs the decode step package (decode steps; through the CPU kernel
         also verifies and short turns, `CompiledDecode.padded_tokens`) in place of the
-        forward's package: not where the prefill package was timed faster for steps this
-        long (prefill_choice.split_point). Past the forward's package's range, only a step
-        that would run eagerly, padded by at most MAX_PADDING (rows padded alike past it
-        cost more than the eager step of their own tokens); where the package's linears are
-        the few-row kernel, also one the prefill package would run. With the default ranges
-        (32 and 64 tokens) a verify the speculative decoder kept within
-        `widest_compiled_step` then runs compiled, all its rows drafting or not: its own
-        tokens in the forward's package, or padded in this one.
+        forward's package: every step the forward's package would run, and, where the
+        package's linears are the few-row kernel, also longer ones that would run eagerly or
+        in the prefill package; without that kernel, not where the prefill package was timed
+        faster for steps this long (prefill_choice.split_point). The package's linears run
+        on the step's own tokens (rows of unequal widths are padded for the attention
+        alone), so what decides is how many tokens the step has, not how many padded.
 
         Why the kernel changes the choice: it reads each weight once for all rows, and on
         2 AVX2 cores (fp32, 300-token contexts) this package ran decode steps of 24-64 rows
         1.28-1.37x faster than the prefill package, verifies of 6-12 rows of 5 tokens
-        1.40-1.44x, and padded ones (1.7-2.0x) as fast (docs/benchmarks.md). Without it its
-        GEMMs are the forward's package's, tuned for 2 rows, which the split timing compared."""
-        tokens = decode.padded_tokens(batch.seqs, batch.sliding_out_slots is not None)
-        if tokens is None:
+        1.40-1.44x (docs/benchmarks.md). Without it its GEMMs are the forward's package's,
+        tuned for 2 rows, which the split timing compared."""
+        if decode.padded_tokens(batch.seqs, batch.sliding_out_slots is not None) is None:
             return False
-        runs = self.compiled_for(tokens)
-        if runs is self.compiled:
-            return True
-        n = len(batch.input_ids)
+        runs = self.compiled_for(len(batch.input_ids))
         yields_to = (None, self.compiled_prefill) if decode.linear_kernel else (None,)
-        own = self.compiled_for(n)
-        return (
-            any(runs is p for p in yields_to)
-            and any(own is p for p in yields_to)
-            and tokens <= MAX_PADDING * n
-        )
+        return runs is self.compiled or any(runs is p for p in yields_to)
 
     def captures(self, batch: ForwardBatch) -> bool:
         """Would `forward(batch)` capture a CUDA graph first? While a stream captures, no

@@ -237,10 +237,13 @@ void attend_part(const float* q,  // [group, D], already scaled
 
 // A row's T query tokens (T = 1 for decode, k + 1 for a chain verify) attend over its
 // context: all of them over the common part (context positions 0..common-1), then each
-// causally over the T tail tokens (the row's own: token t sees tail tokens 0..t).
+// causally over the T tail tokens (the row's own: token t sees tail tokens 0..t). A row may
+// have fewer real tokens than T (rows padded to one width): its first `width` are computed,
+// the padding's outputs are zeros, and no real token sees the padding (it comes after them).
 struct Rows {
   int64_t batch, tokens;             // B rows of T query tokens each
   std::vector<int64_t> common;       // per row, the context all its tokens see
+  std::vector<int64_t> width;        // per row, its real tokens (1..T), the first of its T
   bool tail_given;                   // the tail's K/V are new_key/new_value, not in the pool
 };
 
@@ -290,7 +293,9 @@ void run(const at::Tensor& q,        // [B, KVH, T * G, D] float, scaled
   at::parallel_for(0, n_parts, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t i = lo; i < hi; ++i) {
       const Part& p = parts[i];
-      attend_part<T, D>(qp + (p.row * kv_heads + p.kv_head) * width_group * D, width_group,
+      // a row's real tokens' query heads come first in its group (token-major)
+      const int real_group = static_cast<int>(rows.width[p.row] * group);
+      attend_part<T, D>(qp + (p.row * kv_heads + p.kv_head) * width_group * D, real_group,
                          kp + p.kv_head * head_stride, vp + p.kv_head * head_stride,
                          slot_stride, sp + p.row * width + p.start, p.len,
                          partial.data() + i * stride_part);
@@ -305,7 +310,10 @@ void run(const at::Tensor& q,        // [B, KVH, T * G, D] float, scaled
     for (int64_t i = lo; i < hi; ++i) {
       const int64_t b = i / kv_heads, h = i % kv_heads;
       float tail_scores[kMaxGroup];
-      for (int64_t t = 0; t < tokens; ++t) {
+      for (int64_t t = rows.width[b]; t < tokens; ++t)  // padding: zeros
+        for (int g = 0; g < group; ++g)
+          std::fill_n(op + ((b * tokens + t) * heads + h * group + g) * D, D, 0.f);
+      for (int64_t t = 0; t < rows.width[b]; ++t) {
         for (int g = 0; g < group; ++g) {
           const int idx = static_cast<int>(t * group + g);
           const float* qg = qp + ((b * kv_heads + h) * width_group + idx) * D;
@@ -383,11 +391,13 @@ void dispatch_width(int64_t head_dim, const at::Tensor& q, const at::Tensor& k,
 // strides, D contiguous). new_key, new_value [B * T, KVH, D]: the rows' own new tokens, not
 // in the pool yet, attended causally after the row's lens[b] context slots (lens >= 0); or
 // empty: the rows' tokens are the last T of their contexts already (lens >= T). Token t of a
-// row sees its context and its own tokens 0..t. Returns [B * T, H, D] in the query's dtype.
+// row sees its context and its own tokens 0..t. widths [B] (int64, 1..T): how many of a row's
+// T tokens are real, the rest padding after them (outputs zeros, not computed); empty: all
+// T. Returns [B * T, H, D] in the query's dtype.
 at::Tensor decode_attend(const at::Tensor& query, const at::Tensor& k_pool,
                          const at::Tensor& v_pool, const at::Tensor& slots,
                          const at::Tensor& lens, const at::Tensor& new_key,
-                         const at::Tensor& new_value, double scale) {
+                         const at::Tensor& new_value, double scale, const at::Tensor& widths) {
   TORCH_CHECK(query.dim() == 3 && k_pool.dim() == 3 && v_pool.dim() == 3,
               "decode_attend: query [B * T, H, D] and pools [S, KVH, D] expected");
   TORCH_CHECK(k_pool.scalar_type() == v_pool.scalar_type(), "decode_attend: K/V dtypes differ");
@@ -413,18 +423,24 @@ at::Tensor decode_attend(const at::Tensor& query, const at::Tensor& k_pool,
   const at::Tensor nv = new_value.to(at::kFloat).contiguous();
   const at::Tensor s = slots.to(at::kLong).contiguous();
   const at::Tensor l = lens.to(at::kLong).contiguous();
-  Rows rows{batch, tokens, {}, nk.numel() > 0};
+  Rows rows{batch, tokens, {}, {}, nk.numel() > 0};
   TORCH_CHECK(!rows.tail_given ||
                   (nk.sizes() == at::IntArrayRef({batch * tokens, kv_heads, head_dim}) &&
                    nv.sizes() == nk.sizes()),
               "decode_attend: new_key and new_value must be [B * T, KVH, D] or empty");
-  const int64_t least = rows.tail_given ? 0 : tokens;
+  TORCH_CHECK(widths.numel() == 0 || (widths.dim() == 1 && widths.size(0) == batch),
+              "decode_attend: widths must be [B] or empty");
+  const at::Tensor w = widths.to(at::kLong).contiguous();
   const int64_t pool_slots = std::min(k_pool.size(0), v_pool.size(0));
   for (int64_t b = 0; b < batch; ++b) {
-    const int64_t n = l.data_ptr<int64_t>()[b];
+    const int64_t real = w.numel() ? w.data_ptr<int64_t>()[b] : tokens;
+    TORCH_CHECK(real >= 1 && real <= tokens, "decode_attend: widths must lie in 1..", tokens,
+                " (the tokens a row has), not ", real);
+    rows.width.push_back(real);
+    const int64_t n = l.data_ptr<int64_t>()[b], least = rows.tail_given ? 0 : real;
     TORCH_CHECK(n >= least && n <= s.size(1), "decode_attend: lens must lie in ", least,
-                "..slots.size(1) (under T only with the rows' own new_key/new_value)");
-    rows.common.push_back(rows.tail_given ? n : n - tokens);
+                "..slots.size(1) (under the row's tokens only with its own new_key/new_value)");
+    rows.common.push_back(rows.tail_given ? n : n - real);
     // the rows are read through these without further checks: a bad slot is an error here,
     // not a read outside the pool (~1 ns a slot)
     const int64_t* row = s.data_ptr<int64_t>() + b * s.size(1);
@@ -447,14 +463,14 @@ at::Tensor decode_attend(const at::Tensor& query, const at::Tensor& k_pool,
 extern "C" AOTI_TORCH_EXPORT AOTITorchError aoti_torch_cpu_decode_attend(
     AtenTensorHandle query, AtenTensorHandle k_pool, AtenTensorHandle v_pool,
     AtenTensorHandle slots, AtenTensorHandle lens, AtenTensorHandle new_key,
-    AtenTensorHandle new_value, double scale, AtenTensorHandle* ret) {
+    AtenTensorHandle new_value, double scale, AtenTensorHandle widths, AtenTensorHandle* ret) {
   using torch::aot_inductor::resolve_tensor_dispatch_flags;
   AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
     at::Tensor out = decode_attend(
         resolve_tensor_dispatch_flags(query), resolve_tensor_dispatch_flags(k_pool),
         resolve_tensor_dispatch_flags(v_pool), resolve_tensor_dispatch_flags(slots),
         resolve_tensor_dispatch_flags(lens), resolve_tensor_dispatch_flags(new_key),
-        resolve_tensor_dispatch_flags(new_value), scale);
+        resolve_tensor_dispatch_flags(new_value), scale, resolve_tensor_dispatch_flags(widths));
     *ret = torch::aot_inductor::new_tensor_handle(std::move(out));
   });
 }
@@ -462,7 +478,7 @@ extern "C" AOTI_TORCH_EXPORT AOTITorchError aoti_torch_cpu_decode_attend(
 TORCH_LIBRARY_FRAGMENT(sessionserve, m) {
   m.def(
       "decode_attend(Tensor query, Tensor k_pool, Tensor v_pool, Tensor slots, Tensor lens, "
-      "Tensor new_key, Tensor new_value, float scale) -> Tensor");
+      "Tensor new_key, Tensor new_value, float scale, Tensor widths) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(sessionserve, CPU, m) { m.impl("decode_attend", &decode_attend); }

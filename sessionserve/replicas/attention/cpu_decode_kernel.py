@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 def _register_fake() -> None:
     @torch.library.register_fake("sessionserve::decode_attend")
-    def _(query, k_pool, v_pool, slots, lens, new_key, new_value, scale):  # noqa: ANN001, ANN202
+    def _(query, k_pool, v_pool, slots, lens, new_key, new_value, scale, widths):  # noqa: ANN001, ANN202, E501
         return torch.empty_like(query)
 
 
@@ -72,23 +72,29 @@ def decode_attend(
     new_key: torch.Tensor,
     new_value: torch.Tensor,
     scale: float,
+    widths: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`inplace_decode.decode_attention` for rows of T query tokens (query [B * T, H, D],
     a row's tokens consecutive; T = 1 for decode, k + 1 for a chain verify), each token
     seeing its row's context (slots [B, W], lens [B]; pools [S, KVH, D]) and its row's tokens
     up to itself: their K/V `new_key`, `new_value` [B * T, KVH, D] after the row's lens[b]
-    slots, or, given empty, the row's last T context slots. Loads the op first if this
-    process has not (a package's build process, tests)."""
+    slots, or, given empty, the row's last T context slots. `widths` [B] (1..T): a row's
+    real tokens, its first; the rest are padding, not computed (zeros; a verify's rows
+    padded to one width: the kernel's work grows with the tokens, T = 5 cost 3.3x T = 1,
+    docs/benchmarks.md); None: all T. Loads the op first if this process has not (a
+    package's build process, tests)."""
     KERNEL.require()
+    if widths is None:
+        widths = slots.new_empty(0, dtype=torch.int64)
     return torch.ops.sessionserve.decode_attend(
-        query, k_pool, v_pool, slots, lens, new_key, new_value, scale
+        query, k_pool, v_pool, slots, lens, new_key, new_value, scale, widths
     )
 
 
 C_SHIM = (
     "AOTITorchError aoti_torch_cpu_decode_attend(AtenTensorHandle, AtenTensorHandle, "
     "AtenTensorHandle, AtenTensorHandle, AtenTensorHandle, AtenTensorHandle, AtenTensorHandle, "
-    "double, AtenTensorHandle*)"
+    "double, AtenTensorHandle, AtenTensorHandle*)"
 )
 
 

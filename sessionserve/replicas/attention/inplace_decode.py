@@ -131,6 +131,12 @@ def part_padded(slots: torch.Tensor, chunks: int) -> torch.Tensor:
     return F.pad(slots, (0, max(chunks, width + -width % chunks) - width))
 
 
+def padded(rows: torch.Tensor, spread: torch.Tensor) -> torch.Tensor:
+    """`rows` [N, ...] laid out as `spread` [P] says (`InlineDecode.spread`): position p
+    holds row spread[p], or zeros where spread[p] is N."""
+    return torch.cat([rows, rows.new_zeros(1, *rows.shape[1:])])[spread]
+
+
 @dataclass
 class InlineDecode:
     """A decode step's attention inside one compiled graph (compiled_decode.py): handed to
@@ -147,8 +153,21 @@ class InlineDecode:
     # attend with the hand-written CPU kernel (cpu_decode_kernel.py), an opaque op in the
     # graph, instead of `decode_attention`'s formula compiled by inductor
     kernel: bool = False
-    new_k: list[torch.Tensor] = field(default_factory=list)  # per layer [B, KVH, D]
+    # with the kernel, rows of several tokens (a verify where some rows draft fewer tokens,
+    # a short turn beside decodes) attend padded to one width while everything else in the
+    # step runs on the real tokens only: `spread` [B * T] is, for each padded position, its
+    # token's index among the step's N real ones (N: a padding position, given zeros), and
+    # `kept` [N] each real token's padded position. None: the tokens are the rows, as they are
+    spread: torch.Tensor | None = None
+    kept: torch.Tensor | None = None
+    new_k: list[torch.Tensor] = field(default_factory=list)  # per layer [N, KVH, D]
     new_v: list[torch.Tensor] = field(default_factory=list)
+    widths: torch.Tensor | None = field(init=False, default=None)  # per row, its real tokens
+
+    def __post_init__(self) -> None:
+        if self.spread is not None and self.kept is not None:  # the kernel skips the padding
+            real = self.kept.shape[0]  # (not len(): a traced size would become a constant)
+            self.widths = (self.spread.view(self.slots.shape[0], -1) < real).sum(1)
 
     def attend(
         self,
@@ -167,10 +186,20 @@ class InlineDecode:
         self.new_k.append(k)
         self.new_v.append(v)
         if self.kernel:
+            spread = self.spread
+            qp, kp, vp = (q, k, v) if spread is None else (padded(t, spread) for t in (q, k, v))
             out = cpu_decode_kernel.decode_attend(
-                q, self.k_pool[layer], self.v_pool[layer], self.slots, self.lens, k, v, scale
+                qp,
+                self.k_pool[layer],
+                self.v_pool[layer],
+                self.slots,
+                self.lens,
+                kp,
+                vp,
+                scale,
+                self.widths,
             )
-            return out[None]
+            return (out if self.kept is None else out[self.kept])[None]
         out = decode_attention(
             q,
             self.k_pool[layer],

@@ -92,7 +92,8 @@ def test_the_step_token_by_token_gives_the_whole_sequence_forward(arch) -> None:
         for t in range(seqs.shape[1]):
             old = torch.nn.functional.pad(rows_slots[:, :t], (0, CHUNKS * 3 - t))
             t2 = torch.full((2,), t)
-            out = step(seqs[:, t], t2, k_pool, v_pool, old, t2, torch.arange(2))
+            rows = torch.arange(2)  # the logits wanted; the tokens as they are (no padding)
+            out = step(seqs[:, t], t2, k_pool, v_pool, old, t2, rows, rows, rows)
             k_pool.index_copy_(1, rows_slots[:, t], out[2])
             v_pool.index_copy_(1, rows_slots[:, t], out[3])
             logits.append(out[0])
@@ -110,6 +111,7 @@ class EagerDecode(CompiledDecode):
 
     def __init__(self, step: DecodeStep, max_tokens: int = 32, linear_kernel: bool = False) -> None:
         self.package = None
+        self.step = step
         self.max_tokens, self.min_tokens, self.chunks = max_tokens, 1, step.chunks
         self.query_tokens = step.query_tokens
         self.linear_kernel = linear_kernel  # (only the runner's choice of steps reads it here)
@@ -191,8 +193,9 @@ def kernel() -> None:
 @pytest.mark.usefixtures("kernel")
 def test_rows_of_unequal_widths_answer_as_the_forward() -> None:
     """Through the CPU kernel a step's rows may add several tokens each (1, 3, 2 and 4 here,
-    one row with no old context): padded to the widest, the step's logits (of the tokens
-    asked for), features and every layer's written K/V equal the eager forward's."""
+    one row with no old context): padded to the widest for the attention alone (the
+    linears see the 10 tokens, not 16), the step's logits (of the tokens asked for),
+    features and every layer's written K/V equal the eager forward's."""
     model = tiny_model("llama", seed=7)
     runner = tiny_engine(model).runner
     pool = runner.kv_pool
@@ -221,8 +224,15 @@ def test_rows_of_unequal_widths_answer_as_the_forward() -> None:
     decode = with_eager_decode(tiny_engine(model), attention_kernel=True)
     assert decode.query_tokens >= 4 and decode.padded_tokens(seqs) == 4 * 4
     runner.compiled_decode = decode
-    got_logits, got_hidden = runner.forward(batch)
+    linear_rows: list[int] = []
+    q_proj = decode.step.decoder.layers[0].self_attn.q_proj
+    hook = q_proj.register_forward_hook(lambda m, args, out: linear_rows.append(args[0].numel()))
+    try:
+        got_logits, got_hidden = runner.forward(batch)
+    finally:
+        hook.remove()
     assert decode.calls == 1
+    assert linear_rows == [sum(widths) * q_proj.in_features]
     torch.testing.assert_close(got_logits, want_logits, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got_hidden, want_hidden, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(pool.k[:, batch.out_slots], want_k, atol=1e-5, rtol=1e-5)
@@ -293,10 +303,11 @@ class ForwardRange:
 def test_the_step_runs_past_the_forwards_range_where_steps_would_run_eagerly(other) -> None:
     """A decode step package wider than the forward's (KERNEL_MAX_TOKENS, its linears the
     few-row kernel) runs decode steps of more requests than the forward's package takes,
-    which would otherwise run eagerly, and rows of a few tokens padded by at most
-    MAX_PADDING; where a prefill package was chosen for those lengths, it keeps them,
-    unless the decode package's linears are the few-row kernel (then it takes them as it
-    would from the eager forward). Answers equal the plain engine's and transformers'."""
+    which would otherwise run eagerly, and rows of a few tokens however they pad (padding
+    costs the attention alone), judged by their own tokens; where a prefill package was
+    chosen for those lengths, it keeps them, unless the decode package's linears are the
+    few-row kernel (then it takes them as it would from the eager forward). Answers equal
+    the plain engine's and transformers'."""
     model = tiny_model("llama", seed=8)
     engine = tiny_engine(model, max_rows=48)
     runner = engine.runner
@@ -338,12 +349,12 @@ def test_the_step_runs_past_the_forwards_range_where_steps_would_run_eagerly(oth
         (1,) * 12: True,  # past the forward's 8, eager otherwise
         (3,) * 4: True,  # rows of 3 tokens: no padding
         (2, 2, 2, 2, 1): True,  # 9 tokens padded to 10
-        (2,) * 4 + (1,) * 6: True,  # 14 tokens padded to 20 (1.43x: eager costs more)
-        (3,) * 3 + (1,) * 5: True,  # 14 tokens padded to 24 (1.71x)
-        (4,) * 2 + (1,) * 7: False,  # 15 tokens padded to 36 (2.4x, past MAX_PADDING)
-        (4,) + (1,) * 7: False,  # 11 tokens padded to 32: the eager step of 11 is cheaper
-        (4, 1, 1, 1): False,  # 7 tokens: the forward's package takes them as they are
+        (2,) * 4 + (1,) * 6: True,  # 14 tokens padded to 20
+        (4,) * 2 + (1,) * 7: True,  # 15 tokens padded to 36: the padding attends, no more
+        (4,) + (1,) * 7: True,  # 11 tokens padded to 32
+        (4, 1, 1, 1): True,  # 7 tokens padded to 16: the forward's range, by its tokens
         (1,) * 6: True,  # within the forward's range: the decode package, as always
+        (4,) * 16 + (1,): False,  # 65 tokens padded to 68: past the package's 64
     }
     for widths, want in takes.items():
         want = want and (sum(widths) <= 8 or not prefill_package)
@@ -509,10 +520,14 @@ def test_the_released_call_answers_as_torchs_loader(cache_dir, monkeypatch, capl
         torch.randint(1, 700, (3, width), generator=g),
         torch.tensor([4, width, 7]),
         torch.tensor([2, 0]),
+        torch.arange(3),  # one token a row: the attention's rows are the tokens as they are
+        torch.arange(3),
     )
     with torch.inference_mode():
         released = aoti_call.ReleasedCall(package)(*inputs)
         loader = compiled_forward.load_flat(package)(*inputs)
+        with pytest.raises(TypeError, match="takes 9 tensors, not 7"):  # not an abort
+            aoti_call.ReleasedCall(package)(*inputs[:7])
     assert len(released) == len(loader) == 4
     for a, b in zip(released, loader, strict=True):
         torch.testing.assert_close(a, b, atol=0, rtol=0)

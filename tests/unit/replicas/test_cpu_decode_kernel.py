@@ -172,7 +172,7 @@ def test_without_an_own_token_it_computes_the_formula_over_the_pool(dtype) -> No
     got = cpu_decode_kernel.decode_attend(query, k_pool, v_pool, slots, lens, none, none, 0.125)
     want = decode_attention(query, k_pool, v_pool, part_padded(slots, 4), lens, 4, 0.125)
     assert_matches_formula(got, want)
-    with pytest.raises(RuntimeError, match="under T only with the rows' own"):
+    with pytest.raises(RuntimeError, match="under the row's tokens only with its own"):
         cpu_decode_kernel.decode_attend(query, k_pool, v_pool, slots, lens * 0, none, none, 0.1)
 
 
@@ -229,6 +229,44 @@ def test_rows_of_several_tokens_attend_causally(tokens, dtype, tail) -> None:
         cpu_decode_kernel.decode_attend(
             wide_query, k_pool, v_pool, slots, lens_t, none, none, 0.125
         )
+
+
+@pytest.mark.usefixtures("kernel")
+@pytest.mark.parametrize("tail", ["in_pool", "given"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_rows_padded_to_one_width_compute_their_real_tokens_alone(dtype, tail) -> None:
+    """`widths`: rows of 5, 1, 3 and 5 real tokens padded to 5 (a verify where rows draft
+    unequally): each row's real tokens equal the row computed alone at its own width, the
+    padding's outputs are zeros whatever its query, and bad widths are a clear error."""
+    g = torch.Generator().manual_seed(11)
+    tokens, real, lens = 5, [5, 1, 3, 5], [5, 40, 700, 9]
+    query, k_pool, v_pool, slots, lens_t, _, _ = case(9, 3, 64, lens, dtype, 3)
+    batch = len(lens)
+    query = torch.randn(batch * tokens, 9, 64, generator=g).to(dtype)
+    new_k, new_v = (torch.randn(batch * tokens, 3, 64, generator=g).to(dtype) for _ in "kv")
+    given = tail == "given"
+    none = query.new_empty(0)
+    widths = torch.tensor(real)
+    args = (new_k, new_v) if given else (none, none)
+    if not given:  # a row's real tokens are the last of its context
+        lens_t = lens_t - tokens + widths
+    got = cpu_decode_kernel.decode_attend(
+        query, k_pool, v_pool, slots, lens_t, *args, 0.125, widths
+    )
+    assert got.shape == query.shape
+    for b, w in enumerate(real):
+        rows = slice(b * tokens, b * tokens + w)
+        want = per_token_reference(
+            query[rows], k_pool, v_pool, slots[b : b + 1], lens_t[b : b + 1], w, 0.125,
+            *((new_k[rows], new_v[rows]) if given else ()),
+        )  # fmt: skip
+        assert_matches_formula(got[rows], want)
+        assert not got[b * tokens + w : (b + 1) * tokens].any()  # the padding: zeros
+    for bad, match in [(torch.tensor([5, 0, 3, 5]), "widths must lie in 1..5"),
+                       (torch.tensor([5, 6, 3, 5]), "widths must lie in 1..5"),
+                       (torch.tensor([5, 1]), r"widths must be \[B\] or empty")]:  # fmt: skip
+        with pytest.raises(RuntimeError, match=match):
+            cpu_decode_kernel.decode_attend(query, k_pool, v_pool, slots, lens_t, *args, 0.125, bad)
 
 
 @pytest.mark.usefixtures("kernel")
