@@ -203,7 +203,11 @@ class DecodeStep(torch.nn.Module):
         several = self.query_tokens > 1
         rows = torch.export.Dim("rows", min=1, max=max_tokens) if several else tokens
         # the rows' tokens padded to one width for the attention (`InlineDecode.spread`)
-        padded = torch.export.Dim("padded", min=1, max=max_tokens) if several else tokens
+        padded = (
+            torch.export.Dim("padded", min=1, max=max_tokens * self.query_tokens)
+            if several
+            else tokens
+        )
         logit_rows = torch.export.Dim("logit_rows", min=1, max=max_tokens)
         pool_slots = torch.export.Dim("pool_slots", min=2)
         columns = self.chunks * torch.export.Dim("part_width", min=1)
@@ -246,7 +250,7 @@ class DecodeStep(torch.nn.Module):
 class CompiledDecode(CompiledForward):
     """A loaded decode-step package: `run(seqs, ids, positions, out_slots, logit_idx, pool)`
     for a step of rows of at most `query_tokens` new tokens each, `min_tokens..max_tokens`
-    tokens in all once padded (`padded_tokens` says whether a step is one)."""
+    tokens in all (`takes` says whether a step is one)."""
 
     # no Python runs inside this package: called holding the GIL, it would stop the
     # replica's other threads for the whole step (aoti_call.py)
@@ -273,21 +277,18 @@ class CompiledDecode(CompiledForward):
         self.query_tokens = query_tokens  # DecodeStep.query_tokens of its build
         self.linear_kernel = linear_kernel  # DecodeStep.linear_kernel of its build
 
-    def padded_tokens(self, seqs: list[SeqSpec], sliding: bool = False) -> int | None:
-        """The tokens of a step of these rows once each is padded to the widest, where this
-        package runs it: rows adding 1..query_tokens tokens causally (no tree), no sliding
-        slots, at most `max_tokens` tokens in all (the forward's package's range, or
-        KERNEL_MAX_TOKENS with the linear kernel). None: it does not."""
-        width = max(s.q_len for s in seqs)
-        tokens = len(seqs) * width
-        if (
+    def takes(self, seqs: list[SeqSpec], sliding: bool = False) -> bool:
+        """Whether this package runs a step of these rows: rows adding 1..query_tokens tokens
+        causally (no tree), no sliding slots, at most `max_tokens` tokens of their own in all
+        (the forward's package's range, or more with the linear kernels). How far the rows
+        pad for the attention does not matter: at most `max_tokens` rows of `query_tokens`,
+        what the package was exported for, and the kernel skips the padding."""
+        return not (
             sliding
-            or width > self.query_tokens
-            or not self.accepts(tokens)
+            or max(s.q_len for s in seqs) > self.query_tokens
+            or not self.accepts(sum(s.q_len for s in seqs))
             or any(s.tree_mask is not None for s in seqs)
-        ):
-            return None
-        return tokens
+        )
 
     def run(  # type: ignore[override] - a decode step reads the pool and the slot tables
         self,

@@ -270,7 +270,7 @@ class ModelRunner:
 
     def _takes_decode_package(self, decode: CompiledDecode, batch: ForwardBatch) -> bool:
         """Whether `batch` runs the decode step package (decode steps; through the CPU kernel
-        also verifies and short turns, `CompiledDecode.padded_tokens`) in place of the
+        also verifies and short turns, `CompiledDecode.takes`) in place of the
         forward's package: every step the forward's package would run, and, where the
         package's linears are the few-row kernel, also longer ones that would run eagerly or
         in the prefill package; without that kernel, not where the prefill package was timed
@@ -283,7 +283,7 @@ class ModelRunner:
         1.28-1.37x faster than the prefill package, verifies of 6-12 rows of 5 tokens
         1.40-1.44x (docs/benchmarks.md). Without it its GEMMs are the forward's package's,
         tuned for 2 rows, which the split timing compared."""
-        if decode.padded_tokens(batch.seqs, batch.sliding_out_slots is not None) is None:
+        if not decode.takes(batch.seqs, batch.sliding_out_slots is not None):
             return False
         runs = self.compiled_for(len(batch.input_ids))
         yields_to = (None, self.compiled_prefill) if decode.linear_kernel else (None,)

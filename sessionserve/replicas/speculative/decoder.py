@@ -141,25 +141,29 @@ class SpeculativeDecoder:
     # ---- before the forward ----
     def draft_lens(self, reqs: list[Request]) -> list[int]:
         """The draft slots each of a step's decodes needs (`draft_len`), cut where the verify
-        would fall off the compiled packages (`widest_step`). A step's rows are padded to the
-        widest, and a verify of B rows of k + 1 tokens past the packages' tokens runs eagerly,
-        where it costs more than the drafts a shorter chain verifies within them (SmolLM2 on
-        2 AVX2 cores, the agent workload at 32 requests: at 16-31 rows, 5-token chains cost
-        4.2x a decode step eagerly and the policy stopped drafting there; cut to the decode
-        package's 64 tokens, 1-2 drafts a row cost 1.6x and drafting paid 1.36x there,
-        docs/benchmarks.md). So chains are cut to the widest step's share of a row, where that
-        leaves at least one draft; where it does not, the drafts stay as they are and the
-        policy weighs what they cost. Not cut: trees (their shape is drawn before), and a
-        seeded sampled request's chain, whose length must not depend on the load
-        (`_may_draft`)."""
+        would fall off the compiled packages (`widest_step`, in the step's own tokens: the
+        decode step package pads rows of unequal widths for its attention alone). A verify
+        past the packages' tokens runs eagerly, where it costs more than the drafts a shorter
+        chain verifies within them (SmolLM2 on 2 AVX2 cores, the agent workload at 32
+        requests: at 16-31 rows, 5-token chains cost 4.2x a decode step eagerly and the policy
+        stopped drafting there; cut to the decode package's 64 tokens, 1-2 drafts a row cost
+        1.6x and drafting paid 1.36x there, docs/benchmarks.md). So chains are cut to the
+        longest that keeps the step within the widest, where that leaves at least one draft;
+        where it does not, the drafts stay as they are and the policy weighs what they cost.
+        Not cut: trees (their shape is drawn before), and a seeded sampled request's chain,
+        whose length must not depend on the load (`_may_draft`)."""
         wanted = [self.draft_len(r) for r in reqs]
         widest = self.widest_step()
-        if widest is None or not any(wanted) or len(reqs) * (1 + max(wanted)) <= widest:
+        if widest is None or len(reqs) + sum(wanted) <= widest:
             return wanted
-        room = widest // len(reqs) - 1  # drafts a row may verify within the widest step
-        if room < 1 or any(r.drafting.tree_depth for r in reqs):
+        if any(r.drafting.tree_depth for r in reqs):
             return wanted
-        return [k if self._seeded(r) else min(k, room) for r, k in zip(reqs, wanted, strict=True)]
+        seeded = [self._seeded(r) for r in reqs]
+        for room in range(max(wanted) - 1, 0, -1):  # drafts a row may verify
+            cut = [k if s else min(k, room) for s, k in zip(seeded, wanted, strict=True)]
+            if len(reqs) + sum(cut) <= widest:
+                return cut
+        return wanted
 
     def draft_len(self, req: Request) -> int:
         """Drafts the scheduler allocates slots for in `req`'s next decode step, and from which

@@ -222,7 +222,7 @@ def test_rows_of_unequal_widths_answer_as_the_forward() -> None:
     pool.k[:, batch.out_slots] = 0
     pool.v[:, batch.out_slots] = 0
     decode = with_eager_decode(tiny_engine(model), attention_kernel=True)
-    assert decode.query_tokens >= 4 and decode.padded_tokens(seqs) == 4 * 4
+    assert decode.query_tokens >= 4 and decode.takes(seqs)
     runner.compiled_decode = decode
     linear_rows: list[int] = []
     q_proj = decode.step.decoder.layers[0].self_attn.q_proj
@@ -240,10 +240,12 @@ def test_rows_of_unequal_widths_answer_as_the_forward() -> None:
     # a tree, a row wider than the kernel takes, sliding slots or more tokens than the
     # forward's package takes are not the package's
     tree = SeqSpec(2, seqs[0].ctx_slots, torch.ones(2, 2, dtype=torch.bool))
-    assert decode.padded_tokens([tree]) is None
-    assert decode.padded_tokens([SeqSpec(decode.query_tokens + 1, free[:40])]) is None
-    assert decode.padded_tokens(seqs, sliding=True) is None
-    assert decode.padded_tokens([seqs[1]] * (decode.max_tokens // 3 + 1)) is None  # too many
+    assert not decode.takes([tree])
+    assert not decode.takes([SeqSpec(decode.query_tokens + 1, free[:40])])
+    assert not decode.takes(seqs, sliding=True)
+    assert not decode.takes([seqs[1]] * (decode.max_tokens // 3 + 1))  # too many tokens
+    # padded, far more than the package's tokens; their own, within them
+    assert decode.takes([seqs[3]] + [SeqSpec(1, free[:9])] * (decode.max_tokens - 4))
 
 
 @pytest.mark.usefixtures("kernel")
@@ -354,7 +356,8 @@ def test_the_step_runs_past_the_forwards_range_where_steps_would_run_eagerly(oth
         (4,) + (1,) * 7: True,  # 11 tokens padded to 32
         (4, 1, 1, 1): True,  # 7 tokens padded to 16: the forward's range, by its tokens
         (1,) * 6: True,  # within the forward's range: the decode package, as always
-        (4,) * 16 + (1,): False,  # 65 tokens padded to 68: past the package's 64
+        (4,) * 16 + (1,): False,  # 65 tokens: past the package's 64
+        (4,) * 3 + (1,) * 40: True,  # 52 tokens padded to 172: within 64 of its own
     }
     for widths, want in takes.items():
         want = want and (sum(widths) <= 8 or not prefill_package)

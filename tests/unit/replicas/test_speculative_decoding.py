@@ -563,9 +563,9 @@ def _verify_shapes(engine) -> list[tuple[int, int]]:
 @pytest.mark.parametrize("widest", [None, 12, 6])
 def test_chains_are_cut_so_a_verify_stays_within_the_compiled_steps(widest) -> None:
     """Past the compiled packages' widest step a verify runs eagerly, dearer than the drafts
-    it adds: the step's chains are cut to that step's share of a row (4 rows, 12 tokens: 2
-    drafts a row), where one draft a row still fits; where none does (6 tokens) they are left
-    whole. The answers are the plain greedy ones whatever the cut."""
+    it adds: the step's chains are cut to the longest that keeps it within that step (4 rows,
+    12 tokens: 2 drafts a row), where one draft a row still fits; where none does (6 tokens)
+    they are left whole. The answers are the plain greedy ones whatever the cut."""
     model = tiny_model(num_hidden_layers=1, seed=3)
     prompts = _prompts(1, (6, 11, 19, 27))
     engine = tiny_engine(model, drafter=mimic_drafter)
@@ -583,6 +583,25 @@ def test_chains_are_cut_so_a_verify_stays_within_the_compiled_steps(widest) -> N
     engine.cache.flush()  # (the radix tree keeps the answers, evictable)
     terms = engine.checker.check_idle()
     assert terms.free == terms.total
+
+
+def test_chains_are_cut_by_the_steps_own_tokens_not_its_padded_rows() -> None:
+    """Rows of unequal chains pad for the attention alone (compiled_decode.py), so the cut
+    counts the step's own tokens: 6 rows wanting 4, 0, 0, 4, 1, 0 drafts (15 tokens) within
+    12 keep 2 drafts a chain (11 tokens), where a cut to 12 padded tokens left one."""
+    from types import SimpleNamespace
+
+    spec = tiny_engine(tiny_model(num_hidden_layers=1, seed=3), drafter=mimic_drafter).speculative
+    wanted = [4, 0, 0, 4, 1, 0]
+    reqs = [SimpleNamespace(drafting=SimpleNamespace(tree_depth=0), k=k) for k in wanted]
+    spec.draft_len = lambda r: r.k
+    spec._seeded = lambda r: False
+    spec.widest_step = lambda: 12
+    assert spec.draft_lens(reqs) == [2, 0, 0, 2, 1, 0]
+    spec.widest_step = lambda: 15
+    assert spec.draft_lens(reqs) == wanted
+    spec.widest_step = lambda: 8  # not even a draft a chain fits: left whole
+    assert spec.draft_lens(reqs) == wanted
 
 
 def test_a_seeded_sampled_chain_is_not_cut_by_the_load() -> None:
