@@ -49,8 +49,8 @@ which takes rows of several tokens) and without it (the forward's package; past
 `compile_max_tokens` the prefill package where one is installed, else the eager forward),
 alternating. `--verify 1` times decode steps of exactly B rows the same way. With
 `--drafting-rows D` only D of the B rows have T tokens and the others one, as in a step where
-some requests draft: the package pads every row to T, and the runner gives it such a step
-only where that costs less than the step would without it (`model_runner.MAX_PADDING`).
+some requests draft: the package pads the rows to T for the attention alone (the kernel
+skips the padding) and runs the linears on the step's own tokens (`CompiledDecode.takes`).
 
     .venv/bin/python -m benchmarks.decode_package [--batches 1 8 32] [--tokens 128] [--rounds 3]
         [--context N] [--against forward | inductor_attention | inductor_linear | onednn
