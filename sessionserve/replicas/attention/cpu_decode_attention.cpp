@@ -8,7 +8,8 @@
 // (~1,500 tokens) the attention was 40-50% of a decode step (docs/benchmarks.md, stop 57).
 // Here a block of kLanes tokens (one vector's lanes) is scored, its softmax is taken on one
 // vector (online, as flash decoding does), and its V rows are accumulated while hot, each K
-// and V row loaded once for all the query heads that share it. Long contexts are split into
+// and V row loaded once for up to kHeadsAPass of the query heads that share it (their
+// queries and sums in registers). Long contexts are split into
 // parts that run on separate threads and are merged at the end, so one row keeps every
 // thread busy.
 //
@@ -144,6 +145,12 @@ inline Vec sum_lanes(const float (*v)[kLanes]) {
 #endif
 
 constexpr int kMaxGroup = 32;      // query heads per KV head x query tokens per row
+// query heads a pass over a part scores, their count known at compile time so that their
+// queries and sums stay in registers: a (row, KV head)'s group takes passes of up to 5, its
+// K/V rows read again from cache by each. Against one pass for the whole group, its count
+// known at run time: 10-18% faster at 1 and 5 tokens a row (3 and 15 query heads a KV head;
+// 8 and 32 rows over 300 and 800 tokens; 3 tried: as fast at 3, slower at 15; 6: between)
+constexpr int kHeadsAPass = 5;
 constexpr int64_t kMinPart = 64;   // context tokens below which a part is not split further
 constexpr int64_t kPartsPerThread = 4;
 constexpr int64_t kKeyAhead = 64;  // tokens: how far ahead K rows are prefetched
@@ -160,18 +167,20 @@ struct Part {
   int64_t row, kv_head, start, len;
 };
 
-// One part for the query heads sharing its KV head: per head, the running maximum `m`, the
-// sum of exp(score - m) `l` and the weighted sum of V `acc`, written to `out` as [m, l, acc].
-template <typename T, int D>
-void attend_part(const float* q,  // [group, D], already scaled
-                 int group, const T* k_head, const T* v_head, int64_t slot_stride,
-                 const int64_t* slots, int64_t len, float* out) {  // [group, 2 + D]
+// One part for G of the query heads sharing its KV head: per head, the running maximum `m`,
+// the sum of exp(score - m) `l` and the weighted sum of V `acc`, written to `out` as [m, l,
+// acc].
+template <typename T, int D, int G>
+void attend_heads(const float* q,  // [G, D], already scaled
+                  const T* k_head, const T* v_head, int64_t slot_stride,
+                  const int64_t* slots, int64_t len, float* out) {  // [G, 2 + D]
+  constexpr int group = G;
   constexpr int DV = D / kLanes;  // vectors a head's row takes
-  Vec qv[kMaxGroup][DV];
-  Vec acc[kMaxGroup][DV];
-  float m[kMaxGroup], l[kMaxGroup];
-  alignas(64) float s[kMaxGroup][kLanes];
-  alignas(64) float dots[kMaxGroup][kLanes][kLanes];  // per query head and token: lanes to sum
+  Vec qv[G][DV];
+  Vec acc[G][DV];
+  float m[G], l[G];
+  alignas(64) float s[G][kLanes];
+  alignas(64) float dots[G][kLanes][kLanes];  // per query head and token: lanes to sum
   for (int g = 0; g < group; ++g) {
     // a short last block sums lanes of rows no token wrote: defined, then masked out
     std::fill(&dots[g][0][0], &dots[g][0][0] + kLanes * kLanes, 0.f);
@@ -232,6 +241,27 @@ void attend_part(const float* q,  // [group, D], already scaled
     o[0] = m[g];
     o[1] = l[g];
     for (int i = 0; i < DV; ++i) vstore(o + 2 + i * kLanes, acc[g][i]);
+  }
+}
+
+// One part for all `group` query heads sharing its KV head, kHeadsAPass heads a pass
+template <typename T, int D>
+void attend_part(const float* q,  // [group, D], already scaled
+                 int group, const T* k_head, const T* v_head, int64_t slot_stride,
+                 const int64_t* slots, int64_t len, float* out) {  // [group, 2 + D]
+  static_assert(kHeadsAPass == 5, "the cases below go up to 5");
+  for (int g0 = 0; g0 < group;) {
+    const int n = std::min(kHeadsAPass, group - g0);
+    const float* qg = q + g0 * D;
+    float* og = out + g0 * (2 + D);
+    switch (n) {
+      case 1: attend_heads<T, D, 1>(qg, k_head, v_head, slot_stride, slots, len, og); break;
+      case 2: attend_heads<T, D, 2>(qg, k_head, v_head, slot_stride, slots, len, og); break;
+      case 3: attend_heads<T, D, 3>(qg, k_head, v_head, slot_stride, slots, len, og); break;
+      case 4: attend_heads<T, D, 4>(qg, k_head, v_head, slot_stride, slots, len, og); break;
+      default: attend_heads<T, D, 5>(qg, k_head, v_head, slot_stride, slots, len, og); break;
+    }
+    g0 += n;
   }
 }
 
