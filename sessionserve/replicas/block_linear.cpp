@@ -202,9 +202,9 @@ void panel_range(const uint8_t* records, int64_t blocks, const int8_t* qx, const
 // each of the 16 outputs, its weights k = 2 p and 2 p + 1 of the block), and one instruction
 // multiplies it by 16 bf16 rows of x (tile row r: row r's 32 values of the block), summing in
 // fp32 across all of K: the dense bf16 linear's arithmetic on the file's weights, with no
-// per-row cost but the tile instruction's. Its cost is a near-fixed ~8.5 ms over a decode
-// step's linears up to 16 rows (expanding the records, and the tiles' poor overlap with their
-// stream; docs/benchmarks.md, stop 101). fp32 rows never take it (bf16 would not hold them).
+// per-row cost but the tile instruction's. Its cost is a near-fixed 7-8.5 ms over a decode
+// step's linears up to 16 rows, ~2.5 ms of it the expansion over the records' stream
+// (docs/benchmarks.md, stops 101-102). fp32 rows never take it (bf16 would not hold them).
 
 constexpr int kTileRows = 16;    // rows of x a tile holds
 constexpr int kTileGroups = 4;   // row tiles a pass sums into (tmm0-3; tmm4, 6 x; tmm5 weights)

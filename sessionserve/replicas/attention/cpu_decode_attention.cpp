@@ -9,9 +9,8 @@
 // Here a block of kLanes tokens (one vector's lanes) is scored, its softmax is taken on one
 // vector (online, as flash decoding does), and its V rows are accumulated while hot, each K
 // and V row loaded once for up to kHeadsAPass of the query heads that share it (their
-// queries and sums in registers). Long contexts are split into
-// parts that run on separate threads and are merged at the end, so one row keeps every
-// thread busy.
+// queries and sums in registers). Long contexts are split into parts that run on separate
+// threads and are merged at the end, so one row keeps every thread busy.
 //
 // Built at run time by cpu_decode_kernel.py (g++ -mavx512f ..., or -mavx2 -mfma where the
 // CPU has no AVX-512: the vector primitives below are the only code that differs), loaded
