@@ -37,10 +37,6 @@ namespace {
 
 // ---- the vector primitives: one float vector of kLanes lanes ----
 #if defined(__AVX512F__)
-}  // namespace
-extern "C" __m512 Sleef_expf16_u10(__m512);  // exported by libtorch_cpu (ATen's vec::exp)
-namespace {
-
 constexpr int kLanes = 16;
 using Vec = __m512;
 
@@ -54,10 +50,26 @@ inline Vec vzero() { return _mm512_setzero_ps(); }
 inline Vec vset1(float x) { return _mm512_set1_ps(x); }
 inline Vec vmul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
 inline Vec vsub(Vec a, Vec b) { return _mm512_sub_ps(a, b); }
+inline Vec vadd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
 inline Vec vfmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline float vsum(Vec v) { return _mm512_reduce_add_ps(v); }
 inline float vmax(Vec v) { return _mm512_reduce_max_ps(v); }
-inline Vec vexp(Vec v) { return Sleef_expf16_u10(v); }
+// exp inline, not ATen's Sleef_expf16_u10: a call to it spills the vector registers the
+// loops hold (queries and sums, ~30) and loads them back. 2^n e^r with n = round(x log2 e),
+// |r| <= ln 2 / 2 in two parts, e^r to degree 6 (relative error ~1.2e-7, about an fp32
+// step). Below -87.3 (under fp32's normal range) it gives ~1e-38, not 0; -inf (a masked
+// lane, masked again after) stays finite.
+inline Vec vexp(Vec x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+  const Vec n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  Vec r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+  Vec p = _mm512_set1_ps(1.f / 720);
+  for (const float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f})
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(p, n);
+}
 // v's first n lanes, the others `other`
 inline Vec vfirst(Vec v, int n, float other) {
   const __mmask16 valid = n == kLanes ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
@@ -89,10 +101,6 @@ inline Vec sum_lanes(const float (*v)[kLanes]) {
 }
 
 #elif defined(__AVX2__) && defined(__FMA__)
-}  // namespace
-extern "C" __m256 Sleef_expf8_u10avx2(__m256);  // exported by libtorch_cpu (ATen's vec::exp)
-namespace {
-
 constexpr int kLanes = 8;
 using Vec = __m256;
 
@@ -106,6 +114,7 @@ inline Vec vzero() { return _mm256_setzero_ps(); }
 inline Vec vset1(float x) { return _mm256_set1_ps(x); }
 inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
 inline Vec vsub(Vec a, Vec b) { return _mm256_sub_ps(a, b); }
+inline Vec vadd(Vec a, Vec b) { return _mm256_add_ps(a, b); }
 inline Vec vfmadd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 // One lane reduction for the sum and the max: the halves, then lanes 0-1 with 2-3, then 0 with 1.
 template <class Op>
@@ -120,7 +129,20 @@ inline float vsum(Vec v) {
 inline float vmax(Vec v) {
   return reduce(v, [](__m128 a, __m128 b) { return _mm_max_ps(a, b); });
 }
-inline Vec vexp(Vec v) { return Sleef_expf8_u10avx2(v); }
+// exp inline, as in the AVX-512 form above; 2^n put in the exponent bits (no scalef here)
+inline Vec vexp(Vec x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.f));
+  const Vec n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  Vec r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
+  Vec p = _mm256_set1_ps(1.f / 720);
+  for (const float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f})
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+  const __m256i two_n = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
+}
 inline Vec vfirst(Vec v, int n, float other) {
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane));
@@ -177,7 +199,8 @@ void attend_heads(const float* q,  // [G, D], already scaled
   constexpr int DV = D / kLanes;  // vectors a head's row takes
   Vec qv[G][DV];
   Vec acc[G][DV];
-  float m[G], l[G];
+  Vec lv[G];  // the softmax's sums, lane by lane: one horizontal sum at the end, not a block
+  float m[G];
   alignas(64) float s[G][kLanes];
   alignas(64) float dots[G][kLanes][kLanes];  // per query head and token: lanes to sum
   for (int g = 0; g < group; ++g) {
@@ -187,8 +210,8 @@ void attend_heads(const float* q,  // [G, D], already scaled
       qv[g][i] = vload(q + g * D + i * kLanes);
       acc[g][i] = vzero();
     }
+    lv[g] = vzero();
     m[g] = -std::numeric_limits<float>::infinity();
-    l[g] = 0.f;
   }
   for (int64_t t0 = 0; t0 < len; t0 += kLanes) {
     const int n = static_cast<int>(std::min<int64_t>(kLanes, len - t0));
@@ -215,14 +238,14 @@ void attend_heads(const float* q,  // [G, D], already scaled
       const float top = std::max(m[g], vmax(sv));
       if (top > m[g]) {  // rescale what came before; once the maximum settles, most blocks
         // skip this (alpha would be exp(0) = 1: the same sums, bit for bit)
-        const float alpha = std::exp(m[g] - top);  // 0 for the first block (m = -inf)
-        l[g] *= alpha;
+        // alpha: 0 for the first block (m = -inf)
+        const Vec a = vset1(std::exp(m[g] - top));
         m[g] = top;
-        const Vec a = vset1(alpha);
+        lv[g] = vmul(lv[g], a);
         for (int i = 0; i < DV; ++i) acc[g][i] = vmul(acc[g][i], a);
       }
       const Vec p = vfirst(vexp(vsub(sv, vset1(top))), n, 0.f);
-      l[g] += vsum(p);
+      lv[g] = vadd(lv[g], p);
       vstore(s[g], p);
     }
     for (int t = 0; t < n; ++t) {
@@ -238,7 +261,7 @@ void attend_heads(const float* q,  // [G, D], already scaled
   for (int g = 0; g < group; ++g) {
     float* o = out + g * (2 + D);
     o[0] = m[g];
-    o[1] = l[g];
+    o[1] = vsum(lv[g]);
     for (int i = 0; i < DV; ++i) vstore(o + 2 + i * kLanes, acc[g][i]);
   }
 }
