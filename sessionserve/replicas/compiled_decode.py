@@ -276,6 +276,16 @@ class CompiledDecode(CompiledForward):
         self.chunks = kernel_chunks()  # what it was exported for (the key has the threads)
         self.query_tokens = query_tokens  # DecodeStep.query_tokens of its build
         self.linear_kernel = linear_kernel  # DecodeStep.linear_kernel of its build
+        self.block_kernel = block_kernel  # its linears the GGUF's blocks (the 4-bit package)
+
+    @property
+    def reads_weights_once(self) -> bool:
+        """Its linears are a hand-written kernel that reads each weight once for all of a
+        step's rows (the few-row fp32 kernel, or the block kernel on the GGUF's 4-bit
+        weights), not the forward's GEMMs tuned for 2 rows: it runs the steps in its range
+        faster than the prefill package does, where the forward's package would not
+        (`ModelRunner._takes_decode_package`)."""
+        return self.linear_kernel or self.block_kernel
 
     def takes(self, seqs: list[SeqSpec], sliding: bool = False) -> bool:
         """Whether this package runs a step of these rows: rows adding 1..query_tokens tokens

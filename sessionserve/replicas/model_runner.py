@@ -272,21 +272,25 @@ class ModelRunner:
         """Whether `batch` runs the decode step package (decode steps; through the CPU kernel
         also verifies and short turns, `CompiledDecode.takes`) in place of the
         forward's package: every step the forward's package would run, and, where the
-        package's linears are the few-row kernel, also longer ones that would run eagerly or
-        in the prefill package; without that kernel, not where the prefill package was timed
-        faster for steps this long (prefill_choice.split_point). The package's linears run
-        on the step's own tokens (rows of unequal widths are padded for the attention
-        alone), so what decides is how many tokens the step has, not how many padded.
+        package's linears are a kernel that reads each weight once for all rows (the few-row
+        fp32 kernel, the 4-bit package's block kernel: `reads_weights_once`), also longer ones
+        that would run eagerly or in the prefill package; otherwise not where the prefill
+        package was timed faster for steps this long (prefill_choice.split_point). The
+        package's linears run on the step's own tokens (rows of unequal widths are padded for
+        the attention alone), so what decides is how many tokens the step has, not how many
+        padded.
 
-        Why the kernel changes the choice: it reads each weight once for all rows, and on
-        2 AVX2 cores (fp32, 300-token contexts) this package ran decode steps of 24-64 rows
-        1.28-1.37x faster than the prefill package, verifies of 6-12 rows of 5 tokens
-        1.40-1.44x (docs/benchmarks.md). Without it its GEMMs are the forward's package's,
-        tuned for 2 rows, which the split timing compared."""
+        Why such a kernel changes the choice: on 2 AVX2 cores (fp32, 300-token contexts) the
+        few-row kernel's package ran decode steps of 24-64 rows 1.28-1.37x faster than the
+        prefill package, verifies of 6-12 rows of 5 tokens 1.40-1.44x; on 2 cores of an AMD
+        EPYC Zen 4 (bf16), where the prefill package takes steps from 5 tokens on, the 4-bit
+        package ran a one-request k = 4 verify 1.89x faster than it, decode steps of 8 and 12
+        requests 1.43x and 1.23x (docs/benchmarks.md). Without such a kernel the package's
+        GEMMs are the forward's package's, tuned for 2 rows, which the split timing compared."""
         if not decode.takes(batch.seqs, batch.sliding_out_slots is not None):
             return False
         runs = self.compiled_for(len(batch.input_ids))
-        yields_to = (None, self.compiled_prefill) if decode.linear_kernel else (None,)
+        yields_to = (None, self.compiled_prefill) if decode.reads_weights_once else (None,)
         return runs is self.compiled or any(runs is p for p in yields_to)
 
     def captures(self, batch: ForwardBatch) -> bool:

@@ -109,12 +109,19 @@ class EagerDecode(CompiledDecode):
     """`DecodeStep` run eagerly in a `CompiledDecode`'s place: the runner's decode path (slot
     tables, pending tokens, the one write of every layer's K/V) without a build."""
 
-    def __init__(self, step: DecodeStep, max_tokens: int = 32, linear_kernel: bool = False) -> None:
+    def __init__(
+        self,
+        step: DecodeStep,
+        max_tokens: int = 32,
+        linear_kernel: bool = False,
+        block_kernel: bool = False,
+    ) -> None:
         self.package = None
         self.step = step
         self.max_tokens, self.min_tokens, self.chunks = max_tokens, 1, step.chunks
         self.query_tokens = step.query_tokens
-        self.linear_kernel = linear_kernel  # (only the runner's choice of steps reads it here)
+        # (only the runner's choice of steps reads these here)
+        self.linear_kernel, self.block_kernel = linear_kernel, block_kernel
         self.calls = 0
 
         def run(*args: torch.Tensor) -> list[torch.Tensor]:
@@ -301,15 +308,24 @@ class ForwardRange:
         return self.runner.lm_head(last[logit_idx]), hidden
 
 
-@pytest.mark.parametrize("other", ["eager", "prefill_package", "prefill_package_linear_kernel"])
+@pytest.mark.parametrize(
+    "other",
+    [
+        "eager",
+        "prefill_package",
+        "prefill_package_linear_kernel",
+        "prefill_package_block_kernel",
+    ],
+)
 def test_the_step_runs_past_the_forwards_range_where_steps_would_run_eagerly(other) -> None:
     """A decode step package wider than the forward's (KERNEL_MAX_TOKENS, its linears the
     few-row kernel) runs decode steps of more requests than the forward's package takes,
     which would otherwise run eagerly, and rows of a few tokens however they pad (padding
     costs the attention alone), judged by their own tokens; where a prefill package was
-    chosen for those lengths, it keeps them, unless the decode package's linears are the
-    few-row kernel (then it takes them as it would from the eager forward). Answers equal
-    the plain engine's and transformers'."""
+    chosen for those lengths, it keeps them, unless the decode package's linears read each
+    weight once for all rows (the few-row kernel, or the 4-bit package's block kernel: then
+    it takes them as it would from the eager forward). Answers equal the plain engine's and
+    transformers'."""
     model = tiny_model("llama", seed=8)
     engine = tiny_engine(model, max_rows=48)
     runner = engine.runner
@@ -318,6 +334,7 @@ def test_the_step_runs_past_the_forwards_range_where_steps_would_run_eagerly(oth
         step.eval(),
         max_tokens=compiled_decode.KERNEL_MAX_TOKENS,
         linear_kernel=other.endswith("linear_kernel"),
+        block_kernel=other.endswith("block_kernel"),
     )
     runner.compiled_decode = decode
     runner.compiled = ForwardRange(runner, 1, 8)

@@ -217,7 +217,7 @@ def test_steps_of_a_few_rows_run_the_4bit_step_and_answer_as_the_plain_engine(
     path = tmp_path / "tiny.gguf"
     write_gguf(path, model)
     engine = tiny_engine(model, prefill=40, overlap=overlap)
-    four = EagerDecode(int4_step(model, path), max_tokens=gguf_int4.MAX_TOKENS)
+    four = EagerDecode(int4_step(model, path), max_tokens=gguf_int4.MAX_TOKENS, block_kernel=True)
     engine.runner.compiled_int4_decode = four
     widths: list[int] = []
     inner = four._fn
@@ -263,7 +263,7 @@ def test_the_built_4bit_package_matches_the_eager_step(tmp_path, package_cache) 
     built = plan.loads_as(plan.package, plan.max_tokens)
     runner.compiled_int4_decode = built
     shapes = recorded_shapes(built)
-    eager = EagerDecode(int4_step(model, path), max_tokens=gguf_int4.MAX_TOKENS)
+    eager = EagerDecode(int4_step(model, path), max_tokens=gguf_int4.MAX_TOKENS, block_kernel=True)
     greedy = SamplingParams(max_tokens=10, temperature=0, logprobs=True, top_logprobs=2)
     inputs = inputs_for(model.config.vocab_size)
     got = engine.generate(inputs, greedy)
