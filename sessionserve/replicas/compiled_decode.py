@@ -282,9 +282,10 @@ class CompiledDecode(CompiledForward):
     def reads_weights_once(self) -> bool:
         """Its linears are a hand-written kernel that reads each weight once for all of a
         step's rows (the few-row fp32 kernel, or the block kernel on the GGUF's 4-bit
-        weights), not the forward's GEMMs tuned for 2 rows: it runs the steps in its range
-        faster than the prefill package does, where the forward's package would not
-        (`ModelRunner._takes_decode_package`)."""
+        weights), not the forward's GEMMs tuned for 2 rows that the split timing weighed
+        against the prefill package's: so it takes the steps in its range from the prefill
+        package too (`ModelRunner._takes_decode_package`; measured faster there on the
+        boxes docs/benchmarks.md names, not on every CPU)."""
         return self.linear_kernel or self.block_kernel
 
     def takes(self, seqs: list[SeqSpec], sliding: bool = False) -> bool:
