@@ -36,6 +36,18 @@
 namespace {
 
 // ---- the vector primitives: one float vector of kLanes lanes ----
+
+// `vexp`'s constants, the same for both ISAs: exp inline, not ATen's Sleef exp, whose call
+// spills the vector registers the loops hold (queries and sums, ~30) and loads them back.
+// e^x = 2^n e^r with n = round(x log2 e), r = x - n ln 2 (ln 2 in two parts), |r| <= ln 2 / 2,
+// e^r to degree 6 (relative error ~1.2e-7, about an fp32 step). x is clamped below at
+// kExpLowest (under fp32's normal range): it gives ~1e-38 there, not 0, and -inf (a masked
+// lane, masked again after) stays finite.
+constexpr float kExpLowest = -87.3f;
+constexpr float kLog2E = 1.44269504f;
+constexpr float kLn2High = 0.693145752f, kLn2Low = 1.42860677e-6f;
+constexpr float kExpTaylor[] = {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f};
+
 #if defined(__AVX512F__)
 constexpr int kLanes = 16;
 using Vec = __m512;
@@ -54,20 +66,15 @@ inline Vec vadd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
 inline Vec vfmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline float vsum(Vec v) { return _mm512_reduce_add_ps(v); }
 inline float vmax(Vec v) { return _mm512_reduce_max_ps(v); }
-// exp inline, not ATen's Sleef_expf16_u10: a call to it spills the vector registers the
-// loops hold (queries and sums, ~30) and loads them back. 2^n e^r with n = round(x log2 e),
-// |r| <= ln 2 / 2 in two parts, e^r to degree 6 (relative error ~1.2e-7, about an fp32
-// step). Below -87.3 (under fp32's normal range) it gives ~1e-38, not 0; -inf (a masked
-// lane, masked again after) stays finite.
+// e^x with the constants above; scalef applies 2^n
 inline Vec vexp(Vec x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-  const Vec n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+  x = _mm512_max_ps(x, _mm512_set1_ps(kExpLowest));
+  const Vec n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2E)),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  Vec r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
-  Vec p = _mm512_set1_ps(1.f / 720);
-  for (const float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f})
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  Vec r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2High), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Low), r);
+  Vec p = _mm512_set1_ps(kExpTaylor[0]);
+  for (int i = 1; i < 7; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpTaylor[i]));
   return _mm512_scalef_ps(p, n);
 }
 // v's first n lanes, the others `other`
@@ -129,16 +136,16 @@ inline float vsum(Vec v) {
 inline float vmax(Vec v) {
   return reduce(v, [](__m128 a, __m128 b) { return _mm_max_ps(a, b); });
 }
-// exp inline, as in the AVX-512 form above; 2^n put in the exponent bits (no scalef here)
+// e^x with the constants above; 2^n put in the exponent bits (no scalef here), x also
+// clamped above so that n + 127 stays a normal exponent
 inline Vec vexp(Vec x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.f));
-  const Vec n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(kExpLowest)), _mm256_set1_ps(88.f));
+  const Vec n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2E)),
                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  Vec r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
-  Vec p = _mm256_set1_ps(1.f / 720);
-  for (const float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f})
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+  Vec r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2High), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Low), r);
+  Vec p = _mm256_set1_ps(kExpTaylor[0]);
+  for (int i = 1; i < 7; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpTaylor[i]));
   const __m256i two_n = _mm256_slli_epi32(
       _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
