@@ -23,6 +23,7 @@ from sessionserve.replicas.attention import (
     AttentionBackend,
     attention_scale,
     check_supported,
+    cpu_extend_kernel,
     select_backend,
     sliding_layers,
     sliding_windows,
@@ -343,5 +344,10 @@ def pool_and_backend(
             f"cache.kv_dtype {c.kv_dtype} under a {param.dtype} model: the {backend.name} "
             "backend reads the KV in the model's dtype; use attention_backend: torch, or "
             "kv_dtype: auto"
+        )
+    if isinstance(backend, TorchPagedBackend) and param.device.type == "cpu":
+        heads = model.config.num_attention_heads
+        backend.extend_kernel = pool.dtype == param.dtype and cpu_extend_kernel.usable(
+            shape.head_dim, heads, shape.num_kv_heads, pool.dtype
         )
     return pool, backend

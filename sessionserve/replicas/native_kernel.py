@@ -117,6 +117,8 @@ class NativeKernel:
         ]
         key = hashlib.sha256()
         key.update(self.source.read_bytes())
+        for header in sorted(self.source.parent.glob("*.h")):  # what it may include
+            key.update(header.read_bytes())
         key.update(" ".join([torch.__version__, *command[1:]]).encode())
         library = cache_root() / "kernels" / f"{self.source.stem}-{key.hexdigest()[:16]}.so"
 

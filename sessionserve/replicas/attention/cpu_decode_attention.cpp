@@ -33,20 +33,11 @@
 #include <limits>
 #include <vector>
 
+#include "cpu_vector_exp.h"
+
 namespace {
 
 // ---- the vector primitives: one float vector of kLanes lanes ----
-
-// `vexp`'s constants, the same for both ISAs: exp inline, not ATen's Sleef exp, whose call
-// spills the vector registers the loops hold (queries and sums, ~30) and loads them back.
-// e^x = 2^n e^r with n = round(x log2 e), r = x - n ln 2 (ln 2 in two parts), |r| <= ln 2 / 2,
-// e^r to degree 6 (relative error ~1.2e-7, about an fp32 step). x is clamped below at
-// kExpLowest (under fp32's normal range): it gives ~1e-38 there, not 0, and -inf (a masked
-// lane, masked again after) stays finite.
-constexpr float kExpLowest = -87.3f;
-constexpr float kLog2E = 1.44269504f;
-constexpr float kLn2High = 0.693145752f, kLn2Low = 1.42860677e-6f;
-constexpr float kExpTaylor[] = {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f};
 
 #if defined(__AVX512F__)
 constexpr int kLanes = 16;
@@ -66,17 +57,7 @@ inline Vec vadd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
 inline Vec vfmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline float vsum(Vec v) { return _mm512_reduce_add_ps(v); }
 inline float vmax(Vec v) { return _mm512_reduce_max_ps(v); }
-// e^x with the constants above; scalef applies 2^n
-inline Vec vexp(Vec x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(kExpLowest));
-  const Vec n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2E)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  Vec r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2High), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Low), r);
-  Vec p = _mm512_set1_ps(kExpTaylor[0]);
-  for (int i = 1; i < 7; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpTaylor[i]));
-  return _mm512_scalef_ps(p, n);
-}
+inline Vec vexp(Vec x) { return exp512(x); }  // cpu_vector_exp.h
 // v's first n lanes, the others `other`
 inline Vec vfirst(Vec v, int n, float other) {
   const __mmask16 valid = n == kLanes ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
@@ -136,20 +117,7 @@ inline float vsum(Vec v) {
 inline float vmax(Vec v) {
   return reduce(v, [](__m128 a, __m128 b) { return _mm_max_ps(a, b); });
 }
-// e^x with the constants above; 2^n put in the exponent bits (no scalef here), x also
-// clamped above so that n + 127 stays a normal exponent
-inline Vec vexp(Vec x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(kExpLowest)), _mm256_set1_ps(88.f));
-  const Vec n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2E)),
-                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  Vec r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2High), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Low), r);
-  Vec p = _mm256_set1_ps(kExpTaylor[0]);
-  for (int i = 1; i < 7; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpTaylor[i]));
-  const __m256i two_n = _mm256_slli_epi32(
-      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
-}
+inline Vec vexp(Vec x) { return exp256(x); }  // cpu_vector_exp.h
 inline Vec vfirst(Vec v, int n, float other) {
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane));

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
+from sessionserve.replicas.attention import cpu_extend_kernel
 from sessionserve.replicas.attention.base import AttentionBackend, ForwardMeta, SeqSpec, to_device
 from sessionserve.replicas.attention.inplace_decode import DecodeKernel, part_padded
 
@@ -54,6 +55,9 @@ class _Group:
     rows: tuple[int, int] | None = None  # a decode group's rows when they are one range of
     # the flat batch [start, end) (they are: the scheduler puts decodes first): sliced, not
     # indexed
+    extend: tuple[torch.Tensor, torch.Tensor] | None = None  # where the CPU prefill kernel
+    # takes the group (`extend_kernel`: rows of 2+ tokens, no tree, full attention layers):
+    # its slots [B, W] and context lengths [B]
     stacked_masks: dict | None = field(default_factory=dict)  # `grouped_attention`'s masks,
     # built at the forward's first layer and reused by the others (per window key); None for
     # the static groups of CUDA graphs, whose masks are refilled in place between replays
@@ -91,6 +95,10 @@ class TorchPagedBackend(AttentionBackend):
         # set where the compiled forward is installed (assembly.compile_forwards): decode
         # groups attend over the pool in place (`inplace_decode.decode_attention`'s signature)
         self.decode_kernel: DecodeKernel | None = None
+        # set where the CPU prefill attention kernel is usable for the model and pool
+        # (assembly.pool_and_backend, cpu_extend_kernel.py): groups of 2+ new tokens a row
+        # that no decode kernel takes attend over the pool in place
+        self.extend_kernel = False
 
     def prepare(self, seqs: list[SeqSpec], device: torch.device) -> list[_Group]:
         starts, pos = [], 0
@@ -113,10 +121,13 @@ class TorchPagedBackend(AttentionBackend):
         windows = [w for w in self.windows if apart or int(lens.max()) > w]
         if windows and any(s.tree_mask is not None for s in seqs):
             raise NotImplementedError("tree verification over sliding-window layers; use chain")
+        extends = self.extend_kernel and q > 1 and all(s.tree_mask is None for s in seqs)
         if len(seqs) == 1 and only.ctx_len == q and only.tree_mask is None:
             fresh = _Group(torch.empty(0), None, None, fresh=(starts[0], starts[0] + q))
             for w in (w for w in windows if only.ctx_len > w):  # causal is not enough
                 fresh.window_masks[w] = to_device(context_mask(lens, q, q, w)[:, None], device)
+            if extends:
+                fresh.extend = (to_device(only.ctx_slots[None], device), to_device(lens, device))
             return fresh
         token_idx = torch.tensor(starts)[:, None] + torch.arange(q)
         ctx_slots = pad_sequence([s.ctx_slots for s in seqs], batch_first=True)
@@ -136,6 +147,10 @@ class TorchPagedBackend(AttentionBackend):
             and all(s.tree_mask is None for s in seqs)
         ):
             group.decode[None] = _kernel_slots(ctx_slots, lens, kernel.chunks, device)
+            if starts == list(range(starts[0], starts[0] + q * len(starts), q)):
+                group.rows = (starts[0], starts[0] + q * len(starts))
+        if extends and not group.decode:  # a decode kernel keeps the rows it takes
+            group.extend = (group.ctx_slots, to_device(lens, device))
             if starts == list(range(starts[0], starts[0] + q * len(starts), q)):
                 group.rows = (starts[0], starts[0] + q * len(starts))
         for w in windows:
@@ -240,6 +255,20 @@ class TorchPagedBackend(AttentionBackend):
         q_tokens = q[0].transpose(0, 1)  # [T, H, D]
         for g in meta.plan:
             banded = g.window_masks.get(window) if window is not None else None
+            if g.extend is not None and not apart and banded is None and window not in g.windowed:
+                # the prefill kernel over the pool in place: this layer attends to all of each
+                # row's context (full attention, or a window that covers it)
+                s, e = g.fresh or g.rows or (0, 0)
+                if e:
+                    out[s:e] = cpu_extend_kernel.extend_attend(
+                        q_tokens[s:e], k_pool, v_pool, *g.extend, scaling
+                    )
+                else:
+                    rows = g.token_idx.reshape(-1)
+                    out[rows] = cpu_extend_kernel.extend_attend(
+                        q_tokens[rows], k_pool, v_pool, *g.extend, scaling
+                    )
+                continue
             if g.fresh is not None:
                 s, e = g.fresh
                 o = F.scaled_dot_product_attention(

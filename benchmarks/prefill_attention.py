@@ -1,0 +1,141 @@
+"""The CPU prefill attention kernel (`attention/cpu_extend_kernel.py`) against torch's attention,
+alone and in the engine's prefill steps.
+
+Part 1, a layer's attention alone (the default model's 9 / 3 heads of 64, bf16): rows of T new
+tokens over H tokens of history, through the kernel and through what the torch backend ran
+before it (the context's K/V gathered out of the pool, `grouped_attention` over them with the
+mask), alternating, best of `--rounds`; ms a call and GFLOP/s.
+
+Part 2, the engine of the bench configs (`bench_config_engine`, bf16, compiled, its prefill
+package waited for): a fresh T-token prompt and a session's T-token turn over H tokens of
+history, each prefilled and one token sampled, with the backend's `extend_kernel` on and off,
+alternating, median of `--rounds`.
+
+    .venv/bin/python -m benchmarks.prefill_attention [--tokens 128 256] [--history 0 600]
+
+Needs a CPU with AVX512-BF16 (it says so and stops elsewhere). Last line: JSON with
+`kernel_speedup_<T>_over_<H>` (part 1: torch's ms over the kernel's) and
+`turn_speedup_<T>_over_<H>` (part 2: the step without the kernel over with), and the ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+from benchmarks.common import bench_config_engine, emit, machine, median, rotated, setup_threads
+from benchmarks.prefill_package import turn_ms
+from sessionserve.replicas.attention import cpu_extend_kernel
+from sessionserve.replicas.attention.torch_backend import (
+    context_mask,
+    gather_rows,
+    grouped_attention,
+)
+
+HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64  # SmolLM2-135M's
+
+
+def best_ms(fn, rounds: int, calls: int = 10) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(rounds):
+        started = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - started) / calls * 1e3)
+    return best
+
+
+def layer_alone(tokens: int, history: int, rounds: int) -> dict[str, float]:
+    g = torch.Generator().manual_seed(0)
+    n = history + tokens
+    k_pool, v_pool = (
+        torch.randn(40000, KV_HEADS, HEAD_DIM, generator=g).to(torch.bfloat16) for _ in "kv"
+    )
+    slots = torch.randperm(40000, generator=g)[:n][None]
+    lens = torch.tensor([n])
+    query = torch.randn(tokens, HEADS, HEAD_DIM, generator=g).to(torch.bfloat16)
+    mask = context_mask(lens, tokens, n)[:, None]
+    masks: dict = {}
+    scale = HEAD_DIM**-0.5
+
+    def before() -> None:
+        q = query.transpose(0, 1)[None]
+        k = gather_rows(k_pool, slots).transpose(1, 2)
+        v = gather_rows(v_pool, slots).transpose(1, 2)
+        grouped_attention(q, k, v, mask, scale, masks)
+
+    def kernel() -> None:
+        cpu_extend_kernel.extend_attend(query, k_pool, v_pool, slots, lens, scale)
+
+    times: dict[str, list[float]] = {"torch": [], "kernel": []}
+    for r in range(3):
+        for name, fn in rotated([("torch", before), ("kernel", kernel)], r):
+            times[name].append(best_ms(fn, rounds))
+    return {name: min(t) for name, t in times.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[128, 256])
+    ap.add_argument("--history", type=int, nargs="+", default=[0, 600])
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--skip-engine", action="store_true", help="part 1 only")
+    args = ap.parse_args()
+    setup_threads(args.threads)
+    if not cpu_extend_kernel.usable(HEAD_DIM, HEADS, KV_HEADS, torch.bfloat16):
+        sys.exit(f"the CPU prefill kernel cannot be used here: {cpu_extend_kernel.why_not()}")
+    summary: dict = {"machine": machine()}
+    cases = [(t, h) for t in args.tokens for h in args.history]
+    print("part 1: a layer's attention alone, best ms a call", flush=True)
+    for t, h in cases:
+        ms = layer_alone(t, h, args.rounds)
+        flops = 4 * HEADS * HEAD_DIM * t * (h + (t + 1) / 2)
+        rate = {name: flops / v / 1e6 for name, v in ms.items()}
+        print(
+            f"  T={t} over {h}: torch {ms['torch']:.3f} ms ({rate['torch']:.0f} GFLOP/s), "
+            f"kernel {ms['kernel']:.3f} ms ({rate['kernel']:.0f} GFLOP/s): "
+            f"{ms['torch'] / ms['kernel']:.2f}x",
+            flush=True,
+        )
+        summary[f"kernel_speedup_{t}_over_{h}"] = round(ms["torch"] / ms["kernel"], 3)
+        summary[f"kernel_ms_{t}_over_{h}"] = round(ms["kernel"], 4)
+    if args.skip_engine:
+        emit(summary)
+        return
+    print("part 2: the engine's prefill step (bench config, bf16, compiled), median ms", flush=True)
+    eng = bench_config_engine(args.threads, "bfloat16")
+    backend = eng.runner.backend
+    if not getattr(backend, "extend_kernel", False):
+        sys.exit("the bench config's backend did not take the kernel")
+    g = torch.Generator().manual_seed(1)
+    vocab = eng.runner.model.config.vocab_size
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(100, vocab - 100, (n,), generator=g).tolist()
+
+    for t, h in cases:
+        times: dict[bool, list[float]] = {True: [], False: []}
+        for r in range(args.rounds):
+            for on in rotated([True, False], r):
+                backend.extend_kernel = on
+                times[on].append(turn_ms(eng, ids(t), ids(h) if h else None))
+        on_ms, off_ms = median(times[True]), median(times[False])
+        print(
+            f"  T={t} over {h}: without {off_ms:.1f} ms, with the kernel {on_ms:.1f} ms: "
+            f"{off_ms / on_ms:.2f}x",
+            flush=True,
+        )
+        summary[f"turn_speedup_{t}_over_{h}"] = round(off_ms / on_ms, 3)
+        summary[f"turn_ms_{t}_over_{h}"] = round(on_ms, 1)
+        summary[f"turn_ms_without_{t}_over_{h}"] = round(off_ms, 1)
+    backend.extend_kernel = True
+    emit(summary)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,294 @@
+// Prefill ("extend") attention over the paged KV pool in place, for x86 CPUs with AVX512-BF16.
+//
+// What it computes is the torch backend's attention for a group of rows that each add T new
+// tokens after their cached context (a session's next turn, a prompt after a radix hit, a
+// chunk of a long prompt): token t of row b sits at position lens[b] - T + t and sees the
+// row's positions 0..itself, its K/V read through the row's slot table (the new tokens' K/V
+// are in the pool already). In bf16, as torch's CPU flash attention computes it: scores from
+// the bf16 query and keys summed in fp32, the softmax in fp32, its weights rounded to bf16 for
+// the weighted sum of V (summed in fp32), the output rounded to bf16.
+//
+// Why a hand-written kernel: torch's flash attention ran a 128-token turn over 600 tokens of
+// history at ~110 GFLOP/s on 2 cores of an EPYC Zen 4, a third of a prefill step there, where
+// the step's GEMMs run at ~280 (docs/benchmarks.md, stop 104); before it, each layer gathered
+// the context's K/V out of the pool into a copy and built a mask. Here each (row, KV head)'s
+// context is packed once per layer into the layouts AVX512-BF16's dot product (`vdpbf16ps`,
+// two bf16 products summed into each fp32 lane) takes: keys as blocks of 16 tokens, each
+// vector one pair of dimensions for 16 tokens, so one instruction scores 16 tokens for one
+// query row; values as pairs of tokens, each vector 16 dimensions of two tokens, so one
+// instruction adds two tokens' weighted values. A block's scores take their softmax on one
+// vector (online, as flash attention does); each packed vector is loaded once for kRowsAPass
+// query rows, whose queries are broadcast and whose sums stay in registers.
+//
+// Built at run time by cpu_extend_kernel.py (g++ -mavx512f -mavx512bf16 ...) and loaded with
+// torch.ops.load_library; its fake (shape) implementation is registered there, in Python.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "cpu_vector_exp.h"
+
+namespace {
+
+constexpr int kBlock = 16;       // context tokens a block: one fp32 vector's lanes
+constexpr int kTileTokens = 16;  // query tokens a work item (times the query heads a KV head)
+constexpr int kRowsAPass = 4;    // query rows whose sums stay in registers over a pass
+
+// The layouts `vdpbf16ps` takes, for one (row, KV head)'s context of n tokens, zero past n
+// (whole blocks): keys [blocks][D / 2][kBlock] and values [blocks * kBlock / 2][D], each a
+// uint32 holding two bf16 (the lower one the first: dimension 2p, or token 2j).
+template <int D>
+void pack(const uint16_t* k_head, const uint16_t* v_head, int64_t slot_stride,
+          const int64_t* slots, int64_t n, uint32_t* kp, uint32_t* vp) {
+  const int64_t blocks = (n + kBlock - 1) / kBlock;
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    uint32_t* kb = kp + blk * (D / 2) * kBlock;
+    for (int t = 0; t < kBlock; ++t) {
+      const int64_t j = blk * kBlock + t;
+      if (j < n) {
+        uint32_t k[D / 2];
+        std::memcpy(k, k_head + slots[j] * slot_stride, sizeof(k));
+        for (int p = 0; p < D / 2; ++p) kb[p * kBlock + t] = k[p];
+      } else {
+        for (int p = 0; p < D / 2; ++p) kb[p * kBlock + t] = 0;
+      }
+    }
+  }
+  static const uint16_t zeros[D] = {};
+  for (int64_t jp = 0; jp < blocks * kBlock / 2; ++jp) {
+    const int64_t j = 2 * jp;
+    const uint16_t* a = j < n ? v_head + slots[j] * slot_stride : zeros;
+    const uint16_t* b = j + 1 < n ? v_head + slots[j + 1] * slot_stride : zeros;
+    uint32_t* out = vp + jp * D;
+    for (int d = 0; d < D; ++d) out[d] = uint32_t(a[d]) | (uint32_t(b[d]) << 16);
+  }
+}
+
+// R query rows over one (row, KV head)'s packed context: row r (its query q[r], D bf16 as D / 2
+// pairs) sees positions 0..pos[r]; its output, D bf16, goes to out[r].
+template <int D, int R>
+void attend_rows(const uint32_t* const* q, const int64_t* pos, const uint32_t* kp,
+                 const uint32_t* vp, float scale, uint16_t* const* out) {
+  constexpr int DV = D / kBlock;  // fp32 vectors an output row takes
+  __m512 acc[R][DV];
+  __m512 lv[R];  // the softmax's sums, lane by lane
+  float m[R];
+  alignas(64) uint16_t weights[R][kBlock];  // a block's softmax weights, bf16
+  int64_t last = 0;
+  for (int r = 0; r < R; ++r) {
+    for (int i = 0; i < DV; ++i) acc[r][i] = _mm512_setzero_ps();
+    lv[r] = _mm512_setzero_ps();
+    m[r] = -std::numeric_limits<float>::infinity();
+    last = std::max(last, pos[r]);
+  }
+  const __m512 scale_v = _mm512_set1_ps(scale);
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t blk = 0; blk * kBlock <= last; ++blk) {
+    __m512 s[R];
+    for (int r = 0; r < R; ++r) s[r] = _mm512_setzero_ps();
+    const uint32_t* kb = kp + blk * (D / 2) * kBlock;
+    for (int p = 0; p < D / 2; ++p) {
+      const __m512bh k = (__m512bh)_mm512_loadu_si512(kb + p * kBlock);
+      for (int r = 0; r < R; ++r)
+        s[r] = _mm512_dpbf16_ps(s[r], k, (__m512bh)_mm512_set1_epi32(int(q[r][p])));
+    }
+    const int64_t base = blk * kBlock;
+    for (int r = 0; r < R; ++r) {
+      const int64_t seen = pos[r] - base + 1;  // this row sees the block's first `seen` lanes
+      if (seen <= 0) {
+        std::memset(weights[r], 0, sizeof(weights[r]));
+        continue;
+      }
+      const __mmask16 valid = seen >= kBlock ? __mmask16(0xFFFF) : __mmask16((1u << seen) - 1);
+      const __m512 sv = _mm512_mask_mov_ps(neg_inf, valid, _mm512_mul_ps(s[r], scale_v));
+      const float top = std::max(m[r], _mm512_reduce_max_ps(sv));
+      if (top > m[r]) {  // rescale what came before (alpha 0 for the first block)
+        const __m512 a = _mm512_set1_ps(std::exp(m[r] - top));
+        m[r] = top;
+        lv[r] = _mm512_mul_ps(lv[r], a);
+        for (int i = 0; i < DV; ++i) acc[r][i] = _mm512_mul_ps(acc[r][i], a);
+      }
+      const __m512 w = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(sv, _mm512_set1_ps(top))));
+      lv[r] = _mm512_add_ps(lv[r], w);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(weights[r]), (__m256i)_mm512_cvtneps_pbh(w));
+    }
+    for (int jp = 0; jp < kBlock / 2; ++jp) {
+      const uint32_t* vb = vp + (blk * kBlock / 2 + jp) * D;
+      __m512bh v[DV];
+      for (int i = 0; i < DV; ++i) v[i] = (__m512bh)_mm512_loadu_si512(vb + i * kBlock);
+      for (int r = 0; r < R; ++r) {
+        uint32_t pair;
+        std::memcpy(&pair, weights[r] + 2 * jp, sizeof(pair));
+        const __m512bh wp = (__m512bh)_mm512_set1_epi32(int(pair));
+        for (int i = 0; i < DV; ++i) acc[r][i] = _mm512_dpbf16_ps(acc[r][i], v[i], wp);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(lv[r]));
+    for (int i = 0; i < DV; ++i) {
+      const __m256bh o = _mm512_cvtneps_pbh(_mm512_mul_ps(acc[r][i], inv));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out[r] + i * kBlock), (__m256i)o);
+    }
+  }
+}
+
+template <int D>
+void attend_pass(int n, const uint32_t* const* q, const int64_t* pos, const uint32_t* kp,
+                 const uint32_t* vp, float scale, uint16_t* const* out) {
+  static_assert(kRowsAPass == 4, "the cases below go up to 4");
+  switch (n) {
+    case 1: return attend_rows<D, 1>(q, pos, kp, vp, scale, out);
+    case 2: return attend_rows<D, 2>(q, pos, kp, vp, scale, out);
+    case 3: return attend_rows<D, 3>(q, pos, kp, vp, scale, out);
+    default: return attend_rows<D, 4>(q, pos, kp, vp, scale, out);
+  }
+}
+
+// A piece of work: query tokens t0..t0 + n - 1 of one row, for one KV head's query heads.
+struct Item {
+  int64_t row, kv_head, t0, n, cost;
+};
+
+template <int D>
+void run(const at::Tensor& query,   // [B * T, H, D] bf16, contiguous
+         const at::Tensor& k_pool,  // [S, KVH, D] bf16
+         const at::Tensor& v_pool,
+         const at::Tensor& slots,   // [B, W] int64, contiguous
+         const std::vector<int64_t>& lens, double scale, at::Tensor& out) {
+  const int64_t batch = slots.size(0), tokens = query.size(0) / batch;
+  const int64_t heads = query.size(1), kv_heads = k_pool.size(1), group = heads / kv_heads;
+  const int64_t width = slots.size(1), slot_stride = k_pool.stride(0);
+  const int64_t head_stride = k_pool.stride(1);
+  const auto* kpool = reinterpret_cast<const uint16_t*>(k_pool.data_ptr<c10::BFloat16>());
+  const auto* vpool = reinterpret_cast<const uint16_t*>(v_pool.data_ptr<c10::BFloat16>());
+  const auto* qp = reinterpret_cast<const uint16_t*>(query.data_ptr<c10::BFloat16>());
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
+  const int64_t* sp = slots.data_ptr<int64_t>();
+
+  // each (row, KV head)'s packed context: keys then values, whole blocks
+  std::vector<int64_t> offset(batch * kv_heads + 1, 0);
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t blocks = (lens[b] + kBlock - 1) / kBlock;
+    for (int64_t h = 0; h < kv_heads; ++h)
+      offset[b * kv_heads + h + 1] = offset[b * kv_heads + h] + 2 * blocks * kBlock * D / 2;
+  }
+  std::vector<uint32_t> packed(static_cast<size_t>(offset.back()));
+  const int threads = std::max(1, at::get_num_threads());
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+  for (int64_t i = 0; i < batch * kv_heads; ++i) {
+    const int64_t b = i / kv_heads, h = i % kv_heads;
+    const int64_t blocks = (lens[b] + kBlock - 1) / kBlock;
+    uint32_t* kp = packed.data() + offset[i];
+    pack<D>(kpool + h * head_stride, vpool + h * head_stride, slot_stride, sp + b * width,
+            lens[b], kp, kp + blocks * kBlock * D / 2);
+  }
+
+  std::vector<Item> items;
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t h = 0; h < kv_heads; ++h)
+      for (int64_t t0 = 0; t0 < tokens; t0 += kTileTokens) {
+        const int64_t n = std::min<int64_t>(kTileTokens, tokens - t0);
+        items.push_back({b, h, t0, n, lens[b] - tokens + t0 + n});
+      }
+  // the longest first, so the threads' last items are short ones
+  std::stable_sort(items.begin(), items.end(),
+                   [](const Item& x, const Item& y) { return x.cost > y.cost; });
+  const int64_t n_items = static_cast<int64_t>(items.size());
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+  for (int64_t i = 0; i < n_items; ++i) {
+    const Item& it = items[i];
+    const int64_t blocks = (lens[it.row] + kBlock - 1) / kBlock;
+    const uint32_t* kp = packed.data() + offset[it.row * kv_heads + it.kv_head];
+    const uint32_t* vp = kp + blocks * kBlock * D / 2;
+    const int64_t rows = it.n * group;  // token-major: row j is token j / group, head j % group
+    for (int64_t j0 = 0; j0 < rows; j0 += kRowsAPass) {
+      const int n = static_cast<int>(std::min<int64_t>(kRowsAPass, rows - j0));
+      const uint32_t* q[kRowsAPass];
+      uint16_t* o[kRowsAPass];
+      int64_t pos[kRowsAPass];
+      for (int r = 0; r < n; ++r) {
+        const int64_t t = it.t0 + (j0 + r) / group, g = (j0 + r) % group;
+        const int64_t at = ((it.row * tokens + t) * heads + it.kv_head * group + g) * D;
+        q[r] = reinterpret_cast<const uint32_t*>(qp + at);
+        o[r] = op + at;
+        pos[r] = lens[it.row] - tokens + t;
+      }
+      attend_pass<D>(n, q, pos, kp, vp, static_cast<float>(scale), o);
+    }
+  }
+}
+
+// query [B * T, H, D] bf16: B rows of T new tokens each, consecutive, each row's the last T of
+// its lens[b] context positions, whose slots are slots[b, :lens[b]] (int64 [B, W]); k_pool,
+// v_pool [S, KVH, D] bf16 (any slot and head strides, D contiguous). Token t of row b sees
+// positions 0..lens[b] - T + t. Returns [B * T, H, D] bf16.
+at::Tensor extend_attend(const at::Tensor& query, const at::Tensor& k_pool,
+                         const at::Tensor& v_pool, const at::Tensor& slots,
+                         const at::Tensor& lens, double scale) {
+  TORCH_CHECK(query.dim() == 3 && k_pool.dim() == 3 && v_pool.dim() == 3,
+              "extend_attend: query [B * T, H, D] and pools [S, KVH, D] expected");
+  TORCH_CHECK(query.scalar_type() == at::kBFloat16 && k_pool.scalar_type() == at::kBFloat16 &&
+                  v_pool.scalar_type() == at::kBFloat16,
+              "extend_attend: query and pools must be bf16");
+  TORCH_CHECK(k_pool.stride(2) == 1 && v_pool.stride(2) == 1 &&
+                  k_pool.stride(0) == v_pool.stride(0) && k_pool.stride(1) == v_pool.stride(1),
+              "extend_attend: the pools must share a layout, their last dimension contiguous");
+  const int64_t heads = query.size(1), kv_heads = k_pool.size(1), head_dim = k_pool.size(2);
+  TORCH_CHECK(query.size(2) == head_dim && heads % kv_heads == 0,
+              "extend_attend: query heads must be a multiple of KV heads, of the pools' head_dim");
+  TORCH_CHECK(slots.dim() == 2 && lens.numel() == slots.size(0) && slots.size(0) > 0 &&
+                  query.size(0) % slots.size(0) == 0 && query.size(0) > 0,
+              "extend_attend: slots [B, W] and lens [B] expected, with B dividing the query's ",
+              query.size(0), " rows");
+  const int64_t batch = slots.size(0), tokens = query.size(0) / batch;
+  const at::Tensor s = slots.to(at::kLong).contiguous();
+  const at::Tensor l = lens.to(at::kLong).contiguous();
+  const int64_t pool_slots = std::min(k_pool.size(0), v_pool.size(0));
+  std::vector<int64_t> row_lens;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t n = l.data_ptr<int64_t>()[b];
+    TORCH_CHECK(n >= tokens && n <= s.size(1), "extend_attend: lens must lie in ", tokens,
+                "..", s.size(1), " (a row's new tokens are the last of its context), not ", n);
+    // the rows are read through these without further checks: a bad slot is an error here
+    const int64_t* row = s.data_ptr<int64_t>() + b * s.size(1);
+    for (int64_t j = 0; j < n; ++j)
+      TORCH_CHECK(row[j] >= 0 && row[j] < pool_slots, "extend_attend: slot ", row[j],
+                  " of row ", b, " is outside the pool's ", pool_slots, " slots");
+    row_lens.push_back(n);
+  }
+  const at::Tensor q = query.contiguous();
+  at::Tensor out = at::empty_like(q);
+  switch (head_dim) {
+    case 16: run<16>(q, k_pool, v_pool, s, row_lens, scale, out); break;
+    case 32: run<32>(q, k_pool, v_pool, s, row_lens, scale, out); break;
+    case 64: run<64>(q, k_pool, v_pool, s, row_lens, scale, out); break;
+    case 80: run<80>(q, k_pool, v_pool, s, row_lens, scale, out); break;
+    case 96: run<96>(q, k_pool, v_pool, s, row_lens, scale, out); break;
+    case 128: run<128>(q, k_pool, v_pool, s, row_lens, scale, out); break;
+    default: TORCH_CHECK(false, "extend_attend: head_dim ", head_dim, " is not supported");
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(sessionserve, m) {
+  m.def(
+      "extend_attend(Tensor query, Tensor k_pool, Tensor v_pool, Tensor slots, Tensor lens, "
+      "float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(sessionserve, CPU, m) { m.impl("extend_attend", &extend_attend); }

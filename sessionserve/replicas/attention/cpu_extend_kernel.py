@@ -1,0 +1,80 @@
+"""The hand-written CPU prefill attention (`cpu_extend_attention.cpp`): built once per machine,
+loaded as the op `torch.ops.sessionserve.extend_attend`.
+
+Why it exists: a turn over a session's history (or a prompt after a radix hit, or a long
+prompt's later chunk) attended through torch's flash attention after gathering the context's
+K/V out of the pool; on 2 cores of an EPYC Zen 4 in bf16 that ran at ~110 GFLOP/s, a third of
+a 128-token turn over 600 tokens, where the step's GEMMs run at ~280 (docs/benchmarks.md,
+stop 104). The kernel reads the pool in place and computes the scores and the weighted sum
+with AVX512-BF16's dot products, as torch's kernel does in bf16 (fp32 sums, the softmax's
+weights rounded to bf16). It needs a bf16 model and pool, a CPU with AVX512-BF16 (AMX CPUs
+have it) and a C++ compiler; where one is missing, `load()` says why once and the backend
+keeps torch's attention.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from sessionserve.replicas.native_kernel import NativeKernel
+
+SOURCE = Path(__file__).with_name("cpu_extend_attention.cpp")
+HEAD_DIMS = (16, 32, 64, 80, 96, 128)  # what the kernel is instantiated for
+DISABLE_ENV = "SESSIONSERVE_CPU_EXTEND_KERNEL"  # "0": keep torch's attention for prefills
+log = logging.getLogger(__name__)
+
+
+def _register_fake() -> None:
+    @torch.library.register_fake("sessionserve::extend_attend")
+    def _(query, k_pool, v_pool, slots, lens, scale):  # noqa: ANN001, ANN202
+        return torch.empty_like(query)
+
+
+def _needs() -> str:
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in ("AMX", "AVX512") or not torch.cpu._is_avx512_bf16_supported():
+        return f"it needs AVX512-BF16; this CPU's vector capability is {capability}"
+    return ""
+
+
+KERNEL = NativeKernel(
+    SOURCE,
+    DISABLE_ENV,
+    "the CPU prefill attention kernel",
+    _register_fake,
+    log,
+    extra_flags=("-mavx512bf16",),
+    needs=_needs,
+)
+why_not = KERNEL.why_not
+
+
+def usable(head_dim: int, heads: int, kv_heads: int, dtype: torch.dtype) -> bool:
+    """Whether a model with this attention layout and dtype (the model's and the pool's) can
+    use the kernel here: the layout supported, the kernel built and loaded."""
+    return (
+        head_dim in HEAD_DIMS
+        and heads % kv_heads == 0
+        and dtype == torch.bfloat16
+        and KERNEL.load()
+    )
+
+
+def extend_attend(
+    query: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    slots: torch.Tensor,
+    lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Rows of T new tokens (query [B * T, H, D] bf16, a row's tokens consecutive) over their
+    contexts (slots [B, W] int64, lens [B]; pools [S, KVH, D] bf16), each row's new tokens the
+    last T of its context, already in the pool: token t of row b sees positions
+    0..lens[b] - T + t. Returns [B * T, H, D] bf16. Loads the op first if this process has
+    not."""
+    KERNEL.require()
+    return torch.ops.sessionserve.extend_attend(query, k_pool, v_pool, slots, lens, scale)

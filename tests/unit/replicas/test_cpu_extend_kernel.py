@@ -1,0 +1,184 @@
+"""The hand-written CPU prefill attention (attention/cpu_extend_kernel.py): built and loaded on a
+CPU with AVX512-BF16 and a C++ compiler, it computes what torch's attention computes for rows
+of new tokens over their cached contexts read through slot tables (causal among the new
+tokens), for the head layouts it supports, contexts of any length and thread counts, as close
+to the exact result as torch's own bf16 kernel; bad input is a clear error; the torch backend
+takes it for prefills and session turns of bf16 models, whose answers stay those of the
+backend without it and of transformers; where it cannot be used the backend keeps torch's
+attention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sessionserve.replicas.attention import cpu_extend_kernel
+from sessionserve.replicas.attention.torch_backend import context_mask
+from sessionserve.wire import SamplingParams
+from tests.models import tiny_engine, tiny_model
+from tests.unit.replicas.test_loader_and_backends import assert_tie_aware_equal
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, top_logprobs=2)
+
+
+@pytest.fixture(scope="module")
+def kernel() -> None:
+    if not cpu_extend_kernel.KERNEL.load():
+        pytest.skip(f"the CPU prefill kernel cannot be used here: {cpu_extend_kernel.why_not()}")
+
+
+def case(heads: int, kv_heads: int, dim: int, lens: list[int], tokens: int, seed: int):
+    """Inputs as the torch backend hands them over: a layer's view of a [layers, S, KVH, D]
+    bf16 pool, each row's context scattered over 16-slot pages (its new tokens' K/V its last
+    `tokens` slots), the rows' queries [B * T, H, D]."""
+    g = torch.Generator().manual_seed(seed)
+    batch, width, slots_in_pool = len(lens), max(lens), 16384
+    pools = [
+        torch.randn(2, slots_in_pool, kv_heads, dim, generator=g).to(torch.bfloat16) for _ in "kv"
+    ]
+    pages = torch.randperm(slots_in_pool // 16 - 1, generator=g)[: batch * (-(-width // 16))] + 1
+    slots = (pages.view(batch, -1)[..., None] * 16 + torch.arange(16)).view(batch, -1)
+    slots = slots[:, :width].contiguous()
+    query = torch.randn(batch * tokens, heads, dim, generator=g).to(torch.bfloat16)
+    return query, pools[0][1], pools[1][1], slots, torch.tensor(lens)
+
+
+def attention(query, k_pool, v_pool, slots, lens, scale, dtype) -> torch.Tensor:
+    """torch's attention over the gathered contexts in `dtype` (float64: the exact result)."""
+    batch, width = slots.shape
+    tokens = query.shape[0] // batch
+    heads, kv_heads = query.shape[1], k_pool.shape[1]
+    q = query.view(batch, tokens, heads, -1).transpose(1, 2).to(dtype)
+    k, v = (p[slots].transpose(1, 2).to(dtype) for p in (k_pool, v_pool))
+    mask = context_mask(lens, tokens, width)[:, None]
+    o = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, scale=scale, enable_gqa=heads > kv_heads
+    )
+    return (
+        o.transpose(1, 2).reshape(query.shape).to(query.dtype if dtype != torch.float64 else dtype)
+    )
+
+
+def check_a_case(heads, kv_heads, dim, lens, tokens, seed) -> None:
+    """The kernel's output against the exact result, within what torch's own bf16 attention is
+    off by on the same case (both round the softmax's weights to bf16 for the sum of V, and
+    the output once) plus one bf16 step of the output."""
+    query, k_pool, v_pool, slots, lens_t = case(heads, kv_heads, dim, lens, tokens, seed)
+    scale = dim**-0.5
+    got = cpu_extend_kernel.extend_attend(query, k_pool, v_pool, slots, lens_t, scale)
+    assert got.dtype == torch.bfloat16 and got.shape == query.shape
+    exact = attention(query, k_pool, v_pool, slots, lens_t, scale, torch.float64)
+    torchs = attention(query, k_pool, v_pool, slots, lens_t, scale, torch.bfloat16)
+    step = exact.abs() * 2**-8
+    assert (
+        (got.double() - exact).abs() <= 1.25 * (torchs.double() - exact).abs().max() + step
+    ).all()
+
+
+@pytest.mark.usefixtures("kernel")
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+@pytest.mark.parametrize(
+    "heads,kv_heads,dim", [(4, 2, 16), (9, 3, 64), (8, 2, 128), (4, 4, 32), (6, 1, 80), (16, 2, 96)]
+)
+def test_the_kernel_computes_torchs_attention(heads, kv_heads, dim, threads) -> None:
+    cases = [
+        ([2], 2),  # a fresh two-token prompt
+        ([37], 37),  # a fresh prompt, blocks and a partial one
+        ([20, 17], 3),  # short turns over short contexts
+        ([16, 32, 48], 16),  # block-aligned
+        ([700], 150),  # a turn over a long history: several tiles, many blocks
+        ([300, 45, 161], 45),  # rows of unequal contexts
+    ]
+    for seed, (lens, tokens) in enumerate(cases):
+        check_a_case(heads, kv_heads, dim, lens, tokens, seed)
+
+
+@pytest.mark.usefixtures("kernel")
+def test_a_token_sees_nothing_after_itself() -> None:
+    """Changing the K/V of a row's later tokens leaves its earlier tokens' outputs as they
+    were, bit for bit, and changes the later ones."""
+    query, k_pool, v_pool, slots, lens = case(9, 3, 64, [90], 40, 3)
+    before = cpu_extend_kernel.extend_attend(query, k_pool, v_pool, slots, lens, 0.125)
+    k2, v2 = k_pool.clone(), v_pool.clone()
+    later = slots[0, 70:90]  # the K/V of new tokens 20..39
+    k2[later], v2[later] = k2[later] * -3, v2[later] + 1
+    after = cpu_extend_kernel.extend_attend(query, k2, v2, slots, lens, 0.125)
+    assert torch.equal(before[:20], after[:20])
+    assert not torch.equal(before[20:], after[20:])
+
+
+@pytest.mark.usefixtures("kernel")
+def test_bad_input_is_a_clear_error() -> None:
+    query, k_pool, v_pool, slots, lens = case(4, 2, 16, [5, 9], 4, 0)
+    with pytest.raises(RuntimeError, match="lens must lie in 4"):
+        cpu_extend_kernel.extend_attend(query, k_pool, v_pool, slots, lens - 2, 0.25)
+    outside = slots.clone()
+    outside[1, 3] = k_pool.shape[0]  # one past the pool
+    with pytest.raises(RuntimeError, match="slot 16384 of row 1 is outside the pool"):
+        cpu_extend_kernel.extend_attend(query, k_pool, v_pool, outside, lens, 0.25)
+    with pytest.raises(RuntimeError, match="must be bf16"):
+        cpu_extend_kernel.extend_attend(query.float(), k_pool, v_pool, slots, lens, 0.25)
+    odd = torch.randn(k_pool.shape[0], 2, 24).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="head_dim 24 is not supported"):
+        cpu_extend_kernel.extend_attend(torch.randn(8, 4, 24).bfloat16(), odd, odd, slots, lens, 1)
+    assert not cpu_extend_kernel.usable(24, 4, 2, torch.bfloat16)
+    assert not cpu_extend_kernel.usable(64, 4, 2, torch.float32)
+
+
+def _spied(monkeypatch) -> list[tuple[int, ...]]:
+    calls: list[tuple[int, ...]] = []
+    run = cpu_extend_kernel.extend_attend
+
+    def spy(query, *args):  # noqa: ANN001, ANN202
+        calls.append(tuple(query.shape))
+        return run(query, *args)
+
+    monkeypatch.setattr(cpu_extend_kernel, "extend_attend", spy)
+    return calls
+
+
+@pytest.mark.usefixtures("kernel")
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
+def test_session_turns_through_the_kernel_answer_as_without_it(monkeypatch, arch) -> None:
+    """A bf16 model's prompts and session turns (turns of several lengths, then two prompts
+    in one step) attend through the kernel and answer, tie-aware, as the same engine without
+    it, token for token where no near-tie decides. Gemma 3's sliding layers keep torch's
+    attention over their windows; its full layers take the kernel."""
+    model = tiny_model(arch).to(torch.bfloat16)
+    calls = _spied(monkeypatch)
+    engine, without = tiny_engine(model), tiny_engine(model)
+    without.runner.backend.extend_kernel = False
+    assert engine.runner.backend.extend_kernel
+    results = {}
+    for name, e in (("kernel", engine), ("without", without)):
+        sid = e.open_session()
+        turns = []
+        for turn, n in enumerate((40, 3, 70)):
+            new = [3 + (turn * 17 + j * 5) % 240 for j in range(n)]
+            turns += e.generate([new], GREEDY, session_id=sid)
+        turns += e.generate([[9] * 33, list(range(5, 60))], GREEDY)  # two prompts, one step
+        e.close_session(sid)
+        e.checker.check_idle()
+        results[name] = turns
+        if name == "kernel":
+            # the 70-token turn, after the last answer's final token (its K/V not written yet)
+            assert any(shape[0] == 71 for shape in calls)
+            calls.clear()
+    assert not calls  # the engine without it never called it
+    assert assert_tie_aware_equal(results["without"], results["kernel"]) >= 3 * GREEDY.max_tokens
+
+
+def test_where_it_cannot_be_used_the_backend_keeps_torchs_attention(monkeypatch) -> None:
+    """An fp32 model, or the kernel turned off: the backend does not take it, and says why."""
+    assert not tiny_engine(tiny_model()).runner.backend.extend_kernel  # fp32
+    monkeypatch.setattr(cpu_extend_kernel.KERNEL, "_state", {})
+    monkeypatch.setenv(cpu_extend_kernel.DISABLE_ENV, "0")
+    engine = tiny_engine(tiny_model().to(torch.bfloat16))
+    assert not engine.runner.backend.extend_kernel
+    assert f"{cpu_extend_kernel.DISABLE_ENV}=0" in cpu_extend_kernel.why_not()
+    calls = _spied(monkeypatch)
+    (r,) = engine.generate([list(range(3, 40))], GREEDY)
+    assert len(r.output_ids) == GREEDY.max_tokens and not calls
+    with pytest.raises(RuntimeError, match="not available"):
+        cpu_extend_kernel.extend_attend(*case(4, 2, 16, [3], 3, 0), 0.25)
