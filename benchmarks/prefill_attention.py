@@ -13,7 +13,9 @@ alternating, median of `--rounds`.
 
     .venv/bin/python -m benchmarks.prefill_attention [--tokens 128 256] [--history 0 600]
 
-Needs a CPU with AVX512-BF16 (it says so and stops elsewhere). Last line: JSON with
+Needs a CPU with AVX512-BF16 (it says so and stops elsewhere); on a CPU with AMX, where the
+engine keeps torch's attention by default, it sets `SESSIONSERVE_CPU_EXTEND_KERNEL=1` unless
+that is set. Last line: JSON with
 `kernel_speedup_<T>_over_<H>` (part 1: torch's ms over the kernel's) and
 `turn_speedup_<T>_over_<H>` (part 2: the step without the kernel over with), and the ms.
 """
@@ -21,6 +23,7 @@ Needs a CPU with AVX512-BF16 (it says so and stops elsewhere). Last line: JSON w
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -87,6 +90,8 @@ def main() -> None:
     ap.add_argument("--skip-engine", action="store_true", help="part 1 only")
     args = ap.parse_args()
     setup_threads(args.threads)
+    # measured on a CPU with AMX too, where the engine does not take it unless told
+    os.environ.setdefault(cpu_extend_kernel.DISABLE_ENV, "1")
     if not cpu_extend_kernel.usable(HEAD_DIM, HEADS, KV_HEADS, torch.bfloat16):
         sys.exit(f"the CPU prefill kernel cannot be used here: {cpu_extend_kernel.why_not()}")
     summary: dict = {"machine": machine()}

@@ -7,14 +7,15 @@ K/V out of the pool; on 2 cores of an EPYC Zen 4 in bf16 that ran at ~110 GFLOP/
 a 128-token turn over 600 tokens, where the step's GEMMs run at ~280 (docs/benchmarks.md,
 stop 104). The kernel reads the pool in place and computes the scores and the weighted sum
 with AVX512-BF16's dot products, as torch's kernel does in bf16 (fp32 sums, the softmax's
-weights rounded to bf16). It needs a bf16 model and pool, a CPU with AVX512-BF16 (AMX CPUs
-have it) and a C++ compiler; where one is missing, `load()` says why once and the backend
-keeps torch's attention.
+weights rounded to bf16). It needs a bf16 model and pool, a CPU with AVX512-BF16 and a C++
+compiler; where one is missing, `load()` says why once and the backend keeps torch's
+attention, as it does on a CPU with AMX unless told otherwise (`on_amx_by_default`).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -23,8 +24,10 @@ from sessionserve.replicas.native_kernel import NativeKernel
 
 SOURCE = Path(__file__).with_name("cpu_extend_attention.cpp")
 HEAD_DIMS = (16, 32, 64, 80, 96, 128)  # what the kernel is instantiated for
-DISABLE_ENV = "SESSIONSERVE_CPU_EXTEND_KERNEL"  # "0": keep torch's attention for prefills
+DISABLE_ENV = "SESSIONSERVE_CPU_EXTEND_KERNEL"  # "0": keep torch's attention for prefills;
+# "1": use the kernel on a CPU with AMX too (`on_amx_by_default`)
 log = logging.getLogger(__name__)
+_said_amx = False
 
 
 def _register_fake() -> None:
@@ -52,15 +55,38 @@ KERNEL = NativeKernel(
 why_not = KERNEL.why_not
 
 
+def supports(head_dim: int, heads: int, kv_heads: int, dtype: torch.dtype) -> bool:
+    """Whether the kernel computes this attention layout and dtype (the model's and the
+    pool's)."""
+    return head_dim in HEAD_DIMS and heads % kv_heads == 0 and dtype == torch.bfloat16
+
+
+def on_amx_by_default() -> bool:
+    """Whether the backend takes the kernel on a CPU with AMX. Not unless told to
+    (`SESSIONSERVE_CPU_EXTEND_KERNEL=1`): there torch's flash attention computes its bf16
+    blocks on AMX tiles, and the kernel (AVX512-BF16 dot products) was measured only against
+    torch's kernel on a CPU without them (docs/benchmarks.md, stop 104)."""
+    return os.environ.get(DISABLE_ENV) == "1"
+
+
 def usable(head_dim: int, heads: int, kv_heads: int, dtype: torch.dtype) -> bool:
-    """Whether a model with this attention layout and dtype (the model's and the pool's) can
-    use the kernel here: the layout supported, the kernel built and loaded."""
-    return (
-        head_dim in HEAD_DIMS
-        and heads % kv_heads == 0
-        and dtype == torch.bfloat16
-        and KERNEL.load()
-    )
+    """Whether the torch backend takes the kernel for a model with this attention layout and
+    dtype here: `supports` it, the kernel built and loaded, and not on an AMX CPU unless
+    told (`on_amx_by_default`; said once in the log)."""
+    global _said_amx
+    if not supports(head_dim, heads, kv_heads, dtype):
+        return False
+    if torch.backends.cpu.get_cpu_capability() == "AMX" and not on_amx_by_default():
+        if not _said_amx:
+            _said_amx = True
+            log.info(
+                "%s not used: this CPU has AMX tiles, which torch's attention uses "
+                "(%s=1 uses the kernel)",
+                KERNEL.what,
+                DISABLE_ENV,
+            )
+        return False
+    return KERNEL.load()
 
 
 def extend_attend(

@@ -145,6 +145,7 @@ def test_session_turns_through_the_kernel_answer_as_without_it(monkeypatch, arch
     in one step) attend through the kernel and answer, tie-aware, as the same engine without
     it, token for token where no near-tie decides. Gemma 3's sliding layers keep torch's
     attention over their windows; its full layers take the kernel."""
+    monkeypatch.setenv(cpu_extend_kernel.DISABLE_ENV, "1")  # on a CPU with AMX too
     model = tiny_model(arch).to(torch.bfloat16)
     calls = _spied(monkeypatch)
     engine, without = tiny_engine(model), tiny_engine(model)
@@ -182,3 +183,19 @@ def test_where_it_cannot_be_used_the_backend_keeps_torchs_attention(monkeypatch)
     assert len(r.output_ids) == GREEDY.max_tokens and not calls
     with pytest.raises(RuntimeError, match="not available"):
         cpu_extend_kernel.extend_attend(*case(4, 2, 16, [3], 3, 0), 0.25)
+
+
+@pytest.mark.usefixtures("kernel")
+def test_on_a_cpu_with_amx_the_backend_takes_it_only_when_told(monkeypatch, caplog) -> None:
+    """Where torch's attention runs on AMX tiles the kernel was not measured against it: the
+    backend keeps torch's attention there (said once) unless SESSIONSERVE_CPU_EXTEND_KERNEL=1."""
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AMX")
+    monkeypatch.setattr(cpu_extend_kernel, "_said_amx", False)
+    monkeypatch.delenv(cpu_extend_kernel.DISABLE_ENV, raising=False)
+    with caplog.at_level("INFO", logger=cpu_extend_kernel.__name__):
+        assert not cpu_extend_kernel.usable(64, 9, 3, torch.bfloat16)
+        assert not tiny_engine(tiny_model().to(torch.bfloat16)).runner.backend.extend_kernel
+    assert caplog.text.count("this CPU has AMX tiles") == 1
+    monkeypatch.setenv(cpu_extend_kernel.DISABLE_ENV, "1")
+    assert cpu_extend_kernel.usable(64, 9, 3, torch.bfloat16)
+    assert tiny_engine(tiny_model().to(torch.bfloat16)).runner.backend.extend_kernel
