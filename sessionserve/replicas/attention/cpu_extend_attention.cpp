@@ -96,14 +96,21 @@ void attend_rows(const uint32_t* const* q, const int64_t* pos, const uint32_t* k
   const __m512 scale_v = _mm512_set1_ps(scale);
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t blk = 0; blk * kBlock <= last; ++blk) {
-    __m512 s[R];
-    for (int r = 0; r < R; ++r) s[r] = _mm512_setzero_ps();
+    // two sums a row, over even and odd pairs of dimensions: a row's dot products form a
+    // chain (each waits for the last, ~6 cycles on Zen 4), and R chains did not keep the unit
+    // busy (2R: ~7% faster a layer, 128 tokens over 600, R = 4)
+    __m512 s[R], odd[R];
+    for (int r = 0; r < R; ++r) s[r] = odd[r] = _mm512_setzero_ps();
     const uint32_t* kb = kp + blk * (D / 2) * kBlock;
-    for (int p = 0; p < D / 2; ++p) {
+    for (int p = 0; p < D / 2; p += 2) {  // D / 2 is even: D is a multiple of 16
       const __m512bh k = (__m512bh)_mm512_loadu_si512(kb + p * kBlock);
-      for (int r = 0; r < R; ++r)
+      const __m512bh k_odd = (__m512bh)_mm512_loadu_si512(kb + (p + 1) * kBlock);
+      for (int r = 0; r < R; ++r) {
         s[r] = _mm512_dpbf16_ps(s[r], k, (__m512bh)_mm512_set1_epi32(int(q[r][p])));
+        odd[r] = _mm512_dpbf16_ps(odd[r], k_odd, (__m512bh)_mm512_set1_epi32(int(q[r][p + 1])));
+      }
     }
+    for (int r = 0; r < R; ++r) s[r] = _mm512_add_ps(s[r], odd[r]);
     const int64_t base = blk * kBlock;
     for (int r = 0; r < R; ++r) {
       const int64_t seen = pos[r] - base + 1;  // this row sees the block's first `seen` lanes
