@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from sessionserve.replicas.native_kernel import NativeKernel
+from sessionserve.replicas.native_kernel import NativeKernel, needs_avx512
 
 SOURCE = Path(__file__).with_name("block_linear.cpp")
 DISABLE_ENV = "SESSIONSERVE_BLOCK_LINEAR"  # "0": the kernel is not used
@@ -48,11 +48,7 @@ def _register_fake() -> None:
         return x.new_empty((*x.shape[:-1], records.shape[0] * PANEL))
 
 
-def _needs() -> str:
-    capability = torch.backends.cpu.get_cpu_capability()
-    if capability not in ("AMX", "AVX512") or not torch.cpu._is_vnni_supported():
-        return f"it needs AVX-512 VNNI; this CPU's vector capability is {capability}"
-    return ""
+_needs = needs_avx512("AVX-512 VNNI", "_is_vnni_supported")
 
 
 KERNEL = NativeKernel(

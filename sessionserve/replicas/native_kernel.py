@@ -149,5 +149,18 @@ class NativeKernel:
         return ""
 
 
+def needs_avx512(feature: str, probe: str) -> Callable[[], str]:
+    """A kernel's `needs` where it is built for an AVX-512 extension (`extra_flags`): '' where
+    the CPU has AVX-512 and `torch.cpu.<probe>()` says it has `feature`, else why not."""
+
+    def needs() -> str:
+        capability = torch.backends.cpu.get_cpu_capability()
+        if capability not in ("AMX", "AVX512") or not getattr(torch.cpu, probe)():
+            return f"it needs {feature}; this CPU's vector capability is {capability}"
+        return ""
+
+    return needs
+
+
 def compiler() -> str:
     return os.environ.get("CXX", "g++")

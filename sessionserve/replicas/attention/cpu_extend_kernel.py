@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from sessionserve.replicas.native_kernel import NativeKernel
+from sessionserve.replicas.native_kernel import NativeKernel, needs_avx512
 
 SOURCE = Path(__file__).with_name("cpu_extend_attention.cpp")
 HEAD_DIMS = (16, 32, 64, 80, 96, 128)  # what the kernel is instantiated for
@@ -36,13 +36,6 @@ def _register_fake() -> None:
         return torch.empty_like(query)
 
 
-def _needs() -> str:
-    capability = torch.backends.cpu.get_cpu_capability()
-    if capability not in ("AMX", "AVX512") or not torch.cpu._is_avx512_bf16_supported():
-        return f"it needs AVX512-BF16; this CPU's vector capability is {capability}"
-    return ""
-
-
 KERNEL = NativeKernel(
     SOURCE,
     DISABLE_ENV,
@@ -50,7 +43,7 @@ KERNEL = NativeKernel(
     _register_fake,
     log,
     extra_flags=("-mavx512bf16",),
-    needs=_needs,
+    needs=needs_avx512("AVX512-BF16", "_is_avx512_bf16_supported"),
 )
 why_not = KERNEL.why_not
 

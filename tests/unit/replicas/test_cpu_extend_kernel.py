@@ -199,3 +199,14 @@ def test_on_a_cpu_with_amx_the_backend_takes_it_only_when_told(monkeypatch, capl
     monkeypatch.setenv(cpu_extend_kernel.DISABLE_ENV, "1")
     assert cpu_extend_kernel.usable(64, 9, 3, torch.bfloat16)
     assert tiny_engine(tiny_model().to(torch.bfloat16)).runner.backend.extend_kernel
+
+
+def test_a_cpu_without_avx512_bf16_is_told_why(monkeypatch) -> None:
+    needs = cpu_extend_kernel.KERNEL.needs
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    assert "it needs AVX512-BF16" in needs()
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert needs() == "it needs AVX512-BF16; this CPU's vector capability is AVX2"
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    assert needs() == ""
