@@ -52,9 +52,9 @@ class _Group:
     # is installed: for the full layers (key None) and, for decode rows (q 1), each window in
     # `windowed`, the slots [B, W] (W a multiple of the kernel's chunks) and per row how many
     # of them it reads [B]
-    rows: tuple[int, int] | None = None  # a decode group's rows when they are one range of
-    # the flat batch [start, end) (they are: the scheduler puts decodes first): sliced, not
-    # indexed
+    rows: tuple[int, int] | None = None  # a decode (or prefill kernel) group's rows when they
+    # are one range of the flat batch [start, end) (decodes are: the scheduler puts them
+    # first): sliced, not indexed
     extend: tuple[torch.Tensor, torch.Tensor] | None = None  # where the CPU prefill kernel
     # takes the group (`extend_kernel`: rows of 2+ tokens, no tree, full attention layers):
     # its slots [B, W] and context lengths [B]
