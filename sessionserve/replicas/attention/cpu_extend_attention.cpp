@@ -45,15 +45,16 @@ namespace {
 constexpr int kBlock = 16;       // context tokens a block: one fp32 vector's lanes
 constexpr int kTileTokens = 16;  // query tokens a work item (times the query heads a KV head)
 constexpr int kRowsAPass = 4;    // query rows whose sums stay in registers over a pass
+constexpr int64_t kPackBlocks = 8;  // blocks a thread packs at a time (128 tokens)
 
 // The layouts `vdpbf16ps` takes, for one (row, KV head)'s context of n tokens, zero past n
 // (whole blocks): keys [blocks][D / 2][kBlock] and values [blocks * kBlock / 2][D], each a
-// uint32 holding two bf16 (the lower one the first: dimension 2p, or token 2j).
+// uint32 holding two bf16 (the lower one the first: dimension 2p, or token 2j). This packs
+// blocks lo..hi - 1 of them (a piece: a long context is packed by several threads).
 template <int D>
 void pack(const uint16_t* k_head, const uint16_t* v_head, int64_t slot_stride,
-          const int64_t* slots, int64_t n, uint32_t* kp, uint32_t* vp) {
-  const int64_t blocks = (n + kBlock - 1) / kBlock;
-  for (int64_t blk = 0; blk < blocks; ++blk) {
+          const int64_t* slots, int64_t n, int64_t lo, int64_t hi, uint32_t* kp, uint32_t* vp) {
+  for (int64_t blk = lo; blk < hi; ++blk) {
     uint32_t* kb = kp + blk * (D / 2) * kBlock;
     for (int t = 0; t < kBlock; ++t) {
       const int64_t j = blk * kBlock + t;
@@ -67,7 +68,7 @@ void pack(const uint16_t* k_head, const uint16_t* v_head, int64_t slot_stride,
     }
   }
   static const uint16_t zeros[D] = {};
-  for (int64_t jp = 0; jp < blocks * kBlock / 2; ++jp) {
+  for (int64_t jp = lo * kBlock / 2; jp < hi * kBlock / 2; ++jp) {
     const int64_t j = 2 * jp;
     const uint16_t* a = j < n ? v_head + slots[j] * slot_stride : zeros;
     const uint16_t* b = j + 1 < n ? v_head + slots[j + 1] * slot_stride : zeros;
@@ -194,13 +195,24 @@ void run(const at::Tensor& query,   // [B * T, H, D] bf16, contiguous
   }
   std::vector<uint32_t> packed(static_cast<size_t>(offset.back()));
   const int threads = std::max(1, at::get_num_threads());
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-  for (int64_t i = 0; i < batch * kv_heads; ++i) {
-    const int64_t b = i / kv_heads, h = i % kv_heads;
+  struct Piece {
+    int64_t row, kv_head, lo, hi;  // blocks lo..hi - 1 of a (row, KV head)'s context
+  };
+  std::vector<Piece> pieces;  // about as many as the threads can share evenly
+  for (int64_t b = 0; b < batch; ++b) {
     const int64_t blocks = (lens[b] + kBlock - 1) / kBlock;
-    uint32_t* kp = packed.data() + offset[i];
-    pack<D>(kpool + h * head_stride, vpool + h * head_stride, slot_stride, sp + b * width,
-            lens[b], kp, kp + blocks * kBlock * D / 2);
+    for (int64_t h = 0; h < kv_heads; ++h)
+      for (int64_t lo = 0; lo < blocks; lo += kPackBlocks)
+        pieces.push_back({b, h, lo, std::min(blocks, lo + kPackBlocks)});
+  }
+  const int64_t n_pieces = static_cast<int64_t>(pieces.size());
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+  for (int64_t i = 0; i < n_pieces; ++i) {
+    const Piece& c = pieces[i];
+    const int64_t blocks = (lens[c.row] + kBlock - 1) / kBlock;
+    uint32_t* kp = packed.data() + offset[c.row * kv_heads + c.kv_head];
+    pack<D>(kpool + c.kv_head * head_stride, vpool + c.kv_head * head_stride, slot_stride,
+            sp + c.row * width, lens[c.row], c.lo, c.hi, kp, kp + blocks * kBlock * D / 2);
   }
 
   std::vector<Item> items;
