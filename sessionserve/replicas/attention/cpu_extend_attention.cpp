@@ -29,13 +29,13 @@
 #include <torch/library.h>
 
 #include <immintrin.h>
-#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #include "cpu_vector_exp.h"
@@ -193,7 +193,8 @@ void run(const at::Tensor& query,   // [B * T, H, D] bf16, contiguous
     for (int64_t h = 0; h < kv_heads; ++h)
       offset[b * kv_heads + h + 1] = offset[b * kv_heads + h] + 2 * blocks * kBlock * D / 2;
   }
-  std::vector<uint32_t> packed(static_cast<size_t>(offset.back()));
+  // not zeroed first: `pack` writes every word of it
+  const std::unique_ptr<uint32_t[]> packed(new uint32_t[static_cast<size_t>(offset.back())]);
   const int threads = std::max(1, at::get_num_threads());
   struct Piece {
     int64_t row, kv_head, lo, hi;  // blocks lo..hi - 1 of a (row, KV head)'s context
@@ -210,7 +211,7 @@ void run(const at::Tensor& query,   // [B * T, H, D] bf16, contiguous
   for (int64_t i = 0; i < n_pieces; ++i) {
     const Piece& c = pieces[i];
     const int64_t blocks = (lens[c.row] + kBlock - 1) / kBlock;
-    uint32_t* kp = packed.data() + offset[c.row * kv_heads + c.kv_head];
+    uint32_t* kp = packed.get() + offset[c.row * kv_heads + c.kv_head];
     pack<D>(kpool + c.kv_head * head_stride, vpool + c.kv_head * head_stride, slot_stride,
             sp + c.row * width, lens[c.row], c.lo, c.hi, kp, kp + blocks * kBlock * D / 2);
   }
@@ -230,7 +231,7 @@ void run(const at::Tensor& query,   // [B * T, H, D] bf16, contiguous
   for (int64_t i = 0; i < n_items; ++i) {
     const Item& it = items[i];
     const int64_t blocks = (lens[it.row] + kBlock - 1) / kBlock;
-    const uint32_t* kp = packed.data() + offset[it.row * kv_heads + it.kv_head];
+    const uint32_t* kp = packed.get() + offset[it.row * kv_heads + it.kv_head];
     const uint32_t* vp = kp + blocks * kBlock * D / 2;
     const int64_t rows = it.n * group;  // token-major: row j is token j / group, head j % group
     for (int64_t j0 = 0; j0 < rows; j0 += kRowsAPass) {
