@@ -186,12 +186,14 @@ void run(const at::Tensor& query,   // [B * T, H, D] bf16, contiguous
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
   const int64_t* sp = slots.data_ptr<int64_t>();
 
-  // each (row, KV head)'s packed context: keys then values, whole blocks
+  // each (row, KV head)'s packed context: keys, then values from `keys_words[row]` on
+  std::vector<int64_t> blocks(batch), keys_words(batch);  // per row: whole blocks, their keys
   std::vector<int64_t> offset(batch * kv_heads + 1, 0);
   for (int64_t b = 0; b < batch; ++b) {
-    const int64_t blocks = (lens[b] + kBlock - 1) / kBlock;
+    blocks[b] = (lens[b] + kBlock - 1) / kBlock;
+    keys_words[b] = blocks[b] * kBlock * D / 2;
     for (int64_t h = 0; h < kv_heads; ++h)
-      offset[b * kv_heads + h + 1] = offset[b * kv_heads + h] + 2 * blocks * kBlock * D / 2;
+      offset[b * kv_heads + h + 1] = offset[b * kv_heads + h] + 2 * keys_words[b];
   }
   // not zeroed first: `pack` writes every word of it
   const std::unique_ptr<uint32_t[]> packed(new uint32_t[static_cast<size_t>(offset.back())]);
@@ -200,20 +202,17 @@ void run(const at::Tensor& query,   // [B * T, H, D] bf16, contiguous
     int64_t row, kv_head, lo, hi;  // blocks lo..hi - 1 of a (row, KV head)'s context
   };
   std::vector<Piece> pieces;  // about as many as the threads can share evenly
-  for (int64_t b = 0; b < batch; ++b) {
-    const int64_t blocks = (lens[b] + kBlock - 1) / kBlock;
+  for (int64_t b = 0; b < batch; ++b)
     for (int64_t h = 0; h < kv_heads; ++h)
-      for (int64_t lo = 0; lo < blocks; lo += kPackBlocks)
-        pieces.push_back({b, h, lo, std::min(blocks, lo + kPackBlocks)});
-  }
+      for (int64_t lo = 0; lo < blocks[b]; lo += kPackBlocks)
+        pieces.push_back({b, h, lo, std::min(blocks[b], lo + kPackBlocks)});
   const int64_t n_pieces = static_cast<int64_t>(pieces.size());
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
   for (int64_t i = 0; i < n_pieces; ++i) {
     const Piece& c = pieces[i];
-    const int64_t blocks = (lens[c.row] + kBlock - 1) / kBlock;
     uint32_t* kp = packed.get() + offset[c.row * kv_heads + c.kv_head];
     pack<D>(kpool + c.kv_head * head_stride, vpool + c.kv_head * head_stride, slot_stride,
-            sp + c.row * width, lens[c.row], c.lo, c.hi, kp, kp + blocks * kBlock * D / 2);
+            sp + c.row * width, lens[c.row], c.lo, c.hi, kp, kp + keys_words[c.row]);
   }
 
   std::vector<Item> items;
@@ -230,9 +229,8 @@ void run(const at::Tensor& query,   // [B * T, H, D] bf16, contiguous
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
   for (int64_t i = 0; i < n_items; ++i) {
     const Item& it = items[i];
-    const int64_t blocks = (lens[it.row] + kBlock - 1) / kBlock;
     const uint32_t* kp = packed.get() + offset[it.row * kv_heads + it.kv_head];
-    const uint32_t* vp = kp + blocks * kBlock * D / 2;
+    const uint32_t* vp = kp + keys_words[it.row];
     const int64_t rows = it.n * group;  // token-major: row j is token j / group, head j % group
     for (int64_t j0 = 0; j0 < rows; j0 += kRowsAPass) {
       const int n = static_cast<int>(std::min<int64_t>(kRowsAPass, rows - j0));

@@ -9,7 +9,7 @@ stop 104). The kernel reads the pool in place and computes the scores and the we
 with AVX512-BF16's dot products, as torch's kernel does in bf16 (fp32 sums, the softmax's
 weights rounded to bf16). It needs a bf16 model and pool, a CPU with AVX512-BF16 and a C++
 compiler; where one is missing, `load()` says why once and the backend keeps torch's
-attention, as it does on a CPU with AMX unless told otherwise (`on_amx_by_default`).
+attention, as it does on a CPU with AMX unless told otherwise (`wanted_on_amx`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from sessionserve.replicas.native_kernel import NativeKernel, needs_avx512
 SOURCE = Path(__file__).with_name("cpu_extend_attention.cpp")
 HEAD_DIMS = (16, 32, 64, 80, 96, 128)  # what the kernel is instantiated for
 DISABLE_ENV = "SESSIONSERVE_CPU_EXTEND_KERNEL"  # "0": keep torch's attention for prefills;
-# "1": use the kernel on a CPU with AMX too (`on_amx_by_default`)
+# "1": use the kernel on a CPU with AMX too (`wanted_on_amx`)
 log = logging.getLogger(__name__)
 _said_amx = False
 
@@ -54,9 +54,9 @@ def supports(head_dim: int, heads: int, kv_heads: int, dtype: torch.dtype) -> bo
     return head_dim in HEAD_DIMS and heads % kv_heads == 0 and dtype == torch.bfloat16
 
 
-def on_amx_by_default() -> bool:
-    """Whether the backend takes the kernel on a CPU with AMX. Not unless told to
-    (`SESSIONSERVE_CPU_EXTEND_KERNEL=1`): there torch's flash attention computes its bf16
+def wanted_on_amx() -> bool:
+    """Whether the backend is told (`SESSIONSERVE_CPU_EXTEND_KERNEL=1`) to take the kernel on
+    a CPU with AMX; it does not otherwise: there torch's flash attention computes its bf16
     blocks on AMX tiles, and the kernel (AVX512-BF16 dot products) was measured only against
     torch's kernel on a CPU without them (docs/benchmarks.md, stop 104)."""
     return os.environ.get(DISABLE_ENV) == "1"
@@ -65,11 +65,11 @@ def on_amx_by_default() -> bool:
 def usable(head_dim: int, heads: int, kv_heads: int, dtype: torch.dtype) -> bool:
     """Whether the torch backend takes the kernel for a model with this attention layout and
     dtype here: `supports` it, the kernel built and loaded, and not on an AMX CPU unless
-    told (`on_amx_by_default`; said once in the log)."""
+    told (`wanted_on_amx`; said once in the log)."""
     global _said_amx
     if not supports(head_dim, heads, kv_heads, dtype):
         return False
-    if torch.backends.cpu.get_cpu_capability() == "AMX" and not on_amx_by_default():
+    if torch.backends.cpu.get_cpu_capability() == "AMX" and not wanted_on_amx():
         if not _said_amx:
             _said_amx = True
             log.info(

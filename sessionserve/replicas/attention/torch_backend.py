@@ -147,12 +147,11 @@ class TorchPagedBackend(AttentionBackend):
             and all(s.tree_mask is None for s in seqs)
         ):
             group.decode[None] = _kernel_slots(ctx_slots, lens, kernel.chunks, device)
-            if starts == list(range(starts[0], starts[0] + q * len(starts), q)):
-                group.rows = (starts[0], starts[0] + q * len(starts))
-        if extends and not group.decode:  # a decode kernel keeps the rows it takes
+        elif extends:  # rows a decode kernel takes stay with it
             group.extend = (group.ctx_slots, to_device(lens, device))
-            if starts == list(range(starts[0], starts[0] + q * len(starts), q)):
-                group.rows = (starts[0], starts[0] + q * len(starts))
+        consecutive = starts == list(range(starts[0], starts[0] + q * len(starts), q))
+        if (group.decode or group.extend is not None) and consecutive:
+            group.rows = (starts[0], starts[0] + q * len(starts))
         for w in windows:
             cols = window_columns(seqs, q, w)
             narrow = pad_sequence(cols, batch_first=True)
