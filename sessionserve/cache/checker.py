@@ -186,18 +186,27 @@ class MemoryChecker:
         tier = self.cache.host_tier
         if tier is None:
             return 0, 0
-        total = 0
-        for sid, snap in tier.entries.items():
+        total, seen = 0, list(tier.free_pages)
+        for sid, parked in tier.entries.items():
             slot = self.cache.session_slots.get(sid)
             if slot is None:
                 problems.append(f"host tier keeps KV of session {sid!r}, which is not open")
             elif slot.holds_kv:
                 problems.append(f"session {sid!r} is resident and parked in the host tier")
-            if any(t.shape[2] != len(snap.tokens) for t in snap.kv) or any(
-                t.shape[2] != len(snap.tokens) - snap.sliding_from for t in snap.sliding_kv
+            if len(parked.pages) != -(-len(parked.tokens) // tier.page_size) or any(
+                t.shape[2] != len(parked.tokens) - parked.sliding_from for t in parked.sliding_kv
             ):
                 problems.append(f"host tier: session {sid!r}'s KV length != its tokens")
-            total += snap.nbytes
+            nbytes = len(parked.pages) * tier.page_bytes
+            if parked.nbytes != nbytes + sum(t.nbytes for t in parked.sliding_kv):
+                problems.append(f"host tier: session {sid!r} counts {parked.nbytes} bytes")
+            seen += parked.pages
+            total += parked.nbytes
+        if sorted(seen) != list(range(tier.num_pages)):
+            problems.append(
+                f"host tier: {len(seen)} pages free or held, {len(set(seen))} of them distinct, "
+                f"of {tier.num_pages} (a page lost or given twice)"
+            )
         if total != tier.bytes_in_use:
             problems.append(f"host tier: counts {tier.bytes_in_use} bytes, holds {total}")
         if tier.bytes_in_use > tier.budget_bytes:

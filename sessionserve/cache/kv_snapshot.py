@@ -58,16 +58,6 @@ class KVSnapshot:
         self.sliding_kv = [_from_raw(r, dtype, shape) for r, dtype, shape in state["sliding_kv"]]
         self.sliding_from = state["sliding_from"]
 
-    def prefix(self, n: int) -> KVSnapshot:
-        """The first `n` positions, copied (a view would keep the whole buffer alive)."""
-        start = min(self.sliding_from, n)
-        return KVSnapshot(
-            self.tokens[:n],
-            [t[:, :, :n].clone() for t in self.kv],
-            [t[:, :, : n - start].clone() for t in self.sliding_kv],
-            start,
-        )
-
 
 def _raw(t: torch.Tensor) -> np.ndarray:
     return t.contiguous().view(-1).view(torch.uint8).numpy()  # any dtype, bf16 included
@@ -93,26 +83,49 @@ def gather(
     host (export does)."""
     if slots.numel() != len(tokens):
         raise ValueError(f"{slots.numel()} slots for {len(tokens)} tokens")
-    kv = [_copy_out(pool.k, pool.v, slots, page_size) for pool in pools]
-    if sliding is None or not any(pool.has_sliding for pool in pools):
-        return KVSnapshot(list(tokens), kv)
-    start = len(tokens) - min(sliding.resident_suffix(slots), sliding.keep)
-    where = sliding.lookup(slots[start:])
-    window = [_copy_out(pool.sliding_k, pool.sliding_v, where, 1) for pool in pools]
+    kv = [to_host(copy_out(pool.k, pool.v, slots, page_size)) for pool in pools]
+    start, window = gather_window(pools, slots, sliding)
     return KVSnapshot(list(tokens), kv, window, start)
 
 
-def _copy_out(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, page_size: int):
+def gather_window(
+    pools: Sequence[KVPool], slots: torch.Tensor, sliding: SlidingSlots | None
+) -> tuple[int, list[torch.Tensor]]:
+    """The sliding layers' KV of the window positions `[0, len(slots))` end with, in host
+    memory, and the first position it holds: (0, []) without sliding layers kept apart."""
+    if sliding is None or not any(pool.has_sliding for pool in pools):
+        return 0, []
+    start = slots.numel() - min(sliding.resident_suffix(slots), sliding.keep)
+    where = sliding.lookup(slots[start:])
+    return start, [to_host(copy_out(p.sliding_k, p.sliding_v, where, 1)) for p in pools]
+
+
+def copy_out(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slots: torch.Tensor,
+    page_size: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`[2, layers, len(slots), heads, dim]`: K and V at `slots`, on the pool's device (in
+    `out`, contiguous, when given)."""
     idx = slots.to(k.device)
     layers, _, heads, dim = k.shape
-    both = torch.empty((2, layers, idx.numel(), heads, dim), dtype=k.dtype, device=idx.device)
+    both = out
+    if both is None:
+        both = torch.empty((2, layers, idx.numel(), heads, dim), dtype=k.dtype, device=k.device)
     _read(k, idx, page_size, both[0])
     _read(v, idx, page_size, both[1])
-    if both.device.type == "cuda":
-        host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
-        host.copy_(both, non_blocking=True)
-        both = host
     return both
+
+
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """`t` in host memory: on CUDA copied into pinned memory without blocking the host."""
+    if t.device.type != "cuda":
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
 
 
 def scatter(
@@ -134,20 +147,34 @@ def scatter(
     for pool in pools:
         pool.fence()
     for pool, t in zip(pools, snap.kv, strict=True):
-        _copy_in(pool.k, pool.v, t[:, :, start:end], slots, page_size)
-    if window is None or not snap.sliding_kv:
+        copy_in(pool.k, pool.v, t[:, :, start:end], slots, page_size)
+    scatter_window(pools, snap.sliding_kv, snap.sliding_from, end, window)
+
+
+def scatter_window(
+    pools: Sequence[KVPool],
+    sliding_kv: Sequence[torch.Tensor],
+    sliding_from: int,
+    end: int,
+    window: tuple[int, torch.Tensor] | None,
+) -> None:
+    """Write the sliding layers' KV of positions `[window[0], end)` (held from `sliding_from`
+    on, one tensor per pool) into the sliding slots `window[1]`; nothing when `window` is None
+    or no sliding KV is held."""
+    if window is None or not sliding_kv:
         return
     first, where = window
-    if first < snap.sliding_from or where.numel() != end - first:
-        raise ValueError(f"the snapshot holds sliding KV from {snap.sliding_from}, not {first}")
-    lo, hi = first - snap.sliding_from, end - snap.sliding_from
-    for pool, t in zip(pools, snap.sliding_kv, strict=True):
-        _copy_in(pool.sliding_k, pool.sliding_v, t[:, :, lo:hi], where, 1)
+    if first < sliding_from or where.numel() != end - first:
+        raise ValueError(f"the snapshot holds sliding KV from {sliding_from}, not {first}")
+    lo, hi = first - sliding_from, end - sliding_from
+    for pool, t in zip(pools, sliding_kv, strict=True):
+        copy_in(pool.sliding_k, pool.sliding_v, t[:, :, lo:hi], where, 1)
 
 
-def _copy_in(
+def copy_in(
     k: torch.Tensor, v: torch.Tensor, part: torch.Tensor, slots: torch.Tensor, page_size: int
 ) -> None:
+    """`k[:, slots], v[:, slots] = part[0], part[1]` (`part`: `[2, layers, len(slots), ...]`)."""
     part = part.to(k.device, non_blocking=True)
     idx = slots.to(k.device)
     _write(k, idx, part[0], page_size)

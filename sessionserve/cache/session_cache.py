@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from sessionserve.cache.allocator import ceil_align, floor_align
-from sessionserve.cache.host_tier import HostTier
+from sessionserve.cache.host_tier import HostTier, ParkedKV
 from sessionserve.cache.kv_pool import KVPool
 from sessionserve.cache.kv_snapshot import KVSnapshot, check_compatible, gather, scatter
 from sessionserve.cache.request_cache import RequestCache
@@ -74,7 +74,10 @@ class SessionCache(RequestCache):
 
     def attach_kv(self, pools: Sequence[KVPool], host_tier: HostTier | None = None) -> None:
         """The KV tensors behind the slots (needed to park, restore and migrate sessions) and
-        the host tier parked sessions go to (None: eviction drops the KV, as without)."""
+        the host tier parked sessions go to (None: eviction drops the KV, as without), made
+        for the same pools."""
+        if host_tier is not None and host_tier.pools != list(pools):
+            raise ValueError("the host tier was made for other KV pools")
         self.kv_pools, self.host_tier = list(pools), host_tier
 
     # ---- session lifecycle ----
@@ -190,7 +193,7 @@ class SessionCache(RequestCache):
             raise SessionBusyError(session_id, slot.turn_rid)
         if slot.holds_kv and slot.committed_len:
             return list(slot.history), self._snapshot(slot)
-        parked = self.host_tier.get(session_id) if self.host_tier is not None else None
+        parked = self.host_tier.export(session_id) if self.host_tier is not None else None
         return list(slot.history), parked
 
     def adopt(self, session_id: str, history: Sequence[int], snap: KVSnapshot | None) -> str:
@@ -210,7 +213,7 @@ class SessionCache(RequestCache):
             self._restore(slot, snap, upto)
             return "pool"
         except KVCacheFullError:  # parked as a copy of our own (not the sender's buffers)
-            if self.host_tier is not None and self.host_tier.put(session_id, snap.prefix(upto)):
+            if self.host_tier is not None and self.host_tier.store(session_id, snap, upto):
                 return "host"
             return "none"
 
@@ -350,13 +353,15 @@ class SessionCache(RequestCache):
         """Copy an idle slot's committed KV into the host tier (before it is freed)."""
         if self.host_tier is None or slot.committed_len == 0:
             return False
-        return self.host_tier.put(slot.session_id, self._snapshot(slot))
+        slots = self.rows.read(slot.row, 0, slot.committed_len)
+        sliding = self.allocator.sliding
+        return self.host_tier.park(slot.session_id, slots, slot.kv_tokens, self.page_size, sliding)
 
     def _snapshot(self, slot: SessionSlot) -> KVSnapshot:
         slots = self.rows.read(slot.row, 0, slot.committed_len)
         return gather(self.kv_pools, slots, slot.kv_tokens, self.page_size, self.allocator.sliding)
 
-    def _usable_len(self, snap: KVSnapshot, upto: int) -> int:
+    def _usable_len(self, snap: KVSnapshot | ParkedKV, upto: int) -> int:
         """How much of `snap[:upto]` a session can go on from: all of it, or nothing when the
         sliding layers' window at `upto` is not in the snapshot."""
         sliding = self.allocator.sliding
@@ -369,41 +374,39 @@ class SessionCache(RequestCache):
         turn re-prefills) when nothing is parked or shared. No room in the pool raises
         KVCacheFullError with the copy back in the tier: the turn waits for room, as any
         admission does, rather than recompute what is parked."""
-        snap = self.host_tier.get(slot.session_id) if self.host_tier is not None else None
-        if snap is None:
+        tier = self.host_tier
+        parked = tier.get(slot.session_id) if tier is not None else None
+        if parked is None:
             return False
-        upto = common_prefix_len(snap.tokens, key)
-        if mode == "append" and upto < min(len(snap), len(key)):
+        upto = common_prefix_len(parked.tokens, key)
+        if mode == "append" and upto < min(len(parked), len(key)):
             raise AppendOnlyViolationError(
                 f"session {slot.session_id!r}: append-mode input diverges from the parked KV "
-                f"at token {upto} (holds {len(snap)})"
+                f"at token {upto} (holds {len(parked)})"
             )
-        self.host_tier.take(slot.session_id)  # out of the tier: what follows may spill others
-        upto = self._usable_len(snap, upto)
+        tier.take(slot.session_id)  # out of the tier, pages kept: the restore may spill others
+        upto = self._usable_len(parked, upto)
         if upto == 0:
+            tier.release(parked)
             return False
         started = time.perf_counter()
         try:
-            self._restore(slot, snap, upto)
+            self._restore(slot, parked, upto)
         except KVCacheFullError:
-            self.host_tier.put(slot.session_id, snap)
+            tier.put_back(slot.session_id, parked)
             raise
-        self.host_tier.note_restore(time.perf_counter() - started)
+        tier.release(parked)
+        tier.note_restore(time.perf_counter() - started)
         return True
 
     def _rollback_parked(self, slot: SessionSlot) -> None:
         """A retracted turn's KV may have been parked with the session's: cut it back to
         the checkpoint, as `_rollback` does for resident KV."""
-        snap = self.host_tier.get(slot.session_id) if self.host_tier is not None else None
-        if snap is None:
-            return
-        keep = common_prefix_len(snap.tokens, slot.history)
-        if keep < len(snap):
-            self.host_tier.take(slot.session_id)
-            if keep:
-                self.host_tier.put(slot.session_id, snap.prefix(keep))
+        parked = self.host_tier.get(slot.session_id) if self.host_tier is not None else None
+        if parked is not None:
+            self.host_tier.truncate(slot.session_id, common_prefix_len(parked.tokens, slot.history))
 
-    def _restore(self, slot: SessionSlot, snap: KVSnapshot, upto: int) -> None:
+    def _restore(self, slot: SessionSlot, snap: KVSnapshot | ParkedKV, upto: int) -> None:
         """Make `snap[:upto]` the slot's resident KV: the prefix the radix tree still holds
         is shared (locked, as a first turn's prompt), the rest gets new slots and is copied
         in; with sliding layers kept apart, nothing is shared and the window gets sliding
@@ -428,7 +431,10 @@ class SessionCache(RequestCache):
         if sliding is not None:
             sliding.alloc(slots[window_from:])
             window = (window_from, sliding.lookup(slots[window_from:]))
-        scatter(self.kv_pools, snap, m.length, upto, slots, self.page_size, window)
+        if isinstance(snap, ParkedKV):
+            self.host_tier.restore(snap, m.length, upto, slots, self.page_size, window)
+        else:
+            scatter(self.kv_pools, snap, m.length, upto, slots, self.page_size, window)
         slot.row, slot.lock_node, slot.protected_len = row, m.node, m.length
         slot.committed_len = slot.allocated_len = upto
         slot.sliding_from = window_from

@@ -130,7 +130,8 @@ def build_runner(
         speculative.widest_step = runner.widest_compiled_step
     pools = [runner.kv_pool] + ([eagle.pool] if eagle else [])
     s = cfg.sessions
-    cache.attach_kv(pools, HostTier(s.host_tier_bytes) if s.host_tier_bytes else None)
+    tier = HostTier(s.host_tier_bytes, pools) if s.host_tier_bytes else None
+    cache.attach_kv(pools, tier)
     return runner, speculative
 
 

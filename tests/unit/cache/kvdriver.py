@@ -47,7 +47,7 @@ class FakeKV:
             self.sliding_content = self.pool.sliding_k[0, :, 0, 0]
         self.pool.k.fill_(-1)
         self.content = self.pool.k[0, :, 0, 0]  # a view: writes land in the pool
-        tier = HostTier(host_tier_bytes) if host_tier_bytes else None
+        tier = HostTier(host_tier_bytes, [self.pool]) if host_tier_bytes else None
         cache.attach_kv([self.pool], tier)
 
     def compute(self, req: RequestKV, tokens: list[int], start: int, end: int) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sessionserve.cache import KVPool, KVShape, floor_align
+from sessionserve.cache import KVPool, KVShape, ceil_align, floor_align
 from sessionserve.cache.host_tier import HostTier
 from sessionserve.cache.kv_snapshot import KVSnapshot
 from sessionserve.errors import (
@@ -47,7 +47,10 @@ def test_parked_session_restores_from_host_not_prefill(make_rig, page: int) -> N
     history = _session_turn(r, "s", "t1", _prompt(300))
     assert r.cache.park("s")
     t = r.check.check_idle()
-    assert t.host_sessions == 1 and t.host_bytes == TOKEN_BYTES * (len(history) - 1)
+    # whole pages of the tier: the last one partly used
+    assert t.host_sessions == 1 and t.host_bytes == TOKEN_BYTES * ceil_align(
+        len(history) - 1, r.cache.host_tier.page_size
+    )
     assert not r.cache.session("s").holds_kv
     _wipe_free_slots(r)  # what was freed is gone: only the host copy has it
     nxt = r.turn("s", "t2", history + _prompt(4, base=9))
@@ -101,7 +104,7 @@ def test_host_tier_lru_falls_back_to_reprefill(make_rig) -> None:
 
 
 def test_a_copy_bigger_than_the_budget_is_not_kept(make_rig) -> None:
-    r = make_rig(page=4, host_tier_bytes=TOKEN_BYTES * 10)
+    r = make_rig(page=4, host_tier_bytes=TOKEN_BYTES * 32)  # 2 pages of 16 tokens
     r.cache.open_session("s")
     _session_turn(r, "s", "t1", _prompt(40))
     assert not r.cache.park("s")
@@ -175,7 +178,9 @@ def test_a_parked_session_exports_its_host_copy(make_rig) -> None:
     hist = _session_turn(src, "s", "t1", _prompt(50))
     src.cache.park("s")
     _, snap = src.cache.export_session("s")
-    assert snap is src.cache.host_tier.get("s")
+    parked = src.cache.host_tier.get("s")
+    assert snap.tokens == parked.tokens and snap.kv[0].shape[2] == len(parked)
+    assert snap.kv[0].data_ptr() != src.cache.host_tier.arenas[0].data_ptr()  # its own copy
     dst.cache.open_session("s")
     assert dst.cache.adopt("s", hist, snap) == "pool"
     t = dst.turn("s", "t2", hist + [6])
@@ -211,14 +216,71 @@ def test_adopt_refuses_a_snapshot_of_another_model(make_rig) -> None:
 
 
 def test_host_tier_budget_is_validated_and_counted() -> None:
-    with pytest.raises(InvalidConfigError):
-        HostTier(0)
-    tier = HostTier(100)
-    pool = KVPool(KVShape(1, 1, 1), 8, dtype=torch.int64)
-    snap = KVSnapshot([1, 2], [torch.stack((pool.k[:, :2], pool.v[:, :2]))])
-    assert tier.put("a", snap) and tier.bytes_in_use == snap.nbytes == 32
-    assert tier.put("a", snap) and tier.bytes_in_use == 32  # replaced, not added
-    assert tier.take("a") is snap and tier.bytes_in_use == 0 and not tier.drop("a")
+    pool = KVPool(KVShape(1, 1, 1), 16, dtype=torch.int64)
+    with pytest.raises(InvalidConfigError, match="must be >= 1"):
+        HostTier(0, [pool], 2)
+    with pytest.raises(InvalidConfigError, match="holds no page of 4 tokens"):
+        HostTier(TOKEN_BYTES * 3, [pool], 4)
+    tier = HostTier(TOKEN_BYTES * 6, [pool], 2)  # 3 pages of 2 tokens
+    assert tier.num_pages == 3 and tier.page_bytes == 2 * TOKEN_BYTES
+    pool.k[0, :, 0, 0] = torch.arange(16)
+    pool.v[0, :, 0, 0] = -torch.arange(16)
+    assert tier.park("a", torch.tensor([5, 9, 2]), [1, 2, 3], 1)
+    assert tier.bytes_in_use == tier.get("a").nbytes == 2 * tier.page_bytes
+    assert tier.park("a", torch.tensor([5, 9]), [1, 2], 1)  # replaced, not added
+    assert tier.bytes_in_use == tier.page_bytes and len(tier.free_pages) == 2
+    assert tier.park("b", torch.tensor([7, 8, 3, 4]), [3, 4, 5, 6], 1)
+    assert tier.park("c", torch.tensor([1, 0]), [7, 8], 1)  # the least recent goes: "a"
+    assert "a" not in tier and tier.evicted_total == 1 and tier.free_pages == []
+    assert not tier.park("d", torch.arange(8), list(range(8)), 1)  # bigger than the tier
+    assert "b" in tier and "c" in tier and tier.evicted_total == 2  # nothing evicted for it
+    snap = tier.export("b")
+    assert snap.kv[0][0, 0, :, 0, 0].tolist() == [7, 8, 3, 4]
+    assert snap.kv[0][1, 0, :, 0, 0].tolist() == [-7, -8, -3, -4]
+    into = torch.tensor([11, 12, 13])
+    tier.restore(tier.get("b"), 1, 4, into, 1)  # positions 1-3 only
+    assert pool.k[0, 11:14, 0, 0].tolist() == [8, 3, 4]
+    tier.truncate("b", 1)
+    assert tier.get("b").tokens == [3] and tier.bytes_in_use == 2 * tier.page_bytes
+    taken = tier.take("c")
+    assert "c" not in tier and len(tier.free_pages) == 1  # its pages kept while it is out
+    assert tier.park("e", torch.tensor([6]), [1], 1)
+    tier.put_back("c", taken)
+    assert list(tier.entries) == ["b", "e", "c"] and tier.free_pages == []
+    assert tier.drop("c") and tier.drop("e") and tier.drop("b") and not tier.drop("e")
+    assert tier.bytes_in_use == 0 and sorted(tier.free_pages) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_host_pages_keep_every_position_through_fragmented_pages(dtype: torch.dtype) -> None:
+    """Copies whose pages are not consecutive (the free list after evictions), ragged last
+    pages, and restores of any range: each position comes back as it went in."""
+    shape = KVShape(3, 2, 4)
+    pool = KVPool(shape, 128, dtype=dtype)  # copies from slots 0-63, restores into 64-127
+    pool.k.copy_(torch.randn(pool.k.shape).to(dtype))
+    pool.v.copy_(torch.randn(pool.v.shape).to(dtype))
+    tier = HostTier(16 * shape.bytes_per_token(dtype), [pool], 4)  # 4 pages of 4 tokens
+    gen = torch.Generator().manual_seed(0)
+    held: dict[str, torch.Tensor] = {}
+    for i, n in enumerate([3, 5, 2, 7, 9, 1, 4]):
+        slots = torch.randperm(64, generator=gen)[:n]
+        assert tier.park(f"s{i}", slots, list(range(n)), 1)
+        held[f"s{i}"] = slots
+        for sid in list(held):
+            if sid not in tier:
+                del held[sid]
+        for sid, slots in held.items():
+            snap = tier.export(sid)
+            assert torch.equal(snap.kv[0][0], pool.k[:, slots])
+            assert torch.equal(snap.kv[0][1], pool.v[:, slots])
+    sid, slots = next(iter(held.items()))
+    n = slots.numel()
+    for start in range(n):
+        into = torch.arange(64, 64 + n - start)
+        pool.k[:, 64:] = 0
+        tier.restore(tier.get(sid), start, n, into, 1)
+        assert torch.equal(pool.k[:, into], pool.k[:, slots[start:]])
+        assert torch.equal(pool.v[:, into], pool.v[:, slots[start:]])
 
 
 def test_an_aborted_turn_parked_by_pressure_leaves_only_the_checkpoint(make_rig) -> None:
@@ -277,3 +339,30 @@ def test_a_snapshot_pickles_as_raw_buffers_and_back(dtype: torch.dtype) -> None:
     assert back.tokens == snap.tokens and back.nbytes == snap.nbytes
     for a, b in zip(back.kv, snap.kv, strict=True):
         assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_a_tier_serves_only_the_pools_it_was_made_for(make_rig) -> None:
+    r = make_rig(page=4)
+    other = KVPool(KVShape(1, 1, 1), 64, dtype=torch.int64)
+    with pytest.raises(ValueError, match="other KV pools"):
+        r.cache.attach_kv(r.cache.kv_pools, HostTier(1 << 12, [other]))
+
+
+@pytest.mark.gpu
+def test_pinned_pages_park_and_restore_a_cuda_pool() -> None:
+    """On CUDA the pages are pinned host memory and the copies asynchronous: what goes in
+    comes back, restored into the pool and exported to the host."""
+    shape = KVShape(4, 2, 8)
+    pool = KVPool(shape, 256, dtype=torch.bfloat16, device="cuda")
+    pool.k.copy_(torch.randn(pool.k.shape, device="cuda").to(torch.bfloat16))
+    pool.v.copy_(torch.randn(pool.v.shape, device="cuda").to(torch.bfloat16))
+    tier = HostTier(64 * shape.bytes_per_token(torch.bfloat16), [pool])
+    assert all(arena.is_pinned() for arena in tier.arenas)
+    slots = torch.cat((torch.arange(16, 48), torch.tensor([70, 3, 99])))  # pages, then ragged
+    assert tier.park("s", slots, list(range(35)), 16)
+    snap = tier.export("s")
+    assert torch.equal(snap.kv[0][0], pool.k[:, slots].cpu())
+    into = torch.arange(128, 128 + 30)
+    tier.restore(tier.get("s"), 5, 35, into, 16)
+    assert torch.equal(pool.k[:, into], pool.k[:, slots[5:].cuda()])
+    assert torch.equal(pool.v[:, into], pool.v[:, slots[5:].cuda()])
