@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict, deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -36,6 +36,7 @@ from sessionserve.cache.kv_snapshot import (
     copy_out,
     gather_window,
     scatter_window,
+    whole_pages,
 )
 from sessionserve.cache.sliding import SlidingSlots
 from sessionserve.errors import InvalidConfigError
@@ -145,25 +146,35 @@ class HostTier:
         if slots.numel() != len(tokens):
             raise ValueError(f"{slots.numel()} slots for {len(tokens)} tokens")
         start, window = gather_window(self.pools, slots, sliding)
-        parts = [
-            copy_out(pool.k, pool.v, slots, pool_page_size, self._staging(i, len(tokens), pool))
-            for i, pool in enumerate(self.pools)
-        ]
-        return self._keep(session_id, list(tokens), parts, window, start)
+        pool_pages, n = self._same_pages(slots, pool_page_size), len(tokens)
+
+        def write(pages: list[int]) -> None:
+            for i, (pool, arena) in enumerate(zip(self.pools, self.arenas, strict=True)):
+                if pool_pages is not None:  # page to page, no copy between
+                    _copy_pages(pool, pool_pages, arena, pages, len(tokens), to_pool=False)
+                    continue
+                kv = copy_out(pool.k, pool.v, slots, pool_page_size, self._staging(i, n, pool))
+                _write_pages(arena, pages, kv)
+
+        return self._keep(session_id, list(tokens), write, window, start)
 
     def store(self, session_id: str, snap: KVSnapshot, upto: int) -> bool:
         """Keep positions `[0, upto)` of a snapshot (a migrated session the pool had no room
         for); as `park`."""
         start = min(snap.sliding_from, upto)
         window = [t[:, :, : upto - start].clone() for t in snap.sliding_kv]
-        parts = [t[:, :, :upto] for t in snap.kv]
-        return self._keep(session_id, snap.tokens[:upto], parts, window, start)
+
+        def write(pages: list[int]) -> None:
+            for arena, kv in zip(self.arenas, snap.kv, strict=True):
+                _write_pages(arena, pages, kv[:, :, :upto])
+
+        return self._keep(session_id, snap.tokens[:upto], write, window, start)
 
     def _keep(
         self,
         session_id: str,
         tokens: list[int],
-        parts: list[torch.Tensor],
+        write: Callable[[list[int]], None],
         window: list[torch.Tensor],
         sliding_from: int,
     ) -> bool:
@@ -174,8 +185,11 @@ class HostTier:
             self.evicted_total += 1
             return False
         pages = [self.free_pages.pop() for _ in range(npages)]
-        for arena, kv in zip(self.arenas, parts, strict=True):
-            _write_pages(arena, pages, kv)
+        try:
+            write(pages)
+        except BaseException:
+            self.free_pages.extend(reversed(pages))
+            raise
         self.entries[session_id] = ParkedKV(tokens, pages, window, sliding_from, nbytes)
         self.bytes_in_use += nbytes
         self.parked_total += 1
@@ -263,11 +277,26 @@ class HostTier:
             raise ValueError(f"{slots.numel()} slots for positions [{start}, {end})")
         for pool in self.pools:
             pool.fence()
+        ps = self.page_size
+        pool_pages = self._same_pages(slots, pool_page_size) if start % ps == 0 else None
         for i, (pool, arena) in enumerate(zip(self.pools, self.arenas, strict=True)):
+            if pool_pages is not None:  # page to page, no copy between
+                pages = parked.pages[start // ps :]
+                _copy_pages(pool, pool_pages, arena, pages, end - start, to_pool=True)
+                continue
             out = self._staging(i, end - start, pool)
             part = _read_pages(arena, parked.pages, start, end, pool.k.device, out)
             copy_in(pool.k, pool.v, part, slots, pool_page_size)
         scatter_window(self.pools, parked.sliding_kv, parked.sliding_from, end, window)
+
+    def _same_pages(self, slots: torch.Tensor, pool_page_size: int) -> list[int] | None:
+        """The pool pages holding `slots` when they can be copied page to page with the
+        tier's: host pools, pages of the tier's size, `slots` whole pages in order (but the
+        last); else None."""
+        if pool_page_size != self.page_size or self.pools[0].k.is_cuda:
+            return None
+        pages = whole_pages(slots, pool_page_size)
+        return None if pages is None else pages.tolist()
 
     def _staging(self, i: int, n: int, pool: KVPool) -> torch.Tensor | None:
         """A reused buffer `[2, layers, n, heads, dim]` for pool `i`'s copies on the host (None
@@ -309,6 +338,32 @@ def _arena(pool: KVPool, num_pages: int, page_size: int, pinned: bool) -> torch.
     if not pinned:  # write every page now: its page faults are taken here, not in a turn
         arena.zero_()
     return arena
+
+
+def _copy_pages(
+    pool: KVPool,
+    pool_pages: Sequence[int],
+    arena: torch.Tensor,
+    pages: Sequence[int],
+    n: int,
+    to_pool: bool,
+) -> None:
+    """The first `n` positions between pool pages and tier pages of the same size, page by
+    page (each a strided copy of every layer's rows): into the pool when `to_pool`."""
+    layers, _, heads, dim = pool.k.shape
+    ps = arena.shape[3]
+    k = pool.k.view(layers, -1, ps, heads, dim)
+    v = pool.v.view(layers, -1, ps, heads, dim)
+    for j, (ours, theirs) in enumerate(zip(pool_pages, pages, strict=False)):
+        rows = min(ps, n - j * ps)
+        if rows <= 0:
+            break
+        if to_pool:
+            k[:, ours, :rows] = arena[theirs, 0, :, :rows]
+            v[:, ours, :rows] = arena[theirs, 1, :, :rows]
+        else:
+            arena[theirs, 0, :, :rows] = k[:, ours, :rows]
+            arena[theirs, 1, :, :rows] = v[:, ours, :rows]
 
 
 def _runs(pages: Sequence[int]) -> Iterator[tuple[int, int, int]]:

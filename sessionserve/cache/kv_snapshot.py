@@ -181,7 +181,7 @@ def copy_in(
     _write(v, idx, part[1], page_size)
 
 
-def _whole_pages(slots: torch.Tensor, page_size: int) -> torch.Tensor | None:
+def whole_pages(slots: torch.Tensor, page_size: int) -> torch.Tensor | None:
     """The pages holding `slots` if they are whole pages in order (positions of a row from a
     page boundary always are, but a last partial page), else None: then copies go page by
     page (a few hundred copies) instead of token by token (thousands per layer)."""
@@ -196,7 +196,7 @@ def _whole_pages(slots: torch.Tensor, page_size: int) -> torch.Tensor | None:
 def _read(t: torch.Tensor, slots: torch.Tensor, page_size: int, out: torch.Tensor) -> None:
     """`out[:] = t[:, slots]` for a pool tensor [layers, pool_slots, heads, dim], straight
     into `out` (contiguous [layers, len(slots), heads, dim]): no temporary copy."""
-    pages = _whole_pages(slots, page_size)
+    pages = whole_pages(slots, page_size)
     if pages is None:
         torch.index_select(t, 1, slots, out=out)
         return
@@ -212,7 +212,7 @@ def _read(t: torch.Tensor, slots: torch.Tensor, page_size: int, out: torch.Tenso
 
 def _write(t: torch.Tensor, slots: torch.Tensor, values: torch.Tensor, page_size: int) -> None:
     """`t[:, slots] = values` for a pool tensor [layers, pool_slots, heads, dim]."""
-    pages = _whole_pages(slots, page_size)
+    pages = whole_pages(slots, page_size)
     if pages is None:
         t.index_copy_(1, slots, values)
         return
