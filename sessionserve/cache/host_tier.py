@@ -151,7 +151,7 @@ class HostTier:
         def write(pages: list[int]) -> None:
             for i, (pool, arena) in enumerate(zip(self.pools, self.arenas, strict=True)):
                 if pool_pages is not None:  # page to page, no copy between
-                    _copy_pages(pool, pool_pages, arena, pages, len(tokens), to_pool=False)
+                    _copy_pages(pool, pool_pages, arena, pages, n, to_pool=False)
                     continue
                 kv = copy_out(pool.k, pool.v, slots, pool_page_size, self._staging(i, n, pool))
                 _write_pages(arena, pages, kv)
@@ -197,7 +197,8 @@ class HostTier:
 
     def _make_room(self, npages: int, nbytes: int) -> bool:
         """Evict the least recently parked until `npages` pages and `nbytes` of the budget
-        are free; False (nothing evicted) if that is more than the tier holds."""
+        are free; False if that is more than the tier holds (nothing evicted), or more than
+        it can free while a copy being restored keeps its pages."""
         if npages > self.num_pages or nbytes > self.budget_bytes:
             return False
         while len(self.free_pages) < npages or self.bytes_in_use + nbytes > self.budget_bytes:

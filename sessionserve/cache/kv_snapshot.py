@@ -108,7 +108,7 @@ def copy_out(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`[2, layers, len(slots), heads, dim]`: K and V at `slots`, on the pool's device (in
-    `out`, contiguous, when given)."""
+    `out` when given: each layer's rows contiguous, as a slice of a longer buffer's are)."""
     idx = slots.to(k.device)
     layers, _, heads, dim = k.shape
     both = out

@@ -28,6 +28,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+import torch
+
 from sessionserve.cache.allocator import ceil_align, floor_align
 from sessionserve.cache.host_tier import HostTier, ParkedKV
 from sessionserve.cache.kv_pool import KVPool
@@ -353,13 +355,15 @@ class SessionCache(RequestCache):
         """Copy an idle slot's committed KV into the host tier (before it is freed)."""
         if self.host_tier is None or slot.committed_len == 0:
             return False
-        slots = self.rows.read(slot.row, 0, slot.committed_len)
-        sliding = self.allocator.sliding
+        slots, sliding = self._committed_slots(slot), self.allocator.sliding
         return self.host_tier.park(slot.session_id, slots, slot.kv_tokens, self.page_size, sliding)
 
     def _snapshot(self, slot: SessionSlot) -> KVSnapshot:
-        slots = self.rows.read(slot.row, 0, slot.committed_len)
-        return gather(self.kv_pools, slots, slot.kv_tokens, self.page_size, self.allocator.sliding)
+        slots, sliding = self._committed_slots(slot), self.allocator.sliding
+        return gather(self.kv_pools, slots, slot.kv_tokens, self.page_size, sliding)
+
+    def _committed_slots(self, slot: SessionSlot) -> torch.Tensor:
+        return self.rows.read(slot.row, 0, slot.committed_len)
 
     def _usable_len(self, snap: KVSnapshot | ParkedKV, upto: int) -> int:
         """How much of `snap[:upto]` a session can go on from: all of it, or nothing when the
@@ -392,7 +396,7 @@ class SessionCache(RequestCache):
         started = time.perf_counter()
         try:
             self._restore(slot, parked, upto)
-        except KVCacheFullError:
+        except BaseException:  # no room (the turn waits), or a failure: the copy stays
             tier.put_back(slot.session_id, parked)
             raise
         tier.release(parked)
