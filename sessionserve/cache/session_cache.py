@@ -414,7 +414,8 @@ class SessionCache(RequestCache):
         """Make `snap[:upto]` the slot's resident KV: the prefix the radix tree still holds
         is shared (locked, as a first turn's prompt), the rest gets new slots and is copied
         in; with sliding layers kept apart, nothing is shared and the window gets sliding
-        slots. All or nothing: raises KVCacheFullError having changed nothing."""
+        slots. All or nothing: raises KVCacheFullError (or what a failed copy raised) having
+        kept nothing."""
         sliding = self.allocator.sliding
         row = self._alloc_row()
         m = self.radix.match_prefix(snap.tokens[:upto] if sliding is None else [])
@@ -431,14 +432,20 @@ class SessionCache(RequestCache):
             self.rows.free(row)
             raise
         self.rows.write(row, m.length, slots)
-        window = None
-        if sliding is not None:
-            sliding.alloc(slots[window_from:])
-            window = (window_from, sliding.lookup(slots[window_from:]))
-        if isinstance(snap, ParkedKV):
-            self.host_tier.restore(snap, m.length, upto, slots, self.page_size, window)
-        else:
-            scatter(self.kv_pools, snap, m.length, upto, slots, self.page_size, window)
+        try:
+            window = None
+            if sliding is not None:
+                sliding.alloc(slots[window_from:])
+                window = (window_from, sliding.lookup(slots[window_from:]))
+            if isinstance(snap, ParkedKV):
+                self.host_tier.restore(snap, m.length, upto, slots, self.page_size, window)
+            else:
+                scatter(self.kv_pools, snap, m.length, upto, slots, self.page_size, window)
+        except BaseException:  # a failed copy holds nothing either
+            self.allocator.free(slots)
+            self.radix.unlock(m.node)
+            self.rows.free(row)
+            raise
         slot.row, slot.lock_node, slot.protected_len = row, m.node, m.length
         slot.committed_len = slot.allocated_len = upto
         slot.sliding_from = window_from

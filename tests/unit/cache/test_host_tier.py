@@ -366,3 +366,30 @@ def test_pinned_pages_park_and_restore_a_cuda_pool() -> None:
     tier.restore(tier.get("s"), 5, 35, into, 16)
     assert torch.equal(pool.k[:, into], pool.k[:, slots[5:].cuda()])
     assert torch.equal(pool.v[:, into], pool.v[:, slots[5:].cuda()])
+
+
+def test_a_restore_that_fails_keeps_the_copy_and_its_pages(make_rig, monkeypatch) -> None:
+    """A copy back that raises (not for want of room) leaves the parked copy in the tier,
+    every page accounted, and the next turn restores it."""
+    r = make_rig(page=16, host_tier_bytes=1 << 20)
+    r.cache.open_session("s")
+    hist = _session_turn(r, "s", "t1", _prompt(100))
+    r.cache.park("s")
+    tier = r.cache.host_tier
+    copy_back = tier.restore
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("copy failed")
+
+    monkeypatch.setattr(tier, "restore", broken)
+    t2 = r.turn("s", "t2", hist + [5])
+    with pytest.raises(RuntimeError, match="copy failed"):
+        r.drive.admit(t2)
+    r.cache.abort(t2.req, t2.tokens)
+    assert "s" in tier and len(tier.get("s")) == len(hist) - 1
+    r.check.check_idle()  # every page free or held once, the bytes counted
+    monkeypatch.setattr(tier, "restore", copy_back)
+    t3 = r.turn("s", "t3", hist + [5])
+    assert r.drive.admit(t3) == len(hist) - 1 and t3.req.cached_source == "host"
+    r.cache.abort(t3.req, t3.tokens)
+    r.all_free()
