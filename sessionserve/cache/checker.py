@@ -193,7 +193,7 @@ class MemoryChecker:
                 problems.append(f"host tier keeps KV of session {sid!r}, which is not open")
             elif slot.holds_kv:
                 problems.append(f"session {sid!r} is resident and parked in the host tier")
-            if len(parked.pages) != -(-len(parked.tokens) // tier.page_size) or any(
+            if len(parked.pages) != tier.pages_for(len(parked.tokens)) or any(
                 t.shape[2] != len(parked.tokens) - parked.sliding_from for t in parked.sliding_kv
             ):
                 problems.append(f"host tier: session {sid!r}'s KV length != its tokens")

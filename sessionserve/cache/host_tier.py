@@ -110,6 +110,10 @@ class HostTier:
     def num_pages(self) -> int:
         return self.arenas[0].shape[0]
 
+    def pages_for(self, tokens: int) -> int:
+        """Pages a copy of `tokens` positions holds."""
+        return -(-tokens // self.page_size)
+
     def totals(self) -> dict[str, int]:
         """Running totals, by the short names the metrics export."""
         return {
@@ -161,8 +165,7 @@ class HostTier:
     def store(self, session_id: str, snap: KVSnapshot, upto: int) -> bool:
         """Keep positions `[0, upto)` of a snapshot (a migrated session the pool had no room
         for); as `park`."""
-        start = min(snap.sliding_from, upto)
-        window = [t[:, :, : upto - start].clone() for t in snap.sliding_kv]
+        start, window = _window_prefix(snap.sliding_kv, snap.sliding_from, upto)
 
         def write(pages: list[int]) -> None:
             for arena, kv in zip(self.arenas, snap.kv, strict=True):
@@ -179,7 +182,7 @@ class HostTier:
         sliding_from: int,
     ) -> bool:
         self.drop(session_id)
-        npages = -(-len(tokens) // self.page_size)
+        npages = self.pages_for(len(tokens))
         nbytes = npages * self.page_bytes + sum(t.nbytes for t in window)
         if not self._make_room(npages, nbytes):
             self.evicted_total += 1
@@ -220,20 +223,19 @@ class HostTier:
         return parked
 
     def release(self, parked: ParkedKV) -> None:
-        """Give a taken copy's pages back (highest first, so the lowest are reused first)."""
-        self.free_pages.extend(sorted(parked.pages, reverse=True))
+        """Give a taken copy's pages back."""
+        self._free(parked.pages)
         parked.pages = []
 
+    def _free(self, pages: list[int]) -> None:
+        self.free_pages.extend(sorted(pages, reverse=True))  # the lowest are reused first
+
     def put_back(self, session_id: str, parked: ParkedKV) -> None:
-        """A taken copy goes back, unchanged, as the most recently parked."""
+        """A taken copy goes back, unchanged, as the most recently parked (evicting what
+        others parked meanwhile beyond the budget: its pages it kept)."""
+        self._make_room(0, parked.nbytes)
         self.bytes_in_use += parked.nbytes
         self.entries[session_id] = parked
-        while self.bytes_in_use > self.budget_bytes:  # others parked while it was out
-            victim = next(iter(self.entries))
-            if victim == session_id:
-                break
-            self.drop(victim)
-            self.evicted_total += 1
 
     def drop(self, session_id: str) -> bool:
         """Forget the session's copy (closed, or its KV is back in the pool)."""
@@ -252,11 +254,9 @@ class HostTier:
         if keep == 0:
             self.drop(session_id)
             return
-        npages = -(-keep // self.page_size)
-        extra = parked.pages[npages:]
-        self.free_pages.extend(sorted(extra, reverse=True))
-        start = min(parked.sliding_from, keep)
-        window = [t[:, :, : keep - start].clone() for t in parked.sliding_kv]
+        npages = self.pages_for(keep)
+        self._free(parked.pages[npages:])
+        start, window = _window_prefix(parked.sliding_kv, parked.sliding_from, keep)
         nbytes = npages * self.page_bytes + sum(t.nbytes for t in window)
         self.bytes_in_use += nbytes - parked.nbytes
         parked.tokens, parked.pages = parked.tokens[:keep], parked.pages[:npages]
@@ -325,6 +325,15 @@ class HostTier:
         kv = [_read_pages(arena, parked.pages, 0, n, cpu) for arena in self.arenas]
         window = [t.clone() for t in parked.sliding_kv]
         return KVSnapshot(list(parked.tokens), kv, window, parked.sliding_from)
+
+
+def _window_prefix(
+    sliding_kv: list[torch.Tensor], sliding_from: int, n: int
+) -> tuple[int, list[torch.Tensor]]:
+    """The sliding KV of a copy cut to its first `n` positions, copied (a view would keep the
+    whole tensor alive), and the first position it holds."""
+    start = min(sliding_from, n)
+    return start, [t[:, :, : n - start].clone() for t in sliding_kv]
 
 
 def _token_bytes(pool: KVPool) -> int:
