@@ -70,12 +70,23 @@ def test_a_turns_time_to_first_token_counts_its_wait_for_the_engine_thread(serve
     """A served request reaches the engine as a command that waits for the step in flight;
     its time to first token (and queue time) count from its arrival at the replica, so they
     include that wait. Here the engine thread is kept busy for 0.3 s by a command queued
-    first: the turn's TTFT is at least that, where counted from `Engine.submit` it was not."""
+    first: the turn's TTFT is at least that, where counted from `Engine.submit` it was not.
+    The busy command starts its 0.3 s once the turn has arrived (before, it could start
+    first, and the turn then waited a little less than 0.3 s)."""
+    import threading
     import time
 
-    busy = server.loop.call(time.sleep, 0.3)
+    arrived = threading.Event()
+    busy = server.loop.call(lambda: (arrived.wait(10), time.sleep(0.3)))
     call = GenerateCall({"max_tokens": 2, "temperature": 0, "ignore_eos": True}, prompt="w5")
-    final = asyncio.run(_collect(server.generate(call)))[-1]
+
+    async def turn():
+        task = asyncio.ensure_future(_collect(server.generate(call)))
+        await asyncio.sleep(0)  # the turn's first step ran: its arrival is stamped
+        arrived.set()
+        return await task
+
+    final = asyncio.run(turn())[-1]
     busy.result()
     assert final.ttft_s is not None and final.ttft_s >= 0.3
 
