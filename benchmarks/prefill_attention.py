@@ -1,21 +1,24 @@
 """The CPU prefill attention kernel (`attention/cpu_extend_kernel.py`) against torch's attention,
 alone and in the engine's prefill steps.
 
-Part 1, a layer's attention alone (the default model's 9 / 3 heads of 64, bf16): rows of T new
-tokens over H tokens of history, through the kernel and through what the torch backend ran
-before it (the context's K/V gathered out of the pool, `grouped_attention` over them with the
-mask), alternating, best of `--rounds`; ms a call and GFLOP/s.
+Part 1, a layer's attention alone (the default model's 9 / 3 heads of 64, in `--dtype`): rows
+of T new tokens over H tokens of history, through the kernel and through what the torch
+backend runs without it (the context's K/V gathered out of the pool, `grouped_attention` over
+them with the mask), alternating, best of `--rounds`; ms a call and GFLOP/s.
 
-Part 2, the engine of the bench configs (`bench_config_engine`, bf16, compiled, its prefill
-package waited for): a fresh T-token prompt and a session's T-token turn over H tokens of
-history, each prefilled and one token sampled, with the backend's `extend_kernel` on and off,
-alternating, median of `--rounds`.
+Part 2, the engine of the bench configs (`bench_config_engine`, `--dtype`, compiled, its
+prefill package waited for): a fresh T-token prompt and a session's T-token turn over H tokens
+of history, each prefilled and one token sampled, with the backend's `extend_kernel` on and
+off, alternating, median of `--rounds`.
 
-    .venv/bin/python -m benchmarks.prefill_attention [--tokens 128 256] [--history 0 600]
+    .venv/bin/python -m benchmarks.prefill_attention [--tokens 128 256] [--history 0 600] \
+        [--dtype bfloat16 | float32]
+    ATEN_CPU_CAPABILITY=avx2 .venv/bin/python -m benchmarks.prefill_attention --dtype float32
+        # as on a CPU with AVX2 only: torch's kernels and ours built for AVX2
 
-Needs a CPU with AVX512-BF16 (it says so and stops elsewhere); on a CPU with AMX, where the
-engine keeps torch's attention by default, it sets `SESSIONSERVE_CPU_EXTEND_KERNEL=1` unless
-that is set. Last line: JSON with
+bf16 needs a CPU with AVX512-BF16, fp32 AVX2 (it says so and stops elsewhere); on a CPU with
+AMX, where the engine keeps torch's attention for bf16 by default, it sets
+`SESSIONSERVE_CPU_EXTEND_KERNEL=1` unless that is set. Last line: JSON with
 `kernel_speedup_<T>_over_<H>` (part 1: torch's ms over the kernel's) and
 `turn_speedup_<T>_over_<H>` (part 2: the step without the kernel over with), and the ms.
 """
@@ -52,15 +55,13 @@ def best_ms(fn, rounds: int, calls: int = 10) -> float:
     return best
 
 
-def layer_alone(tokens: int, history: int, rounds: int) -> dict[str, float]:
+def layer_alone(tokens: int, history: int, rounds: int, dtype: torch.dtype) -> dict[str, float]:
     g = torch.Generator().manual_seed(0)
     n = history + tokens
-    k_pool, v_pool = (
-        torch.randn(40000, KV_HEADS, HEAD_DIM, generator=g).to(torch.bfloat16) for _ in "kv"
-    )
+    k_pool, v_pool = (torch.randn(40000, KV_HEADS, HEAD_DIM, generator=g).to(dtype) for _ in "kv")
     slots = torch.randperm(40000, generator=g)[:n][None]
     lens = torch.tensor([n])
-    query = torch.randn(tokens, HEADS, HEAD_DIM, generator=g).to(torch.bfloat16)
+    query = torch.randn(tokens, HEADS, HEAD_DIM, generator=g).to(dtype)
     mask = context_mask(lens, tokens, n)[:, None]
     masks: dict = {}
     scale = HEAD_DIM**-0.5
@@ -88,17 +89,24 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--skip-engine", action="store_true", help="part 1 only")
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     args = ap.parse_args()
     setup_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
     # measured on a CPU with AMX too, where the engine does not take it unless told
     os.environ.setdefault(cpu_extend_kernel.DISABLE_ENV, "1")
-    if not cpu_extend_kernel.usable(HEAD_DIM, HEADS, KV_HEADS, torch.bfloat16):
-        sys.exit(f"the CPU prefill kernel cannot be used here: {cpu_extend_kernel.why_not()}")
-    summary: dict = {"machine": machine()}
+    if not cpu_extend_kernel.usable(HEAD_DIM, HEADS, KV_HEADS, dtype):
+        why = cpu_extend_kernel.why_not() or f"no {args.dtype} path on this CPU"
+        sys.exit(f"the CPU prefill kernel cannot be used here: {why}")
+    summary: dict = {
+        "machine": machine(),
+        "dtype": args.dtype,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+    }
     cases = [(t, h) for t in args.tokens for h in args.history]
     print("part 1: a layer's attention alone, best ms a call", flush=True)
     for t, h in cases:
-        ms = layer_alone(t, h, args.rounds)
+        ms = layer_alone(t, h, args.rounds, dtype)
         flops = 4 * HEADS * HEAD_DIM * t * (h + (t + 1) / 2)
         rate = {name: flops / v / 1e6 for name, v in ms.items()}
         print(
@@ -112,8 +120,8 @@ def main() -> None:
     if args.skip_engine:
         emit(summary)
         return
-    print("part 2: the engine's prefill step (bench config, bf16, compiled), median ms", flush=True)
-    eng = bench_config_engine(args.threads, "bfloat16")
+    print(f"part 2: the engine's prefill step (bench config, {args.dtype}, compiled), median ms")
+    eng = bench_config_engine(args.threads, args.dtype)
     backend = eng.runner.backend
     if not getattr(backend, "extend_kernel", False):
         sys.exit("the bench config's backend did not take the kernel")

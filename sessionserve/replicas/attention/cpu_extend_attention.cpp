@@ -1,4 +1,5 @@
-// Prefill ("extend") attention over the paged KV pool in place, for x86 CPUs with AVX512-BF16.
+// Prefill ("extend") attention over the paged KV pool in place, for x86 CPUs: bf16 with
+// AVX512-BF16, float32 with AVX-512 or AVX2.
 //
 // What it computes is the torch backend's attention for a group of rows that each add T new
 // tokens after their cached context (a session's next turn, a prompt after a radix hit, a
@@ -20,8 +21,13 @@
 // vector (online, as flash attention does); each packed vector is loaded once for kRowsAPass
 // query rows, whose queries are broadcast and whose sums stay in registers.
 //
-// Built at run time by cpu_extend_kernel.py (g++ -mavx512f -mavx512bf16 ...) and loaded with
-// torch.ops.load_library; its fake (shape) implementation is registered there, in Python.
+// In float32 (`F32`: CPUs without bf16 arithmetic serve fp32 models) the same plan with fp32
+// FMAs on the vectors of cpu_vector.h: keys as blocks of kLanes tokens, one vector a
+// dimension; values a token's row; the weights and sums in fp32, nothing rounded.
+//
+// Built at run time by cpu_extend_kernel.py (g++ -mavx512f [-mavx512bf16] ..., or -mavx2 -mfma)
+// and loaded with torch.ops.load_library; its fake (shape) implementation is registered there,
+// in Python.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -38,131 +44,246 @@
 #include <memory>
 #include <vector>
 
-#include "cpu_vector_exp.h"
+#include "cpu_vector.h"
 
 namespace {
 
-constexpr int kBlock = 16;       // context tokens a block: one fp32 vector's lanes
 constexpr int kTileTokens = 16;  // query tokens a work item (times the query heads a KV head)
-constexpr int kRowsAPass = 4;    // query rows whose sums stay in registers over a pass
-constexpr int64_t kPackBlocks = 8;  // blocks a thread packs at a time (128 tokens)
+constexpr int64_t kPackBlocks = 8;  // blocks a thread packs at a time
 
-// The layouts `vdpbf16ps` takes, for one (row, KV head)'s context of n tokens, zero past n
-// (whole blocks): keys [blocks][D / 2][kBlock] and values [blocks * kBlock / 2][D], each a
-// uint32 holding two bf16 (the lower one the first: dimension 2p, or token 2j). This packs
-// blocks lo..hi - 1 of them (a piece: a long context is packed by several threads).
-template <int D>
-void pack(const uint16_t* k_head, const uint16_t* v_head, int64_t slot_stride,
-          const int64_t* slots, int64_t n, int64_t lo, int64_t hi, uint32_t* kp, uint32_t* vp) {
-  for (int64_t blk = lo; blk < hi; ++blk) {
-    uint32_t* kb = kp + blk * (D / 2) * kBlock;
-    for (int t = 0; t < kBlock; ++t) {
-      const int64_t j = blk * kBlock + t;
-      if (j < n) {
-        uint32_t k[D / 2];
-        std::memcpy(k, k_head + slots[j] * slot_stride, sizeof(k));
-        for (int p = 0; p < D / 2; ++p) kb[p * kBlock + t] = k[p];
-      } else {
-        for (int p = 0; p < D / 2; ++p) kb[p * kBlock + t] = 0;
+#if defined(__AVX512BF16__)
+// bf16: torch's bf16 flash attention's arithmetic, with AVX512-BF16's dot products
+struct Bf16 {
+  using Elem = uint16_t;  // a bf16's bits
+  using Word = uint32_t;  // two bf16, as `vdpbf16ps` takes them
+  static constexpr int kBlock = 16;      // context tokens a block: one fp32 vector's lanes
+  static constexpr int kRowsAPass = 4;   // query rows whose sums stay in registers over a pass
+  static constexpr int kPerWord = 2;     // elements a packed word holds
+
+  // The layouts `vdpbf16ps` takes, for one (row, KV head)'s context of n tokens, zero past n
+  // (whole blocks): keys [blocks][D / 2][kBlock] and values [blocks * kBlock / 2][D], each a
+  // uint32 holding two bf16 (the lower one the first: dimension 2p, or token 2j). This packs
+  // blocks lo..hi - 1 of them (a piece: a long context is packed by several threads).
+  template <int D>
+  static void pack(const uint16_t* k_head, const uint16_t* v_head, int64_t slot_stride,
+                   const int64_t* slots, int64_t n, int64_t lo, int64_t hi, uint32_t* kp,
+                   uint32_t* vp) {
+    for (int64_t blk = lo; blk < hi; ++blk) {
+      uint32_t* kb = kp + blk * (D / 2) * kBlock;
+      for (int t = 0; t < kBlock; ++t) {
+        const int64_t j = blk * kBlock + t;
+        if (j < n) {
+          uint32_t k[D / 2];
+          std::memcpy(k, k_head + slots[j] * slot_stride, sizeof(k));
+          for (int p = 0; p < D / 2; ++p) kb[p * kBlock + t] = k[p];
+        } else {
+          for (int p = 0; p < D / 2; ++p) kb[p * kBlock + t] = 0;
+        }
       }
     }
-  }
-  static const uint16_t zeros[D] = {};
-  for (int64_t jp = lo * kBlock / 2; jp < hi * kBlock / 2; ++jp) {
-    const int64_t j = 2 * jp;
-    const uint16_t* a = j < n ? v_head + slots[j] * slot_stride : zeros;
-    const uint16_t* b = j + 1 < n ? v_head + slots[j + 1] * slot_stride : zeros;
-    uint32_t* out = vp + jp * D;
-    for (int d = 0; d < D; ++d) out[d] = uint32_t(a[d]) | (uint32_t(b[d]) << 16);
-  }
-}
-
-// R query rows over one (row, KV head)'s packed context: row r (its query q[r], D bf16 as D / 2
-// pairs) sees positions 0..pos[r]; its output, D bf16, goes to out[r].
-template <int D, int R>
-void attend_rows(const uint32_t* const* q, const int64_t* pos, const uint32_t* kp,
-                 const uint32_t* vp, float scale, uint16_t* const* out) {
-  constexpr int DV = D / kBlock;  // fp32 vectors an output row takes
-  __m512 acc[R][DV];
-  __m512 lv[R];  // the softmax's sums, lane by lane
-  float m[R];
-  alignas(64) uint16_t weights[R][kBlock];  // a block's softmax weights, bf16
-  int64_t last = 0;
-  for (int r = 0; r < R; ++r) {
-    for (int i = 0; i < DV; ++i) acc[r][i] = _mm512_setzero_ps();
-    lv[r] = _mm512_setzero_ps();
-    m[r] = -std::numeric_limits<float>::infinity();
-    last = std::max(last, pos[r]);
-  }
-  const __m512 scale_v = _mm512_set1_ps(scale);
-  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t blk = 0; blk * kBlock <= last; ++blk) {
-    // two sums a row, over even and odd pairs of dimensions: a row's dot products form a
-    // chain (each waits for the last, ~6 cycles on Zen 4), and R chains did not keep the unit
-    // busy (2R: ~7% faster a layer, 128 tokens over 600, R = 4)
-    __m512 s[R], odd[R];
-    for (int r = 0; r < R; ++r) s[r] = odd[r] = _mm512_setzero_ps();
-    const uint32_t* kb = kp + blk * (D / 2) * kBlock;
-    for (int p = 0; p < D / 2; p += 2) {  // D / 2 is even: D is a multiple of 16
-      const __m512bh k = (__m512bh)_mm512_loadu_si512(kb + p * kBlock);
-      const __m512bh k_odd = (__m512bh)_mm512_loadu_si512(kb + (p + 1) * kBlock);
-      for (int r = 0; r < R; ++r) {
-        s[r] = _mm512_dpbf16_ps(s[r], k, (__m512bh)_mm512_set1_epi32(int(q[r][p])));
-        odd[r] = _mm512_dpbf16_ps(odd[r], k_odd, (__m512bh)_mm512_set1_epi32(int(q[r][p + 1])));
-      }
+    static const uint16_t zeros[D] = {};
+    for (int64_t jp = lo * kBlock / 2; jp < hi * kBlock / 2; ++jp) {
+      const int64_t j = 2 * jp;
+      const uint16_t* a = j < n ? v_head + slots[j] * slot_stride : zeros;
+      const uint16_t* b = j + 1 < n ? v_head + slots[j + 1] * slot_stride : zeros;
+      uint32_t* out = vp + jp * D;
+      for (int d = 0; d < D; ++d) out[d] = uint32_t(a[d]) | (uint32_t(b[d]) << 16);
     }
-    for (int r = 0; r < R; ++r) s[r] = _mm512_add_ps(s[r], odd[r]);
-    const int64_t base = blk * kBlock;
+  }
+
+  // R query rows over one (row, KV head)'s packed context: row r (its query q[r], D bf16 as
+  // D / 2 pairs) sees positions 0..pos[r]; its output, D bf16, goes to out[r].
+  template <int D, int R>
+  static void attend_rows(const uint32_t* const* q, const int64_t* pos, const uint32_t* kp,
+                          const uint32_t* vp, float scale, uint16_t* const* out) {
+    constexpr int DV = D / kBlock;  // fp32 vectors an output row takes
+    __m512 acc[R][DV];
+    __m512 lv[R];  // the softmax's sums, lane by lane
+    float m[R];
+    alignas(64) uint16_t weights[R][kBlock];  // a block's softmax weights, bf16
+    int64_t last = 0;
     for (int r = 0; r < R; ++r) {
-      const int64_t seen = pos[r] - base + 1;  // this row sees the block's first `seen` lanes
-      if (seen <= 0) {
-        std::memset(weights[r], 0, sizeof(weights[r]));
-        continue;
-      }
-      const __mmask16 valid = seen >= kBlock ? __mmask16(0xFFFF) : __mmask16((1u << seen) - 1);
-      const __m512 sv = _mm512_mask_mov_ps(neg_inf, valid, _mm512_mul_ps(s[r], scale_v));
-      const float top = std::max(m[r], _mm512_reduce_max_ps(sv));
-      if (top > m[r]) {  // rescale what came before (alpha 0 for the first block)
-        const __m512 a = _mm512_set1_ps(std::exp(m[r] - top));
-        m[r] = top;
-        lv[r] = _mm512_mul_ps(lv[r], a);
-        for (int i = 0; i < DV; ++i) acc[r][i] = _mm512_mul_ps(acc[r][i], a);
-      }
-      const __m512 w = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(sv, _mm512_set1_ps(top))));
-      lv[r] = _mm512_add_ps(lv[r], w);
-      _mm256_store_si256(reinterpret_cast<__m256i*>(weights[r]), (__m256i)_mm512_cvtneps_pbh(w));
+      for (int i = 0; i < DV; ++i) acc[r][i] = _mm512_setzero_ps();
+      lv[r] = _mm512_setzero_ps();
+      m[r] = -std::numeric_limits<float>::infinity();
+      last = std::max(last, pos[r]);
     }
-    for (int jp = 0; jp < kBlock / 2; ++jp) {
-      const uint32_t* vb = vp + (blk * kBlock / 2 + jp) * D;
-      __m512bh v[DV];
-      for (int i = 0; i < DV; ++i) v[i] = (__m512bh)_mm512_loadu_si512(vb + i * kBlock);
+    const __m512 scale_v = _mm512_set1_ps(scale);
+    const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t blk = 0; blk * kBlock <= last; ++blk) {
+      // two sums a row, over even and odd pairs of dimensions: a row's dot products form a
+      // chain (each waits for the last, ~6 cycles on Zen 4), and R chains did not keep the unit
+      // busy (2R: ~7% faster a layer, 128 tokens over 600, R = 4)
+      __m512 s[R], odd[R];
+      for (int r = 0; r < R; ++r) s[r] = odd[r] = _mm512_setzero_ps();
+      const uint32_t* kb = kp + blk * (D / 2) * kBlock;
+      for (int p = 0; p < D / 2; p += 2) {  // D / 2 is even: D is a multiple of 16
+        const __m512bh k = (__m512bh)_mm512_loadu_si512(kb + p * kBlock);
+        const __m512bh k_odd = (__m512bh)_mm512_loadu_si512(kb + (p + 1) * kBlock);
+        for (int r = 0; r < R; ++r) {
+          s[r] = _mm512_dpbf16_ps(s[r], k, (__m512bh)_mm512_set1_epi32(int(q[r][p])));
+          odd[r] = _mm512_dpbf16_ps(odd[r], k_odd, (__m512bh)_mm512_set1_epi32(int(q[r][p + 1])));
+        }
+      }
+      for (int r = 0; r < R; ++r) s[r] = _mm512_add_ps(s[r], odd[r]);
+      const int64_t base = blk * kBlock;
       for (int r = 0; r < R; ++r) {
-        uint32_t pair;
-        std::memcpy(&pair, weights[r] + 2 * jp, sizeof(pair));
-        const __m512bh wp = (__m512bh)_mm512_set1_epi32(int(pair));
-        for (int i = 0; i < DV; ++i) acc[r][i] = _mm512_dpbf16_ps(acc[r][i], v[i], wp);
+        const int64_t seen = pos[r] - base + 1;  // this row sees the block's first `seen` lanes
+        if (seen <= 0) {
+          std::memset(weights[r], 0, sizeof(weights[r]));
+          continue;
+        }
+        const __mmask16 valid = seen >= kBlock ? __mmask16(0xFFFF) : __mmask16((1u << seen) - 1);
+        const __m512 sv = _mm512_mask_mov_ps(neg_inf, valid, _mm512_mul_ps(s[r], scale_v));
+        const float top = std::max(m[r], _mm512_reduce_max_ps(sv));
+        if (top > m[r]) {  // rescale what came before (alpha 0 for the first block)
+          const __m512 a = _mm512_set1_ps(std::exp(m[r] - top));
+          m[r] = top;
+          lv[r] = _mm512_mul_ps(lv[r], a);
+          for (int i = 0; i < DV; ++i) acc[r][i] = _mm512_mul_ps(acc[r][i], a);
+        }
+        const __m512 w = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(sv, _mm512_set1_ps(top))));
+        lv[r] = _mm512_add_ps(lv[r], w);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(weights[r]), (__m256i)_mm512_cvtneps_pbh(w));
+      }
+      for (int jp = 0; jp < kBlock / 2; ++jp) {
+        const uint32_t* vb = vp + (blk * kBlock / 2 + jp) * D;
+        __m512bh v[DV];
+        for (int i = 0; i < DV; ++i) v[i] = (__m512bh)_mm512_loadu_si512(vb + i * kBlock);
+        for (int r = 0; r < R; ++r) {
+          uint32_t pair;
+          std::memcpy(&pair, weights[r] + 2 * jp, sizeof(pair));
+          const __m512bh wp = (__m512bh)_mm512_set1_epi32(int(pair));
+          for (int i = 0; i < DV; ++i) acc[r][i] = _mm512_dpbf16_ps(acc[r][i], v[i], wp);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(lv[r]));
+      for (int i = 0; i < DV; ++i) {
+        const __m256bh o = _mm512_cvtneps_pbh(_mm512_mul_ps(acc[r][i], inv));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out[r] + i * kBlock), (__m256i)o);
       }
     }
   }
-  for (int r = 0; r < R; ++r) {
-    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(lv[r]));
-    for (int i = 0; i < DV; ++i) {
-      const __m256bh o = _mm512_cvtneps_pbh(_mm512_mul_ps(acc[r][i], inv));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out[r] + i * kBlock), (__m256i)o);
+};
+#endif
+
+// fp32, on AVX-512 or AVX2 (cpu_vector.h): plain fp32 attention, FMAs on kLanes-wide vectors.
+// For CPUs without bf16 arithmetic, where `model.dtype: auto` serves fp32 (AVX2, and AVX-512
+// before AVX512-BF16): there torch's attention gathered the context out of the pool too.
+struct F32 {
+  using Elem = float;
+  using Word = float;
+  static constexpr int kBlock = kLanes;  // context tokens a block: one vector's lanes
+  // query rows a pass: their sums (D / kLanes vectors each) stay in registers; AVX2 has 16
+  static constexpr int kRowsAPass = kLanes == 16 ? 4 : 2;
+  static constexpr int kPerWord = 1;
+
+  // One (row, KV head)'s context of n tokens, zero past n (whole blocks): keys
+  // [blocks][D][kBlock] (a vector is one dimension of a block's tokens), values
+  // [blocks * kBlock][D] (a token's row: copied all the same, since every pass reads it, and
+  // from the pool's scattered slots that was up to 2x slower over 2,000 tokens); blocks
+  // lo..hi - 1 of them.
+  template <int D>
+  static void pack(const float* k_head, const float* v_head, int64_t slot_stride,
+                   const int64_t* slots, int64_t n, int64_t lo, int64_t hi, float* kp,
+                   float* vp) {
+    for (int64_t blk = lo; blk < hi; ++blk) {
+      float* kb = kp + blk * D * kBlock;
+      for (int t = 0; t < kBlock; ++t) {
+        const int64_t j = blk * kBlock + t;
+        float* vrow = vp + j * D;
+        if (j < n) {
+          const float* k = k_head + slots[j] * slot_stride;
+          for (int d = 0; d < D; ++d) kb[d * kBlock + t] = k[d];
+          std::memcpy(vrow, v_head + slots[j] * slot_stride, D * sizeof(float));
+        } else {
+          for (int d = 0; d < D; ++d) kb[d * kBlock + t] = 0.f;
+          std::memset(vrow, 0, D * sizeof(float));
+        }
+      }
     }
   }
-}
 
-template <int D>
-void attend_pass(int n, const uint32_t* const* q, const int64_t* pos, const uint32_t* kp,
-                 const uint32_t* vp, float scale, uint16_t* const* out) {
-  static_assert(kRowsAPass == 4, "the cases below go up to 4");
-  switch (n) {
-    case 1: return attend_rows<D, 1>(q, pos, kp, vp, scale, out);
-    case 2: return attend_rows<D, 2>(q, pos, kp, vp, scale, out);
-    case 3: return attend_rows<D, 3>(q, pos, kp, vp, scale, out);
-    default: return attend_rows<D, 4>(q, pos, kp, vp, scale, out);
+  // R query rows over one (row, KV head)'s packed context: row r (its query q[r], D floats)
+  // sees positions 0..pos[r]; its output, D floats, goes to out[r].
+  template <int D, int R>
+  static void attend_rows(const float* const* q, const int64_t* pos, const float* kp,
+                          const float* vp, float scale, float* const* out) {
+    constexpr int DV = D / kLanes;  // vectors an output row takes
+    Vec acc[R][DV];
+    Vec lv[R];  // the softmax's sums, lane by lane
+    float m[R];
+    alignas(64) float weights[R][kBlock];
+    int64_t last = 0;
+    for (int r = 0; r < R; ++r) {
+      for (int i = 0; i < DV; ++i) acc[r][i] = vzero();
+      lv[r] = vzero();
+      m[r] = -std::numeric_limits<float>::infinity();
+      last = std::max(last, pos[r]);
+    }
+    const Vec scale_v = vset1(scale);
+    for (int64_t blk = 0; blk * kBlock <= last; ++blk) {
+      // two sums a row (even and odd dimensions), so that 2R FMA chains are in flight
+      Vec s[R], odd[R];
+      for (int r = 0; r < R; ++r) s[r] = odd[r] = vzero();
+      const float* kb = kp + blk * D * kBlock;
+      for (int d = 0; d < D; d += 2) {
+        const Vec k = vload(kb + d * kBlock), k_odd = vload(kb + (d + 1) * kBlock);
+        for (int r = 0; r < R; ++r) {
+          s[r] = vfmadd(vset1(q[r][d]), k, s[r]);
+          odd[r] = vfmadd(vset1(q[r][d + 1]), k_odd, odd[r]);
+        }
+      }
+      const int64_t base = blk * kBlock;
+      for (int r = 0; r < R; ++r) {
+        const int64_t seen = pos[r] - base + 1;  // this row sees the block's first `seen` lanes
+        if (seen <= 0) {
+          std::memset(weights[r], 0, sizeof(weights[r]));
+          continue;
+        }
+        const int valid = seen >= kBlock ? kBlock : static_cast<int>(seen);
+        const Vec sv = vfirst(vmul(vadd(s[r], odd[r]), scale_v), valid,
+                              -std::numeric_limits<float>::infinity());
+        const float top = std::max(m[r], vmax(sv));
+        if (top > m[r]) {  // rescale what came before (alpha 0 for the first block)
+          const Vec a = vset1(std::exp(m[r] - top));
+          m[r] = top;
+          lv[r] = vmul(lv[r], a);
+          for (int i = 0; i < DV; ++i) acc[r][i] = vmul(acc[r][i], a);
+        }
+        const Vec w = vfirst(vexp(vsub(sv, vset1(top))), valid, 0.f);
+        lv[r] = vadd(lv[r], w);
+        vstore(weights[r], w);
+      }
+      const int upto = static_cast<int>(std::min<int64_t>(kBlock, last - base + 1));
+      for (int t = 0; t < upto; ++t) {
+        const float* vrow = vp + (base + t) * D;
+        Vec v[DV];
+        for (int i = 0; i < DV; ++i) v[i] = vload(vrow + i * kLanes);
+        for (int r = 0; r < R; ++r) {
+          const Vec w = vset1(weights[r][t]);
+          for (int i = 0; i < DV; ++i) acc[r][i] = vfmadd(w, v[i], acc[r][i]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const Vec inv = vset1(1.f / vsum(lv[r]));
+      for (int i = 0; i < DV; ++i) vstore(out[r] + i * kLanes, vmul(acc[r][i], inv));
+    }
   }
+};
+
+// n (1..P::kRowsAPass) query rows a pass, their count known at compile time
+template <class P, int D, int R = P::kRowsAPass>
+void attend_pass(int n, const typename P::Word* const* q, const int64_t* pos,
+                 const typename P::Word* kp, const typename P::Word* vp, float scale,
+                 typename P::Elem* const* out) {
+  if constexpr (R > 1) {
+    if (n < R) return attend_pass<P, D, R - 1>(n, q, pos, kp, vp, scale, out);
+  }
+  P::template attend_rows<D, R>(q, pos, kp, vp, scale, out);
 }
 
 // A piece of work: query tokens t0..t0 + n - 1 of one row, for one KV head's query heads.
@@ -170,9 +291,9 @@ struct Item {
   int64_t row, kv_head, t0, n, cost;
 };
 
-template <int D>
-void run(const at::Tensor& query,   // [B * T, H, D] bf16, contiguous
-         const at::Tensor& k_pool,  // [S, KVH, D] bf16
+template <class P, int D>
+void run(const at::Tensor& query,   // [B * T, H, D], contiguous
+         const at::Tensor& k_pool,  // [S, KVH, D]
          const at::Tensor& v_pool,
          const at::Tensor& slots,   // [B, W] int64, contiguous
          const std::vector<int64_t>& lens, double scale, at::Tensor& out) {
@@ -180,10 +301,13 @@ void run(const at::Tensor& query,   // [B * T, H, D] bf16, contiguous
   const int64_t heads = query.size(1), kv_heads = k_pool.size(1), group = heads / kv_heads;
   const int64_t width = slots.size(1), slot_stride = k_pool.stride(0);
   const int64_t head_stride = k_pool.stride(1);
-  const auto* kpool = reinterpret_cast<const uint16_t*>(k_pool.data_ptr<c10::BFloat16>());
-  const auto* vpool = reinterpret_cast<const uint16_t*>(v_pool.data_ptr<c10::BFloat16>());
-  const auto* qp = reinterpret_cast<const uint16_t*>(query.data_ptr<c10::BFloat16>());
-  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
+  using Elem = typename P::Elem;
+  using Word = typename P::Word;
+  constexpr int kBlock = P::kBlock, kRowsAPass = P::kRowsAPass;
+  const auto* kpool = static_cast<const Elem*>(k_pool.data_ptr());
+  const auto* vpool = static_cast<const Elem*>(v_pool.data_ptr());
+  const auto* qp = static_cast<const Elem*>(query.data_ptr());
+  auto* op = static_cast<Elem*>(out.data_ptr());
   const int64_t* sp = slots.data_ptr<int64_t>();
 
   // each (row, KV head)'s packed context: keys, then values from `keys_words[row]` on
@@ -191,12 +315,12 @@ void run(const at::Tensor& query,   // [B * T, H, D] bf16, contiguous
   std::vector<int64_t> offset(batch * kv_heads + 1, 0);
   for (int64_t b = 0; b < batch; ++b) {
     blocks[b] = (lens[b] + kBlock - 1) / kBlock;
-    keys_words[b] = blocks[b] * kBlock * D / 2;
+    keys_words[b] = blocks[b] * kBlock * D / P::kPerWord;
     for (int64_t h = 0; h < kv_heads; ++h)
       offset[b * kv_heads + h + 1] = offset[b * kv_heads + h] + 2 * keys_words[b];
   }
   // not zeroed first: `pack` writes every word of it
-  const std::unique_ptr<uint32_t[]> packed(new uint32_t[static_cast<size_t>(offset.back())]);
+  const std::unique_ptr<Word[]> packed(new Word[static_cast<size_t>(offset.back())]);
   const int threads = std::max(1, at::get_num_threads());
   struct Piece {
     int64_t row, kv_head, lo, hi;  // blocks lo..hi - 1 of a (row, KV head)'s context
@@ -210,9 +334,10 @@ void run(const at::Tensor& query,   // [B * T, H, D] bf16, contiguous
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
   for (int64_t i = 0; i < n_pieces; ++i) {
     const Piece& c = pieces[i];
-    uint32_t* kp = packed.get() + offset[c.row * kv_heads + c.kv_head];
-    pack<D>(kpool + c.kv_head * head_stride, vpool + c.kv_head * head_stride, slot_stride,
-            sp + c.row * width, lens[c.row], c.lo, c.hi, kp, kp + keys_words[c.row]);
+    Word* kp = packed.get() + offset[c.row * kv_heads + c.kv_head];
+    P::template pack<D>(kpool + c.kv_head * head_stride, vpool + c.kv_head * head_stride,
+                        slot_stride, sp + c.row * width, lens[c.row], c.lo, c.hi, kp,
+                        kp + keys_words[c.row]);
   }
 
   std::vector<Item> items;
@@ -229,38 +354,59 @@ void run(const at::Tensor& query,   // [B * T, H, D] bf16, contiguous
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
   for (int64_t i = 0; i < n_items; ++i) {
     const Item& it = items[i];
-    const uint32_t* kp = packed.get() + offset[it.row * kv_heads + it.kv_head];
-    const uint32_t* vp = kp + keys_words[it.row];
+    const Word* kp = packed.get() + offset[it.row * kv_heads + it.kv_head];
+    const Word* vp = kp + keys_words[it.row];
     const int64_t rows = it.n * group;  // token-major: row j is token j / group, head j % group
     for (int64_t j0 = 0; j0 < rows; j0 += kRowsAPass) {
       const int n = static_cast<int>(std::min<int64_t>(kRowsAPass, rows - j0));
-      const uint32_t* q[kRowsAPass];
-      uint16_t* o[kRowsAPass];
+      const Word* q[kRowsAPass];
+      Elem* o[kRowsAPass];
       int64_t pos[kRowsAPass];
       for (int r = 0; r < n; ++r) {
         const int64_t t = it.t0 + (j0 + r) / group, g = (j0 + r) % group;
         const int64_t at = ((it.row * tokens + t) * heads + it.kv_head * group + g) * D;
-        q[r] = reinterpret_cast<const uint32_t*>(qp + at);
+        q[r] = reinterpret_cast<const Word*>(qp + at);
         o[r] = op + at;
         pos[r] = lens[it.row] - tokens + t;
       }
-      attend_pass<D>(n, q, pos, kp, vp, static_cast<float>(scale), o);
+      attend_pass<P, D>(n, q, pos, kp, vp, static_cast<float>(scale), o);
     }
   }
 }
 
-// query [B * T, H, D] bf16: B rows of T new tokens each, consecutive, each row's the last T of
-// its lens[b] context positions, whose slots are slots[b, :lens[b]] (int64 [B, W]); k_pool,
-// v_pool [S, KVH, D] bf16 (any slot and head strides, D contiguous). Token t of row b sees
-// positions 0..lens[b] - T + t. Returns [B * T, H, D] bf16.
+template <class P>
+void dispatch(int64_t head_dim, const at::Tensor& q, const at::Tensor& k_pool,
+              const at::Tensor& v_pool, const at::Tensor& slots,
+              const std::vector<int64_t>& lens, double scale, at::Tensor& out) {
+  switch (head_dim) {
+    case 16: return run<P, 16>(q, k_pool, v_pool, slots, lens, scale, out);
+    case 32: return run<P, 32>(q, k_pool, v_pool, slots, lens, scale, out);
+    case 64: return run<P, 64>(q, k_pool, v_pool, slots, lens, scale, out);
+    case 80: return run<P, 80>(q, k_pool, v_pool, slots, lens, scale, out);
+    case 96: return run<P, 96>(q, k_pool, v_pool, slots, lens, scale, out);
+    case 128: return run<P, 128>(q, k_pool, v_pool, slots, lens, scale, out);
+    default: TORCH_CHECK(false, "extend_attend: head_dim ", head_dim, " is not supported");
+  }
+}
+
+// query [B * T, H, D]: B rows of T new tokens each, consecutive, each row's the last T of its
+// lens[b] context positions, whose slots are slots[b, :lens[b]] (int64 [B, W]); k_pool, v_pool
+// [S, KVH, D] (any slot and head strides, D contiguous); all three float32, or all bf16 where
+// built with AVX512-BF16. Token t of row b sees positions 0..lens[b] - T + t. Returns
+// [B * T, H, D] in their dtype.
 at::Tensor extend_attend(const at::Tensor& query, const at::Tensor& k_pool,
                          const at::Tensor& v_pool, const at::Tensor& slots,
                          const at::Tensor& lens, double scale) {
   TORCH_CHECK(query.dim() == 3 && k_pool.dim() == 3 && v_pool.dim() == 3,
               "extend_attend: query [B * T, H, D] and pools [S, KVH, D] expected");
-  TORCH_CHECK(query.scalar_type() == at::kBFloat16 && k_pool.scalar_type() == at::kBFloat16 &&
-                  v_pool.scalar_type() == at::kBFloat16,
-              "extend_attend: query and pools must be bf16");
+  const auto dtype = query.scalar_type();
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && k_pool.scalar_type() == dtype &&
+                  v_pool.scalar_type() == dtype,
+              "extend_attend: query and pools must all be float32, or all bf16");
+#if !defined(__AVX512BF16__)
+  TORCH_CHECK(dtype == at::kFloat,
+              "extend_attend: bf16 needs a CPU with AVX512-BF16 (this build has float32 only)");
+#endif
   TORCH_CHECK(k_pool.stride(2) == 1 && v_pool.stride(2) == 1 &&
                   k_pool.stride(0) == v_pool.stride(0) && k_pool.stride(1) == v_pool.stride(1),
               "extend_attend: the pools must share a layout, their last dimension contiguous");
@@ -289,15 +435,13 @@ at::Tensor extend_attend(const at::Tensor& query, const at::Tensor& k_pool,
   }
   const at::Tensor q = query.contiguous();
   at::Tensor out = at::empty_like(q);
-  switch (head_dim) {
-    case 16: run<16>(q, k_pool, v_pool, s, row_lens, scale, out); break;
-    case 32: run<32>(q, k_pool, v_pool, s, row_lens, scale, out); break;
-    case 64: run<64>(q, k_pool, v_pool, s, row_lens, scale, out); break;
-    case 80: run<80>(q, k_pool, v_pool, s, row_lens, scale, out); break;
-    case 96: run<96>(q, k_pool, v_pool, s, row_lens, scale, out); break;
-    case 128: run<128>(q, k_pool, v_pool, s, row_lens, scale, out); break;
-    default: TORCH_CHECK(false, "extend_attend: head_dim ", head_dim, " is not supported");
+#if defined(__AVX512BF16__)
+  if (dtype == at::kBFloat16) {
+    dispatch<Bf16>(head_dim, q, k_pool, v_pool, s, row_lens, scale, out);
+    return out;
   }
+#endif
+  dispatch<F32>(head_dim, q, k_pool, v_pool, s, row_lens, scale, out);
   return out;
 }
 

@@ -1,13 +1,19 @@
-"""The hand-written CPU prefill attention (attention/cpu_extend_kernel.py): built and loaded on a
-CPU with AVX512-BF16 and a C++ compiler, it computes what torch's attention computes for rows
-of new tokens over their cached contexts read through slot tables (causal among the new
-tokens), for the head layouts it supports, contexts of any length and thread counts, as close
-to the exact result as torch's own bf16 kernel; bad input is a clear error; the torch backend
-takes it for prefills and session turns of bf16 models, whose answers stay those of the
-backend without it and of transformers; where it cannot be used the backend keeps torch's
-attention."""
+"""The hand-written CPU prefill attention (attention/cpu_extend_kernel.py): built and loaded on an
+x86 CPU with AVX2 or AVX-512 and a C++ compiler, it computes what torch's attention computes
+for rows of new tokens over their cached contexts read through slot tables (causal among the
+new tokens), for the head layouts it supports, contexts of any length and thread counts: in
+bf16 (a CPU with AVX512-BF16) as close to the exact result as torch's own bf16 kernel, in fp32
+as close as torch's fp32 attention, built for AVX-512 and for AVX2 alike; bad input is a clear
+error; the torch backend takes it for prefills and session turns of bf16 and fp32 models,
+whose answers stay those of the backend without it; where it cannot be used the backend keeps
+torch's attention."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -28,19 +34,30 @@ def kernel() -> None:
         pytest.skip(f"the CPU prefill kernel cannot be used here: {cpu_extend_kernel.why_not()}")
 
 
-def case(heads: int, kv_heads: int, dim: int, lens: list[int], tokens: int, seed: int):
+def needs(dtype: torch.dtype) -> None:
+    if not cpu_extend_kernel.supports(64, 4, 2, dtype):
+        pytest.skip(f"the kernel has no {dtype} path on this CPU")
+
+
+def case(
+    heads: int,
+    kv_heads: int,
+    dim: int,
+    lens: list[int],
+    tokens: int,
+    seed: int,
+    dtype: torch.dtype = torch.bfloat16,
+):
     """Inputs as the torch backend hands them over: a layer's view of a [layers, S, KVH, D]
-    bf16 pool, each row's context scattered over 16-slot pages (its new tokens' K/V its last
-    `tokens` slots), the rows' queries [B * T, H, D]."""
+    pool in `dtype`, each row's context scattered over 16-slot pages (its new tokens' K/V its
+    last `tokens` slots), the rows' queries [B * T, H, D]."""
     g = torch.Generator().manual_seed(seed)
     batch, width, slots_in_pool = len(lens), max(lens), 16384
-    pools = [
-        torch.randn(2, slots_in_pool, kv_heads, dim, generator=g).to(torch.bfloat16) for _ in "kv"
-    ]
+    pools = [torch.randn(2, slots_in_pool, kv_heads, dim, generator=g).to(dtype) for _ in "kv"]
     pages = torch.randperm(slots_in_pool // 16 - 1, generator=g)[: batch * (-(-width // 16))] + 1
     slots = (pages.view(batch, -1)[..., None] * 16 + torch.arange(16)).view(batch, -1)
     slots = slots[:, :width].contiguous()
-    query = torch.randn(batch * tokens, heads, dim, generator=g).to(torch.bfloat16)
+    query = torch.randn(batch * tokens, heads, dim, generator=g).to(dtype)
     return query, pools[0][1], pools[1][1], slots, torch.tensor(lens)
 
 
@@ -60,38 +77,86 @@ def attention(query, k_pool, v_pool, slots, lens, scale, dtype) -> torch.Tensor:
     )
 
 
-def check_a_case(heads, kv_heads, dim, lens, tokens, seed) -> None:
-    """The kernel's output against the exact result, within what torch's own bf16 attention is
-    off by on the same case (both round the softmax's weights to bf16 for the sum of V, and
-    the output once) plus one bf16 step of the output."""
-    query, k_pool, v_pool, slots, lens_t = case(heads, kv_heads, dim, lens, tokens, seed)
+def check_a_case(heads, kv_heads, dim, lens, tokens, seed, dtype=torch.bfloat16) -> None:
+    """The kernel's output against the exact result, within what torch's own attention in the
+    same dtype is off by on the same case. bf16: 1.25x that plus one bf16 step of the output
+    (both round the softmax's weights to bf16 for the sum of V, and the output once). fp32:
+    nothing is rounded but the sums, whose order differs from torch's, and both are off by
+    ~1e-7: 2x torch's error plus 4 fp32 steps of the output (a wrong weight or a token seen
+    that should not be is off by ~1e-2)."""
+    query, k_pool, v_pool, slots, lens_t = case(heads, kv_heads, dim, lens, tokens, seed, dtype)
     scale = dim**-0.5
     got = cpu_extend_kernel.extend_attend(query, k_pool, v_pool, slots, lens_t, scale)
-    assert got.dtype == torch.bfloat16 and got.shape == query.shape
+    assert got.dtype == dtype and got.shape == query.shape
     exact = attention(query, k_pool, v_pool, slots, lens_t, scale, torch.float64)
-    torchs = attention(query, k_pool, v_pool, slots, lens_t, scale, torch.bfloat16)
-    step = exact.abs() * 2**-8
+    torchs = attention(query, k_pool, v_pool, slots, lens_t, scale, dtype)
+    bf16 = dtype == torch.bfloat16
+    factor, step = (1.25, exact.abs() * 2**-8) if bf16 else (2.0, exact.abs() * 2**-21)
     assert (
-        (got.double() - exact).abs() <= 1.25 * (torchs.double() - exact).abs().max() + step
+        (got.double() - exact).abs() <= factor * (torchs.double() - exact).abs().max() + step
     ).all()
+
+
+CASES = [
+    ([2], 2),  # a fresh two-token prompt
+    ([37], 37),  # a fresh prompt, blocks and a partial one
+    ([20, 17], 3),  # short turns over short contexts
+    ([16, 32, 48], 16),  # block-aligned
+    ([700], 150),  # a turn over a long history: several tiles, many blocks
+    ([300, 45, 161], 45),  # rows of unequal contexts
+]
+LAYOUTS = [(4, 2, 16), (9, 3, 64), (8, 2, 128), (4, 4, 32), (6, 1, 80), (16, 2, 96)]
 
 
 @pytest.mark.usefixtures("kernel")
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
-@pytest.mark.parametrize(
-    "heads,kv_heads,dim", [(4, 2, 16), (9, 3, 64), (8, 2, 128), (4, 4, 32), (6, 1, 80), (16, 2, 96)]
-)
-def test_the_kernel_computes_torchs_attention(heads, kv_heads, dim, threads) -> None:
-    cases = [
-        ([2], 2),  # a fresh two-token prompt
-        ([37], 37),  # a fresh prompt, blocks and a partial one
-        ([20, 17], 3),  # short turns over short contexts
-        ([16, 32, 48], 16),  # block-aligned
-        ([700], 150),  # a turn over a long history: several tiles, many blocks
-        ([300, 45, 161], 45),  # rows of unequal contexts
-    ]
-    for seed, (lens, tokens) in enumerate(cases):
-        check_a_case(heads, kv_heads, dim, lens, tokens, seed)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("heads,kv_heads,dim", LAYOUTS)
+def test_the_kernel_computes_torchs_attention(heads, kv_heads, dim, dtype, threads) -> None:
+    needs(dtype)
+    for seed, (lens, tokens) in enumerate(CASES):
+        check_a_case(heads, kv_heads, dim, lens, tokens, seed, dtype)
+
+
+AVX2_SCRIPT = """
+    import torch
+    from sessionserve.replicas.attention import cpu_extend_kernel
+    from tests.unit.replicas.test_cpu_extend_kernel import CASES, LAYOUTS, case, check_a_case
+
+    assert torch.backends.cpu.get_cpu_capability() == "AVX2"
+    assert cpu_extend_kernel.KERNEL.load(), cpu_extend_kernel.why_not()
+    assert not cpu_extend_kernel.supports(64, 4, 2, torch.bfloat16)
+    torch.set_num_threads(2)
+    for heads, kv_heads, dim in LAYOUTS:
+        for seed, (lens, tokens) in enumerate(CASES):
+            check_a_case(heads, kv_heads, dim, lens, tokens, seed, torch.float32)
+    try:
+        cpu_extend_kernel.extend_attend(*case(4, 2, 16, [3], 3, 0), 0.25)
+    except RuntimeError as e:
+        assert "bf16 needs a CPU with AVX512-BF16" in str(e), e
+    else:
+        raise AssertionError("a bf16 call to the AVX2 build did not fail")
+    print("AVX2 OK")
+"""
+
+
+@pytest.mark.usefixtures("kernel")
+def test_the_avx2_build_computes_fp32_attention_and_refuses_bf16() -> None:
+    """The same cases through the kernel built for AVX2 (torch told its CPU is AVX2, so the
+    kernel builds with -mavx2 -mfma: 8-lane blocks, two rows a pass), in a process of its own;
+    bf16 is a clear error there."""
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512", "AMX"):
+        pytest.skip("this CPU runs no AVX2 code")
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(AVX2_SCRIPT)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0 and "AVX2 OK" in done.stdout, done.stderr[-3000:]
 
 
 @pytest.mark.usefixtures("kernel")
@@ -117,13 +182,13 @@ def test_bad_input_is_a_clear_error() -> None:
     outside[1, 3] = k_pool.shape[0]  # one past the pool
     with pytest.raises(RuntimeError, match="slot 16384 of row 1 is outside the pool"):
         cpu_extend_kernel.extend_attend(query, k_pool, v_pool, outside, lens, 0.25)
-    with pytest.raises(RuntimeError, match="must be bf16"):
+    with pytest.raises(RuntimeError, match="must all be float32, or all bf16"):
         cpu_extend_kernel.extend_attend(query.float(), k_pool, v_pool, slots, lens, 0.25)
     odd = torch.randn(k_pool.shape[0], 2, 24).to(torch.bfloat16)
     with pytest.raises(RuntimeError, match="head_dim 24 is not supported"):
         cpu_extend_kernel.extend_attend(torch.randn(8, 4, 24).bfloat16(), odd, odd, slots, lens, 1)
     assert not cpu_extend_kernel.usable(24, 4, 2, torch.bfloat16)
-    assert not cpu_extend_kernel.usable(64, 4, 2, torch.float32)
+    assert not cpu_extend_kernel.usable(64, 4, 2, torch.float16)
 
 
 def _spied(monkeypatch) -> list[tuple[int, ...]]:
@@ -139,14 +204,16 @@ def _spied(monkeypatch) -> list[tuple[int, ...]]:
 
 
 @pytest.mark.usefixtures("kernel")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
-def test_session_turns_through_the_kernel_answer_as_without_it(monkeypatch, arch) -> None:
-    """A bf16 model's prompts and session turns (turns of several lengths, then two prompts
-    in one step) attend through the kernel and answer, tie-aware, as the same engine without
-    it, token for token where no near-tie decides. Gemma 3's sliding layers keep torch's
-    attention over their windows; its full layers take the kernel."""
+def test_session_turns_through_the_kernel_answer_as_without_it(monkeypatch, arch, dtype) -> None:
+    """A bf16 or fp32 model's prompts and session turns (turns of several lengths, then two
+    prompts in one step) attend through the kernel and answer, tie-aware, as the same engine
+    without it, token for token where no near-tie decides. Gemma 3's sliding layers keep
+    torch's attention over their windows; its full layers take the kernel."""
+    needs(dtype)
     monkeypatch.setenv(cpu_extend_kernel.DISABLE_ENV, "1")  # on a CPU with AMX too
-    model = tiny_model(arch).to(torch.bfloat16)
+    model = tiny_model(arch).to(dtype)
     calls = _spied(monkeypatch)
     engine, without = tiny_engine(model), tiny_engine(model)
     without.runner.backend.extend_kernel = False
@@ -171,8 +238,7 @@ def test_session_turns_through_the_kernel_answer_as_without_it(monkeypatch, arch
 
 
 def test_where_it_cannot_be_used_the_backend_keeps_torchs_attention(monkeypatch) -> None:
-    """An fp32 model, or the kernel turned off: the backend does not take it, and says why."""
-    assert not tiny_engine(tiny_model()).runner.backend.extend_kernel  # fp32
+    """The kernel turned off: the backend does not take it, and says why."""
     monkeypatch.setattr(cpu_extend_kernel.KERNEL, "_state", {})
     monkeypatch.setenv(cpu_extend_kernel.DISABLE_ENV, "0")
     engine = tiny_engine(tiny_model().to(torch.bfloat16))
@@ -190,23 +256,46 @@ def test_on_a_cpu_with_amx_the_backend_takes_it_only_when_told(monkeypatch, capl
     """Where torch's attention runs on AMX tiles the kernel was not measured against it: the
     backend keeps torch's attention there (said once) unless SESSIONSERVE_CPU_EXTEND_KERNEL=1."""
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AMX")
-    monkeypatch.setattr(cpu_extend_kernel, "_said_amx", False)
+    monkeypatch.setattr(cpu_extend_kernel, "_said_why", False)
     monkeypatch.delenv(cpu_extend_kernel.DISABLE_ENV, raising=False)
     with caplog.at_level("INFO", logger=cpu_extend_kernel.__name__):
         assert not cpu_extend_kernel.usable(64, 9, 3, torch.bfloat16)
         assert not tiny_engine(tiny_model().to(torch.bfloat16)).runner.backend.extend_kernel
+        # fp32 is not computed on tiles: the kernel is taken there
+        assert cpu_extend_kernel.usable(64, 9, 3, torch.float32)
+        assert tiny_engine(tiny_model()).runner.backend.extend_kernel
     assert caplog.text.count("this CPU has AMX tiles") == 1
     monkeypatch.setenv(cpu_extend_kernel.DISABLE_ENV, "1")
     assert cpu_extend_kernel.usable(64, 9, 3, torch.bfloat16)
     assert tiny_engine(tiny_model().to(torch.bfloat16)).runner.backend.extend_kernel
 
 
-def test_a_cpu_without_avx512_bf16_is_told_why(monkeypatch) -> None:
-    needs = cpu_extend_kernel.KERNEL.needs
+@pytest.mark.usefixtures("kernel")
+def test_on_avx2_the_backend_takes_it_for_fp32_only_when_told(monkeypatch, caplog) -> None:
+    """On AVX2 the fp32 build was not measured faster than torch's attention: the backend keeps
+    torch's there (said once) unless SESSIONSERVE_CPU_EXTEND_KERNEL=1."""
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    monkeypatch.setattr(cpu_extend_kernel, "_said_why", False)
+    monkeypatch.delenv(cpu_extend_kernel.DISABLE_ENV, raising=False)
+    with caplog.at_level("INFO", logger=cpu_extend_kernel.__name__):
+        assert not cpu_extend_kernel.usable(64, 9, 3, torch.float32)
+        assert not tiny_engine(tiny_model()).runner.backend.extend_kernel
+    assert caplog.text.count("on AVX2 it was not measured faster") == 1
+    monkeypatch.setenv(cpu_extend_kernel.DISABLE_ENV, "1")
+    assert tiny_engine(tiny_model()).runner.backend.extend_kernel
+
+
+def test_the_bf16_path_is_built_only_on_a_cpu_with_avx512_bf16(monkeypatch) -> None:
+    """AVX-512 with BF16: both paths (the build adds -mavx512bf16); without BF16, or AVX2 only:
+    fp32 alone, and a bf16 model keeps torch's attention."""
+    built = "-mavx512bf16" in cpu_extend_kernel.KERNEL.extra_flags
+    assert built == cpu_extend_kernel.has_bf16()
+    assert cpu_extend_kernel.supports(64, 9, 3, torch.bfloat16) == built
+    assert cpu_extend_kernel.supports(64, 9, 3, torch.float32)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
-    assert "it needs AVX512-BF16" in needs()
+    assert not cpu_extend_kernel.has_bf16()
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
-    assert needs() == "it needs AVX512-BF16; this CPU's vector capability is AVX2"
+    assert not cpu_extend_kernel.has_bf16()
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
-    assert needs() == ""
+    assert cpu_extend_kernel.has_bf16()
