@@ -85,10 +85,9 @@ def measured_faster(dtype: torch.dtype) -> bool:
     """Where the kernel beat torch's attention (docs/benchmarks.md): bf16 on AVX512-BF16
     without AMX (stop 104), fp32 on AVX-512 (stop 106). Not on a CPU with AMX in bf16, where
     torch's flash attention computes its blocks on tiles and the kernel was not measured
-    against it; not on AVX2, where the build (8-lane vectors, 16 registers) ran at ~75
-    GFLOP/s on the Zen 4 box against ~117 for torch's path (whose GEMMs ran AVX-512 code
-    there all the same), and no AVX2-only CPU has measured both. Says once in the log why
-    not."""
+    against it; not on AVX2, where the build (8-lane vectors, 16 registers) ran turns over a
+    history at 0.72-0.98x torch's path on the Zen 4 box, both held to AVX2, and no AVX2-only
+    CPU has measured the two. Says once in the log why not."""
     global _said_why
     capability = torch.backends.cpu.get_cpu_capability()
     if dtype == torch.bfloat16 and capability == "AMX":

@@ -143,7 +143,7 @@ AVX2_SCRIPT = """
 @pytest.mark.usefixtures("kernel")
 def test_the_avx2_build_computes_fp32_attention_and_refuses_bf16() -> None:
     """The same cases through the kernel built for AVX2 (torch told its CPU is AVX2, so the
-    kernel builds with -mavx2 -mfma: 8-lane blocks, two rows a pass), in a process of its own;
+    kernel builds with -mavx2 -mfma: 8-lane blocks, three rows a pass), in a process of its own;
     bf16 is a clear error there."""
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512", "AMX"):
         pytest.skip("this CPU runs no AVX2 code")
