@@ -28,7 +28,7 @@ from sessionserve.replicas.native_kernel import NativeKernel, needs_avx512
 SOURCE = Path(__file__).with_name("cpu_extend_attention.cpp")
 HEAD_DIMS = (16, 32, 64, 80, 96, 128)  # what the kernel is instantiated for
 DISABLE_ENV = "SESSIONSERVE_CPU_EXTEND_KERNEL"  # "0": keep torch's attention for prefills;
-# "1": use the kernel on a CPU with AMX too (`told_to_use`)
+# "1": use the kernel also where it was not measured faster (`told_to_use`)
 log = logging.getLogger(__name__)
 _said_why = False
 
@@ -44,13 +44,14 @@ def has_bf16() -> bool:
     return not needs_avx512("AVX512-BF16", "_is_avx512_bf16_supported")()
 
 
+BF16_BUILT = has_bf16()  # whether this process builds (and loads) the bf16 path
 KERNEL = NativeKernel(
     SOURCE,
     DISABLE_ENV,
     "the CPU prefill attention kernel",
     _register_fake,
     log,
-    extra_flags=("-mavx512bf16",) if has_bf16() else (),
+    extra_flags=("-mavx512bf16",) if BF16_BUILT else (),
 )
 why_not = KERNEL.why_not
 
@@ -58,8 +59,7 @@ why_not = KERNEL.why_not
 def supports(head_dim: int, heads: int, kv_heads: int, dtype: torch.dtype) -> bool:
     """Whether the kernel computes this attention layout and dtype (the model's and the
     pool's) on this CPU."""
-    bf16 = "-mavx512bf16" in KERNEL.extra_flags  # (as it is built here)
-    dtypes = (torch.float32, torch.bfloat16) if bf16 else (torch.float32,)
+    dtypes = (torch.float32, torch.bfloat16) if BF16_BUILT else (torch.float32,)
     return head_dim in HEAD_DIMS and heads % kv_heads == 0 and dtype in dtypes
 
 
@@ -112,7 +112,7 @@ def extend_attend(
 ) -> torch.Tensor:
     """Rows of T new tokens (query [B * T, H, D], a row's tokens consecutive) over their
     contexts (slots [B, W] int64, lens [B]; pools [S, KVH, D]; all fp32, or all bf16 where
-    `has_bf16()`), each row's new tokens the last T of its context, already in the pool: token
+    `BF16_BUILT`), each row's new tokens the last T of its context, already in the pool: token
     t of row b sees positions 0..lens[b] - T + t. Returns [B * T, H, D] in their dtype. Loads
     the op first if this process has not."""
     KERNEL.require()

@@ -289,7 +289,7 @@ def test_the_bf16_path_is_built_only_on_a_cpu_with_avx512_bf16(monkeypatch) -> N
     """AVX-512 with BF16: both paths (the build adds -mavx512bf16); without BF16, or AVX2 only:
     fp32 alone, and a bf16 model keeps torch's attention."""
     built = "-mavx512bf16" in cpu_extend_kernel.KERNEL.extra_flags
-    assert built == cpu_extend_kernel.has_bf16()
+    assert built == cpu_extend_kernel.BF16_BUILT == cpu_extend_kernel.has_bf16()
     assert cpu_extend_kernel.supports(64, 9, 3, torch.bfloat16) == built
     assert cpu_extend_kernel.supports(64, 9, 3, torch.float32)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
