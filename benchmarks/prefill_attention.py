@@ -13,8 +13,10 @@ off, alternating, median of `--rounds`.
 
     .venv/bin/python -m benchmarks.prefill_attention [--tokens 128 256] [--history 0 600] \
         [--dtype bfloat16 | float32]
-    ATEN_CPU_CAPABILITY=avx2 .venv/bin/python -m benchmarks.prefill_attention --dtype float32
-        # as on a CPU with AVX2 only: torch's kernels and ours built for AVX2
+    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 \
+        .venv/bin/python -m benchmarks.prefill_attention --dtype float32 --skip-engine
+        # torch's dispatch, its GEMMs (MKL, oneDNN) and our kernel all held to AVX2 code;
+        # ATEN_CPU_CAPABILITY alone leaves MKL on AVX-512
 
 bf16 needs a CPU with AVX512-BF16, fp32 AVX2 (it says so and stops elsewhere); on a CPU with
 AMX, where the engine keeps torch's attention for bf16 by default, it sets

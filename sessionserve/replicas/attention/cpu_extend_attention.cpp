@@ -51,8 +51,28 @@ namespace {
 constexpr int kTileTokens = 16;  // query tokens a work item (times the query heads a KV head)
 constexpr int64_t kPackBlocks = 8;  // blocks a thread packs at a time
 
+// One block of a row's online softmax (both paths): its scaled scores `s`, of which the first
+// `valid` lanes count. Rescales what the row has summed (`lv`, `acc`) when the block raises its
+// max `m` (alpha 0 for the first block), adds the block's weights to `lv`, and returns them (0
+// past `valid`).
+template <int DV>
+inline Vec softmax_block(Vec s, int valid, float& m, Vec& lv, Vec (&acc)[DV]) {
+  const Vec sv = vfirst(s, valid, -std::numeric_limits<float>::infinity());
+  const float top = std::max(m, vmax(sv));
+  if (top > m) {
+    const Vec a = vset1(std::exp(m - top));
+    m = top;
+    lv = vmul(lv, a);
+    for (int i = 0; i < DV; ++i) acc[i] = vmul(acc[i], a);
+  }
+  const Vec w = vfirst(vexp(vsub(sv, vset1(top))), valid, 0.f);
+  lv = vadd(lv, w);
+  return w;
+}
+
 #if defined(__AVX512BF16__)
-// bf16: torch's bf16 flash attention's arithmetic, with AVX512-BF16's dot products
+// bf16: torch's bf16 flash attention's arithmetic, with AVX512-BF16's dot products (built
+// with AVX-512 only, so `Vec` is an __m512 here)
 struct Bf16 {
   using Elem = uint16_t;  // a bf16's bits
   using Word = uint32_t;  // two bf16, as `vdpbf16ps` takes them
@@ -109,7 +129,6 @@ struct Bf16 {
       last = std::max(last, pos[r]);
     }
     const __m512 scale_v = _mm512_set1_ps(scale);
-    const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
     for (int64_t blk = 0; blk * kBlock <= last; ++blk) {
       // two sums a row, over even and odd pairs of dimensions: a row's dot products form a
       // chain (each waits for the last, ~6 cycles on Zen 4), and R chains did not keep the unit
@@ -133,17 +152,9 @@ struct Bf16 {
           std::memset(weights[r], 0, sizeof(weights[r]));
           continue;
         }
-        const __mmask16 valid = seen >= kBlock ? __mmask16(0xFFFF) : __mmask16((1u << seen) - 1);
-        const __m512 sv = _mm512_mask_mov_ps(neg_inf, valid, _mm512_mul_ps(s[r], scale_v));
-        const float top = std::max(m[r], _mm512_reduce_max_ps(sv));
-        if (top > m[r]) {  // rescale what came before (alpha 0 for the first block)
-          const __m512 a = _mm512_set1_ps(std::exp(m[r] - top));
-          m[r] = top;
-          lv[r] = _mm512_mul_ps(lv[r], a);
-          for (int i = 0; i < DV; ++i) acc[r][i] = _mm512_mul_ps(acc[r][i], a);
-        }
-        const __m512 w = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(sv, _mm512_set1_ps(top))));
-        lv[r] = _mm512_add_ps(lv[r], w);
+        const int valid = seen >= kBlock ? kBlock : static_cast<int>(seen);
+        const __m512 w =
+            softmax_block<DV>(_mm512_mul_ps(s[r], scale_v), valid, m[r], lv[r], acc[r]);
         _mm256_store_si256(reinterpret_cast<__m256i*>(weights[r]), (__m256i)_mm512_cvtneps_pbh(w));
       }
       for (int jp = 0; jp < kBlock / 2; ++jp) {
@@ -246,18 +257,8 @@ struct F32 {
           continue;
         }
         const int valid = seen >= kBlock ? kBlock : static_cast<int>(seen);
-        const Vec sv = vfirst(vmul(vadd(s[r], odd[r]), scale_v), valid,
-                              -std::numeric_limits<float>::infinity());
-        const float top = std::max(m[r], vmax(sv));
-        if (top > m[r]) {  // rescale what came before (alpha 0 for the first block)
-          const Vec a = vset1(std::exp(m[r] - top));
-          m[r] = top;
-          lv[r] = vmul(lv[r], a);
-          for (int i = 0; i < DV; ++i) acc[r][i] = vmul(acc[r][i], a);
-        }
-        const Vec w = vfirst(vexp(vsub(sv, vset1(top))), valid, 0.f);
-        lv[r] = vadd(lv[r], w);
-        vstore(weights[r], w);
+        const Vec sv = vmul(vadd(s[r], odd[r]), scale_v);
+        vstore(weights[r], softmax_block<DV>(sv, valid, m[r], lv[r], acc[r]));
       }
       const int upto = static_cast<int>(std::min<int64_t>(kBlock, last - base + 1));
       for (int t = 0; t < upto; ++t) {
