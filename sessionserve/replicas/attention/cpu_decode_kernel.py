@@ -23,7 +23,7 @@ import torch
 from sessionserve.replicas.native_kernel import NativeKernel
 
 SOURCE = Path(__file__).with_name("cpu_decode_attention.cpp")
-HEAD_DIMS = (16, 32, 64, 80, 96, 128)  # what the kernel is instantiated for
+HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)  # what the kernel is instantiated for
 MAX_GROUP = 32  # query heads per KV head, times the query tokens per row
 DTYPES = (torch.float32, torch.bfloat16)  # the pool's
 DISABLE_ENV = "SESSIONSERVE_CPU_DECODE_KERNEL"  # "0": keep inductor's formula everywhere

@@ -4,8 +4,9 @@
 // What it computes is the torch backend's attention for a group of rows that each add T new
 // tokens after their cached context (a session's next turn, a prompt after a radix hit, a
 // chunk of a long prompt): token t of row b sits at position lens[b] - T + t and sees the
-// row's positions 0..itself, its K/V read through the row's slot table (the new tokens' K/V
-// are in the pool already). In bf16, as torch's CPU flash attention computes it: scores from
+// row's positions 0..itself, or on a sliding-window layer only the last `window` of those
+// (itself included), its K/V read through the row's slot table (the new tokens' K/V are in
+// the pool already). In bf16, as torch's CPU flash attention computes it: scores from
 // the bf16 query and keys summed in fp32, the softmax in fp32, its weights rounded to bf16 for
 // the weighted sum of V (summed in fp32), the output rounded to bf16.
 //
@@ -18,7 +19,7 @@
 // vector one pair of dimensions for 16 tokens, so one instruction scores 16 tokens for one
 // query row; values as pairs of tokens, each vector 16 dimensions of two tokens, so one
 // instruction adds two tokens' weighted values. A block's scores take their softmax on one
-// vector (online, as flash attention does); each packed vector is loaded once for kRowsAPass
+// vector (online, as flash attention does); each packed vector is loaded once for rows_a_pass
 // query rows, whose queries are broadcast and whose sums stay in registers.
 //
 // In float32 (`F32`: CPUs without bf16 arithmetic serve fp32 models) the same plan with fp32
@@ -51,13 +52,13 @@ namespace {
 constexpr int kTileTokens = 16;  // query tokens a work item (times the query heads a KV head)
 constexpr int64_t kPackBlocks = 8;  // blocks a thread packs at a time
 
-// One block of a row's online softmax (both paths): its scaled scores `s`, of which the first
-// `valid` lanes count. Rescales what the row has summed (`lv`, `acc`) when the block raises its
-// max `m` (alpha 0 for the first block), adds the block's weights to `lv`, and returns them (0
-// past `valid`).
+// One block of a row's online softmax (both paths): its scaled scores `s`, of which lanes
+// lo..hi - 1 count (lo < hi). Rescales what the row has summed (`lv`, `acc`) when the block
+// raises its max `m` (alpha 0 for the first block), adds the block's weights to `lv`, and
+// returns them (0 outside lo..hi - 1).
 template <int DV>
-inline Vec softmax_block(Vec s, int valid, float& m, Vec& lv, Vec (&acc)[DV]) {
-  const Vec sv = vfirst(s, valid, -std::numeric_limits<float>::infinity());
+inline Vec softmax_block(Vec s, int lo, int hi, float& m, Vec& lv, Vec (&acc)[DV]) {
+  const Vec sv = vbetween(s, lo, hi, -std::numeric_limits<float>::infinity());
   const float top = std::max(m, vmax(sv));
   if (top > m) {
     const Vec a = vset1(std::exp(m - top));
@@ -65,9 +66,17 @@ inline Vec softmax_block(Vec s, int valid, float& m, Vec& lv, Vec (&acc)[DV]) {
     lv = vmul(lv, a);
     for (int i = 0; i < DV; ++i) acc[i] = vmul(acc[i], a);
   }
-  const Vec w = vfirst(vexp(vsub(sv, vset1(top))), valid, 0.f);
+  const Vec w = vbetween(vexp(vsub(sv, vset1(top))), lo, hi, 0.f);
   lv = vadd(lv, w);
   return w;
+}
+
+// The lanes lo..hi - 1 of the block starting at position `base` (kBlock positions) that a row
+// seeing positions first..last takes; lo >= hi where it takes none.
+template <int kBlock>
+inline void lanes_seen(int64_t first, int64_t last, int64_t base, int& lo, int& hi) {
+  lo = static_cast<int>(std::clamp<int64_t>(first - base, 0, kBlock));
+  hi = static_cast<int>(std::clamp<int64_t>(last - base + 1, 0, kBlock));
 }
 
 #if defined(__AVX512BF16__)
@@ -77,7 +86,14 @@ struct Bf16 {
   using Elem = uint16_t;  // a bf16's bits
   using Word = uint32_t;  // two bf16, as `vdpbf16ps` takes them
   static constexpr int kBlock = 16;      // context tokens a block: one fp32 vector's lanes
-  static constexpr int kRowsAPass = 4;   // query rows whose sums stay in registers over a pass
+  // query rows whose sums stay in registers over a pass (at D 256 they spill, and still pay:
+  // each block's 128 key vectors are loaded once for more rows; one layer of Gemma 3 270M,
+  // 128 tokens over 2,000 on the Zen 4 box, ran at 162 GFLOP/s with 2 rows a pass, 201 with
+  // 4, 234 with 8, 214 with 12)
+  template <int D>
+  static constexpr int rows_a_pass() {
+    return D <= 128 ? 4 : 8;
+  }
   static constexpr int kPerWord = 2;     // elements a packed word holds
 
   // The layouts `vdpbf16ps` takes, for one (row, KV head)'s context of n tokens, zero past n
@@ -112,24 +128,26 @@ struct Bf16 {
   }
 
   // R query rows over one (row, KV head)'s packed context: row r (its query q[r], D bf16 as
-  // D / 2 pairs) sees positions 0..pos[r]; its output, D bf16, goes to out[r].
+  // D / 2 pairs) sees positions first[r]..pos[r]; its output, D bf16, goes to out[r].
   template <int D, int R>
-  static void attend_rows(const uint32_t* const* q, const int64_t* pos, const uint32_t* kp,
-                          const uint32_t* vp, float scale, uint16_t* const* out) {
+  static void attend_rows(const uint32_t* const* q, const int64_t* first, const int64_t* pos,
+                          const uint32_t* kp, const uint32_t* vp, float scale,
+                          uint16_t* const* out) {
     constexpr int DV = D / kBlock;  // fp32 vectors an output row takes
     __m512 acc[R][DV];
     __m512 lv[R];  // the softmax's sums, lane by lane
     float m[R];
     alignas(64) uint16_t weights[R][kBlock];  // a block's softmax weights, bf16
-    int64_t last = 0;
+    int64_t last = 0, start = pos[0];
     for (int r = 0; r < R; ++r) {
       for (int i = 0; i < DV; ++i) acc[r][i] = _mm512_setzero_ps();
       lv[r] = _mm512_setzero_ps();
       m[r] = -std::numeric_limits<float>::infinity();
       last = std::max(last, pos[r]);
+      start = std::min(start, first[r]);
     }
     const __m512 scale_v = _mm512_set1_ps(scale);
-    for (int64_t blk = 0; blk * kBlock <= last; ++blk) {
+    for (int64_t blk = start / kBlock; blk * kBlock <= last; ++blk) {
       // two sums a row, over even and odd pairs of dimensions: a row's dot products form a
       // chain (each waits for the last, ~6 cycles on Zen 4), and R chains did not keep the unit
       // busy (2R: ~7% faster a layer, 128 tokens over 600, R = 4)
@@ -147,14 +165,14 @@ struct Bf16 {
       for (int r = 0; r < R; ++r) s[r] = _mm512_add_ps(s[r], odd[r]);
       const int64_t base = blk * kBlock;
       for (int r = 0; r < R; ++r) {
-        const int64_t seen = pos[r] - base + 1;  // this row sees the block's first `seen` lanes
-        if (seen <= 0) {
+        int lo, hi;  // the lanes this row sees
+        lanes_seen<kBlock>(first[r], pos[r], base, lo, hi);
+        if (lo >= hi) {
           std::memset(weights[r], 0, sizeof(weights[r]));
           continue;
         }
-        const int valid = seen >= kBlock ? kBlock : static_cast<int>(seen);
         const __m512 w =
-            softmax_block<DV>(_mm512_mul_ps(s[r], scale_v), valid, m[r], lv[r], acc[r]);
+            softmax_block<DV>(_mm512_mul_ps(s[r], scale_v), lo, hi, m[r], lv[r], acc[r]);
         _mm256_store_si256(reinterpret_cast<__m256i*>(weights[r]), (__m256i)_mm512_cvtneps_pbh(w));
       }
       for (int jp = 0; jp < kBlock / 2; ++jp) {
@@ -187,10 +205,24 @@ struct F32 {
   using Elem = float;
   using Word = float;
   static constexpr int kBlock = kLanes;  // context tokens a block: one vector's lanes
-  // query rows a pass, sharing each vector of the context it loads. AVX2 has 16 registers, so
-  // 3 rows' sums spill there, and still pay: on the Zen 4 box the AVX2 build ran at 56-61
-  // GFLOP/s with 1 row a pass, 72-79 with 2, 84-104 with 3, about as with 4
-  static constexpr int kRowsAPass = kLanes == 16 ? 4 : 3;
+  // query rows a pass, sharing each vector of the context it loads. On the Zen 4 box held to
+  // AVX2 (16 registers) the build ran at 56-61 GFLOP/s with 1 row a pass, 72-79 with 2,
+  // 84-104 with 3; with the weighted sum in chunks (`pv_chunk`) 4 rows read 0.88-1.06x
+  // torch's AVX2 path over a history where 3 read 0.76-0.84x (runs minutes apart). At D 256
+  // on AVX-512 4 rows beat 2 (110 against 84 GFLOP/s, 128 tokens over 2,000) and 8 did not
+  // beat 4
+  template <int D>
+  static constexpr int rows_a_pass() {
+    return 4;
+  }
+  // output vectors the weighted sum keeps in registers at a time: C of them a row, beside
+  // their V vectors and the rows' weights (AVX-512: 4 x 4 + 4 + 4 of 32; AVX2: 4 x 2 + 2 + 4
+  // of 16)
+  template <int DV>
+  static constexpr int pv_chunk() {
+    constexpr int most = kLanes == 16 ? 4 : 2;
+    return DV % most == 0 ? most : DV % 2 == 0 ? 2 : 1;
+  }
   static constexpr int kPerWord = 1;
 
   // One (row, KV head)'s context of n tokens, zero past n (whole blocks): keys
@@ -220,24 +252,25 @@ struct F32 {
   }
 
   // R query rows over one (row, KV head)'s packed context: row r (its query q[r], D floats)
-  // sees positions 0..pos[r]; its output, D floats, goes to out[r].
+  // sees positions first[r]..pos[r]; its output, D floats, goes to out[r].
   template <int D, int R>
-  static void attend_rows(const float* const* q, const int64_t* pos, const float* kp,
-                          const float* vp, float scale, float* const* out) {
+  static void attend_rows(const float* const* q, const int64_t* first, const int64_t* pos,
+                          const float* kp, const float* vp, float scale, float* const* out) {
     constexpr int DV = D / kLanes;  // vectors an output row takes
     Vec acc[R][DV];
     Vec lv[R];  // the softmax's sums, lane by lane
     float m[R];
     alignas(64) float weights[R][kBlock];
-    int64_t last = 0;
+    int64_t last = 0, start = pos[0];
     for (int r = 0; r < R; ++r) {
       for (int i = 0; i < DV; ++i) acc[r][i] = vzero();
       lv[r] = vzero();
       m[r] = -std::numeric_limits<float>::infinity();
       last = std::max(last, pos[r]);
+      start = std::min(start, first[r]);
     }
     const Vec scale_v = vset1(scale);
-    for (int64_t blk = 0; blk * kBlock <= last; ++blk) {
+    for (int64_t blk = start / kBlock; blk * kBlock <= last; ++blk) {
       // two sums a row (even and odd dimensions), so that 2R FMA chains are in flight
       Vec s[R], odd[R];
       for (int r = 0; r < R; ++r) s[r] = odd[r] = vzero();
@@ -251,24 +284,35 @@ struct F32 {
       }
       const int64_t base = blk * kBlock;
       for (int r = 0; r < R; ++r) {
-        const int64_t seen = pos[r] - base + 1;  // this row sees the block's first `seen` lanes
-        if (seen <= 0) {
+        int lo, hi;  // the lanes this row sees
+        lanes_seen<kBlock>(first[r], pos[r], base, lo, hi);
+        if (lo >= hi) {
           std::memset(weights[r], 0, sizeof(weights[r]));
           continue;
         }
-        const int valid = seen >= kBlock ? kBlock : static_cast<int>(seen);
         const Vec sv = vmul(vadd(s[r], odd[r]), scale_v);
-        vstore(weights[r], softmax_block<DV>(sv, valid, m[r], lv[r], acc[r]));
+        vstore(weights[r], softmax_block<DV>(sv, lo, hi, m[r], lv[r], acc[r]));
       }
       const int upto = static_cast<int>(std::min<int64_t>(kBlock, last - base + 1));
-      for (int t = 0; t < upto; ++t) {
-        const float* vrow = vp + (base + t) * D;
-        Vec v[DV];
-        for (int i = 0; i < DV; ++i) v[i] = vload(vrow + i * kLanes);
-        for (int r = 0; r < R; ++r) {
-          const Vec w = vset1(weights[r][t]);
-          for (int i = 0; i < DV; ++i) acc[r][i] = vfmadd(w, v[i], acc[r][i]);
+      // the weighted sum C vectors of the output at a time, over the block's tokens: where
+      // the rows' sums do not fit the registers (R * DV > 16), each is loaded and stored once
+      // a block, not once a token
+      constexpr int C = pv_chunk<DV>();
+      for (int i0 = 0; i0 < DV; i0 += C) {
+        Vec a[R][C];
+        for (int r = 0; r < R; ++r)
+          for (int c = 0; c < C; ++c) a[r][c] = acc[r][i0 + c];
+        for (int t = 0; t < upto; ++t) {
+          const float* vrow = vp + (base + t) * D + i0 * kLanes;
+          Vec v[C];
+          for (int c = 0; c < C; ++c) v[c] = vload(vrow + c * kLanes);
+          for (int r = 0; r < R; ++r) {
+            const Vec w = vset1(weights[r][t]);
+            for (int c = 0; c < C; ++c) a[r][c] = vfmadd(w, v[c], a[r][c]);
+          }
         }
+        for (int r = 0; r < R; ++r)
+          for (int c = 0; c < C; ++c) acc[r][i0 + c] = a[r][c];
       }
     }
     for (int r = 0; r < R; ++r) {
@@ -278,15 +322,15 @@ struct F32 {
   }
 };
 
-// n (1..P::kRowsAPass) query rows a pass, their count known at compile time
-template <class P, int D, int R = P::kRowsAPass>
-void attend_pass(int n, const typename P::Word* const* q, const int64_t* pos,
-                 const typename P::Word* kp, const typename P::Word* vp, float scale,
-                 typename P::Elem* const* out) {
+// n (1..P::rows_a_pass<D>()) query rows a pass, their count known at compile time
+template <class P, int D, int R = P::template rows_a_pass<D>()>
+void attend_pass(int n, const typename P::Word* const* q, const int64_t* first,
+                 const int64_t* pos, const typename P::Word* kp, const typename P::Word* vp,
+                 float scale, typename P::Elem* const* out) {
   if constexpr (R > 1) {
-    if (n < R) return attend_pass<P, D, R - 1>(n, q, pos, kp, vp, scale, out);
+    if (n < R) return attend_pass<P, D, R - 1>(n, q, first, pos, kp, vp, scale, out);
   }
-  P::template attend_rows<D, R>(q, pos, kp, vp, scale, out);
+  P::template attend_rows<D, R>(q, first, pos, kp, vp, scale, out);
 }
 
 // A piece of work: query tokens t0..t0 + n - 1 of one row, for one KV head's query heads.
@@ -299,14 +343,14 @@ void run(const at::Tensor& query,   // [B * T, H, D], contiguous
          const at::Tensor& k_pool,  // [S, KVH, D]
          const at::Tensor& v_pool,
          const at::Tensor& slots,   // [B, W] int64, contiguous
-         const std::vector<int64_t>& lens, double scale, at::Tensor& out) {
+         const std::vector<int64_t>& lens, int64_t window, double scale, at::Tensor& out) {
   const int64_t batch = slots.size(0), tokens = query.size(0) / batch;
   const int64_t heads = query.size(1), kv_heads = k_pool.size(1), group = heads / kv_heads;
   const int64_t width = slots.size(1), slot_stride = k_pool.stride(0);
   const int64_t head_stride = k_pool.stride(1);
   using Elem = typename P::Elem;
   using Word = typename P::Word;
-  constexpr int kBlock = P::kBlock, kRowsAPass = P::kRowsAPass;
+  constexpr int kBlock = P::kBlock, kRowsAPass = P::template rows_a_pass<D>();
   const auto* kpool = static_cast<const Elem*>(k_pool.data_ptr());
   const auto* vpool = static_cast<const Elem*>(v_pool.data_ptr());
   const auto* qp = static_cast<const Elem*>(query.data_ptr());
@@ -348,7 +392,8 @@ void run(const at::Tensor& query,   // [B * T, H, D], contiguous
     for (int64_t h = 0; h < kv_heads; ++h)
       for (int64_t t0 = 0; t0 < tokens; t0 += kTileTokens) {
         const int64_t n = std::min<int64_t>(kTileTokens, tokens - t0);
-        items.push_back({b, h, t0, n, lens[b] - tokens + t0 + n});
+        const int64_t seen = lens[b] - tokens + t0 + n;  // the positions its last token sees
+        items.push_back({b, h, t0, n, window > 0 ? std::min(seen, window + n) : seen});
       }
   // the longest first, so the threads' last items are short ones
   std::stable_sort(items.begin(), items.end(),
@@ -364,15 +409,16 @@ void run(const at::Tensor& query,   // [B * T, H, D], contiguous
       const int n = static_cast<int>(std::min<int64_t>(kRowsAPass, rows - j0));
       const Word* q[kRowsAPass];
       Elem* o[kRowsAPass];
-      int64_t pos[kRowsAPass];
+      int64_t first[kRowsAPass], pos[kRowsAPass];
       for (int r = 0; r < n; ++r) {
         const int64_t t = it.t0 + (j0 + r) / group, g = (j0 + r) % group;
         const int64_t at = ((it.row * tokens + t) * heads + it.kv_head * group + g) * D;
         q[r] = reinterpret_cast<const Word*>(qp + at);
         o[r] = op + at;
         pos[r] = lens[it.row] - tokens + t;
+        first[r] = window > 0 ? std::max<int64_t>(0, pos[r] - window + 1) : 0;
       }
-      attend_pass<P, D>(n, q, pos, kp, vp, static_cast<float>(scale), o);
+      attend_pass<P, D>(n, q, first, pos, kp, vp, static_cast<float>(scale), o);
     }
   }
 }
@@ -380,14 +426,15 @@ void run(const at::Tensor& query,   // [B * T, H, D], contiguous
 template <class P>
 void dispatch(int64_t head_dim, const at::Tensor& q, const at::Tensor& k_pool,
               const at::Tensor& v_pool, const at::Tensor& slots,
-              const std::vector<int64_t>& lens, double scale, at::Tensor& out) {
+              const std::vector<int64_t>& lens, int64_t window, double scale, at::Tensor& out) {
   switch (head_dim) {
-    case 16: return run<P, 16>(q, k_pool, v_pool, slots, lens, scale, out);
-    case 32: return run<P, 32>(q, k_pool, v_pool, slots, lens, scale, out);
-    case 64: return run<P, 64>(q, k_pool, v_pool, slots, lens, scale, out);
-    case 80: return run<P, 80>(q, k_pool, v_pool, slots, lens, scale, out);
-    case 96: return run<P, 96>(q, k_pool, v_pool, slots, lens, scale, out);
-    case 128: return run<P, 128>(q, k_pool, v_pool, slots, lens, scale, out);
+    case 16: return run<P, 16>(q, k_pool, v_pool, slots, lens, window, scale, out);
+    case 32: return run<P, 32>(q, k_pool, v_pool, slots, lens, window, scale, out);
+    case 64: return run<P, 64>(q, k_pool, v_pool, slots, lens, window, scale, out);
+    case 80: return run<P, 80>(q, k_pool, v_pool, slots, lens, window, scale, out);
+    case 96: return run<P, 96>(q, k_pool, v_pool, slots, lens, window, scale, out);
+    case 128: return run<P, 128>(q, k_pool, v_pool, slots, lens, window, scale, out);
+    case 256: return run<P, 256>(q, k_pool, v_pool, slots, lens, window, scale, out);
     default: TORCH_CHECK(false, "extend_attend: head_dim ", head_dim, " is not supported");
   }
 }
@@ -395,11 +442,12 @@ void dispatch(int64_t head_dim, const at::Tensor& q, const at::Tensor& k_pool,
 // query [B * T, H, D]: B rows of T new tokens each, consecutive, each row's the last T of its
 // lens[b] context positions, whose slots are slots[b, :lens[b]] (int64 [B, W]); k_pool, v_pool
 // [S, KVH, D] (any slot and head strides, D contiguous); all three float32, or all bf16 where
-// built with AVX512-BF16. Token t of row b sees positions 0..lens[b] - T + t. Returns
+// built with AVX512-BF16. Token t of row b sees positions 0..lens[b] - T + t, or with a
+// `window` > 0 (a sliding-window layer) only the last `window` of those. Returns
 // [B * T, H, D] in their dtype.
 at::Tensor extend_attend(const at::Tensor& query, const at::Tensor& k_pool,
                          const at::Tensor& v_pool, const at::Tensor& slots,
-                         const at::Tensor& lens, double scale) {
+                         const at::Tensor& lens, double scale, int64_t window) {
   TORCH_CHECK(query.dim() == 3 && k_pool.dim() == 3 && v_pool.dim() == 3,
               "extend_attend: query [B * T, H, D] and pools [S, KVH, D] expected");
   const auto dtype = query.scalar_type();
@@ -420,6 +468,8 @@ at::Tensor extend_attend(const at::Tensor& query, const at::Tensor& k_pool,
                   query.size(0) % slots.size(0) == 0 && query.size(0) > 0,
               "extend_attend: slots [B, W] and lens [B] expected, with B dividing the query's ",
               query.size(0), " rows");
+  TORCH_CHECK(window >= 0, "extend_attend: window must be 0 (none) or a positive width, not ",
+              window);
   const int64_t batch = slots.size(0), tokens = query.size(0) / batch;
   const at::Tensor s = slots.to(at::kLong).contiguous();
   const at::Tensor l = lens.to(at::kLong).contiguous();
@@ -440,11 +490,11 @@ at::Tensor extend_attend(const at::Tensor& query, const at::Tensor& k_pool,
   at::Tensor out = at::empty_like(q);
 #if defined(__AVX512BF16__)
   if (dtype == at::kBFloat16) {
-    dispatch<Bf16>(head_dim, q, k_pool, v_pool, s, row_lens, scale, out);
+    dispatch<Bf16>(head_dim, q, k_pool, v_pool, s, row_lens, window, scale, out);
     return out;
   }
 #endif
-  dispatch<F32>(head_dim, q, k_pool, v_pool, s, row_lens, scale, out);
+  dispatch<F32>(head_dim, q, k_pool, v_pool, s, row_lens, window, scale, out);
   return out;
 }
 
@@ -453,7 +503,7 @@ at::Tensor extend_attend(const at::Tensor& query, const at::Tensor& k_pool,
 TORCH_LIBRARY_FRAGMENT(sessionserve, m) {
   m.def(
       "extend_attend(Tensor query, Tensor k_pool, Tensor v_pool, Tensor slots, Tensor lens, "
-      "float scale) -> Tensor");
+      "float scale, int window=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(sessionserve, CPU, m) { m.impl("extend_attend", &extend_attend); }

@@ -5,7 +5,9 @@ Why it exists: a turn over a session's history (or a prompt after a radix hit, o
 prompt's later chunk) attended through torch's flash attention after gathering the context's
 K/V out of the pool; on 2 cores of an EPYC Zen 4 in bf16 that ran at ~110 GFLOP/s, a third of
 a 128-token turn over 600 tokens, where the step's GEMMs run at ~280 (docs/benchmarks.md,
-stop 104), and in fp32 at ~113. The kernel reads the pool in place. In bf16 it computes the
+stop 104), and in fp32 at ~113. A sliding-window layer's ran under a banded mask, every block
+of the context computed (stop 107). The kernel reads the pool in place, and on sliding layers
+computes only each token's window. In bf16 it computes the
 scores and the weighted sum with AVX512-BF16's dot products, as torch's kernel does in bf16
 (fp32 sums, the softmax's weights rounded to bf16); in fp32 (what `model.dtype: auto` serves
 on CPUs without bf16 arithmetic: AVX2, and AVX-512 before AVX512-BF16) with fp32 FMAs on
@@ -26,7 +28,7 @@ import torch
 from sessionserve.replicas.native_kernel import NativeKernel, needs_avx512
 
 SOURCE = Path(__file__).with_name("cpu_extend_attention.cpp")
-HEAD_DIMS = (16, 32, 64, 80, 96, 128)  # what the kernel is instantiated for
+HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)  # what the kernel is instantiated for
 DISABLE_ENV = "SESSIONSERVE_CPU_EXTEND_KERNEL"  # "0": keep torch's attention for prefills;
 # "1": use the kernel also where it was not measured faster (`told_to_use`)
 log = logging.getLogger(__name__)
@@ -35,7 +37,7 @@ _said_why = False
 
 def _register_fake() -> None:
     @torch.library.register_fake("sessionserve::extend_attend")
-    def _(query, k_pool, v_pool, slots, lens, scale):  # noqa: ANN001, ANN202
+    def _(query, k_pool, v_pool, slots, lens, scale, window=0):  # noqa: ANN001, ANN202
         return torch.empty_like(query)
 
 
@@ -86,8 +88,8 @@ def measured_faster(dtype: torch.dtype) -> bool:
     without AMX (stop 104), fp32 on AVX-512 (stop 106). Not on a CPU with AMX in bf16, where
     torch's flash attention computes its blocks on tiles and the kernel was not measured
     against it; not on AVX2, where the build (8-lane vectors, 16 registers) ran turns over a
-    history at 0.72-0.98x torch's path on the Zen 4 box, both held to AVX2, and no AVX2-only
-    CPU has measured the two. Says once in the log why not."""
+    history at 0.72-1.06x torch's path on the Zen 4 box (stops 106-107), both held to AVX2,
+    and no AVX2-only CPU has measured the two. Says once in the log why not."""
     global _said_why
     capability = torch.backends.cpu.get_cpu_capability()
     if dtype == torch.bfloat16 and capability == "AMX":
@@ -109,11 +111,15 @@ def extend_attend(
     slots: torch.Tensor,
     lens: torch.Tensor,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Rows of T new tokens (query [B * T, H, D], a row's tokens consecutive) over their
     contexts (slots [B, W] int64, lens [B]; pools [S, KVH, D]; all fp32, or all bf16 where
     `BF16_BUILT`), each row's new tokens the last T of its context, already in the pool: token
-    t of row b sees positions 0..lens[b] - T + t. Returns [B * T, H, D] in their dtype. Loads
+    t of row b sees positions 0..lens[b] - T + t, on a sliding-window layer (`window`) only
+    the last `window` of those, itself included. Returns [B * T, H, D] in their dtype. Loads
     the op first if this process has not."""
     KERNEL.require()
-    return torch.ops.sessionserve.extend_attend(query, k_pool, v_pool, slots, lens, scale)
+    return torch.ops.sessionserve.extend_attend(
+        query, k_pool, v_pool, slots, lens, scale, window or 0
+    )

@@ -37,6 +37,11 @@ inline Vec vfirst(Vec v, int n, float other) {
   const __mmask16 valid = n == kLanes ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
   return _mm512_mask_mov_ps(_mm512_set1_ps(other), valid, v);
 }
+// v's lanes lo..hi - 1 (0 <= lo <= hi <= kLanes), the others `other`
+inline Vec vbetween(Vec v, int lo, int hi, float other) {
+  const __mmask16 valid = __mmask16(((1u << hi) - 1) & ~((1u << lo) - 1));
+  return _mm512_mask_mov_ps(_mm512_set1_ps(other), valid, v);
+}
 
 // The 16 sums of 16 vectors' lanes (out[t] = sum of v[t]'s lanes), by a transposing tree:
 // ~3 instructions a vector, against ~8 for a horizontal sum of each. `v` is 64-byte aligned.
@@ -95,6 +100,13 @@ inline Vec vexp(Vec x) { return exp256(x); }  // cpu_vector_exp.h
 inline Vec vfirst(Vec v, int n, float other) {
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane));
+  return _mm256_blendv_ps(_mm256_set1_ps(other), v, valid);
+}
+inline Vec vbetween(Vec v, int lo, int hi, float other) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i below_hi = _mm256_cmpgt_epi32(_mm256_set1_epi32(hi), lane);
+  const __m256i from_lo = _mm256_cmpgt_epi32(lane, _mm256_set1_epi32(lo - 1));
+  const __m256 valid = _mm256_castsi256_ps(_mm256_and_si256(below_hi, from_lo));
   return _mm256_blendv_ps(_mm256_set1_ps(other), v, valid);
 }
 

@@ -16,7 +16,10 @@ Metadata is built on the host with whole-tensor ops and copied to the device onc
 Where the compiled forward runs (CPU), decode groups (one new token per row) instead call a
 kernel that reads the pool in place (`decode_kernel`, attention/inplace_decode.py): no
 gathered copy of their K/V; the CPU kernel (cpu_decode_kernel.py) takes chain verifies' rows
-(k + 1 tokens each) too.
+(k + 1 tokens each) too. Groups of 2+ new tokens a row that no decode kernel takes (prompts,
+session turns) call the CPU prefill kernel (`extend_kernel`, cpu_extend_kernel.py) over the
+pool in place where it is usable, sliding layers included (over their window's columns, or
+banded by the kernel).
 """
 
 from __future__ import annotations
@@ -56,8 +59,13 @@ class _Group:
     # are one range of the flat batch [start, end) (decodes are: the scheduler puts them
     # first): sliced, not indexed
     extend: tuple[torch.Tensor, torch.Tensor] | None = None  # where the CPU prefill kernel
-    # takes the group (`extend_kernel`: rows of 2+ tokens, no tree, full attention layers):
-    # its slots [B, W] and context lengths [B]
+    # takes the group (`extend_kernel`: rows of 2+ tokens, no tree): its slots [B, W] and
+    # context lengths [B], read by full layers, and by sliding layers whose window is not in
+    # `extend_windowed` (the kernel bands them itself)
+    extend_windowed: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # per window in `windowed`, where the kernel takes the group: its layers' columns
+    # (`windowed`'s slots [B, Wmax], a fresh prompt's sliding slots where kept apart) and how
+    # many of them each row reads [B]
     stacked_masks: dict | None = field(default_factory=dict)  # `grouped_attention`'s masks,
     # built at the forward's first layer and reused by the others (per window key); None for
     # the static groups of CUDA graphs, whose masks are refilled in place between replays
@@ -128,6 +136,9 @@ class TorchPagedBackend(AttentionBackend):
                 fresh.window_masks[w] = to_device(context_mask(lens, q, q, w)[:, None], device)
             if extends:
                 fresh.extend = (to_device(only.ctx_slots[None], device), to_device(lens, device))
+                if apart:  # its sliding slots cover all of it (fewer than `window - 1 + q`)
+                    sliding = to_device(only.sliding_slots[None], device)
+                    fresh.extend_windowed = dict.fromkeys(windows, (sliding, fresh.extend[1]))
             return fresh
         token_idx = torch.tensor(starts)[:, None] + torch.arange(q)
         ctx_slots = pad_sequence([s.ctx_slots for s in seqs], batch_first=True)
@@ -158,6 +169,8 @@ class TorchPagedBackend(AttentionBackend):
             lens_w = torch.tensor([c.numel() for c in cols])
             mask_w = context_mask(lens_w, q, narrow.shape[1], w)[:, None]
             group.windowed[w] = (to_device(narrow, device), to_device(mask_w, device))
+            if group.extend is not None:
+                group.extend_windowed[w] = (group.windowed[w][0], to_device(lens_w, device))
             if group.decode and q == 1:  # a decode row sees all of its last `window`
                 # positions (a verify's tokens each see other ones: they keep the mask)
                 group.decode[w] = _kernel_slots(narrow, lens_w, kernel.chunks, device)
@@ -254,18 +267,17 @@ class TorchPagedBackend(AttentionBackend):
         q_tokens = q[0].transpose(0, 1)  # [T, H, D]
         for g in meta.plan:
             banded = g.window_masks.get(window) if window is not None else None
-            if g.extend is not None and not apart and banded is None and window not in g.windowed:
-                # the prefill kernel over the pool in place: this layer attends to all of each
-                # row's context (full attention, or a window that covers it)
+            context = _extend_context(g, window, apart)
+            if context is not None:  # the prefill kernel over the pool in place
                 s, e = g.fresh or g.rows or (0, 0)
                 if e:
                     out[s:e] = cpu_extend_kernel.extend_attend(
-                        q_tokens[s:e], k_pool, v_pool, *g.extend, scaling
+                        q_tokens[s:e], k_pool, v_pool, *context, scaling, window
                     )
                 else:
                     rows = g.token_idx.reshape(-1)
                     out[rows] = cpu_extend_kernel.extend_attend(
-                        q_tokens[rows], k_pool, v_pool, *g.extend, scaling
+                        q_tokens[rows], k_pool, v_pool, *context, scaling, window
                     )
                 continue
             if g.fresh is not None:
@@ -305,6 +317,20 @@ class TorchPagedBackend(AttentionBackend):
             o = grouped_attention(qg, kg, vg, mask, scaling, masks)  # [B, H, q, D]
             out[g.token_idx.reshape(-1)] = o.transpose(1, 2).reshape(-1, n_heads, head_dim)
         return out.unsqueeze(0)
+
+
+def _extend_context(
+    g: _Group, window: int | None, apart: bool
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The slots and lengths the prefill kernel reads for a layer (of `window`, None: full
+    attention) of group `g`, or None where the kernel does not take it: the window's columns
+    where the plan narrowed them (a window that cuts a context, or sliding KV kept apart),
+    else the whole contexts, which the kernel bands to the window itself."""
+    if g.extend is None:
+        return None
+    if window is not None and window in g.extend_windowed:
+        return g.extend_windowed[window]
+    return None if apart else g.extend
 
 
 def grouped_attention(

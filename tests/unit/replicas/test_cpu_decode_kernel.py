@@ -50,7 +50,7 @@ def case(heads: int, kv_heads: int, dim: int, lens: list[int], dtype: torch.dtyp
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(
     "heads,kv_heads,dim",
-    [(4, 2, 16), (9, 3, 64), (8, 2, 128), (4, 4, 32), (6, 1, 80), (16, 1, 96)],
+    [(4, 2, 16), (9, 3, 64), (8, 2, 128), (4, 4, 32), (6, 1, 80), (16, 1, 96), (4, 1, 256)],
 )
 def test_the_kernel_computes_the_formula(heads, kv_heads, dim, dtype, threads) -> None:
     for seed, lens in enumerate([[0], [1], [15, 16, 17], [700, 3], [0, 1500, 40, 1]]):
@@ -87,7 +87,7 @@ from sessionserve.replicas.attention import cpu_decode_kernel
 from tests.unit.replicas.test_cpu_decode_kernel import check_a_case
 assert cpu_decode_kernel.load(), cpu_decode_kernel.why_not()
 for dtype in (torch.float32, torch.bfloat16):
-    for heads, kv_heads, dim in [(9, 3, 64), (6, 1, 80)]:
+    for heads, kv_heads, dim in [(9, 3, 64), (6, 1, 80), (4, 1, 256)]:
         for seed, lens in enumerate([[1], [15, 16, 17], [0, 1500, 40, 1]]):
             check_a_case(heads, kv_heads, dim, lens, dtype, seed)
 print("AVX2 build ok")

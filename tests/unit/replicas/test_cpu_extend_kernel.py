@@ -1,7 +1,8 @@
 """The hand-written CPU prefill attention (attention/cpu_extend_kernel.py): built and loaded on an
 x86 CPU with AVX2 or AVX-512 and a C++ compiler, it computes what torch's attention computes
 for rows of new tokens over their cached contexts read through slot tables (causal among the
-new tokens), for the head layouts it supports, contexts of any length and thread counts: in
+new tokens, or over a sliding window), for the head layouts it supports (Gemma 3's head_dim
+256 among them), contexts of any length and thread counts: in
 bf16 (a CPU with AVX512-BF16) as close to the exact result as torch's own bf16 kernel, in fp32
 as close as torch's fp32 attention, built for AVX-512 and for AVX2 alike; bad input is a clear
 error; the torch backend takes it for prefills and session turns of bf16 and fp32 models,
@@ -61,14 +62,16 @@ def case(
     return query, pools[0][1], pools[1][1], slots, torch.tensor(lens)
 
 
-def attention(query, k_pool, v_pool, slots, lens, scale, dtype) -> torch.Tensor:
-    """torch's attention over the gathered contexts in `dtype` (float64: the exact result)."""
+def attention(query, k_pool, v_pool, slots, lens, scale, dtype, window=None) -> torch.Tensor:
+    """torch's attention over the gathered contexts in `dtype` (float64: the exact result),
+    each token seeing only the last `window` positions where given (the backend's mask for
+    sliding layers)."""
     batch, width = slots.shape
     tokens = query.shape[0] // batch
     heads, kv_heads = query.shape[1], k_pool.shape[1]
     q = query.view(batch, tokens, heads, -1).transpose(1, 2).to(dtype)
     k, v = (p[slots].transpose(1, 2).to(dtype) for p in (k_pool, v_pool))
-    mask = context_mask(lens, tokens, width)[:, None]
+    mask = context_mask(lens, tokens, width, window)[:, None]
     o = F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, scale=scale, enable_gqa=heads > kv_heads
     )
@@ -77,7 +80,9 @@ def attention(query, k_pool, v_pool, slots, lens, scale, dtype) -> torch.Tensor:
     )
 
 
-def check_a_case(heads, kv_heads, dim, lens, tokens, seed, dtype=torch.bfloat16) -> None:
+def check_a_case(
+    heads, kv_heads, dim, lens, tokens, seed, dtype=torch.bfloat16, window=None
+) -> None:
     """The kernel's output against the exact result, within what torch's own attention in the
     same dtype is off by on the same case. bf16: 1.25x that plus one bf16 step of the output
     (both round the softmax's weights to bf16 for the sum of V, and the output once). fp32:
@@ -86,10 +91,10 @@ def check_a_case(heads, kv_heads, dim, lens, tokens, seed, dtype=torch.bfloat16)
     that should not be is off by ~1e-2)."""
     query, k_pool, v_pool, slots, lens_t = case(heads, kv_heads, dim, lens, tokens, seed, dtype)
     scale = dim**-0.5
-    got = cpu_extend_kernel.extend_attend(query, k_pool, v_pool, slots, lens_t, scale)
+    got = cpu_extend_kernel.extend_attend(query, k_pool, v_pool, slots, lens_t, scale, window)
     assert got.dtype == dtype and got.shape == query.shape
-    exact = attention(query, k_pool, v_pool, slots, lens_t, scale, torch.float64)
-    torchs = attention(query, k_pool, v_pool, slots, lens_t, scale, dtype)
+    exact = attention(query, k_pool, v_pool, slots, lens_t, scale, torch.float64, window)
+    torchs = attention(query, k_pool, v_pool, slots, lens_t, scale, dtype, window)
     bf16 = dtype == torch.bfloat16
     factor, step = (1.25, exact.abs() * 2**-8) if bf16 else (2.0, exact.abs() * 2**-21)
     assert (
@@ -105,7 +110,23 @@ CASES = [
     ([700], 150),  # a turn over a long history: several tiles, many blocks
     ([300, 45, 161], 45),  # rows of unequal contexts
 ]
-LAYOUTS = [(4, 2, 16), (9, 3, 64), (8, 2, 128), (4, 4, 32), (6, 1, 80), (16, 2, 96)]
+LAYOUTS = [
+    (4, 2, 16),
+    (9, 3, 64),
+    (8, 2, 128),
+    (4, 4, 32),
+    (6, 1, 80),
+    (16, 2, 96),
+    (4, 1, 256),  # Gemma 3 270M's
+]
+WINDOW_CASES = [  # (lens, tokens, window): sliding-window layers
+    ([37], 37, 8),  # a fresh prompt longer than its window
+    ([700], 150, 64),  # a turn over a long history: the window starts mid-block
+    ([300, 45, 161], 45, 100),  # rows the window cuts and one it covers
+    ([40, 55], 40, 1),  # each token sees itself only
+    ([512], 256, 512),  # a window that covers every context: as full attention
+]
+WINDOW_LAYOUTS = [(9, 3, 64), (4, 1, 256), (8, 8, 32)]
 
 
 @pytest.mark.usefixtures("kernel")
@@ -118,10 +139,24 @@ def test_the_kernel_computes_torchs_attention(heads, kv_heads, dim, dtype, threa
         check_a_case(heads, kv_heads, dim, lens, tokens, seed, dtype)
 
 
+@pytest.mark.usefixtures("kernel")
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("heads,kv_heads,dim", WINDOW_LAYOUTS)
+def test_the_kernel_computes_sliding_window_attention(heads, kv_heads, dim, dtype, threads) -> None:
+    """A sliding-window layer's attention (each token seeing the last `window` positions,
+    itself included), as torch's over the backend's banded mask."""
+    needs(dtype)
+    for seed, (lens, tokens, window) in enumerate(WINDOW_CASES):
+        check_a_case(heads, kv_heads, dim, lens, tokens, seed, dtype, window)
+
+
 AVX2_SCRIPT = """
     import torch
     from sessionserve.replicas.attention import cpu_extend_kernel
-    from tests.unit.replicas.test_cpu_extend_kernel import CASES, LAYOUTS, case, check_a_case
+    from tests.unit.replicas.test_cpu_extend_kernel import (
+        CASES, LAYOUTS, WINDOW_CASES, WINDOW_LAYOUTS, case, check_a_case,
+    )
 
     assert torch.backends.cpu.get_cpu_capability() == "AVX2"
     assert cpu_extend_kernel.KERNEL.load(), cpu_extend_kernel.why_not()
@@ -130,6 +165,9 @@ AVX2_SCRIPT = """
     for heads, kv_heads, dim in LAYOUTS:
         for seed, (lens, tokens) in enumerate(CASES):
             check_a_case(heads, kv_heads, dim, lens, tokens, seed, torch.float32)
+    for heads, kv_heads, dim in WINDOW_LAYOUTS:
+        for seed, (lens, tokens, window) in enumerate(WINDOW_CASES):
+            check_a_case(heads, kv_heads, dim, lens, tokens, seed, torch.float32, window)
     try:
         cpu_extend_kernel.extend_attend(*case(4, 2, 16, [3], 3, 0), 0.25)
     except RuntimeError as e:
@@ -143,7 +181,7 @@ AVX2_SCRIPT = """
 @pytest.mark.usefixtures("kernel")
 def test_the_avx2_build_computes_fp32_attention_and_refuses_bf16() -> None:
     """The same cases through the kernel built for AVX2 (torch told its CPU is AVX2, so the
-    kernel builds with -mavx2 -mfma: 8-lane blocks, three rows a pass), in a process of its own;
+    kernel builds with -mavx2 -mfma: 8-lane blocks, four rows a pass), in a process of its own;
     bf16 is a clear error there."""
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512", "AMX"):
         pytest.skip("this CPU runs no AVX2 code")
@@ -191,12 +229,13 @@ def test_bad_input_is_a_clear_error() -> None:
     assert not cpu_extend_kernel.usable(64, 4, 2, torch.float16)
 
 
-def _spied(monkeypatch) -> list[tuple[int, ...]]:
-    calls: list[tuple[int, ...]] = []
+def _spied(monkeypatch) -> list[tuple[int, int | None]]:
+    """The kernel's calls from here on: each one's query tokens and window."""
+    calls: list[tuple[int, int | None]] = []
     run = cpu_extend_kernel.extend_attend
 
     def spy(query, *args):  # noqa: ANN001, ANN202
-        calls.append(tuple(query.shape))
+        calls.append((query.shape[0], args[5] if len(args) > 5 else None))
         return run(query, *args)
 
     monkeypatch.setattr(cpu_extend_kernel, "extend_attend", spy)
@@ -205,17 +244,23 @@ def _spied(monkeypatch) -> list[tuple[int, ...]]:
 
 @pytest.mark.usefixtures("kernel")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
-def test_session_turns_through_the_kernel_answer_as_without_it(monkeypatch, arch, dtype) -> None:
+@pytest.mark.parametrize(
+    "arch,apart", [("llama", True), ("qwen2", True), ("gemma3", True), ("gemma3", False)]
+)
+def test_session_turns_through_the_kernel_answer_as_without_it(
+    monkeypatch, arch, apart, dtype
+) -> None:
     """A bf16 or fp32 model's prompts and session turns (turns of several lengths, then two
     prompts in one step) attend through the kernel and answer, tie-aware, as the same engine
-    without it, token for token where no near-tie decides. Gemma 3's sliding layers keep
-    torch's attention over their windows; its full layers take the kernel."""
+    without it, token for token where no near-tie decides. Gemma 3's sliding layers (window
+    8, which every prompt and turn here outgrows) take it too: over their window's columns,
+    from the sliding slots where the cache keeps those layers' KV apart (`apart`), else the
+    whole context banded by the kernel."""
     needs(dtype)
     monkeypatch.setenv(cpu_extend_kernel.DISABLE_ENV, "1")  # on a CPU with AMX too
     model = tiny_model(arch).to(dtype)
     calls = _spied(monkeypatch)
-    engine, without = tiny_engine(model), tiny_engine(model)
+    engine, without = (tiny_engine(model, sliding_window_kv=apart) for _ in "ab")
     without.runner.backend.extend_kernel = False
     assert engine.runner.backend.extend_kernel
     results = {}
@@ -231,7 +276,9 @@ def test_session_turns_through_the_kernel_answer_as_without_it(monkeypatch, arch
         results[name] = turns
         if name == "kernel":
             # the 70-token turn, after the last answer's final token (its K/V not written yet)
-            assert any(shape[0] == 71 for shape in calls)
+            assert any(tokens == 71 for tokens, _ in calls)
+            windows = {w for _, w in calls}
+            assert windows == ({None, 8} if arch == "gemma3" else {None})
             calls.clear()
     assert not calls  # the engine without it never called it
     assert assert_tie_aware_equal(results["without"], results["kernel"]) >= 3 * GREEDY.max_tokens
