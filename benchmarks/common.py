@@ -65,11 +65,13 @@ def bench_config_engine(
     kv_tokens: int | None = None,
     max_running: int = 32,
     kv_dtype: str = "auto",
+    model_path: str = "default",
 ) -> Engine:
-    """The engine of `serve-cpu-bench*.yaml` in this process: the default model in `dtype`,
-    compiled (the build waited for), `threads` torch threads, `kv_tokens` of KV or 1 GiB
-    (in `kv_dtype`, `cache.kv_dtype`), `max_running` requests a step (the configs' 32)."""
-    model = ModelConfig(path="default", torch_threads=threads, dtype=dtype)
+    """The engine of `serve-cpu-bench*.yaml` in this process: the default model (or
+    `model_path`) in `dtype`, compiled (the build waited for), `threads` torch threads,
+    `kv_tokens` of KV or 1 GiB of the default model's (in `kv_dtype`, `cache.kv_dtype`),
+    `max_running` requests a step (the configs' 32)."""
+    model = ModelConfig(path=model_path, torch_threads=threads, dtype=dtype)
     kv = CacheConfig(kv_dtype=kv_dtype).kv_torch_dtype(model.torch_dtype())
     cfg = EngineConfig(
         model=model,
@@ -82,7 +84,7 @@ def bench_config_engine(
         scheduler=SchedulerConfig(max_running_requests=max_running, max_prefill_tokens=512),
         compile=True,
     )
-    eng = Engine(cfg, load("default", model.torch_dtype()))
+    eng = Engine(cfg, load(model_path, model.torch_dtype()))
     if eng.runner.compiling is not None:
         eng.runner.compiling.join()
     return eng

@@ -22,8 +22,12 @@ contexts, alternating rounds on the same requests (what a served decode step gai
     .venv/bin/python -m benchmarks.decode_attention [--points 1x300 8x300 1x2000 8x2000]
         [--engine-points 1x300 8x300 4x1000]
         [--against broadcast | matmul | sdpa | page_transposed | cpu_kernel]
+        [--model default | gemma3-270m]
 
-Defaults: SmolLM2-135M's head layout (9 query heads, 3 KV heads, 64 wide) in bf16.
+Defaults: SmolLM2-135M's head layout (9 query heads, 3 KV heads, 64 wide) in bf16; with
+`--model gemma3-270m` Gemma 3 270M's (4 query heads, 1 KV head, 256 wide) and that model in
+the engine points (every layer, sliding ones included, takes the kernel under test: a
+sliding layer's rows read only their window's slots).
 Last line: JSON with `against`, `us_now_{B}x{L}`, `us_before_{B}x{L}` (the other formulation)
 and `speedup_{B}x{L}` (the kernel alone), and `step_ms_now_{B}x{L}`, `step_ms_before_{B}x{L}`,
 `step_speedup_{B}x{L}`.
@@ -204,6 +208,10 @@ def cpu_kernel_as_kernel(layout: HeadLayout) -> Callable[..., torch.Tensor]:
     return cpu_decode_kernel.over_the_pool(layout.scale)
 
 
+# (query heads, KV heads, head_dim); both models' scale is head_dim ** -0.5 (Gemma 3's
+# query_pre_attn_scalar is its head_dim)
+HEAD_LAYOUTS = {"default": (9, 3, 64), "gemma3-270m": (4, 1, 256)}
+
 AGAINST = {
     "broadcast": BroadcastGroup,
     "matmul": GatheredMatmul,
@@ -297,9 +305,10 @@ def main() -> None:
     ap.add_argument("--engine-points", nargs="*", default=[])
     ap.add_argument("--engine-rounds", type=int, default=4)
     ap.add_argument("--engine-steps", type=int, default=8)
-    ap.add_argument("--heads", type=int, default=9)
-    ap.add_argument("--kv-heads", type=int, default=3)
-    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--model", choices=sorted(HEAD_LAYOUTS), default="default")
+    ap.add_argument("--heads", type=int, help="default: --model's")
+    ap.add_argument("--kv-heads", type=int, help="default: --model's")
+    ap.add_argument("--head-dim", type=int, help="default: --model's")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     ap.add_argument("--pool-slots", type=int, default=65536)
     ap.add_argument("--rounds", type=int, default=5)
@@ -310,13 +319,20 @@ def main() -> None:
     if args.engine_points and args.against == "page_transposed":
         ap.error("page_transposed is timed alone: the engine's pool is not stored that way")
     setup_threads(args.threads)
-    layout = HeadLayout(
-        args.heads, args.kv_heads, args.head_dim, f"torch.{args.dtype}", args.head_dim**-0.5
+    model_heads = HEAD_LAYOUTS[args.model]
+    heads, kv_heads, head_dim = (
+        given or default
+        for given, default in zip(
+            (args.heads, args.kv_heads, args.head_dim), model_heads, strict=True
+        )
     )
+    layout = HeadLayout(heads, kv_heads, head_dim, f"torch.{args.dtype}", head_dim**-0.5)
     summary = {
         "benchmark": "decode_attention",
         "machine": machine(),
         "dtype": args.dtype,
+        "model": args.model,
+        "layout": [heads, kv_heads, head_dim],
         "against": args.against,
     }
     with tempfile.TemporaryDirectory() as tmp, torch.inference_mode():
@@ -339,7 +355,7 @@ def main() -> None:
             summary[f"speedup_{point}"] = round(ratio, 3)
             summary[f"max_diff_{point}"] = diff.max().item()
         if args.engine_points:
-            loaded = load("default", getattr(torch, args.dtype))
+            loaded = load(args.model, getattr(torch, args.dtype))
             other = f"{args.against} ms"
             print(f"{'engine B x L':>16} {'now ms':>8} {other:>10} {'speedup':>8}")
         for point in args.engine_points:
