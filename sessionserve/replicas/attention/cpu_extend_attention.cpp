@@ -86,13 +86,21 @@ struct Bf16 {
   using Elem = uint16_t;  // a bf16's bits
   using Word = uint32_t;  // two bf16, as `vdpbf16ps` takes them
   static constexpr int kBlock = 16;      // context tokens a block: one fp32 vector's lanes
-  // query rows whose sums stay in registers over a pass (at D 256 they spill, and still pay:
-  // each block's 128 key vectors are loaded once for more rows; one layer of Gemma 3 270M,
-  // 128 tokens over 2,000 on the Zen 4 box, ran at 162 GFLOP/s with 2 rows a pass, 201 with
-  // 4, 234 with 8, 214 with 12)
+  // query rows a pass (at D 256 their sums spill, and more rows still pay: each block's 128
+  // key vectors are loaded once for more rows; one layer of Gemma 3 270M, 128 tokens over
+  // 2,000 on the Zen 4 box, ran at 162 GFLOP/s with 2 rows a pass, 201 with 4, 234 with 8,
+  // 214 with 12; with the weighted sum in chunks, `pv_chunk`, 8 rows 276-339 over Gemma 3's
+  // cases and 16 rows 302-355, within the spread. At D 64, 8 rows were no faster than 4)
   template <int D>
   static constexpr int rows_a_pass() {
     return D <= 128 ? 4 : 8;
+  }
+  // output vectors a row's weighted sum keeps in registers at a time (R x C of them, beside
+  // C value vectors and a weight: at most 21 of 32)
+  template <int DV, int R>
+  static constexpr int pv_chunk() {
+    constexpr int most = R > 4 ? 2 : 4;
+    return DV % most == 0 ? most : DV % 2 == 0 ? 2 : 1;
   }
   static constexpr int kPerWord = 2;     // elements a packed word holds
 
@@ -175,16 +183,27 @@ struct Bf16 {
             softmax_block<DV>(_mm512_mul_ps(s[r], scale_v), lo, hi, m[r], lv[r], acc[r]);
         _mm256_store_si256(reinterpret_cast<__m256i*>(weights[r]), (__m256i)_mm512_cvtneps_pbh(w));
       }
-      for (int jp = 0; jp < kBlock / 2; ++jp) {
-        const uint32_t* vb = vp + (blk * kBlock / 2 + jp) * D;
-        __m512bh v[DV];
-        for (int i = 0; i < DV; ++i) v[i] = (__m512bh)_mm512_loadu_si512(vb + i * kBlock);
-        for (int r = 0; r < R; ++r) {
-          uint32_t pair;
-          std::memcpy(&pair, weights[r] + 2 * jp, sizeof(pair));
-          const __m512bh wp = (__m512bh)_mm512_set1_epi32(int(pair));
-          for (int i = 0; i < DV; ++i) acc[r][i] = _mm512_dpbf16_ps(acc[r][i], v[i], wp);
+      // the weighted sum C output vectors at a time over the block's pairs of tokens (as
+      // F32's): spilled sums loaded and stored once a block, not once a pair; each sum adds
+      // the same terms in the same order
+      constexpr int C = pv_chunk<DV, R>();
+      for (int i0 = 0; i0 < DV; i0 += C) {
+        __m512 a[R][C];
+        for (int r = 0; r < R; ++r)
+          for (int c = 0; c < C; ++c) a[r][c] = acc[r][i0 + c];
+        for (int jp = 0; jp < kBlock / 2; ++jp) {
+          const uint32_t* vb = vp + (blk * kBlock / 2 + jp) * D + i0 * kBlock;
+          __m512bh v[C];
+          for (int c = 0; c < C; ++c) v[c] = (__m512bh)_mm512_loadu_si512(vb + c * kBlock);
+          for (int r = 0; r < R; ++r) {
+            uint32_t pair;
+            std::memcpy(&pair, weights[r] + 2 * jp, sizeof(pair));
+            const __m512bh wp = (__m512bh)_mm512_set1_epi32(int(pair));
+            for (int c = 0; c < C; ++c) a[r][c] = _mm512_dpbf16_ps(a[r][c], v[c], wp);
+          }
         }
+        for (int r = 0; r < R; ++r)
+          for (int c = 0; c < C; ++c) acc[r][i0 + c] = a[r][c];
       }
     }
     for (int r = 0; r < R; ++r) {
