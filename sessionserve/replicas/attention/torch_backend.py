@@ -132,13 +132,14 @@ class TorchPagedBackend(AttentionBackend):
         extends = self.extend_kernel and q > 1 and all(s.tree_mask is None for s in seqs)
         if len(seqs) == 1 and only.ctx_len == q and only.tree_mask is None:
             fresh = _Group(torch.empty(0), None, None, fresh=(starts[0], starts[0] + q))
-            for w in (w for w in windows if only.ctx_len > w):  # causal is not enough
-                fresh.window_masks[w] = to_device(context_mask(lens, q, q, w)[:, None], device)
-            if extends:
+            if extends:  # every layer takes the kernel, which bands sliding ones itself
                 fresh.extend = (to_device(only.ctx_slots[None], device), to_device(lens, device))
                 if apart:  # its sliding slots cover all of it (fewer than `window - 1 + q`)
                     sliding = to_device(only.sliding_slots[None], device)
                     fresh.extend_windowed = dict.fromkeys(windows, (sliding, fresh.extend[1]))
+                return fresh
+            for w in (w for w in windows if only.ctx_len > w):  # causal is not enough
+                fresh.window_masks[w] = to_device(context_mask(lens, q, q, w)[:, None], device)
             return fresh
         token_idx = torch.tensor(starts)[:, None] + torch.arange(q)
         ctx_slots = pad_sequence([s.ctx_slots for s in seqs], batch_first=True)
