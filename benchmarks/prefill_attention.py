@@ -5,8 +5,8 @@ Part 1, a layer's attention alone (`--model`'s head layout: the default model's 
 of 64, Gemma 3 270M's 4 / 1 of 256; in `--dtype`): rows of T new tokens over H tokens of
 history, through the kernel and through what the torch backend runs without it (the
 context's K/V gathered out of the pool, `grouped_attention` over them with the mask; a fresh
-prompt's sliding layer: SDPA over its new K/V with the banded mask), alternating, best of
-`--rounds`; ms a call and GFLOP/s. For Gemma 3 both its layers: full attention, and sliding
+prompt: SDPA over its new K/V, causal, or under a sliding layer's banded mask), alternating,
+best of `--rounds`; ms a call and GFLOP/s. For Gemma 3 both its layers: full attention, and sliding
 (each token sees the last 512 positions; over a history the backend reads only the window's
 columns, kernel or not).
 
@@ -87,8 +87,9 @@ def layer_alone(
     masks: dict = {}
     scale = head_dim**-0.5
 
-    # a fresh prompt's attention reads its new K/V as the layer computed them, not the pool
-    new_k, new_v = (gather_rows(p, slots).transpose(1, 2) for p in (k_pool, v_pool))
+    if history == 0:  # a fresh prompt's attention reads its new K/V as the layer computed
+        # them, not the pool: gathered here once, outside the timing
+        new_k, new_v = (gather_rows(p, slots).transpose(1, 2) for p in (k_pool, v_pool))
 
     def before() -> None:
         q = query.transpose(0, 1)[None]
