@@ -3,11 +3,13 @@ the 4-bit decode step package: replicas/gguf_int4.py, its 4-bit linears and Q8_0
 by replicas/block_linear.cpp) against the dense decode step package, in one process,
 alternating; and how close each stays to the file's exact weights.
 
-Speed: the engine is the bench configs' (`serve-cpu-bench-bf16.yaml`: the default model in
-bf16, compiled, 2 torch threads), built (or loaded) with both decode step packages. For each
-batch size, after a warm-up, `--rounds` pairs of rounds run B requests (a short prompt,
-`--tokens` greedy tokens each) with the 4-bit package installed and without it
-(`runner.compiled_int4_decode` set to None: those steps run the dense decode step package);
+Speed: the engine is the bench configs' (`serve-cpu-bench-bf16.yaml`: the default model, or
+`--model gemma3-270m`, in bf16, compiled, 2 torch threads), built (or loaded) with its decode
+step packages. For each batch size, after a warm-up, `--rounds` pairs of rounds run B requests
+(a short prompt, or `--context` tokens, `--tokens` greedy tokens each) with the 4-bit package
+installed and without it (`runner.compiled_int4_decode` set to None: those steps run the dense
+decode step package, or for Gemma 3, which `compile_decode: auto` builds none for, the
+compiled forward or the prefill package, as its split timing says);
 ms a step is the runner's `forward` over the round's decode steps (benchmarks/decode_package.py
 `timed_round`). Each pair's greedy outputs are compared token for token (both round to bf16,
 at different points: near-tied logits may pick different tokens).
@@ -22,7 +24,7 @@ question it answers: is serving the file's quantized weights through the kernel 
 to the file as serving its bf16 expansion?
 
     .venv/bin/python -m benchmarks.int4_decode [--batches 1 2 4 8] [--tokens 128] [--rounds 3]
-        [--fidelity 8]
+        [--fidelity 8] [--model gemma3-270m] [--context 300]
 
 Last line: JSON with `ms_dense_<B>`, `ms_int4_<B>` (medians), `speedup_<B>` (dense ms over
 4-bit ms), `same_outputs_<B>` (requests whose greedy outputs matched, of B x rounds) and with
@@ -46,25 +48,27 @@ from sessionserve.replicas.engine import Engine
 from sessionserve.replicas.loader import load_model
 
 
-def speed(eng: Engine, batches: list[int], tokens: int, rounds: int) -> dict[str, Any]:
+def speed(
+    eng: Engine, batches: list[int], tokens: int, rounds: int, context: int = 0
+) -> dict[str, Any]:
     """ms a decode step with and without the 4-bit package, alternating, per batch size."""
     runner = eng.runner
     int4 = runner.compiled_int4_decode
     if int4 is None:
         raise SystemExit(
             "the engine has no 4-bit decode step package (the log says why): it needs a bf16 "
-            "model loaded from a GGUF with Q4_0 / Q4_1 linears, and the decode step package"
+            "model loaded from a GGUF with Q4_0 / Q4_1 / Q8_0 linears or LM head"
         )
     result: dict[str, Any] = {}
     for batch in batches:
         ms: dict[str, list[float]] = {"dense": [], "int4": []}
         same = 0
-        timed_round(eng, batch, 8, -1)  # warm-up
+        timed_round(eng, batch, 8, -1, context)  # warm-up
         for r in range(rounds):
             outputs = {}
             for side in ("int4", "dense"):
                 runner.compiled_int4_decode = int4 if side == "int4" else None
-                step_ms, outputs[side] = timed_round(eng, batch, tokens, r)
+                step_ms, outputs[side] = timed_round(eng, batch, tokens, r, context)
                 ms[side].append(step_ms)
             same += sum(a == b for a, b in zip(outputs["int4"], outputs["dense"], strict=True))
         runner.compiled_int4_decode = int4
@@ -85,10 +89,10 @@ def speed(eng: Engine, batches: list[int], tokens: int, rounds: int) -> dict[str
 
 
 @torch.inference_mode()
-def fidelity(texts: int, tokens: int) -> dict[str, float]:
+def fidelity(texts: int, tokens: int, model_path: str = "default") -> dict[str, float]:
     """Top-1 agreement with the exact (fp32) model and KL(fp32 || variant), teacher-forced
-    over the fp32 model's greedy answers, for bf16 dense and bf16 with the 4-bit linears."""
-    loaded = load_model("default", torch.float32)
+    over the fp32 model's greedy answers, for bf16 dense and bf16 with the file's blocks."""
+    loaded = load_model(model_path, torch.float32)
     exact, tok = loaded.model, loaded.tokenizer
     assert loaded.gguf is not None
     dense = copy.deepcopy(exact).to(torch.bfloat16)
@@ -104,9 +108,13 @@ def fidelity(texts: int, tokens: int) -> dict[str, float]:
     agree = {"dense": [], "int4": []}
     kl = {"dense": [], "int4": []}
     for i in range(texts):
-        chat = [{"role": "user", "content": f"Text {i}: say something about {PROMPT_WORDS}"}]
-        prompt = tok.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt")
-        prompt = prompt if isinstance(prompt, torch.Tensor) else prompt["input_ids"]
+        text = f"Text {i}: say something about {PROMPT_WORDS}"
+        if tok.chat_template is None:  # a base model (Gemma 3 270M): the text as it is
+            prompt = tok(text, return_tensors="pt").input_ids
+        else:
+            chat = [{"role": "user", "content": text}]
+            prompt = tok.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt")
+            prompt = prompt if isinstance(prompt, torch.Tensor) else prompt["input_ids"]
         ids = exact.generate(prompt, max_new_tokens=tokens, do_sample=False)
         answer = slice(prompt.shape[1] - 1, ids.shape[1] - 1)  # positions predicting it
         ref = torch.log_softmax(exact(ids).logits[0, answer].float(), -1)
@@ -133,14 +141,17 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--fidelity", type=int, default=0, help="texts to score (0: skip)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--model", default="default", help="model.path (default, gemma3-270m)")
+    ap.add_argument("--context", type=int, default=0, help="prompt tokens (0: a short one)")
     args = ap.parse_args()
     setup_threads(args.threads)
     result: dict[str, Any] = {"benchmark": "int4_decode", "machine": machine()}
-    eng = bench_config_engine(args.threads, "bfloat16")
-    result |= speed(eng, args.batches, args.tokens, args.rounds)
+    result["model"] = args.model
+    eng = bench_config_engine(args.threads, "bfloat16", model_path=args.model)
+    result |= speed(eng, args.batches, args.tokens, args.rounds, args.context)
     del eng
     if args.fidelity:
-        result |= fidelity(args.fidelity, args.tokens)
+        result |= fidelity(args.fidelity, args.tokens, args.model)
     emit(result)
 
 

@@ -346,19 +346,20 @@ class EngineConfig(_Strict):
         "Where its attention is the hand-written CPU kernel (AVX-512 or AVX2), it also runs "
         "chain verifies and short turns (a few new tokens per request, rows padded alike). It "
         "holds another copy of the weights. true: build (or load) and use it. auto: for models "
-        "of 50M+ parameters. Models with sliding-window layers, and CUDA, keep the compiled "
-        "forward. false: decode steps run the compiled forward.",
+        "of 50M+ parameters. Sliding-window layers (Gemma 3) attend over their windows in it; "
+        "their verifies and turns run it only where no window cuts the context. CUDA keeps "
+        "the compiled forward (in CUDA graphs). false: decode steps run the compiled forward.",
     )
     gguf_int4_decode: bool | Literal["auto"] = Field(
         "auto",
-        description="For a bf16 model loaded from a GGUF whose linears are stored as Q4_0 or "
-        "Q4_1 (the default model's are), on a CPU with AVX-512 VNNI, a fourth package beside "
+        description="For a bf16 model loaded from a GGUF whose linears or LM head are stored as "
+        "Q4_0, Q4_1 or Q8_0 (the default model's linears and head; Gemma 3's head), on a CPU "
+        "with AVX-512 VNNI, a fourth package beside "
         "the decode step package for steps of up to 12 tokens (48 on CPUs with AMX, where "
         "the kernel takes 10+ rows on tiles; decode steps, verifies of drafts): its "
-        "decoder linears the file's "
-        "own 4-bit weights and its LM head the file's Q8_0 one where the file has it, run by "
-        "a kernel that reads them as stored (0.625 and 1.06 bytes a weight against bf16's "
-        "2). Such a step reads "
+        "linears and LM head the file's own blocks where it stores them so (the rest stay "
+        "dense), run by a kernel that reads them as stored (Q4: 0.625 bytes a weight, Q8_0: "
+        "1.06, against bf16's 2). Such a step reads "
         "each weight for a few rows, so it waits on memory. The weights are the file's "
         "exactly (each checked against the dense weight loaded from it); the kernel takes "
         "each block of 32 of a row as two int8 terms, about as fine as bf16 (measured "

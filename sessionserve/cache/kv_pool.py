@@ -44,6 +44,18 @@ def as_stored(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype == dtype else t.to(dtype).to(t.dtype)
 
 
+def stack_layout(
+    num_layers: int, sliding_layers: Sequence[int]
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A pool's stacks for a model whose `sliding_layers` are kept apart: its layers in the
+    stacks' order (the full layers' stack, then the sliding layers'), and each layer's index
+    in its own stack."""
+    sliding = sorted(set(sliding_layers))
+    full = [i for i in range(num_layers) if i not in sliding]
+    index = {layer: i for stack in (full, sliding) for i, layer in enumerate(stack)}
+    return (*full, *sliding), tuple(index[layer] for layer in range(num_layers))
+
+
 class KVPool:
     """Full-attention layers: `k[i]` and `v[i]` of shape [pool_slots, num_kv_heads, head_dim],
     indexed by the allocator's slots. Sliding-window layers, when the cache keeps their KV
@@ -67,11 +79,12 @@ class KVPool:
         self.shape = shape
         self.dtype = dtype
         sliding = set(sliding_layers)
-        full = [i for i in range(shape.num_layers) if i not in sliding]
-        where = {layer: (False, i) for i, layer in enumerate(full)}
-        where.update({layer: (True, i) for i, layer in enumerate(sorted(sliding))})
+        # how a forward that returns every layer's new K/V at once lays them out
+        # (`write_layers`), and where each layer's KV is in its stack
+        self.stack_order, self.kv_index = stack_layout(shape.num_layers, sliding_layers)
         heads = (shape.num_kv_heads, shape.head_dim)
-        self.k = torch.zeros((len(full), pool_slots, *heads), dtype=dtype, device=device)
+        full = shape.num_layers - len(sliding)
+        self.k = torch.zeros((full, pool_slots, *heads), dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
         self.sliding_k = torch.zeros(
             (len(sliding), sliding_slots, *heads), dtype=dtype, device=device
@@ -83,10 +96,10 @@ class KVPool:
         self._layers = {
             layer: (
                 (self.sliding_k[i], self.sliding_v[i], True)
-                if sliding
+                if layer in sliding
                 else (self.k[i], self.v[i], False)
             )
-            for layer, (sliding, i) in where.items()
+            for layer, i in enumerate(self.kv_index)
         }
         # waits for forwards that may still be writing this pool (an overlapped step runs on
         # another thread): a copy into the pool from the host calls it first, so a slot freed
@@ -126,16 +139,27 @@ class KVPool:
         k_pool.index_copy_(0, where, k)
         v_pool.index_copy_(0, where, v)
 
-    def write_layers(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store new K/V of every layer at once ([num_layers, n, num_kv_heads, head_dim] at
-        `slots` [n]): one copy for a forward whose layers did not write as they ran (a decode
-        step compiled whole). Only for a pool without sliding layers kept apart."""
-        if self.has_sliding:
-            raise NotImplementedError("writing every layer at once into a pool with sliding slots")
+    def write_layers(
+        self,
+        slots: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        sliding_slots: torch.Tensor | None = None,
+    ) -> None:
+        """Store new K/V of every layer at once ([num_layers, n, num_kv_heads, head_dim], the
+        layers in `stack_order`, at `slots` [n], and at `sliding_slots` [n] for the sliding
+        layers kept apart): one copy a stack for a forward whose layers did not write as they
+        ran (a decode step compiled whole)."""
         if k.dtype != self.dtype or v.dtype != self.dtype:
             k, v = k.to(self.dtype), v.to(self.dtype)
-        self.k.index_copy_(1, slots, k)
-        self.v.index_copy_(1, slots, v)
+        full = self.k.shape[0]
+        self.k.index_copy_(1, slots, k[:full])
+        self.v.index_copy_(1, slots, v[:full])
+        if self.has_sliding:
+            if sliding_slots is None:
+                raise ValueError("the pool keeps sliding layers apart: give their slots")
+            self.sliding_k.index_copy_(1, sliding_slots, k[full:])
+            self.sliding_v.index_copy_(1, sliding_slots, v[full:])
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy every full-attention layer's K/V at `src` to `dst` (a verified tree's kept

@@ -30,7 +30,11 @@ from sessionserve.replicas.attention import (
 )
 from sessionserve.replicas.attention.torch_backend import TorchPagedBackend
 from sessionserve.replicas.compiled_attention import HeadLayout, decode_kernel_for
-from sessionserve.replicas.compiled_decode import plan_decode_compile, plan_int4_decode_compile
+from sessionserve.replicas.compiled_decode import (
+    dense_step_declines,
+    plan_decode_compile,
+    plan_int4_decode_compile,
+)
 from sessionserve.replicas.compiled_forward import (
     CompiledForward,
     CompileJob,
@@ -182,13 +186,18 @@ def compile_forwards(
     )
     jobs = [CompileJob(plan, functools.partial(setattr, runner, "compiled"), model)]
     decode, step = plan_decode_compile(cfg.compile_decode, plan, model, runner.kv_pool)
-    if step is not None:  # before the prefill package: decode steps are most of the steps
-        jobs.append(CompileJob(decode, functools.partial(setattr, runner, "compiled_decode"), step))
-    else:
-        log.debug("compile: decode steps run the compiled forward (%s)", decode.reason)
+    # the 4-bit package is exported from the dense step, whether or not that one is built
     int4, int4_step = plan_int4_decode_compile(
         cfg.gguf_int4_decode, plan, decode, step, model, weights_source
     )
+    dense_declined = dense_step_declines(cfg.compile_decode, model)
+    if step is not None and dense_declined is None:  # before the prefill package: decode
+        # steps are most of the steps
+        jobs.append(CompileJob(decode, functools.partial(setattr, runner, "compiled_decode"), step))
+    else:
+        log.debug(
+            "compile: decode steps run the compiled forward (%s)", dense_declined or decode.reason
+        )
     if int4_step is not None:
         install_int4 = functools.partial(setattr, runner, "compiled_int4_decode")
         jobs.append(CompileJob(int4, install_int4, int4_step))

@@ -19,9 +19,15 @@ of unequal widths (a verify where some rows draft fewer tokens, or none) are pad
 widest for the attention alone, whose kernel skips the padding; the linears and everything
 else run on the real tokens. (Before, the whole step was padded, or, past twice its tokens,
 ran the compiled forward: a verify of 8 requests where a few drafted cost 2.1x a decode step,
-docs/benchmarks.md.) Mixed steps with longer prefill chunks, tree verifies and models with
-sliding-window layers (their KV can live apart) keep the compiled forward. The package holds
-its own copy of the weights (frozen, as the forward's): one more copy of the model in memory.
+docs/benchmarks.md.) Mixed steps with longer prefill chunks and tree verifies keep the
+compiled forward. The package holds its own copy of the weights (frozen, as the forward's):
+one more copy of the model in memory.
+
+A model with sliding-window layers (Gemma 3, Mistral) has the package too: those layers
+attend over each row's window, the last window - 1 old positions, given as a context of their
+own (slots and lengths, in the sliding slot space where the pool keeps their KV apart, whose
+K and V are then inputs as well). A row of several new tokens runs it only where no window
+cuts its context (each token's window would start elsewhere); the others keep the forward.
 """
 
 from __future__ import annotations
@@ -34,10 +40,15 @@ from typing import Any
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from sessionserve.cache.kv_pool import KVPool, KVShape
+from sessionserve.cache.kv_pool import KVPool, KVShape, stack_layout
 from sessionserve.replicas import block_linear, cpu_linear, gguf_int4
 from sessionserve.replicas.aoti_call import load_releasing_gil
-from sessionserve.replicas.attention import cpu_decode_kernel, install, sliding_windows
+from sessionserve.replicas.attention import (
+    cpu_decode_kernel,
+    install,
+    sliding_layers,
+    sliding_windows,
+)
 from sessionserve.replicas.attention.base import SeqSpec, to_device
 from sessionserve.replicas.attention.inplace_decode import InlineDecode, part_padded
 from sessionserve.replicas.compiled_attention import kernel_chunks
@@ -88,9 +99,20 @@ class DecodeStep(torch.nn.Module):
         linear_kernel: bool = False,
         kv_dtype: torch.dtype | None = None,
         int4_source: tuple[Path, str] | None = None,
+        sliding_apart: bool = False,
     ) -> None:
         super().__init__()
         self.config = model.config  # for `package_key`
+        # a model with sliding-window layers (Gemma 3): they attend over each row's window,
+        # inputs of their own (`window_slots`, `window_lens`), and with `sliding_apart` over
+        # the pool's sliding stacks (cache/sliding.py), which the new K/V's order follows
+        windows = sliding_windows(self.config)
+        self.window = windows[0] if windows else None
+        self.sliding_apart = sliding_apart and self.window is not None
+        apart = sliding_layers(self.config) if self.sliding_apart else ()
+        layers = KVShape.from_hf_config(self.config).num_layers
+        self.stack_order, kv_index = stack_layout(layers, apart)
+        self.kv_index = kv_index if self.sliding_apart else None  # None: one pool
         # the pool's dtype (`cache.kv_dtype`; None: the model's), an input the package is
         # exported for
         self.kv_dtype = kv_dtype
@@ -140,6 +162,10 @@ class DecodeStep(torch.nn.Module):
         logit_idx: torch.Tensor,
         spread: torch.Tensor,
         kept: torch.Tensor,
+        window_slots: torch.Tensor | None = None,
+        window_lens: torch.Tensor | None = None,
+        sliding_k: torch.Tensor | None = None,
+        sliding_v: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         kernel = self.attention_kernel  # only the kernel takes rows of several tokens
         inline = InlineDecode(
@@ -151,19 +177,28 @@ class DecodeStep(torch.nn.Module):
             kernel,
             spread if kernel else None,
             kept if kernel else None,
+            window_slots,
+            window_lens,
+            sliding_k,
+            sliding_v,
+            self.kv_index,
         )
         last, features = decoder_features(
             self.decoder, ids, positions, self.feature_layers, inline_decode=inline
         )
         logits = self.lm_head(last[logit_idx])
-        return logits, features, torch.stack(inline.new_k), torch.stack(inline.new_v)
+        new_k = torch.stack([inline.new_k[i] for i in self.stack_order])
+        new_v = torch.stack([inline.new_v[i] for i in self.stack_order])
+        return logits, features, new_k, new_v
 
     def export_inputs(
         self, example_tokens: int, max_tokens: int, device: torch.device
     ) -> tuple[tuple[torch.Tensor, ...], tuple[dict[int, Any], ...]]:
         """Example arguments and their dynamic dimensions: the tokens (up to `max_tokens`),
         the rows (their own dimension where a row may have several tokens), the pool's
-        slots, the context width (a multiple of `chunks`) and the logits' rows. Called before
+        slots, the context width (a multiple of `chunks`) and the logits' rows; for a model
+        with sliding windows also the window's slots and lengths, and where the pool keeps
+        those layers apart their K and V. Called before
         export: the decoder is switched to our attention function (which takes
         `inline_decode`), whatever it came with, as `build_package` does for the forward's
         package."""
@@ -183,16 +218,16 @@ class DecodeStep(torch.nn.Module):
         shape = KVShape.from_hf_config(self.config)
         dtype = self.kv_dtype or next(self.parameters()).dtype
         n, width = example_tokens, EXAMPLE_PART_WIDTH * self.chunks
-        pool = torch.zeros(
-            shape.num_layers, EXAMPLE_POOL_SLOTS, shape.num_kv_heads, shape.head_dim, dtype=dtype
-        )
+        sliding = len(sliding_layers(self.config)) if self.sliding_apart else 0
+        heads = (shape.num_kv_heads, shape.head_dim)
+        pool = torch.zeros(shape.num_layers - sliding, EXAMPLE_POOL_SLOTS, *heads, dtype=dtype)
+        context = (torch.arange(n * width).view(n, width) + 1, torch.full((n,), width))
         example = (
             torch.zeros(n, dtype=torch.int64),
             torch.arange(n) + width,
             pool,
             pool.clone(),
-            torch.arange(n * width).view(n, width) + 1,
-            torch.full((n,), width),
+            *context,
             torch.arange(n),
             torch.arange(n),
             torch.arange(n),
@@ -211,7 +246,7 @@ class DecodeStep(torch.nn.Module):
         logit_rows = torch.export.Dim("logit_rows", min=1, max=max_tokens)
         pool_slots = torch.export.Dim("pool_slots", min=2)
         columns = self.chunks * torch.export.Dim("part_width", min=1)
-        dynamic = (
+        dynamic: tuple[dict[int, Any], ...] = (
             {0: tokens},
             {0: tokens},
             {1: pool_slots},
@@ -222,6 +257,15 @@ class DecodeStep(torch.nn.Module):
             {0: padded},
             {0: tokens},
         )
+        if self.window is not None:  # the windows: a context of their own
+            example += tuple(t.clone() for t in context)
+            window_columns = self.chunks * torch.export.Dim("window_part_width", min=1)
+            dynamic += ({0: rows, 1: window_columns}, {0: rows})
+        if self.sliding_apart:
+            sliding_pool = torch.zeros(sliding, EXAMPLE_POOL_SLOTS, *heads, dtype=dtype)
+            example += (sliding_pool, sliding_pool.clone())
+            sliding_slots = torch.export.Dim("sliding_slots", min=2)
+            dynamic += ({1: sliding_slots}, {1: sliding_slots})
         return tuple(t.to(device) for t in example), dynamic
 
     def key_facts(self) -> dict[str, Any]:
@@ -244,6 +288,11 @@ class DecodeStep(torch.nn.Module):
                 if self.int4_source is not None
                 else {}
             ),
+            **(
+                {"window": self.window, "sliding_apart": self.sliding_apart}
+                if self.window is not None
+                else {}
+            ),
         }
 
 
@@ -264,6 +313,9 @@ class CompiledDecode(CompiledForward):
         query_tokens: int = 1,
         linear_kernel: bool = False,
         block_kernel: bool = False,
+        window: int | None = None,
+        sliding_apart: bool = False,
+        block_decoder: bool = True,
     ) -> None:
         # a package built with a CPU kernel calls it by name: the op must exist first
         # (where it cannot be loaded, no package here was built with it)
@@ -277,6 +329,10 @@ class CompiledDecode(CompiledForward):
         self.query_tokens = query_tokens  # DecodeStep.query_tokens of its build
         self.linear_kernel = linear_kernel  # DecodeStep.linear_kernel of its build
         self.block_kernel = block_kernel  # its linears the GGUF's blocks (the 4-bit package)
+        # ... its decoder's linears mostly so, not only its LM head (BlockSummary)
+        self.block_decoder = block_kernel and block_decoder
+        self.window = window  # DecodeStep.window of its build (its sliding layers' window)
+        self.sliding_apart = sliding_apart  # DecodeStep.sliding_apart of its build
 
     @property
     def reads_weights_once(self) -> bool:
@@ -285,20 +341,31 @@ class CompiledDecode(CompiledForward):
         weights), not the forward's GEMMs tuned for 2 rows that the split timing weighed
         against the prefill package's: so it takes the steps in its range from the prefill
         package too (`ModelRunner._takes_decode_package`; measured faster there on the
-        boxes docs/benchmarks.md names, not on every CPU)."""
-        return self.linear_kernel or self.block_kernel
+        boxes docs/benchmarks.md names, not on every CPU). Not where the block kernel has
+        the LM head alone (Gemma 3's file): its decoder's dense GEMMs lost to the prefill
+        package's at 8 and 12 requests (0.89x, 0.78x; docs/benchmarks.md)."""
+        return self.linear_kernel or self.block_decoder
 
     def takes(self, seqs: list[SeqSpec], sliding: bool = False) -> bool:
         """Whether this package runs a step of these rows: rows adding 1..query_tokens tokens
-        causally (no tree), no sliding slots, at most `max_tokens` tokens of their own in all
-        (the forward's package's range, or more with the linear kernels). How far the rows
-        pad for the attention does not matter: at most `max_tokens` rows of `query_tokens`,
-        what the package was exported for, and the kernel skips the padding."""
+        causally (no tree), at most `max_tokens` tokens of their own in all (the forward's
+        package's range, or more with the linear kernels), sliding slots (`sliding`) where it
+        was built for them. How far the rows pad for the attention does not matter: at most
+        `max_tokens` rows of `query_tokens`, what the package was exported for, and the
+        kernel skips the padding. With sliding windows, rows of several tokens only where no
+        window cuts their context (each token's window starts elsewhere, and a row's
+        attention reads one context)."""
+        widest = max(s.q_len for s in seqs)
         return not (
-            sliding
-            or max(s.q_len for s in seqs) > self.query_tokens
+            sliding != self.sliding_apart
+            or widest > self.query_tokens
             or not self.accepts(sum(s.q_len for s in seqs))
             or any(s.tree_mask is not None for s in seqs)
+            or (
+                self.window is not None
+                and widest > 1
+                and any(s.ctx_len > self.window for s in seqs)
+            )
         )
 
     def run(  # type: ignore[override] - a decode step reads the pool and the slot tables
@@ -309,14 +376,27 @@ class CompiledDecode(CompiledForward):
         out_slots: torch.Tensor,
         logit_idx: torch.Tensor,
         pool: KVPool,
+        sliding_out_slots: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits [R, V] of the tokens `logit_idx` [R] and every token's features [N, F];
         every layer's new K/V written to `pool` at `out_slots` (device tensors [N] for ids,
-        positions and out_slots: the rows' tokens one row after another)."""
+        positions and out_slots: the rows' tokens one row after another), the sliding
+        layers' kept apart at `sliding_out_slots`."""
         old = [s.ctx_slots[: s.ctx_len - s.q_len] for s in seqs]  # the new tokens' are last
         slots = part_padded(pad_sequence(old, batch_first=True), self.chunks)
         lens = torch.tensor([len(o) for o in old])
         device = ids.device
+        windows: list[torch.Tensor] = []
+        if self.window is not None:  # each row's old tokens its new token's window holds
+            if self.sliding_apart:  # (a row's sliding slots: the window's, new ones last)
+                seen = [s.sliding_slots[: len(s.sliding_slots) - s.q_len] for s in seqs]
+            else:
+                seen = [o[max(0, len(o) - (self.window - 1)) :] for o in old]
+            window_slots = part_padded(pad_sequence(seen, batch_first=True), self.chunks)
+            windows += [window_slots, torch.tensor([len(w) for w in seen])]
+            windows = [to_device(t, device) for t in windows]
+        if self.sliding_apart:
+            windows += [pool.sliding_k, pool.sliding_v]
         widths = [s.q_len for s in seqs]
         n = len(ids)
         # rows of unequal widths attend padded to the widest; the rest of the step (the
@@ -337,9 +417,10 @@ class CompiledDecode(CompiledForward):
             logit_idx if wanted else logit_idx.new_zeros(1),
             to_device(spread, device),
             to_device(kept, device),
+            *windows,
         )
         logits = logits[:wanted]
-        pool.write_layers(out_slots, new_k, new_v)
+        pool.write_layers(out_slots, new_k, new_v, sliding_out_slots)
         return logits, features
 
 
@@ -366,8 +447,9 @@ def plan_decode_compile(
     `forward`: a package for decode steps of up to its `max_tokens` rows, or
     KERNEL_MAX_TOKENS with the linear kernel (and, through the CPU attention kernel,
     verifies and short turns: `DecodeStep.query_tokens`), where the
-    forward is an AOTInductor package (CPU) and every layer attends over the whole context
-    (no sliding window, no KV kept apart). auto: for models of AUTO_MIN_PARAMS+ parameters.
+    forward is an AOTInductor package (CPU); sliding-window layers over their windows, in
+    the sliding slot space where `pool` keeps their KV apart. auto: for models of
+    AUTO_MIN_PARAMS+ parameters.
     Returns the plan and, when enabled, the step it compiles (the one its key was taken
     from). `attention_kernel` None: the CPU kernel where `use_attention_kernel` says so;
     `linear_kernel` None: the few-row GEMM kernel where `cpu_linear.usable_for` says so
@@ -377,8 +459,6 @@ def plan_decode_compile(
         return CompilePlan(False, why), None
     if forward.package is None:
         return CompilePlan(False, "on CUDA decode steps replay CUDA graphs"), None
-    if sliding_windows(model.config) or pool.has_sliding:
-        return CompilePlan(False, "the model has sliding-window layers"), None
     if mode == "auto" and (why := auto_declines(model)):
         return CompilePlan(False, why), None
     if attention_kernel is None:
@@ -393,6 +473,7 @@ def plan_decode_compile(
         attention_kernel,
         linear_kernel,
         kv_dtype=pool.dtype if pool.dtype != model_dtype else None,
+        sliding_apart=pool.has_sliding,
     )
     max_tokens = max(forward.max_tokens, KERNEL_MAX_TOKENS if linear_kernel else 0)
     key = package_key(step, max_tokens, weights=forward.weights)
@@ -404,10 +485,27 @@ def plan_decode_compile(
         forward.feature_layers,
         role="decode step package",
         loads_as=functools.partial(
-            CompiledDecode, query_tokens=step.query_tokens, linear_kernel=step.linear_kernel
+            CompiledDecode,
+            query_tokens=step.query_tokens,
+            linear_kernel=step.linear_kernel,
+            window=step.window,
+            sliding_apart=step.sliding_apart,
         ),
     )
     return plan, step
+
+
+def dense_step_declines(mode: bool | str, model: Any) -> str | None:
+    """Why `engine.compile_decode: auto` builds no dense decode step package for `model`
+    (None: it does). A model with sliding-window layers keeps the compiled forward for its
+    decode steps: on the Zen 4 box Gemma 3's package ran them 0.96-1.06x as fast in bf16 and
+    0.87-1.01x in fp32 (its 262K-row LM head is most of a step, and the package's GEMMs are
+    no faster than the forward's; docs/benchmarks.md). Its 4-bit package, whose Q8_0 head
+    reads half the bytes, is exported from the same step and pays (1.2-1.3x), so the step
+    is planned all the same; `true` builds the dense one too."""
+    if mode == "auto" and sliding_windows(model.config):
+        return "a model with sliding-window layers: its dense package was measured no faster"
+    return None
 
 
 def plan_int4_decode_compile(
@@ -426,7 +524,8 @@ def plan_int4_decode_compile(
     kernel takes wide steps on AMX tiles), where such steps read weights more than they
     compute.
     Only for a bf16 model (the kernel's int8 pairs hold a row about as finely as bf16, not as
-    fp32), whose GGUF stores linears as Q4_0 or Q4_1, on a CPU with AVX-512 VNNI; auto and
+    fp32), whose GGUF stores linears or the LM head as Q4_0, Q4_1 or Q8_0 (Gemma 3's file: its
+    head alone, 62% of the model's bytes), on a CPU with AVX-512 VNNI; auto and
     true differ only in that true logs why it cannot be had. Its attention and KV are the
     dense package's."""
 
@@ -453,15 +552,18 @@ def plan_int4_decode_compile(
         dense.attention_kernel,
         kv_dtype=dense.kv_dtype,
         int4_source=(gguf, prefix),
+        sliding_apart=dense.sliding_apart,
     )
 
     def package_for(max_tokens: int) -> Path:
         key = package_key(step, max_tokens, weights=forward.weights)
         return decode.package.parent / f"{key}.pt2"
 
-    limits = (gguf_int4.MAX_TOKENS, gguf_int4.MAX_TOKENS_ON_TILES)
-    if not any(package_for(n).exists() for n in limits) and not gguf_int4.four_bit_tensors(gguf):
-        return declined(f"{gguf.name} stores no tensor as Q4_0 or Q4_1")
+    stat = gguf.stat()  # what the file holds, read once per file (its name, size and time)
+    record = decode.package.parent / f"{gguf.name}-{stat.st_size}-{stat.st_mtime_ns}.blocks.json"
+    blocks = gguf_int4.block_summary(gguf, record)
+    if not blocks.tensors:
+        return declined(f"{gguf.name} stores no tensor as Q4_0, Q4_1 or Q8_0")
     # after the file's check: building the kernel (once per machine) is for files it serves
     if not block_linear.load():
         return declined(f"the block-quantized kernel cannot run here: {block_linear.why_not()}")
@@ -474,7 +576,12 @@ def plan_int4_decode_compile(
         dense.feature_layers,
         role="4-bit decode step package",
         loads_as=functools.partial(
-            CompiledDecode, query_tokens=step.query_tokens, block_kernel=True
+            CompiledDecode,
+            query_tokens=step.query_tokens,
+            block_kernel=True,
+            block_decoder=blocks.decoder_blocks,
+            window=step.window,
+            sliding_apart=step.sliding_apart,
         ),
     )
     return plan, step

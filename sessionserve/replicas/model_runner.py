@@ -251,7 +251,9 @@ class ModelRunner:
         ids = batch.device_ids(ids)
         for decode in (self.compiled_int4_decode, self.compiled_decode):
             if decode is not None and self._takes_decode_package(decode, batch):
-                logits, hidden = decode.run(batch.seqs, ids, pos, slots, logit_idx, self.kv_pool)
+                logits, hidden = decode.run(
+                    batch.seqs, ids, pos, slots, logit_idx, self.kv_pool, *window
+                )
                 return logits, hidden if batch.want_hidden else None
         meta = ForwardMeta(
             self.backend,

@@ -45,9 +45,7 @@ def paged_attention(
     window = kwargs.get("sliding_window")  # transformers passes it for sliding layers
     layer = module.layer_idx
     if inline_decode is not None:
-        if window:
-            raise NotImplementedError("a sliding-window layer inside the compiled decode step")
-        return inline_decode.attend(layer, query, key, value, scale), None
+        return inline_decode.attend(layer, query, key, value, scale, window), None
     if paged_meta is not None:
         return attend(paged_meta, layer, query, key, value, scale, window), None
     if torch.compiler.is_compiling():

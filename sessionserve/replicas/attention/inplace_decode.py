@@ -160,6 +160,16 @@ class InlineDecode:
     # `kept` [N] each real token's padded position. None: the tokens are the rows, as they are
     spread: torch.Tensor | None = None
     kept: torch.Tensor | None = None
+    # a model with sliding-window layers: what those layers read instead of `slots`, `lens`,
+    # each row's old context within its new token's window (the last window - 1 positions)
+    window_slots: torch.Tensor | None = None  # [B, W'] part-padded
+    window_lens: torch.Tensor | None = None  # [B]
+    # where the pool keeps the sliding layers' KV apart (cache/sliding.py): their K and V
+    # [sliding layers, S', KVH, D], `window_slots` indexing them, and each model layer's index
+    # in its own stack (`k_pool`'s for full layers, `sliding_k`'s for sliding ones)
+    sliding_k: torch.Tensor | None = None
+    sliding_v: torch.Tensor | None = None
+    kv_index: tuple[int, ...] | None = None
     new_k: list[torch.Tensor] = field(default_factory=list)  # per layer [N, KVH, D]
     new_v: list[torch.Tensor] = field(default_factory=list)
     widths: torch.Tensor | None = field(init=False, default=None)  # per row, its real tokens
@@ -169,6 +179,27 @@ class InlineDecode:
             real = self.kept.shape[0]  # (not len(): a traced size would become a constant)
             self.widths = (self.spread.view(self.slots.shape[0], -1) < real).sum(1)
 
+    def layer_context(
+        self, layer: int, window: int | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The K and V a layer reads, and its rows' context slots and lengths: the window's
+        for a sliding layer (`window`: transformers' `sliding_window` for the layer)."""
+        if not window:
+            full = layer if self.kv_index is None else self.kv_index[layer]
+            return self.k_pool[full], self.v_pool[full], self.slots, self.lens
+        if self.window_slots is None or self.window_lens is None:
+            raise NotImplementedError(
+                f"layer {layer} slides over {window} tokens, and this decode step was not "
+                "built with its rows' windows"
+            )
+        if self.kv_index is None:  # the sliding layers' KV in the one pool
+            k_pool, v_pool = self.k_pool[layer], self.v_pool[layer]
+        else:
+            if self.sliding_k is None or self.sliding_v is None:
+                raise ValueError("kv_index given without the sliding layers' K and V")
+            k_pool, v_pool = (t[self.kv_index[layer]] for t in (self.sliding_k, self.sliding_v))
+        return k_pool, v_pool, self.window_slots, self.window_lens
+
     def attend(
         self,
         layer: int,
@@ -176,10 +207,12 @@ class InlineDecode:
         key: torch.Tensor,
         value: torch.Tensor,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         """[1, B, H, D] from transformers' q [1, H, B, D] and k/v [1, KVH, B, D]."""
         if layer != len(self.new_k):
             raise RuntimeError(f"layer {layer} attended out of order (expected {len(self.new_k)})")
+        k_pool, v_pool, slots, lens = self.layer_context(layer, window)
         q = query[0].transpose(0, 1)
         dtype = self.k_pool.dtype  # the new K/V as the pool will hold them (as_stored)
         k, v = as_stored(key[0].transpose(0, 1), dtype), as_stored(value[0].transpose(0, 1), dtype)
@@ -190,10 +223,10 @@ class InlineDecode:
             qp, kp, vp = (q, k, v) if spread is None else (padded(t, spread) for t in (q, k, v))
             out = cpu_decode_kernel.decode_attend(
                 qp,
-                self.k_pool[layer],
-                self.v_pool[layer],
-                self.slots,
-                self.lens,
+                k_pool,
+                v_pool,
+                slots,
+                lens,
                 kp,
                 vp,
                 scale,
@@ -202,10 +235,10 @@ class InlineDecode:
             return (out if self.kept is None else out[self.kept])[None]
         out = decode_attention(
             q,
-            self.k_pool[layer],
-            self.v_pool[layer],
-            self.slots,
-            self.lens,
+            k_pool,
+            v_pool,
+            slots,
+            lens,
             self.chunks,
             scale,
             k,

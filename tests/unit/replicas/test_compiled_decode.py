@@ -120,8 +120,10 @@ class EagerDecode(CompiledDecode):
         self.step = step
         self.max_tokens, self.min_tokens, self.chunks = max_tokens, 1, step.chunks
         self.query_tokens = step.query_tokens
+        self.window, self.sliding_apart = step.window, step.sliding_apart
         # (only the runner's choice of steps reads these here)
         self.linear_kernel, self.block_kernel = linear_kernel, block_kernel
+        self.block_decoder = block_kernel
         self.calls = 0
 
         def run(*args: torch.Tensor) -> list[torch.Tensor]:
@@ -133,7 +135,13 @@ class EagerDecode(CompiledDecode):
 
 def with_eager_decode(engine, attention_kernel: bool = False) -> EagerDecode:
     runner = engine.runner
-    step = DecodeStep(runner.model, CHUNKS, runner.feature_layers, attention_kernel)
+    step = DecodeStep(
+        runner.model,
+        CHUNKS,
+        runner.feature_layers,
+        attention_kernel,
+        sliding_apart=runner.kv_pool.has_sliding,
+    )
     decode = EagerDecode(step.eval())
     runner.compiled_decode = decode
     return decode
@@ -289,6 +297,51 @@ def test_verifies_and_short_turns_run_the_step(overlap) -> None:
     engine.check_memory()
 
 
+@pytest.mark.parametrize("attention", ["formula", "cpu_kernel"])
+@pytest.mark.parametrize("apart", [True, False], ids=["sliding_kv_apart", "one_pool"])
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+def test_sliding_window_layers_attend_over_their_windows_in_the_step(
+    attention, apart, overlap
+) -> None:
+    """Gemma 3's layout (two of three layers see the last 8 tokens), the sliding layers' KV
+    kept apart or in the one pool: decode steps run the step with contexts far past the
+    window, and through the CPU kernel (rows of several tokens: verifies, short session
+    turns) rows run it where no window cuts their context, and no other. Greedy
+    answers and logprobs equal the plain engine's and transformers', the strict memory check
+    after every step."""
+    kernel = attention == "cpu_kernel"
+    if kernel and not cpu_decode_kernel.load():
+        pytest.skip(f"the CPU decode kernel cannot be used here: {cpu_decode_kernel.why_not()}")
+    model = tiny_model("gemma3", seed=7)
+    engine = tiny_engine(model, overlap=overlap, sliding_window_kv=apart)
+    decode = with_eager_decode(engine, attention_kernel=kernel)
+    assert (decode.window, decode.sliding_apart) == (8, apart)
+    plain = tiny_engine(model, overlap=overlap, sliding_window_kv=apart)
+    shapes = recorded_shapes(decode)
+    greedy = SamplingParams(max_tokens=24, temperature=0, logprobs=True)
+    inputs = inputs_for(model.config.vocab_size)  # 3, 30 and 70 tokens: the window is 8
+    got = engine.generate(inputs, greedy)
+    assert_same_answers(got, plain.generate(inputs, greedy), inputs, model, atol=1e-5)
+    assert decode.calls >= 23
+    if kernel:  # a row of several tokens runs the step only where no window cuts it
+        short = SeqSpec(3, torch.arange(1, 8), sliding_slots=torch.arange(1, 8) if apart else None)
+        long = SeqSpec(3, torch.arange(1, 12), sliding_slots=torch.arange(4, 14) if apart else None)
+        assert decode.takes([short], apart) and not decode.takes([short, long], apart)
+        assert not decode.takes([short], not apart)  # a package is built for its pool layout
+    sid = engine.open_session()
+    history: list[int] = []
+    for turn in range(3):
+        new = [20 + turn, 21, 22]
+        calls = len(shapes)
+        (r,) = engine.generate([new], SamplingParams(max_tokens=5, temperature=0), session_id=sid)
+        ran_whole = (3 + (turn > 0), 1) in shapes[calls:]
+        assert ran_whole == (kernel and len(history) + 4 <= 8), turn
+        history += new
+        assert r.output_ids == hf_greedy(model, history, 5)[: len(r.output_ids)], turn
+        history += r.output_ids
+    engine.check_memory()
+
+
 class ForwardRange:
     """Stands in for the forward's (or the prefill) package: runs steps of
     `min_tokens..max_tokens` tokens through the runner's eager forward, counting them."""
@@ -395,6 +448,8 @@ def test_plan_decode_compile_resolves_the_config(tmp_path) -> None:
     assert plan.loads_as.keywords == {
         "query_tokens": step.query_tokens,
         "linear_kernel": step.linear_kernel,
+        "window": None,
+        "sliding_apart": False,
     }
     for kernel, widest in ((True, compiled_decode.KERNEL_MAX_TOKENS), (False, 32)):
         wide, _ = compiled_decode.plan_decode_compile(True, forward, llama, pool, None, kernel)
@@ -402,8 +457,19 @@ def test_plan_decode_compile_resolves_the_config(tmp_path) -> None:
     assert not compiled_decode.plan_decode_compile(False, forward, llama, pool)[0].enabled
     auto = compiled_decode.plan_decode_compile("auto", forward, llama, pool)[0]
     assert not auto.enabled and "not worth it" in auto.reason  # a tiny model
-    windowed = compiled_decode.plan_decode_compile(True, forward, mistral, pool)[0]
-    assert not windowed.enabled and "sliding-window" in windowed.reason
+    apart = tiny_engine(mistral).runner.kv_pool  # its window's KV kept apart (the default)
+    windowed, windowed_step = compiled_decode.plan_decode_compile(True, forward, mistral, apart)
+    assert windowed.enabled and windowed_step is not None and windowed.package != plan.package
+    assert (windowed_step.window, windowed_step.sliding_apart) == (12, True)
+    assert windowed.loads_as.keywords["window"] == 12
+    assert windowed.loads_as.keywords["sliding_apart"] is True
+    # auto builds no dense package for it (measured no faster), only the 4-bit one from it
+    assert "sliding-window" in compiled_decode.dense_step_declines("auto", mistral)
+    assert compiled_decode.dense_step_declines(True, mistral) is None
+    assert compiled_decode.dense_step_declines("auto", llama) is None
+    one_pool = compiled_decode.plan_decode_compile(True, forward, mistral, pool)[0]
+    assert one_pool.loads_as.keywords["sliding_apart"] is False  # its own package
+    assert one_pool.package not in (windowed.package, plan.package)
     on_cuda = CompilePlan(True, "test", None, 32)
     assert not compiled_decode.plan_decode_compile(True, on_cuda, llama, pool)[0].enabled
     eager = CompilePlan(False, "off")
@@ -463,6 +529,33 @@ def test_the_package_answers_as_the_eager_engine_on_any_pool_size(cache_dir) -> 
         assert_same_answers(got, want, inputs, model, atol=1e-4)
         assert len(shapes) >= 15, num_slots
         engine.check_memory()
+
+
+def test_a_sliding_window_models_package_attends_over_its_windows(cache_dir) -> None:
+    """A real build for Mistral's layout (every layer over a 12-token window, its KV kept
+    apart: the package takes the windows' slots and the sliding stacks as inputs and returns
+    their new K/V in the pool's stack order): every decode step of contexts far past the
+    window through it, greedy tokens equal the eager engine's and transformers', logprobs
+    within 1e-4, the strict memory check after every step. (The forward's package is
+    test_compiled_forward.py's Mistral one, built once per run.)"""
+    model = tiny_model("mistral", seed=4, sliding_window=12)
+    eager = tiny_engine(model, prefill=40)
+    assert eager.runner.kv_pool.has_sliding
+    plan = built_package(eager, cache_dir)
+    engine = tiny_engine(
+        model, prefill=40, compile=True, compile_decode=True, compile_cache_dir=cache_dir
+    )
+    decode = engine.runner.compiled_decode
+    assert decode is not None and decode.package == plan.package
+    assert (decode.window, decode.sliding_apart) == (12, True)
+    shapes = recorded_shapes(decode)
+    greedy = SamplingParams(max_tokens=16, temperature=0, logprobs=True)
+    inputs = inputs_for(model.config.vocab_size, seed=7)
+    assert_same_answers(
+        engine.generate(inputs, greedy), eager.generate(inputs, greedy), inputs, model, atol=1e-4
+    )
+    assert len(shapes) >= 15
+    engine.check_memory()
 
 
 def test_a_bf16_pool_under_a_float32_model_has_its_own_package(cache_dir) -> None:

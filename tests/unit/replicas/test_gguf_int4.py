@@ -150,8 +150,15 @@ def test_a_written_gguf_is_read_back_onto_the_model(tmp_path, kind, caplog) -> N
         x = torch.randn(5, linear.in_features)
         got = BlockLinear(weight, linear.bias, torch.float32)(x)
         torch.testing.assert_close(got, linear(x), atol=2e-3, rtol=2e-3)
-    four_bit = gguf_int4.four_bit_tensors(path)
-    assert len(four_bit) == len(linear_names(model)) - 1 and "blk.1.ffn_up.weight" not in four_bit
+    record = tmp_path / "tiny.blocks.json"
+    summary = gguf_int4.block_summary(path, record)
+    assert summary.tensors == len(linear_names(model))  # the Q8_0 head, not the F32 up_proj
+    up = model.get_decoder().layers[1].mlp.up_proj.weight.numel()
+    every = sum(model.get_submodule(f"model.{n}").weight.numel() for n in linear_names(model))
+    assert summary.decoder_share == pytest.approx(1 - up / every) and summary.decoder_blocks
+    # kept: read back from the record without opening the file again
+    path.unlink()
+    assert gguf_int4.block_summary(path, record) == summary
 
 
 @needs_kernel
@@ -170,6 +177,14 @@ def test_the_plan_says_when_the_4bit_package_applies(tmp_path, caplog, monkeypat
     assert "gguf_int4" not in dense.key_facts()
     for mode in (True, "auto"):
         assert plan_int4_decode_compile(mode, forward, decode, dense, model, str(path))[0].enabled
+    # a file whose LM head alone is a kind the kernel reads (Gemma 3's Q4_K_M: a Q8_0 head)
+    head_only = tmp_path / "head.gguf"
+    write_gguf(head_only, copy.deepcopy(model), "F32")
+    got, head_step = plan_int4_decode_compile(True, forward, decode, dense, model, str(head_only))
+    assert got.enabled and head_step is not None
+    # ... whose decoder's dense GEMMs leave longer steps to the prefill package
+    assert got.loads_as.keywords["block_decoder"] is False
+    assert plan.loads_as.keywords["block_decoder"] is True
     declines = {
         "engine.gguf_int4_decode is false": (False, decode, dense, model, str(path)),
         "no decode step package": (True, CompilePlan(False, "off"), None, model, str(path)),
@@ -177,8 +192,8 @@ def test_the_plan_says_when_the_4bit_package_applies(tmp_path, caplog, monkeypat
         "not loaded from a GGUF": (True, decode, dense, model, str(tmp_path)),
     }
     no_q4 = tmp_path / "dense.gguf"
-    write_gguf(no_q4, copy.deepcopy(model), "F32")
-    declines["stores no tensor as Q4_0 or Q4_1"] = (True, decode, dense, model, str(no_q4))
+    write_gguf(no_q4, copy.deepcopy(model), "F32", head="F32")
+    declines["stores no tensor as Q4_0, Q4_1 or Q8_0"] = (True, decode, dense, model, str(no_q4))
     for why, (mode, dec, step_, m, source) in declines.items():
         with caplog.at_level(logging.WARNING):
             got, none = plan_int4_decode_compile(mode, forward, dec, step_, m, source)
