@@ -35,9 +35,11 @@ def chat_input_ids(
     return list(ids)
 
 
-def prompt_ids(tokenizer: Any, prompt: str | list[int] | None) -> list[int]:
-    """A completion prompt's ids: given ids as they are, text tokenized without special
-    tokens (an append turn's new text follows the session's tokens)."""
+def prompt_ids(tokenizer: Any, prompt: str | list[int] | None, starts: bool = False) -> list[int]:
+    """A completion prompt's ids: given ids as they are; text with the tokenizer's special
+    tokens where it `starts` a sequence (a plain request, a session's first turn: Gemma's
+    tokenizer puts its BOS first, without which the model writes noise), without them where
+    it follows a session's tokens (an append turn's new text)."""
     if isinstance(prompt, list):
         return list(prompt)
-    return tokenizer(prompt or "", add_special_tokens=False).input_ids
+    return tokenizer(prompt or "", add_special_tokens=starts).input_ids

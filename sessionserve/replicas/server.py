@@ -210,11 +210,12 @@ class ReplicaServer:
 
     def _input_ids(self, call: GenerateCall) -> list[int]:
         """Chat mode: the whole conversation; append mode: only the new tokens (the session's
-        come before them)."""
+        come before them; a call whose session has none yet, `log_tokens` 0, or that has no
+        session starts the sequence)."""
         tok = self.engine.tokenizer
         if call.messages is not None:
             return chat_input_ids(tok, self.engine.model_name, call.messages, call.tool_use)
-        return prompt_ids(tok, call.prompt)
+        return prompt_ids(tok, call.prompt, starts=call.log_tokens == 0)
 
     # ---- sessions ----
     async def close_session(self, session_id: str, replica: str | None = None) -> bool:
