@@ -11,6 +11,14 @@ Workloads (greedy, `ignore_eos` so every server writes exactly the requested tok
              for ~16 of the 64 conversations, ~730 tokens each at their end, as
              serve-cpu-bench-bf16-pressure.yaml and vLLM's --num-gpu-blocks-override 92 do;
              1 GiB of bf16 KV holds them all)
+`--api completions` drives `/v1/completions` instead (a base model, such as Gemma 3 270M, has
+no chat template): a conversation is one text, each turn adding "User: <message>" and
+"Assistant:" lines and the answer. A server that says it is sessionserve (`owned_by` in
+/v1/models) is sent each turn's new text alone, under the conversation's session (append
+mode, as a session client sends it); any other server the whole text so far, as a client
+of a stateless server resends it (its prefix cache reuses what it can). The two then
+tokenize the history in pieces and whole, which may differ at a boundary: prompt lengths
+agree within a few tokens, not exactly.
 Two servers can also run one after the other: `--save a.json` on the first run, then
 `--against a.json` on the second prints the ratios (this run / that run).
 Every request carries `x-session-id: <conversation>` (sessionserve pins and keeps the session;
@@ -33,7 +41,7 @@ rounds' in its prefix cache, and would answer them faster.
 
     .venv/bin/python -m benchmarks.serving --target http://127.0.0.1:8000/v1 \\
         [--target http://127.0.0.1:8001/v1] [--workloads multiturn single pressure] \\
-        [--server-pid ray --server-pid <vllm serve PID> --rounds 3]
+        [--server-pid ray --server-pid <vllm serve PID> --rounds 3] [--api completions]
 """
 
 from __future__ import annotations
@@ -100,25 +108,44 @@ def user_text(rng: random.Random, words: int) -> str:
     return "Please write about " + " ".join(rng.choice(WORDS) for _ in range(words)) + "."
 
 
+@dataclass
+class Target:
+    """A server under test: its client, its model, and how a conversation is sent to it."""
+
+    url: str
+    client: openai.AsyncOpenAI
+    model: str
+    api: str = "chat"  # or "completions" (`--api`)
+    appends: bool = False  # completions: each turn's new text alone, under its session
+
+
 async def one_turn(
-    client: openai.AsyncOpenAI, model: str, messages: list[dict], max_tokens: int, sid: str
+    target: Target, prompt: list[dict] | str, max_tokens: int, sid: str
 ) -> tuple[Turn, str]:
+    """One streamed request: chat `messages`, or a completions prompt's text."""
     started = time.perf_counter()
-    stream = await client.chat.completions.create(
-        model=model,
-        messages=messages,
-        max_tokens=max_tokens,
-        temperature=0,
-        stream=True,
-        stream_options={"include_usage": True},
-        extra_body={"ignore_eos": True},
-        extra_headers={"x-session-id": sid},
-    )
+    common: dict = {
+        "model": target.model,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "extra_body": {"ignore_eos": True},
+        "extra_headers": {"x-session-id": sid},
+    }
+    if isinstance(prompt, str):
+        stream = await target.client.completions.create(prompt=prompt, **common)
+    else:
+        stream = await target.client.chat.completions.create(messages=prompt, **common)
     ttft, text, usage = None, [], None
     async for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content:
+        piece = None
+        if chunk.choices:
+            choice = chunk.choices[0]
+            piece = choice.text if isinstance(prompt, str) else choice.delta.content
+        if piece:
             ttft = ttft if ttft is not None else time.perf_counter() - started
-            text.append(chunk.choices[0].delta.content)
+            text.append(piece)
         if chunk.usage is not None:
             usage = chunk.usage
     if usage is None:
@@ -133,23 +160,38 @@ async def one_turn(
     return turn, "".join(text)
 
 
+def turn_text(message: str, first: bool) -> str:
+    """A completions conversation's new text for a user's message (`--api completions`)."""
+    return f"{'' if first else chr(10) * 2}User: {message}\nAssistant:"
+
+
 async def conversations(
-    client, model: str, order: list[int], concurrency: int, turns: int, tag: str, seed: int
+    target: Target, order: list[int], concurrency: int, turns: int, tag: str, seed: int
 ) -> Run:
     """Conversation `order[i]` takes its next turn, at most `concurrency` turns in flight (a
     conversation's turns never overlap: the next waits for the answer)."""
     rng = random.Random(seed)
     histories: dict[int, list[dict]] = {}
+    texts: dict[int, str] = {}  # completions: each conversation's text so far
     locks: dict[int, asyncio.Lock] = {}
     run, sem = Run(), asyncio.Semaphore(concurrency)
     taken: dict[int, int] = {}
 
     async def take(conv: int) -> None:
         async with sem, locks.setdefault(conv, asyncio.Lock()):
-            history = histories.setdefault(conv, [])
-            history.append({"role": "user", "content": user_text(rng, 100)})
-            turn, answer = await one_turn(client, model, history, 32, f"{tag}-{conv}")
-            history.append({"role": "assistant", "content": answer})
+            message, sid = user_text(rng, 100), f"{tag}-{conv}"
+            if target.api == "completions":
+                new = turn_text(message, conv not in texts)
+                so_far = texts.get(conv, "")
+                turn, answer = await one_turn(
+                    target, new if target.appends else so_far + new, 32, sid
+                )
+                texts[conv] = so_far + new + answer
+            else:
+                history = histories.setdefault(conv, [])
+                history.append({"role": "user", "content": message})
+                turn, answer = await one_turn(target, history, 32, sid)
+                history.append({"role": "assistant", "content": answer})
             run.turns.append(turn)
             taken[conv] = taken.get(conv, 0) + 1
             if taken[conv] == turns:
@@ -165,16 +207,16 @@ async def conversations(
     return run
 
 
-async def single(
-    client, model: str, concurrency: int, requests: int, tag: str, seed: int = 5
-) -> Run:
+async def single(target: Target, concurrency: int, requests: int, tag: str, seed: int = 5) -> Run:
     rng, run, sem = random.Random(seed), Run(), asyncio.Semaphore(concurrency)
     prompts = [user_text(rng, 200) for _ in range(requests)]
 
     async def one(i: int) -> None:
         async with sem:
-            messages = [{"role": "user", "content": prompts[i]}]
-            turn, _ = await one_turn(client, model, messages, 64, f"{tag}-single-{i}")
+            prompt: list[dict] | str = [{"role": "user", "content": prompts[i]}]
+            if target.api == "completions":
+                prompt = turn_text(prompts[i], first=True)
+            turn, _ = await one_turn(target, prompt, 64, f"{tag}-single-{i}")
             run.turns.append(turn)
 
     started = time.perf_counter()
@@ -202,16 +244,13 @@ def pressure_order(conversations: int, turns: int) -> list[int]:
     return order
 
 
-async def workload(
-    name: str, client, model: str, args, tag: str, round_: int = 0
-) -> dict[str, Run]:
+async def workload(name: str, target: Target, args, tag: str, round_: int = 0) -> dict[str, Run]:
     shift = round_ * ROUND_SEED_STEP  # new prompts each round, the same for every target
     if name == "multiturn":
         order = multiturn_order(args.conversations, args.turns)
         return {
             "multiturn": await conversations(
-                client,
-                model,
+                target,
                 order,
                 args.conversations,
                 args.turns,
@@ -222,15 +261,14 @@ async def workload(
     if name == "single":
         return {
             f"single_c{c}": await single(
-                client, model, c, max(4, 2 * c), f"{tag}-c{c}", seed=SINGLE_SEED + shift
+                target, c, max(4, 2 * c), f"{tag}-c{c}", seed=SINGLE_SEED + shift
             )
             for c in (1, 8)
         }
     if name == "pressure":
         order = pressure_order(args.pressure_conversations, args.pressure_turns)
         run = await conversations(
-            client,
-            model,
+            target,
             order,
             args.pressure_concurrency,
             args.pressure_turns,
@@ -277,23 +315,27 @@ async def main_async(args) -> None:
     targets = []
     for url in args.target:
         client = openai.AsyncOpenAI(base_url=url, api_key=args.api_key, timeout=600)
-        model = (await client.models.list()).data[0].id
-        targets.append((url, client, model))
-    per_round: dict[str, dict[str, list[dict]]] = {url: {} for url, _, _ in targets}
+        model = (await client.models.list()).data[0]
+        appends = args.api == "completions" and model.owned_by == "sessionserve"
+        targets.append(Target(url, client, model.id, args.api, appends))
+        if args.api == "completions":
+            how = "each turn's new text (append mode)" if appends else "the whole text"
+            print(f"{url}: completions, sending {how}", flush=True)
+    per_round: dict[str, dict[str, list[dict]]] = {t.url: {} for t in targets}
     tag = f"bench-{int(time.time())}"
     for r in range(args.first_round, args.first_round + args.rounds):
         for name in args.workloads:
             order = list(enumerate(targets))
             if r % 2:
                 order.reverse()  # drift within the hour falls on both sides alike
-            for i, (url, client, model) in order:
+            for i, target in order:
                 with others_paused(args.server_pid or [], i, args.settle_s):
-                    runs = await workload(name, client, model, args, f"{tag}-{i}-r{r}", r)
+                    runs = await workload(name, target, args, f"{tag}-{i}-r{r}", r)
                 for key, run in runs.items():
                     s = run.summary()
-                    per_round[url].setdefault(key, []).append(s)
+                    per_round[target.url].setdefault(key, []).append(s)
                     label = f"round {r} " if args.rounds > 1 or args.first_round else ""
-                    print(f"{label}{key:>12} {url}: {s}", flush=True)
+                    print(f"{label}{key:>12} {target.url}: {s}", flush=True)
     results = {
         url: {key: median_summary(rounds) for key, rounds in keys.items()}
         for url, keys in per_round.items()
@@ -345,6 +387,12 @@ def main() -> None:
     ap.add_argument("--pressure-turns", type=int, default=PRESSURE_SHAPE[1])
     ap.add_argument("--pressure-concurrency", type=int, default=PRESSURE_SHAPE[2])
     ap.add_argument("--api-key", default="unused")
+    ap.add_argument(
+        "--api",
+        choices=["chat", "completions"],
+        default="chat",
+        help="completions: for a base model (sessionserve targets get append-mode turns)",
+    )
     ap.add_argument("--save", help="also write this run's JSON here")
     ap.add_argument(
         "--rounds", type=int, default=1, help="repeat the alternation, new prompts each round"
