@@ -23,7 +23,6 @@ import dataclasses
 import json
 import logging
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -78,7 +77,7 @@ def dequantized(u: np.ndarray, d: np.ndarray, m: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(w.reshape(n, k).astype(np.float32))
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class BlockSummary:
     """What of a GGUF the kernel reads as stored (Q4_0, Q4_1, Q8_0)."""
 
@@ -97,8 +96,8 @@ class BlockSummary:
 
 def block_summary(gguf_path: Path, record: Path) -> BlockSummary:
     """`gguf_path`'s `BlockSummary`, kept in `record` (JSON) once read: gguf's reader takes
-    seconds over a large vocabulary (Gemma 3's 262K tokens: ~10 s on 2 cores), too long for
-    every start."""
+    seconds over a large vocabulary (Gemma 3's 262K tokens: ~10 s on 2 cores, one of them
+    busy with a build), too long for every start."""
     with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
         return BlockSummary(**json.loads(record.read_text()))
     import gguf
