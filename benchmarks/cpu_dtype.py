@@ -1,11 +1,12 @@
-"""bf16 against fp32 weights and KV on this CPU (what `model.dtype: auto` chooses between):
-the default model in both dtypes, each in its own engine (the compiled forward unless
-`--eager`, 2 torch threads), rounds alternating between them: prefill throughput (8 prompts of
-~300 tokens, one output token each) and decode step time at batch 1 and 8 (~200-token
-prompts). A CPU without native bf16 dot products (AVX512-BF16, AMX) emulates them: expect
-bf16 to lose there, which is why `auto` keeps fp32 on such CPUs.
+"""bf16 against fp32 weights and KV on this CPU (what `model.dtype: auto` chooses between): the
+default model (or `--model gemma3-270m`) in both dtypes, each in its own engine (the compiled
+forward and the packages `compile: auto` builds beside it, unless `--eager`; 2 torch threads),
+rounds alternating between them: prefill throughput (8 prompts of ~300 tokens, one output token
+each) and decode step time at batch 1 and 8 (~200-token prompts). A CPU without native bf16 dot
+products (AVX512-BF16, AMX) emulates them: expect bf16 to lose there, which is why `auto` keeps
+fp32 on such CPUs.
 
-    .venv/bin/python -m benchmarks.cpu_dtype [--rounds 3] [--eager]
+    .venv/bin/python -m benchmarks.cpu_dtype [--rounds 3] [--eager] [--model gemma3-270m]
 
 The last line is JSON: per measure the bf16 / fp32 speed ratio (above 1 = bf16 faster).
 """
@@ -64,13 +65,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=24, help="decode steps timed per round")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--eager", action="store_true", help="without the compiled forward")
+    ap.add_argument("--model", default="default", help="model.path (default, gemma3-270m)")
     args = ap.parse_args()
     setup_threads(args.threads)
     native = cpu_has_native_bf16()
     print(f"machine: {machine()}; native bf16: {native}; compiled: {not args.eager}")
 
     def build(dtype: torch.dtype) -> Engine:
-        loaded = load_model("default", dtype)
+        loaded = load_model(args.model, dtype)
         return engine(loaded, sessions=False, radix=False, max_running=8, compile=not args.eager)
 
     # built on threads that exit, stepped on one that does not: one OpenMP team (openmp.py)
@@ -99,6 +101,7 @@ def main() -> None:
     run_on_passing_thread(measure, "measure")
     summary: dict = {"benchmark": "cpu_dtype", "machine": machine(), "native_bf16": native}
     summary["compiled"] = not args.eager
+    summary["model"] = args.model
     for key in results["fp32"]:
         fp32, bf16 = median(results["fp32"][key]), median(results["bf16"][key])
         ratio = bf16 / fp32 if key.startswith("prefill") else fp32 / bf16  # speed ratio

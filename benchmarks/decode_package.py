@@ -2,16 +2,18 @@
 graph, attention inside) against the compiled forward (attention an opaque op, called back
 into Python per layer), in one process, alternating.
 
-The engine is the bench configs' (`serve-cpu-bench-bf16.yaml`: the default model, compiled,
-1 GiB of KV, 2 torch threads), built (or loaded) with both packages. For each batch size, after
-a warm-up, `--rounds` pairs of rounds run B requests (a short prompt, `--tokens` greedy
-tokens each) with the package installed and then without it (`runner.compiled_decode` set
-to None: decode steps run the compiled forward); ms a step is the runner's `forward` over
-the round's pure decode steps (slot tables, forward, K/V write; sampling and scheduling are
-the same either way and not counted; `--context` N gives N-token prompts). Each pair's
-greedy outputs are compared: both paths round to bf16 at different points, so near-tied
-logits may pick different tokens, and the script reports how many requests matched
-token for token and where the first differed.
+The engine is the bench configs' (`serve-cpu-bench-bf16.yaml`: the default model, or `--model
+gemma3-270m`, compiled, 1 GiB of KV, 2 torch threads), built (or loaded) with both packages
+(the decode step package even where `compile_decode: auto` would not build it; the 4-bit
+package, where one installs, taken out, as it would run both sides' short steps). For each
+batch size, after a warm-up, `--rounds` pairs of rounds run B requests (a short prompt,
+`--tokens` greedy tokens each) with the package installed and then without it
+(`runner.compiled_decode` set to None: decode steps run the compiled forward); ms a step is the
+runner's `forward` over the round's pure decode steps (slot tables, forward, K/V write;
+sampling and scheduling are the same either way and not counted; `--context` N gives N-token
+prompts). Each pair's greedy outputs are compared: both paths round to bf16 at different
+points, so near-tied logits may pick different tokens, and the script reports how many requests
+matched token for token and where the first differed.
 
 With `--against inductor_attention` the other side is a second decode step package, its
 attention compiled by inductor from `inplace_decode.decode_attention` (what the package ran
@@ -326,6 +328,7 @@ def main() -> None:
     )
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--model", default="default", help="model.path (default, gemma3-270m)")
     args = parser.parse_args()
     if (args.against == "cxx") != (args.cxx is not None):
         parser.error("--against cxx and --cxx COMPILER go together")
@@ -338,10 +341,18 @@ def main() -> None:
     setup_threads(args.threads)
     print(machine(), flush=True)
     # room for batches past the configs' 32 requests (past the forward's package's range)
-    eng = bench_config_engine(args.threads, args.dtype, max_running=max(32, *args.batches))
+    eng = bench_config_engine(
+        args.threads,
+        args.dtype,
+        max_running=max(32, *args.batches),
+        model_path=args.model,
+        compile_decode=True,  # built even where `auto` would not (Gemma 3: measured here)
+    )
     package = eng.runner.compiled_decode
     if package is None:
         raise SystemExit("the decode step package did not install (see the log above)")
+    # the 4-bit package would run the steps of up to 12 tokens on both sides
+    eng.runner.compiled_int4_decode = None
     if args.verify:
         if package.query_tokens < args.verify:
             raise SystemExit(
