@@ -346,11 +346,11 @@ class EngineConfig(_Strict):
         "Where its attention is the hand-written CPU kernel (AVX-512 or AVX2), it also runs "
         "chain verifies and short turns (a few new tokens per request, rows padded alike). It "
         "holds another copy of the weights. true: build (or load) and use it. auto: for models "
-        "of 50M+ parameters, but not for a model with sliding-window layers (Gemma 3's measured "
-        "no faster than the forward), whose 4-bit package is still exported from its step; "
-        "with true its sliding layers attend over their windows in it, and its verifies and "
-        "turns run it only where no window cuts the context. CUDA keeps the compiled forward "
-        "(in CUDA graphs). false: decode steps run the compiled forward.",
+        "of 50M+ parameters, but not for a bf16 model with sliding-window layers (Gemma 3's "
+        "measured no faster than the forward), whose 4-bit package is still exported from its "
+        "step. A sliding model's sliding layers attend over their windows in it, and its "
+        "verifies and turns run it only where no window cuts the context. CUDA keeps the "
+        "compiled forward (in CUDA graphs). false: decode steps run the compiled forward.",
     )
     gguf_int4_decode: bool | Literal["auto"] = Field(
         "auto",

@@ -497,14 +497,17 @@ def plan_decode_compile(
 
 def dense_step_declines(mode: bool | str, model: Any) -> str | None:
     """Why `engine.compile_decode: auto` builds no dense decode step package for `model`
-    (None: it does). A model with sliding-window layers keeps the compiled forward for its
-    decode steps: on the Zen 4 box Gemma 3's package ran them 0.96-1.06x as fast in bf16 and
-    0.87-1.01x in fp32 (its 262K-row LM head is most of a step, and the package's GEMMs are
-    no faster than the forward's; docs/benchmarks.md). Its 4-bit package, whose Q8_0 head
-    reads half the bytes, is exported from the same step and pays (1.2-1.3x), so the step
-    is planned all the same; `true` builds the dense one too."""
-    if mode == "auto" and sliding_windows(model.config):
-        return "a model with sliding-window layers: its dense package was measured no faster"
+    (None: it does). A bf16 model with sliding-window layers keeps the compiled forward for
+    its decode steps: on the Zen 4 box Gemma 3's package ran them 0.96-1.08x as fast as the
+    forward (its 262K-row LM head is most of a step, and the package's bf16 GEMMs are no
+    faster than the forward's), and its 4-bit package, whose Q8_0 head reads half the bytes,
+    takes those steps (1.14-1.39x), exported from the same step all the same. In fp32 the
+    package's linears are the few-row kernel, which reads each weight once for all rows: 8
+    requests 1.52x, 1-4 requests 0.95-0.96x (docs/benchmarks.md), so it is built. `true`
+    builds it in either dtype."""
+    dtype = next(model.parameters()).dtype
+    if mode == "auto" and sliding_windows(model.config) and dtype == torch.bfloat16:
+        return "a bf16 model with sliding-window layers: its dense package measured no faster"
     return None
 
 

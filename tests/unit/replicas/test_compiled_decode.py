@@ -463,10 +463,14 @@ def test_plan_decode_compile_resolves_the_config(tmp_path) -> None:
     assert (windowed_step.window, windowed_step.sliding_apart) == (12, True)
     assert windowed.loads_as.keywords["window"] == 12
     assert windowed.loads_as.keywords["sliding_apart"] is True
-    # auto builds no dense package for it (measured no faster), only the 4-bit one from it
-    assert "sliding-window" in compiled_decode.dense_step_declines("auto", mistral)
-    assert compiled_decode.dense_step_declines(True, mistral) is None
-    assert compiled_decode.dense_step_declines("auto", llama) is None
+    # auto builds no dense package for it in bf16 (measured no faster), only the 4-bit one
+    # from it; in fp32 (the few-row linear kernel) it does
+    bf16_mistral = copy.deepcopy(mistral).to(torch.bfloat16)
+    assert "sliding-window" in compiled_decode.dense_step_declines("auto", bf16_mistral)
+    assert compiled_decode.dense_step_declines(True, bf16_mistral) is None
+    assert compiled_decode.dense_step_declines("auto", mistral) is None
+    bf16_llama = copy.deepcopy(llama).to(torch.bfloat16)
+    assert compiled_decode.dense_step_declines("auto", bf16_llama) is None
     one_pool = compiled_decode.plan_decode_compile(True, forward, mistral, pool)[0]
     assert one_pool.loads_as.keywords["sliding_apart"] is False  # its own package
     assert one_pool.package not in (windowed.package, plan.package)
