@@ -354,17 +354,19 @@ class EngineConfig(_Strict):
     )
     gguf_int4_decode: bool | Literal["auto"] = Field(
         "auto",
-        description="For a bf16 model loaded from a GGUF whose linears or LM head are stored as "
-        "Q4_0, Q4_1 or Q8_0 (the default model's linears and head; Gemma 3's head), on a CPU "
-        "with AVX-512 VNNI, a fourth package beside "
+        description="For a bf16 model loaded from a GGUF whose linears or LM head are "
+        "quantized (the default model's Q4_1 linears and Q8_0 head; Gemma 3's Q5_0 and "
+        "K-quant linears and Q8_0 head), on a CPU with AVX-512 VNNI, a fourth package beside "
         "the decode step package for steps of up to 12 tokens (48 on CPUs with AMX, where "
         "the kernel takes 10+ rows on tiles; decode steps, verifies of drafts): its "
-        "linears and LM head the file's own blocks where it stores them so (the rest stay "
-        "dense), run by a kernel that reads them as stored (Q4: 0.625 bytes a weight, Q8_0: "
-        "1.06, against bf16's 2). Such a step reads "
-        "each weight for a few rows, so it waits on memory. The weights are the file's "
-        "exactly (each checked against the dense weight loaded from it); the kernel takes "
-        "each block of 32 of a row as two int8 terms, about as fine as bf16 (measured "
+        "linears and LM head as blocks of 32 weights with a scale and an offset, run by a "
+        "kernel that reads them as stored (Q4: 0.625 bytes a weight, Q5 and 8-bit: 1.06, "
+        "against bf16's 2). Such a step reads each weight for a few rows, so it waits on "
+        "memory. Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 are the file's weights exactly (each checked "
+        "against the dense weight loaded from it); other quantized kinds (K-quants) are "
+        "re-blocked from the loaded weight as 8-bit blocks, each weight within half a step "
+        "(its block's range / 510) of the file's; unquantized tensors stay dense. The kernel "
+        "takes each block of 32 of a row as two int8 terms, about as fine as bf16 (measured "
         "against the file's exact weights in docs/benchmarks.md); attention and KV stay as "
         "in the decode step package. auto and true: build (or load) it where it applies "
         "(true logs why it does not); false: those steps run the decode step package.",

@@ -1,6 +1,7 @@
 """The block-quantized linear (`block_linear.cpp`): a GGUF's Q4_0 / Q4_1 / Q8_0 weights as the
-file stores them, against rows taken per block of 32 as two int8 terms, on AVX-512 VNNI; on
-CPUs with AMX, from `tile_rows()` bf16 rows on, each record expanded once to bf16 on tiles.
+file stores them (Q5 and re-blocked K-quants in the 8-bit records: gguf_int4.py), against rows
+taken per block of 32 as two int8 terms, on AVX-512 VNNI; on CPUs with AMX, from `tile_rows()`
+bf16 rows on, each record expanded once to bf16 on tiles.
 
 Why: decode steps and verifies of a few rows read every weight for a few rows, so on a CPU
 they wait on memory; the file's blocks are 0.625 (Q4_1) or 1.06 (Q8_0) bytes a weight against

@@ -527,8 +527,9 @@ def plan_int4_decode_compile(
     kernel takes wide steps on AMX tiles), where such steps read weights more than they
     compute.
     Only for a bf16 model (the kernel's int8 pairs hold a row about as finely as bf16, not as
-    fp32), whose GGUF stores linears or the LM head as Q4_0, Q4_1 or Q8_0 (Gemma 3's file: its
-    head alone, 62% of the model's bytes), on a CPU with AVX-512 VNNI; auto and
+    fp32), whose GGUF stores linears or the LM head quantized (as stored where the kernel
+    reads the kind, re-blocked as 8-bit where not: gguf_int4.py), on a CPU with AVX-512 VNNI;
+    auto and
     true differ only in that true logs why it cannot be had. Its attention and KV are the
     dense package's."""
 
@@ -566,7 +567,7 @@ def plan_int4_decode_compile(
     record = decode.package.parent / f"{gguf.name}-{stat.st_size}-{stat.st_mtime_ns}.blocks.json"
     blocks = gguf_int4.block_summary(gguf, record)
     if not blocks.tensors:
-        return declined(f"{gguf.name} stores no tensor as Q4_0, Q4_1 or Q8_0")
+        return declined(f"{gguf.name} stores no quantized tensor the package could read")
     # after the file's check: building the kernel (once per machine) is for files it serves
     if not block_linear.load():
         return declined(f"the block-quantized kernel cannot run here: {block_linear.why_not()}")

@@ -1,5 +1,6 @@
 """The GGUF's own quantized weights for decode steps of a few rows on a CPU
-(`engine.gguf_int4_decode`): its 4-bit linears and its Q8_0 LM head.
+(`engine.gguf_int4_decode`): its 4-bit linears and its Q8_0 LM head, and its other quantized
+linears as 8-bit blocks.
 
 Why: a decode step of one to a few requests, or a verify of a few drafts, reads each weight for
 a few rows, so on a CPU it waits on memory, not on arithmetic. The default model ships as a
@@ -14,6 +15,15 @@ is checked against the dense weight the loader made from the same file (transfor
 GGUF reading), so a name or a row order read wrong keeps that linear dense instead of serving
 wrong weights. The kernel takes each row as a pair of int8 terms (block_linear.py), whose
 fidelity is measured, not assumed.
+
+The file's other quantized kinds: Q5_0 and Q5_1 are read as stored too, their 5-bit integers
+in the 8-bit records (exact). K-quants (Q4_K, Q6_K, ...), which the kernel's one scale and
+offset per 32 weights cannot hold as stored, are re-blocked from the loaded weight as 8-bit
+blocks (`eight_bit_blocks`: u = round((w - min) / d), d = (max - min) / 255; each weight within
+d / 2 of the file's, against the 2^-9 relative rounding of the bf16 copy served otherwise).
+Gemma 3's Q4_K_M file stores its decoder as Q5_0, Q4_K and Q6_K: without these its package
+read only the LM head as blocks (docs/benchmarks.md, stop 109). Tensors the file stores
+unquantized (F32, F16, BF16) stay dense: re-blocking them would serve less than the file.
 """
 
 from __future__ import annotations
@@ -32,7 +42,7 @@ import torch
 from sessionserve.replicas import block_linear
 from sessionserve.replicas.block_linear import BLOCK, BlockLinear, BlockWeight, fits, pack
 
-INT4_FORMAT = 2  # bump when what a packed weight holds changes (the package key has it)
+INT4_FORMAT = 3  # bump when what a packed weight holds changes (the package key has it)
 # the largest step (tokens) the package runs where the kernel takes every row as int8 terms:
 # past it the dense package's bf16 GEMMs on AMX tiles win (docs/benchmarks.md, stop 100)
 MAX_TOKENS = 12
@@ -42,9 +52,12 @@ MAX_TOKENS = 12
 # stop 101)
 MAX_TOKENS_ON_TILES = 48
 # bytes of a block: Q4_1's fp16 d, fp16 m and 16 bytes of nibbles; Q4_0's d and nibbles;
-# Q8_0's d and 32 bytes
-BLOCK_BYTES = {"Q4_1": 20, "Q4_0": 18, "Q8_0": 34}
-BITS = {"Q4_1": 4, "Q4_0": 4, "Q8_0": 8}
+# Q8_0's d and 32 bytes; Q5_0's d, 4 bytes of fifth bits and nibbles (Q5_1's with m)
+BLOCK_BYTES = {"Q4_1": 20, "Q4_0": 18, "Q8_0": 34, "Q5_0": 22, "Q5_1": 24}
+# bits of the kernel's records a weight of each kind takes (5-bit integers in 8-bit records)
+BITS = {"Q4_1": 4, "Q4_0": 4, "Q8_0": 8, "Q5_0": 8, "Q5_1": 8}
+# kinds a GGUF stores unquantized: never re-blocked (`reblocks`)
+UNQUANTIZED = frozenset({"F32", "F16", "BF16", "F64"})
 # where a model's LM head may be in a GGUF: its own tensor, or the embedding it is tied to
 HEAD_TENSORS = ("output.weight", "token_embd.weight")
 log = logging.getLogger(__name__)
@@ -52,22 +65,60 @@ log = logging.getLogger(__name__)
 
 def unpack_blocks(raw: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A GGUF tensor's raw blocks [N, K / 32 * BLOCK_BYTES] -> u [N, K] int32 (unsigned:
-    0..15, or 0..255 for Q8_0), and per block scale and offset [N, K / 32] float32 (w = u * d
-    + m). Q4 nibbles as ggml stores them: byte j holds weight j (low) and j + 16 (high)."""
+    0..15, 0..31 for Q5_0 / Q5_1, 0..255 for Q8_0), and per block scale and offset [N, K / 32]
+    float32 (w = u * d + m). Nibbles as ggml stores them: byte j holds weight j (low) and
+    j + 16 (high); Q5's fifth bits are a little-endian uint32, bit j weight j's."""
     n = raw.shape[0]
     blocks = raw.reshape(n, -1, BLOCK_BYTES[kind])
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+
+    def fp16_at(offset: int) -> np.ndarray:
+        return blocks[..., offset : offset + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+
+    d = fp16_at(0)
     if kind == "Q8_0":
         u = blocks[..., 2:].copy().view(np.int8).astype(np.int32) + 128
         return u.reshape(n, -1), d, -128.0 * d
-    if kind == "Q4_1":
-        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-        nibbles = blocks[..., 4:]
+    offset = 4 if kind in ("Q4_1", "Q5_1") else 2
+    m = fp16_at(2) if offset == 4 else (-16.0 if kind == "Q5_0" else -8.0) * d
+    if kind in ("Q5_0", "Q5_1"):
+        high = blocks[..., offset : offset + 4].copy().view("<u4")  # [N, blocks, 1]
+        fifth = ((high >> np.arange(BLOCK, dtype=np.uint32)) & 1).astype(np.int32) << 4
+        offset += 4
     else:
-        m = -8.0 * d
-        nibbles = blocks[..., 2:]
-    q = np.concatenate([nibbles & 0xF, nibbles >> 4], axis=-1).astype(np.int32)
+        fifth = 0
+    nibbles = blocks[..., offset:]
+    q = np.concatenate([nibbles & 0xF, nibbles >> 4], axis=-1).astype(np.int32) | fifth
     return q.reshape(n, -1), d, m
+
+
+def reblocks(kind: str) -> bool:
+    """Whether a tensor of this GGUF kind is re-blocked from the loaded weight
+    (`eight_bit_blocks`): quantized, in a kind the kernel does not read as stored."""
+    return kind not in BLOCK_BYTES and kind not in UNQUANTIZED
+
+
+def eight_bit_blocks(weight: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A dense weight [N, K] as 8-bit blocks of 32: u [N, K] (0..255), d and m [N, K / 32]
+    exact in fp16 as the records hold them, w ~ u * d + m with m the block's least weight
+    (rounded down to fp16) and d its range / 255 (rounded up): each weight within d / 2 of
+    `weight`'s, a block of one value exactly."""
+    n, k = weight.shape
+    w = weight.detach().cpu().double().numpy().reshape(n, k // BLOCK, BLOCK)
+    lo, hi = w.min(-1), w.max(-1)
+    m = _fp16_toward(lo, -np.inf)
+    d = _fp16_toward((hi - m) / 255.0, np.inf)
+    steps = np.divide(w - m[..., None], d[..., None], out=np.zeros_like(w), where=d[..., None] > 0)
+    u = np.clip(np.rint(steps), 0, 255).astype(np.int32)
+    return u.reshape(n, k), d.astype(np.float32), m.astype(np.float32)
+
+
+def _fp16_toward(x: np.ndarray, direction: float) -> np.ndarray:
+    """`x` rounded to fp16, then one fp16 step toward `direction` where that rounded the
+    other way (float64 out: every fp16 value is exact in it)."""
+    half = x.astype(np.float16)
+    wrong = half < x if direction > 0 else half > x
+    half = np.where(wrong, np.nextafter(half, np.float16(direction)), half)
+    return half.astype(np.float64)
 
 
 def dequantized(u: np.ndarray, d: np.ndarray, m: np.ndarray) -> torch.Tensor:
@@ -77,15 +128,21 @@ def dequantized(u: np.ndarray, d: np.ndarray, m: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(w.reshape(n, k).astype(np.float32))
 
 
+# bump when what `BlockSummary` counts changes (a record of another format is read again)
+SUMMARY_FORMAT = 2
+
+
 @dataclasses.dataclass(frozen=True)
 class BlockSummary:
-    """What of a GGUF the kernel reads as stored (Q4_0, Q4_1, Q8_0)."""
+    """What of a GGUF the package reads as blocks: stored as Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0,
+    or quantized in another kind and re-blocked (`reblocks`)."""
 
     tensors: int  # how many tensors
-    # of the decoder's linear weights (the file's 2-D `blk.*` tensors), the share stored so:
-    # the default model's ~all, Gemma 3's Q4_K_M ~1.5% (its K-quants and Q5_0 stay dense;
-    # its LM head, Q8_0, is read as stored)
+    # of the decoder's linear weights (the file's 2-D `blk.*` tensors), the share read as
+    # blocks: the default model's ~all; Gemma 3's Q4_K_M all (Q5_0 as stored, its K-quants
+    # re-blocked; its LM head, Q8_0, as stored)
     decoder_share: float
+    format: int = 1  # SUMMARY_FORMAT where read now; a record of before it has none
 
     @property
     def decoder_blocks(self) -> bool:
@@ -94,20 +151,26 @@ class BlockSummary:
         return self.decoder_share >= 0.5
 
 
+def _read_as_blocks(kind: str) -> bool:
+    return kind in BLOCK_BYTES or reblocks(kind)
+
+
 def block_summary(gguf_path: Path, record: Path) -> BlockSummary:
     """`gguf_path`'s `BlockSummary`, kept in `record` (JSON) once read: gguf's reader takes
     seconds over a large vocabulary (Gemma 3's 262K tokens: ~10 s on 2 cores, one of them
     busy with a build), too long for every start."""
     with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-        return BlockSummary(**json.loads(record.read_text()))
+        kept = BlockSummary(**json.loads(record.read_text()))
+        if kept.format == SUMMARY_FORMAT:
+            return kept
     import gguf
 
     reader = gguf.GGUFReader(gguf_path)
-    blocks = [t for t in reader.tensors if t.tensor_type.name in BLOCK_BYTES]
+    blocks = [t for t in reader.tensors if _read_as_blocks(t.tensor_type.name)]
     linears = [t for t in reader.tensors if t.name.startswith("blk.") and len(t.shape) == 2]
     total = sum(int(t.n_elements) for t in linears)
-    stored = sum(int(t.n_elements) for t in linears if t.tensor_type.name in BLOCK_BYTES)
-    summary = BlockSummary(len(blocks), stored / total if total else 0.0)
+    taken = sum(int(t.n_elements) for t in linears if _read_as_blocks(t.tensor_type.name))
+    summary = BlockSummary(len(blocks), taken / total if total else 0.0, SUMMARY_FORMAT)
     record.parent.mkdir(parents=True, exist_ok=True)
     partial = record.with_name(f"{record.name}.{os.getpid()}")
     partial.write_text(json.dumps(dataclasses.asdict(summary)))
@@ -165,6 +228,26 @@ def _checked(tensor: Any, processor: Any, name: str, linear: torch.nn.Linear) ->
     return pack(u, d, m, BITS[kind])
 
 
+def _reblocked(tensor: Any, name: str, linear: torch.nn.Linear) -> BlockWeight | None:
+    """`linear`'s weight (the file's `tensor`, dequantized by the loader) as 8-bit blocks;
+    None, with a log line, where it does not fill the kernel's records or exceeds fp16."""
+    if tensor.n_elements != linear.weight.numel() or not fits(
+        linear.out_features, linear.in_features
+    ):
+        log.info(
+            "gguf blocks: %s (%s) is not whole records of the kernel as %s; it stays dense",
+            tensor.name,
+            tensor.tensor_type.name,
+            name,
+        )
+        return None
+    u, d, m = eight_bit_blocks(linear.weight)
+    if not (np.isfinite(d).all() and np.isfinite(m).all()):
+        log.warning("gguf blocks: %s exceeds fp16's range; it stays dense", name)
+        return None
+    return pack(u, d, m, 8)
+
+
 def max_tokens() -> int:
     """The widest step the 4-bit package takes on this machine (loads the kernel first)."""
     tiles = block_linear.load() and block_linear.tile_rows() > 0
@@ -178,29 +261,45 @@ def read_block_linears(
     config: Any,
     lm_head: torch.nn.Linear | None = None,
 ) -> dict[str, BlockWeight]:
-    """The file's Q4_0 / Q4_1 / Q8_0 tensors that are weights of `module`'s `nn.Linear`
-    modules, by the module's name in `module` ("layers.0.self_attn.q_proj"), each one checked
-    equal to the module's dense weight (in its dtype); the others are left out with a log line.
-    `prefix`: `module`'s own name in the transformers model ("model" for its decoder), whose
-    full names gguf's name map knows; `config`: the model's config. With `lm_head`, also the
-    LM head (its own tensor, or the embedding it is tied to), as "lm_head". Rows are reordered
-    by transformers' tensor processor for the file's architecture, applied to whole blocks."""
+    """The file's quantized tensors that are weights of `module`'s `nn.Linear` modules, by
+    the module's name in `module` ("layers.0.self_attn.q_proj"): those of the kinds the kernel
+    reads as stored, each one checked equal to the module's dense weight (in its dtype; one
+    that differs is left out with a log line), and those of other quantized kinds re-blocked
+    from the module's weight (`eight_bit_blocks`). `prefix`: `module`'s own name in the
+    transformers model ("model" for its decoder), whose full names gguf's name map knows;
+    `config`: the model's config. With `lm_head`, also the LM head (its own tensor, or the
+    embedding it is tied to), as "lm_head". Rows are reordered by transformers' tensor
+    processor for the file's architecture, applied to whole blocks."""
     opened = _open(gguf_path, config)
     if opened is None:
         return {}
     reader, name_map, processor = opened
-    tensors = {t.name: t for t in reader.tensors if t.tensor_type.name in BLOCK_BYTES}
+    tensors = {t.name: t for t in reader.tensors if _read_as_blocks(t.tensor_type.name)}
     taken: dict[str, BlockWeight] = {}
+    reblocked: dict[str, int] = {}  # kind -> linears re-blocked
+
+    def take(name: str, tensor: Any, linear: torch.nn.Linear) -> None:
+        kind = tensor.tensor_type.name
+        if reblocks(kind):
+            weight = _reblocked(tensor, name, linear)
+            reblocked[kind] = reblocked.get(kind, 0) + (weight is not None)
+        else:
+            weight = _checked(tensor, processor, name, linear)
+        if weight is not None:
+            taken[name] = weight
+
     for name, child in module.named_modules():
         gguf_name = name_map.get_name(f"{prefix}.{name}" if prefix else name)
         tensor = tensors.get(f"{gguf_name}.weight") if gguf_name else None
         if isinstance(child, torch.nn.Linear) and tensor is not None:
-            if weight := _checked(tensor, processor, name, child):
-                taken[name] = weight
+            take(name, tensor, child)
     if lm_head is not None:
         head = next((tensors[n] for n in HEAD_TENSORS if n in tensors), None)
-        if head is not None and (weight := _checked(head, processor, "lm_head", lm_head)):
-            taken["lm_head"] = weight
+        if head is not None:
+            take("lm_head", head, lm_head)
+    if reblocked:
+        counts = ", ".join(f"{n} {kind}" for kind, n in sorted(reblocked.items()))
+        log.info("gguf blocks: linears re-blocked as 8-bit from the loaded weights: %s", counts)
     return taken
 
 

@@ -39,6 +39,8 @@ KINDS = {
     "Q4_1": gguf.GGMLQuantizationType.Q4_1,
     "Q4_0": gguf.GGMLQuantizationType.Q4_0,
     "Q8_0": gguf.GGMLQuantizationType.Q8_0,
+    "Q5_0": gguf.GGMLQuantizationType.Q5_0,
+    "Q5_1": gguf.GGMLQuantizationType.Q5_1,
 }
 needs_kernel = pytest.mark.skipif(
     not block_linear.load(), reason=f"the block kernel cannot run here: {block_linear.why_not()}"
@@ -50,19 +52,39 @@ def quantized(weight: np.ndarray, kind: str) -> np.ndarray:
     return gguf.quants.quantize(weight.astype(np.float32), KINDS[kind])
 
 
-@pytest.mark.parametrize("kind", ["Q4_1", "Q4_0", "Q8_0"])
+@pytest.mark.parametrize("kind", ["Q4_1", "Q4_0", "Q8_0", "Q5_0", "Q5_1"])
 def test_blocks_unpack_to_ggmls_own_dequantization(kind) -> None:
     weight = np.random.default_rng(1).normal(0, 0.05, (48, 96)).astype(np.float32)
     raw = quantized(weight, kind)
     u, d, m = gguf_int4.unpack_blocks(raw, kind)
-    top = 255 if kind == "Q8_0" else 15
+    top = {"Q8_0": 255, "Q5_0": 31, "Q5_1": 31}.get(kind, 15)
     assert u.shape == (48, 96) and u.min() >= 0 and u.max() <= top
     want = torch.from_numpy(gguf.quants.dequantize(raw, KINDS[kind]))
     assert torch.equal(gguf_int4.dequantized(u, d, m), want)
 
 
+def test_eight_bit_blocks_hold_each_weight_within_half_a_step() -> None:
+    """A K-quant's dense weight re-blocked: each weight within d / 2 of its block's, d the
+    block's range / 255 (up to fp16's rounding of d and m, taken outward); a block of one value
+    exactly; u within the records' 8 bits."""
+    rng = np.random.default_rng(4)
+    weight = torch.from_numpy(rng.normal(0, 0.05, (32, 128)).astype(np.float32)).bfloat16()
+    weight[3, 32:64] = 0.0123  # a block of one value
+    weight[5, :32] = torch.linspace(-0.2, 0.1, 32)  # a wide one
+    u, d, m = gguf_int4.eight_bit_blocks(weight)
+    assert u.shape == (32, 128) and u.min() >= 0 and u.max() <= 255
+    assert np.array_equal(d, d.astype(np.float16)) and np.array_equal(m, m.astype(np.float16))
+    back = gguf_int4.dequantized(u, d, m).reshape(32, 4, 32)
+    dense = weight.float().reshape(32, 4, 32)
+    worst = (back - dense).abs().amax(-1).numpy()
+    assert (worst <= d / 2 * (1 + 1e-3) + 1e-12).all()
+    assert torch.equal(back[3, 1], dense[3, 1])
+    lo, hi = dense.amin(-1).numpy(), dense.amax(-1).numpy()
+    assert (d >= (hi - lo) / 255).all() and (d <= (hi - lo) / 255 * (1 + 2**-9) + 1e-12).all()
+
+
 @needs_kernel
-@pytest.mark.parametrize("kind", ["Q4_1", "Q4_0", "Q8_0"])
+@pytest.mark.parametrize("kind", ["Q4_1", "Q4_0", "Q8_0", "Q5_0"])
 def test_the_block_linear_computes_with_the_files_weights(kind) -> None:
     """Within the kernel's rounding of the rows (int8 pairs, ~bf16's) in fp32 and bf16. Any
     leading dims, a bias."""
@@ -162,6 +184,57 @@ def test_a_written_gguf_is_read_back_onto_the_model(tmp_path, kind, caplog) -> N
 
 
 @needs_kernel
+def test_q5_is_read_as_stored_and_other_quantized_kinds_are_reblocked(
+    tmp_path, monkeypatch, caplog
+) -> None:
+    """Gemma 3's Q4_K_M stores its decoder as Q5_0 and K-quants. Q5_0 is read as stored, in
+    8-bit records, exactly the loaded weight; a quantized kind the kernel does not read (here
+    Q5_1, taken out of the kinds it reads, as gguf's writer cannot make K-quants) is re-blocked
+    from the loaded weight; an unquantized tensor (F32) stays dense either way."""
+    model = tiny_model("llama", seed=5)
+    path = tmp_path / "q5.gguf"
+    write_gguf(path, model, "Q5_0", dense=("blk.0.ffn_up.weight",))
+    decoder = model.get_decoder()
+    taken = gguf_int4.read_block_linears(path, decoder, "model", model.config, model.lm_head)
+    assert set(taken) == linear_names(model) - {"layers.0.mlp.up_proj"} | {"lm_head"}
+    for name, weight in taken.items():
+        linear = model.get_submodule(name if name == "lm_head" else f"model.{name}")
+        assert weight.bits == 8
+        x = torch.randn(3, linear.in_features)
+        got = BlockLinear(weight, linear.bias, torch.float32)(x)
+        torch.testing.assert_close(got, linear(x), atol=2e-3, rtol=2e-3)
+
+    other = tmp_path / "q5_1.gguf"
+    write_gguf(other, model, "Q5_1", dense=("blk.0.ffn_up.weight",), head="Q8_0")
+    monkeypatch.delitem(gguf_int4.BLOCK_BYTES, "Q5_1")
+    assert gguf_int4.reblocks("Q5_1") and not gguf_int4.reblocks("F32")
+    with caplog.at_level(logging.INFO, logger="sessionserve.replicas.gguf_int4"):
+        taken = gguf_int4.read_block_linears(other, decoder, "model", model.config, model.lm_head)
+    decoder_linears = linear_names(model) - {"layers.0.mlp.up_proj"}
+    assert set(taken) == decoder_linears | {"lm_head"}
+    assert (
+        f"re-blocked as 8-bit from the loaded weights: {len(decoder_linears)} Q5_1" in caplog.text
+    )
+    for name in decoder_linears:
+        linear = model.get_submodule(f"model.{name}")
+        want = gguf_int4.dequantized(*gguf_int4.eight_bit_blocks(linear.weight))
+        x = torch.randn(3, linear.in_features)
+        got = BlockLinear(taken[name], linear.bias, torch.float32)(x)
+        want = torch.nn.functional.linear(x, want, linear.bias)
+        torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)  # the rows' int8 pairs
+        # within the blocks' half steps of the file's weight
+        torch.testing.assert_close(got, linear(x), atol=2e-2, rtol=1e-2)
+    summary = gguf_int4.block_summary(other, tmp_path / "q5_1.blocks.json")
+    up = decoder.layers[0].mlp.up_proj.weight.numel()
+    every = sum(decoder.get_submodule(n).weight.numel() for n in linear_names(model))
+    assert summary.decoder_share == pytest.approx(1 - up / every) and summary.decoder_blocks
+    # a record of another format is read again
+    record = tmp_path / "old.blocks.json"
+    record.write_text('{"tensors": 1, "decoder_share": 0.01}')
+    assert gguf_int4.block_summary(other, record) == summary
+
+
+@needs_kernel
 def test_the_plan_says_when_the_4bit_package_applies(tmp_path, caplog, monkeypatch) -> None:
     model = tiny_model("llama", seed=3).to(torch.bfloat16)
     path = tmp_path / "tiny.gguf"
@@ -193,7 +266,7 @@ def test_the_plan_says_when_the_4bit_package_applies(tmp_path, caplog, monkeypat
     }
     no_q4 = tmp_path / "dense.gguf"
     write_gguf(no_q4, copy.deepcopy(model), "F32", head="F32")
-    declines["stores no tensor as Q4_0, Q4_1 or Q8_0"] = (True, decode, dense, model, str(no_q4))
+    declines["stores no quantized tensor"] = (True, decode, dense, model, str(no_q4))
     for why, (mode, dec, step_, m, source) in declines.items():
         with caplog.at_level(logging.WARNING):
             got, none = plan_int4_decode_compile(mode, forward, dec, step_, m, source)
