@@ -258,6 +258,14 @@ def test_the_plan_says_when_the_4bit_package_applies(tmp_path, caplog, monkeypat
     # ... whose decoder's dense GEMMs leave longer steps to the prefill package
     assert got.loads_as.keywords["block_decoder"] is False
     assert plan.loads_as.keywords["block_decoder"] is True
+    # a decoder of a quantized kind the kernel does not read as stored (Gemma 3's K-quants;
+    # here Q5_1 taken out of the kinds read as stored): re-blocked, so the package has it
+    reblocked = tmp_path / "reblocked.gguf"
+    write_gguf(reblocked, copy.deepcopy(model), "Q5_1")
+    with monkeypatch.context() as patched:
+        patched.delitem(gguf_int4.BLOCK_BYTES, "Q5_1")
+        got, _ = plan_int4_decode_compile(True, forward, decode, dense, model, str(reblocked))
+    assert got.enabled and got.loads_as.keywords["block_decoder"] is True
     declines = {
         "engine.gguf_int4_decode is false": (False, decode, dense, model, str(path)),
         "no decode step package": (True, CompilePlan(False, "off"), None, model, str(path)),
