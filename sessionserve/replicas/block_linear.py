@@ -1,5 +1,5 @@
 """The block-quantized linear (`block_linear.cpp`): a GGUF's Q4_0 / Q4_1 / Q8_0 weights as the
-file stores them (Q5 and re-blocked K-quants in the 8-bit records: gguf_int4.py), against rows
+file stores them (Q4_K's sub-blocks too; Q5 and re-blocked K-quants in 8-bit records), against rows
 taken per block of 32 as two int8 terms, on AVX-512 VNNI; on CPUs with AMX, from `tile_rows()`
 bf16 rows on, each record expanded once to bf16 on tiles.
 

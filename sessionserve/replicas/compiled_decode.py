@@ -501,7 +501,7 @@ def dense_step_declines(mode: bool | str, model: Any) -> str | None:
     its decode steps: on the Zen 4 box Gemma 3's package ran them 0.96-1.08x as fast as the
     forward (its 262K-row LM head is most of a step, and the package's bf16 GEMMs are no
     faster than the forward's), and its 4-bit package, whose blocks (the Q8_0 head, Q5_0 and
-    re-blocked K-quant linears) read half the bytes, takes those steps (1.27-1.70x at 1-12
+    Q4_K and re-blocked Q6_K linears) read half the bytes, takes those steps (1.22-1.64x at 1-12
     requests), exported from the same step all the same. In fp32 the
     package's linears are the few-row kernel, which reads each weight once for all rows: 8
     requests 1.52x, 1-4 requests 0.95-0.96x (docs/benchmarks.md), so it is built. `true`

@@ -17,8 +17,11 @@ wrong weights. The kernel takes each row as a pair of int8 terms (block_linear.p
 fidelity is measured, not assumed.
 
 The file's other quantized kinds: Q5_0 and Q5_1 are read as stored too, their 5-bit integers
-in the 8-bit records (exact). K-quants (Q4_K, Q6_K, ...), which the kernel's one scale and
-offset per 32 weights cannot hold as stored, are re-blocked from the loaded weight as 8-bit
+in the 8-bit records (exact), and Q4_K, whose 32-weight sub-blocks each have a scale and an
+offset (d x a 6-bit scale, dmin x a 6-bit min: exact in fp32; the records hold them in fp16,
+2^-11 of each). Other K-quants (Q6_K: 16-weight sub-blocks; Q5_K, Q2_K, ...), which the
+kernel's one scale and offset per 32 weights cannot hold as stored, are re-blocked from the
+loaded weight as 8-bit
 blocks (`eight_bit_blocks`: u = round((w - min) / d), d = (max - min) / 255; each weight within
 d / 2 of the file's, against the 2^-9 relative rounding of the bf16 copy served otherwise).
 Gemma 3's Q4_K_M file stores its decoder as Q5_0, Q4_K and Q6_K: without these its package
@@ -42,7 +45,7 @@ import torch
 from sessionserve.replicas import block_linear
 from sessionserve.replicas.block_linear import BLOCK, BlockLinear, BlockWeight, fits, pack
 
-INT4_FORMAT = 3  # bump when what a packed weight holds changes (the package key has it)
+INT4_FORMAT = 4  # bump when what a packed weight holds changes (the package key has it)
 # the largest step (tokens) the package runs where the kernel takes every row as int8 terms:
 # past it the dense package's bf16 GEMMs on AMX tiles win (docs/benchmarks.md, stop 100)
 MAX_TOKENS = 12
@@ -51,11 +54,13 @@ MAX_TOKENS = 12
 # steps of 10-48 requests read 1.04-1.33x the dense package, 64 1.00x (docs/benchmarks.md,
 # stop 101)
 MAX_TOKENS_ON_TILES = 48
-# bytes of a block: Q4_1's fp16 d, fp16 m and 16 bytes of nibbles; Q4_0's d and nibbles;
-# Q8_0's d and 32 bytes; Q5_0's d, 4 bytes of fifth bits and nibbles (Q5_1's with m)
-BLOCK_BYTES = {"Q4_1": 20, "Q4_0": 18, "Q8_0": 34, "Q5_0": 22, "Q5_1": 24}
+# bytes of a ggml block (32 weights): Q4_1's fp16 d, fp16 m and 16 bytes of nibbles; Q4_0's d
+# and nibbles; Q8_0's d and 32 bytes; Q5_0's d, 4 bytes of fifth bits and nibbles (Q5_1's with
+# m); Q4_K's super-block of 256: fp16 d and dmin, 12 bytes of 6-bit scales and mins, 128 of
+# nibbles
+BLOCK_BYTES = {"Q4_1": 20, "Q4_0": 18, "Q8_0": 34, "Q5_0": 22, "Q5_1": 24, "Q4_K": 144}
 # bits of the kernel's records a weight of each kind takes (5-bit integers in 8-bit records)
-BITS = {"Q4_1": 4, "Q4_0": 4, "Q8_0": 8, "Q5_0": 8, "Q5_1": 8}
+BITS = {"Q4_1": 4, "Q4_0": 4, "Q8_0": 8, "Q5_0": 8, "Q5_1": 8, "Q4_K": 4}
 # kinds a GGUF stores unquantized: never re-blocked (`reblocks`)
 UNQUANTIZED = frozenset({"F32", "F16", "BF16", "F64"})
 # where a model's LM head may be in a GGUF: its own tensor, or the embedding it is tied to
@@ -64,11 +69,16 @@ log = logging.getLogger(__name__)
 
 
 def unpack_blocks(raw: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A GGUF tensor's raw blocks [N, K / 32 * BLOCK_BYTES] -> u [N, K] int32 (unsigned:
-    0..15, 0..31 for Q5_0 / Q5_1, 0..255 for Q8_0), and per block scale and offset [N, K / 32]
-    float32 (w = u * d + m). Nibbles as ggml stores them: byte j holds weight j (low) and
-    j + 16 (high); Q5's fifth bits are a little-endian uint32, bit j weight j's."""
+    """A GGUF tensor's raw blocks [N, K / weights a block * BLOCK_BYTES] -> u [N, K] int32
+    (unsigned: 0..15, 0..31 for Q5_0 / Q5_1, 0..255 for Q8_0), and per 32 weights scale and
+    offset [N, K / 32] float32 (w = u * d + m, as ggml's own dequantization computes it).
+    Nibbles as ggml stores them: byte j holds weight j (low) and j + 16 (high); Q5's fifth
+    bits are a little-endian uint32, bit j weight j's. Q4_K's 32-weight sub-blocks have a
+    scale (d x a 6-bit scale) and an offset (-dmin x a 6-bit min) each: exact in fp32, not
+    always in the fp16 the kernel's records hold (`pack` rounds them: 2^-11 of each)."""
     n = raw.shape[0]
+    if kind == "Q4_K":
+        return _unpack_q4_k(raw.reshape(n, -1, BLOCK_BYTES[kind]))
     blocks = raw.reshape(n, -1, BLOCK_BYTES[kind])
 
     def fp16_at(offset: int) -> np.ndarray:
@@ -89,6 +99,24 @@ def unpack_blocks(raw: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray, n
     nibbles = blocks[..., offset:]
     q = np.concatenate([nibbles & 0xF, nibbles >> 4], axis=-1).astype(np.int32) | fifth
     return q.reshape(n, -1), d, m
+
+
+def _unpack_q4_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`unpack_blocks` for Q4_K super-blocks [N, S, 144]: sub-block j of 32 weights is
+    w = (d sc_j) q - dmin m_j, its nibbles chunk j // 2's low (j even) or high halves; the
+    6-bit scales and mins unpacked by gguf's own `Q4_K.get_scale_min`."""
+    from gguf.quants import Q4_K
+
+    n, supers = blocks.shape[:2]
+    flat = blocks.reshape(n * supers, -1)
+    d = flat[:, 0:2].copy().view(np.float16).astype(np.float32)  # [n * S, 1]
+    dmin = flat[:, 2:4].copy().view(np.float16).astype(np.float32)
+    scales, mins = Q4_K.get_scale_min(flat[:, 4:16].copy())  # [n * S, 8] each
+    nibbles = flat[:, 16:].reshape(n * supers, 4, 1, 32) >> np.array([0, 4], np.uint8)[:, None]
+    q = (nibbles & 0xF).reshape(n, -1).astype(np.int32)
+    scale = (d * scales.astype(np.float32)).reshape(n, -1)
+    offset = -(dmin * mins.astype(np.float32)).reshape(n, -1)
+    return q, scale, offset
 
 
 def reblocks(kind: str) -> bool:
@@ -134,12 +162,12 @@ SUMMARY_FORMAT = 2
 
 @dataclasses.dataclass(frozen=True)
 class BlockSummary:
-    """What of a GGUF the package reads as blocks: stored as Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0,
-    or quantized in another kind and re-blocked (`reblocks`)."""
+    """What of a GGUF the package reads as blocks: as stored (the kinds of `BLOCK_BYTES`), or
+    quantized in another kind and re-blocked (`reblocks`)."""
 
     tensors: int  # how many tensors
     # of the decoder's linear weights (the file's 2-D `blk.*` tensors), the share read as
-    # blocks: the default model's ~all; Gemma 3's Q4_K_M all (Q5_0 as stored, its K-quants
+    # blocks: the default model's ~all; Gemma 3's Q4_K_M all (Q5_0, Q4_K as stored, its Q6_K
     # re-blocked; its LM head, Q8_0, as stored)
     decoder_share: float
     format: int = 1  # SUMMARY_FORMAT where read now; a record of before it has none
@@ -214,6 +242,9 @@ def _checked(tensor: Any, processor: Any, name: str, linear: torch.nn.Linear) ->
         return None
     rows = processor.process(weights=np.asarray(tensor.data), name=tensor.name).weights
     u, d, m = unpack_blocks(np.ascontiguousarray(rows), kind)
+    if not (np.isfinite(d.astype(np.float16)).all() and np.isfinite(m.astype(np.float16)).all()):
+        log.warning("gguf blocks: %s (%s) exceeds fp16's range; it stays dense", tensor.name, kind)
+        return None
     dense = linear.weight.detach()
     if u.shape != tuple(dense.shape) or not torch.equal(
         dequantized(u, d, m).to(dense.dtype), dense.cpu()

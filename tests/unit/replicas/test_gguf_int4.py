@@ -63,6 +63,40 @@ def test_blocks_unpack_to_ggmls_own_dequantization(kind) -> None:
     assert torch.equal(gguf_int4.dequantized(u, d, m), want)
 
 
+def random_q4_k(n: int, supers: int) -> np.ndarray:
+    """Q4_K rows [n, supers * 144]: gguf's writer cannot quantize K-quants, so random
+    super-blocks (fp16 d and dmin of a weight's size, any scale, min and nibble bytes)."""
+    rng = np.random.default_rng(6)
+    raw = rng.integers(0, 256, (n, supers, 144), dtype=np.uint8)
+    for offset in (0, 2):  # d, dmin
+        half = rng.uniform(1e-4, 2e-3, (n, supers)).astype(np.float16)
+        raw[..., offset : offset + 2] = half.view(np.uint8).reshape(n, supers, 2)
+    return raw.reshape(n, -1)
+
+
+def test_q4_k_super_blocks_unpack_to_ggmls_own_dequantization() -> None:
+    """Each sub-block of 32 as u in 0..15 with its own scale and offset, equal to ggml's
+    dequantization exactly (in fp32): read as stored, not re-blocked."""
+    raw = random_q4_k(6, 3)
+    u, d, m = gguf_int4.unpack_blocks(raw, "Q4_K")
+    assert u.shape == (6, 768) and d.shape == m.shape == (6, 24)
+    assert u.min() >= 0 and u.max() <= 15 and gguf_int4.BITS["Q4_K"] == 4
+    want = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_K)
+    assert np.array_equal(gguf_int4.dequantized(u, d, m).numpy(), want)
+    assert not gguf_int4.reblocks("Q4_K") and gguf_int4.reblocks("Q6_K")
+
+
+@needs_kernel
+def test_the_block_linear_computes_with_q4_ks_weights() -> None:
+    """The records round each sub-block's scale and offset to fp16 (2^-11 of each)."""
+    u, d, m = gguf_int4.unpack_blocks(random_q4_k(32, 2), "Q4_K")
+    exact = gguf_int4.dequantized(u, d, m)
+    x = torch.randn(4, exact.shape[1])
+    got = BlockLinear(block_linear.pack(u, d, m, 4), None, torch.float32)(x)
+    want = torch.nn.functional.linear(x, exact)
+    torch.testing.assert_close(got, want, atol=2e-3 * want.abs().max().item(), rtol=2e-3)
+
+
 def test_eight_bit_blocks_hold_each_weight_within_half_a_step() -> None:
     """A K-quant's dense weight re-blocked: each weight within d / 2 of its block's, d the
     block's range / 255 (up to fp16's rounding of d and m, taken outward); a block of one value
