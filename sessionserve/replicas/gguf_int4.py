@@ -1,6 +1,6 @@
 """The GGUF's own quantized weights for decode steps of a few rows on a CPU
 (`engine.gguf_int4_decode`): its 4-bit linears and its Q8_0 LM head, and its other quantized
-linears as 8-bit blocks.
+linears as blocks too.
 
 Why: a decode step of one to a few requests, or a verify of a few drafts, reads each weight for
 a few rows, so on a CPU it waits on memory, not on arithmetic. The default model ships as a
@@ -21,9 +21,9 @@ in the 8-bit records (exact), and Q4_K, whose 32-weight sub-blocks each have a s
 offset (d x a 6-bit scale, dmin x a 6-bit min: exact in fp32; the records hold them in fp16,
 2^-11 of each). Other K-quants (Q6_K: 16-weight sub-blocks; Q5_K, Q2_K, ...), which the
 kernel's one scale and offset per 32 weights cannot hold as stored, are re-blocked from the
-loaded weight as 8-bit
-blocks (`eight_bit_blocks`: u = round((w - min) / d), d = (max - min) / 255; each weight within
-d / 2 of the file's, against the 2^-9 relative rounding of the bf16 copy served otherwise).
+loaded weight as 8-bit blocks (`eight_bit_blocks`: u = round((w - min) / d), d = (max - min)
+/ 255; each weight within d / 2 of the file's, against the 2^-9 relative rounding of the bf16
+copy served otherwise).
 Gemma 3's Q4_K_M file stores its decoder as Q5_0, Q4_K and Q6_K: without these its package
 read only the LM head as blocks (docs/benchmarks.md, stop 109). Tensors the file stores
 unquantized (F32, F16, BF16) stay dense: re-blocking them would serve less than the file.
@@ -228,22 +228,40 @@ def _open(gguf_path: Path, config: Any) -> tuple[Any, Any, Any] | None:
     return reader, gguf.get_tensor_name_map(arch_key, config.num_hidden_layers), processor
 
 
+def _fills_records(tensor: Any, name: str, linear: torch.nn.Linear) -> bool:
+    """Whether `linear` (the file's `tensor`) fills whole records of the kernel; if not, a
+    log line says it stays dense."""
+    if fits(linear.out_features, linear.in_features):
+        return True
+    log.info(
+        "gguf blocks: %s (%s) is [%d, %d] as %s, not whole records of the kernel; it stays dense",
+        tensor.name,
+        tensor.tensor_type.name,
+        linear.out_features,
+        linear.in_features,
+        name,
+    )
+    return False
+
+
+def _in_fp16(name: str, d: np.ndarray, m: np.ndarray) -> bool:
+    """Whether the records' fp16 holds a weight's scales and offsets; if not, a log line says
+    it stays dense."""
+    if np.isfinite(d.astype(np.float16)).all() and np.isfinite(m.astype(np.float16)).all():
+        return True
+    log.warning("gguf blocks: %s exceeds fp16's range; it stays dense", name)
+    return False
+
+
 def _checked(tensor: Any, processor: Any, name: str, linear: torch.nn.Linear) -> BlockWeight | None:
     """`tensor` packed for the kernel where it is `linear`'s weight exactly (in the
     processor's row order); None, with a log line, where not."""
     kind = tensor.tensor_type.name
-    if not fits(linear.out_features, linear.in_features):
-        log.info(
-            "gguf blocks: %s is [%d, %d], not whole records of the kernel; it stays dense",
-            name,
-            linear.out_features,
-            linear.in_features,
-        )
+    if not _fills_records(tensor, name, linear):
         return None
     rows = processor.process(weights=np.asarray(tensor.data), name=tensor.name).weights
     u, d, m = unpack_blocks(np.ascontiguousarray(rows), kind)
-    if not (np.isfinite(d.astype(np.float16)).all() and np.isfinite(m.astype(np.float16)).all()):
-        log.warning("gguf blocks: %s (%s) exceeds fp16's range; it stays dense", tensor.name, kind)
+    if not _in_fp16(name, d, m):
         return None
     dense = linear.weight.detach()
     if u.shape != tuple(dense.shape) or not torch.equal(
@@ -262,21 +280,19 @@ def _checked(tensor: Any, processor: Any, name: str, linear: torch.nn.Linear) ->
 def _reblocked(tensor: Any, name: str, linear: torch.nn.Linear) -> BlockWeight | None:
     """`linear`'s weight (the file's `tensor`, dequantized by the loader) as 8-bit blocks;
     None, with a log line, where it does not fill the kernel's records or exceeds fp16."""
-    if tensor.n_elements != linear.weight.numel() or not fits(
-        linear.out_features, linear.in_features
-    ):
-        log.info(
-            "gguf blocks: %s (%s) is not whole records of the kernel as %s; it stays dense",
+    if tensor.n_elements != linear.weight.numel():
+        log.warning(
+            "gguf blocks: %s has %d weights, the loaded %s %d; it stays dense",
             tensor.name,
-            tensor.tensor_type.name,
+            tensor.n_elements,
             name,
+            linear.weight.numel(),
         )
         return None
-    u, d, m = eight_bit_blocks(linear.weight)
-    if not (np.isfinite(d).all() and np.isfinite(m).all()):
-        log.warning("gguf blocks: %s exceeds fp16's range; it stays dense", name)
+    if not _fills_records(tensor, name, linear):
         return None
-    return pack(u, d, m, 8)
+    u, d, m = eight_bit_blocks(linear.weight)
+    return pack(u, d, m, 8) if _in_fp16(name, d, m) else None
 
 
 def max_tokens() -> int:
