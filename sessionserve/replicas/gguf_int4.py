@@ -77,9 +77,9 @@ def unpack_blocks(raw: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray, n
     scale (d x a 6-bit scale) and an offset (-dmin x a 6-bit min) each: exact in fp32, not
     always in the fp16 the kernel's records hold (`pack` rounds them: 2^-11 of each)."""
     n = raw.shape[0]
-    if kind == "Q4_K":
-        return _unpack_q4_k(raw.reshape(n, -1, BLOCK_BYTES[kind]))
     blocks = raw.reshape(n, -1, BLOCK_BYTES[kind])
+    if kind == "Q4_K":
+        return _unpack_q4_k(blocks)
 
     def fp16_at(offset: int) -> np.ndarray:
         return blocks[..., offset : offset + 2].copy().view(np.float16)[..., 0].astype(np.float32)
