@@ -81,6 +81,10 @@ class NativeKernel:
         if not self.load():
             raise RuntimeError(f"{self.what} is not available: {self.why_not()}")
 
+    def loaded(self) -> bool:
+        """Whether `load()` has loaded the op (without building or loading it)."""
+        return self._state.get("loaded") is True
+
     def why_not(self) -> str:
         """Why `load()` returned False ('' when it did not, or was not called)."""
         return str(self._state.get("why", ""))

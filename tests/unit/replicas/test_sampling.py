@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -144,16 +146,62 @@ def test_a_batch_comes_back_in_one_packed_copy_with_each_rows_logprobs() -> None
     assert sample(logits, params, [()] * 4, [()] * 4, gens).token_ids == host.token_ids
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_greedy_tokens_are_argmax_ties_masks_and_nan_included(dtype) -> None:
-    """`greedy_tokens` replaces `argmax(-1)` on the hot path: the same index on every row,
-    including many-way ties (the first wins), rows masked to -inf (a grammar's) and NaN."""
+def argmax_cases(dtype: torch.dtype) -> list[torch.Tensor]:
+    """Logits whose argmax a shortcut could get wrong: many-way ties (the first wins), rows
+    masked to -inf (a grammar's) or all -inf, +inf, NaN (the first wins, even past a +inf),
+    rows shorter than a vector and longer than the kernel's parts (16,384), rows not packed
+    together (a slice of wider rows)."""
     gen = torch.Generator().manual_seed(0)
-    for rows, vocab in [(1, 7), (3, 100), (8, 49152), (33, 1000)]:
+    cases = []
+    for rows, vocab in [(1, 7), (3, 100), (8, 49152), (33, 1000), (2, 262144), (5, 16385)]:
         tied = torch.randint(0, 4, (rows, vocab), generator=gen).to(dtype)
         masked = tied.clone()
         masked[:, ::3] = float("-inf")
         nan = tied.clone()
         nan[0, vocab // 2] = float("nan")
-        for logits in (tied, masked, torch.full((rows, vocab), float("-inf"), dtype=dtype), nan):
-            assert torch.equal(greedy_tokens(logits), logits.argmax(dim=-1))
+        nan[-1, -1] = float("nan")
+        nan[-1, 0] = float("inf")
+        spread = torch.randn(rows, vocab + 3, generator=gen).to(dtype)
+        spread[:, -1] = float("inf")
+        cases += [tied, masked, torch.full((rows, vocab), float("-inf"), dtype=dtype), nan]
+        cases += [spread, spread[:, 2:]]
+    return cases
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_tokens_are_argmax_ties_masks_and_nan_included(dtype) -> None:
+    """`greedy_tokens` replaces `argmax(-1)` on the hot path: the same index on every row,
+    whichever way it computes them (the kernel where loaded: an engine on a CPU loads it)."""
+    for logits in argmax_cases(dtype):
+        assert torch.equal(greedy_tokens(logits), logits.argmax(dim=-1))
+
+
+def test_bf16_logits_sample_as_their_fp32_copy() -> None:
+    """Greedy rows read bf16 logits as they are; penalised, sampled and logprob rows take them
+    in fp32. Either way a step's tokens and logprobs are those of the logits' fp32 copy."""
+    torch.manual_seed(1)
+    logits = torch.randn(5, 300)
+    logits[3] = logits[3] * 0.1
+    logits[3, 7], logits[3, 8] = 1.0, 0.9  # token 7 is the top, and already in the output
+    logits = logits.bfloat16()
+    params = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0, logprobs=True, top_logprobs=3),
+        SamplingParams(temperature=0.9, seed=5),
+        SamplingParams(temperature=0, repetition_penalty=1.3),
+        SamplingParams(temperature=0.7, top_p=0.8, seed=6, logprobs=True),
+    ]
+    outputs = [(), (), (), (7,), ()]
+
+    def run(x: torch.Tensor) -> Any:
+        gens = [None, None, torch.Generator().manual_seed(5), None]
+        gens.append(torch.Generator().manual_seed(6))
+        return sample_on_device(x, params, outputs, outputs, gens).to_host()
+
+    got, want = run(logits), run(logits.float())
+    assert got.token_ids == want.token_ids
+    assert got.token_ids[3] == 8  # the penalty moved the pick off the top
+    assert got.logprobs == want.logprobs
+    only_greedy = [SamplingParams(temperature=0)] * 5
+    picks = sample_on_device(logits, only_greedy, [()] * 5, [()] * 5, [None] * 5).to_host()
+    assert picks.token_ids == logits.float().argmax(-1).tolist()

@@ -1,0 +1,161 @@
+// Each row's greedy token: the index of its largest logit, the first on a tie, NaN taken as
+// larger than everything (the first NaN wins), as torch's `max(dim=-1).indices` and
+// `argmax(-1)` give it; fp32 or bf16 logits [rows, V], on x86 CPUs with AVX-512 or AVX2.
+//
+// Why a hand-written kernel: torch's CPU reduction with an index runs ~1.3 cycles a logit
+// (2 threads; inductor's code for it no faster), so a vocabulary of 262,144 (Gemma 3) took
+// ~0.2 ms a row: 1-1.7 ms of a decode step of 8 requests, ~5% of it (docs/benchmarks.md).
+// Here two vector passes over a part of a row: its largest value (and whether it holds a
+// NaN), then the first lane equal to it; the parts of all rows are spread over the threads
+// and joined per row.
+//
+// Built at run time by greedy_kernel.py (g++ with the CPU's vector flags), loaded with
+// torch.ops.load_library.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kPart = 16384;  // logits a work item takes (64 KiB of fp32)
+
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+using Vec = __m512;
+inline Vec load(const float* p) { return _mm512_loadu_ps(p); }
+inline Vec load(const c10::BFloat16* p) {  // bf16 is fp32's upper half: exact
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline Vec splat(float x) { return _mm512_set1_ps(x); }
+inline Vec vmax(Vec a, Vec b) { return _mm512_max_ps(a, b); }
+inline float reduce_max(Vec v) { return _mm512_reduce_max_ps(v); }
+// lanes that are NaN, and lanes equal to `m`, as bit masks
+inline uint32_t nan_lanes(Vec v) { return _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q); }
+inline uint32_t equal_lanes(Vec v, Vec m) { return _mm512_cmp_ps_mask(v, m, _CMP_EQ_OQ); }
+#elif defined(__AVX2__)
+constexpr int kLanes = 8;
+using Vec = __m256;
+inline Vec load(const float* p) { return _mm256_loadu_ps(p); }
+inline Vec load(const c10::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+inline Vec splat(float x) { return _mm256_set1_ps(x); }
+inline Vec vmax(Vec a, Vec b) { return _mm256_max_ps(a, b); }
+inline float reduce_max(Vec v) {
+  alignas(32) float lanes[kLanes];
+  _mm256_store_ps(lanes, v);
+  float m = lanes[0];
+  for (int i = 1; i < kLanes; ++i) m = lanes[i] > m ? lanes[i] : m;
+  return m;
+}
+inline uint32_t nan_lanes(Vec v) {
+  return static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+}
+inline uint32_t equal_lanes(Vec v, Vec m) {
+  return static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(v, m, _CMP_EQ_OQ)));
+}
+#else
+#error "greedy_kernel.cpp is built for AVX-512 or AVX2 (native_kernel.py's flags)"
+#endif
+
+inline float value(float x) { return x; }
+inline float value(c10::BFloat16 x) { return static_cast<float>(x); }
+
+struct Best {
+  float value;    // the part's largest logit (NaN if it holds one)
+  int64_t index;  // where it first occurs, in the row
+};
+
+// x[begin, end) of one row: its largest value and first index, NaN first. `max_ps` drops a
+// NaN, so NaN lanes are tracked apart and, where there is one, the first is searched for.
+template <typename T>
+Best best_of(const T* x, int64_t begin, int64_t end) {
+  const int64_t whole = begin + (end - begin) / kLanes * kLanes;
+  Vec acc = splat(-std::numeric_limits<float>::infinity());
+  uint32_t nan = 0;
+  for (int64_t i = begin; i < whole; i += kLanes) {
+    const Vec v = load(x + i);
+    acc = vmax(acc, v);
+    nan |= nan_lanes(v);
+  }
+  float m = reduce_max(acc);
+  for (int64_t i = whole; i < end; ++i) {
+    const float v = value(x[i]);
+    if (std::isnan(v)) nan = 1;
+    m = v > m ? v : m;
+  }
+  if (nan) {
+    for (int64_t i = begin; i < end; ++i)
+      if (std::isnan(value(x[i]))) return {std::numeric_limits<float>::quiet_NaN(), i};
+  }
+  const Vec target = splat(m);
+  for (int64_t i = begin; i < whole; i += kLanes) {
+    const uint32_t hit = equal_lanes(load(x + i), target);
+    if (hit) return {m, i + __builtin_ctz(hit)};
+  }
+  for (int64_t i = whole; i < end; ++i)
+    if (value(x[i]) == m) return {m, i};
+  return {m, begin};  // unreachable for a non-empty part: m is one of its values
+}
+
+// the better of two parts' results, `a` the earlier part: NaN wins, then the larger value,
+// then (equal) the earlier index
+inline Best join(Best a, Best b) {
+  if (std::isnan(a.value)) return a;
+  if (std::isnan(b.value)) return b;
+  return b.value > a.value ? b : a;
+}
+
+template <typename T>
+void run(const at::Tensor& logits, at::Tensor& out) {
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  const int64_t parts = (vocab + kPart - 1) / kPart;
+  const T* x = logits.data_ptr<T>();
+  const int64_t stride = logits.stride(0);
+  std::vector<Best> found(rows * parts);
+  // grain: a work item of 16K logits is ~5 us; fewer than 4 of them stay on one thread
+  at::parallel_for(0, rows * parts, 4, [&](int64_t lo, int64_t hi) {
+    for (int64_t w = lo; w < hi; ++w) {
+      const int64_t row = w / parts, part = w % parts;
+      const int64_t begin = part * kPart, end = std::min(vocab, begin + kPart);
+      found[w] = best_of(x + row * stride, begin, end);
+    }
+  });
+  int64_t* o = out.data_ptr<int64_t>();
+  for (int64_t row = 0; row < rows; ++row) {
+    Best best = found[row * parts];
+    for (int64_t part = 1; part < parts; ++part) best = join(best, found[row * parts + part]);
+    o[row] = best.index;
+  }
+}
+
+at::Tensor greedy_tokens(const at::Tensor& logits) {
+  TORCH_CHECK(logits.dim() == 2, "greedy_tokens: logits [rows, vocab], got ", logits.sizes());
+  TORCH_CHECK(logits.size(1) > 0, "greedy_tokens: an empty vocabulary");
+  TORCH_CHECK(logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16,
+              "greedy_tokens: fp32 or bf16 logits, got ", logits.scalar_type());
+  TORCH_CHECK(logits.stride(1) == 1, "greedy_tokens: each row's logits contiguous");
+  at::Tensor out = at::empty({logits.size(0)}, logits.options().dtype(at::kLong));
+  if (logits.size(0) == 0) return out;
+  if (logits.scalar_type() == at::kFloat)
+    run<float>(logits, out);
+  else
+    run<c10::BFloat16>(logits, out);
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(sessionserve, m) { m.def("greedy_tokens(Tensor logits) -> Tensor"); }
+
+TORCH_LIBRARY_IMPL(sessionserve, CPU, m) { m.impl("greedy_tokens", &greedy_tokens); }
