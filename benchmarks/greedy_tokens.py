@@ -8,14 +8,15 @@ In the engine: the bench configs' engine (bf16, compiled, 2 threads) for `--mode
 gemma3-270m, a vocabulary of 262,144; `default`: SmolLM2's 49,152), `--rounds` pairs of
 rounds of B greedy requests (`--tokens` each, the radix cache emptied before each) with the
 kernel and without; ms a decode step is the wall time of the engine's `step()` over the steps
-that decode only (forward, sampling and the step's host work), median of the rounds. Greedy
-outputs are compared token for token.
+that decode only (forward, sampling and the step's host work), median of the rounds, and of
+that the ms in `sample_on_device` (the pick itself, which the VM's drift disturbs less).
+Greedy outputs are compared token for token.
 
     .venv/bin/python -m benchmarks.greedy_tokens [--model gemma3-270m] [--batches 1 8]
 
 Last line: JSON with `ms_torch_<dtype>_<rows>x<vocab>`, `ms_kernel_...`, `speedup_...` for
 the op alone and `step_ms_torch_<B>`, `step_ms_kernel_<B>`, `step_speedup_<B>`,
-`same_outputs_<B>` for the engine.
+`pick_ms_torch_<B>`, `pick_ms_kernel_<B>`, `same_outputs_<B>` for the engine.
 """
 
 from __future__ import annotations
@@ -77,58 +78,76 @@ def alone(rows: list[int], vocabs: list[int]) -> dict[str, float]:
     return out
 
 
-def decode_round(eng: Engine, batch: int, tokens: int, round_: int) -> tuple[float, list]:
-    """ms a decode-only step takes (its `step()`'s wall time) and the round's outputs."""
-    runner, decoding, spent = eng.runner, [False], []
-    forward, step = runner.forward, eng.step
+def decode_round(eng: Engine, batch: int, tokens: int, round_: int) -> tuple[float, float, list]:
+    """ms a decode-only step takes (its `step()`'s wall time), ms of it picking the tokens
+    (`sample_on_device`), medians over the round's decode steps, and the round's outputs."""
+    runner, decoding, picking = eng.runner, [False], [0.0]
+    forward, step, sample = runner.forward, eng.step, model_runner.sample_on_device
+    steps, picks = [], []
 
     def watched(fb: Any) -> Any:
         decoding[0] = fb.is_decode
         return forward(fb)
 
+    def timed_sample(*args: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return sample(*args)
+        finally:
+            picking[0] += time.perf_counter() - started
+
     def timed() -> Any:
-        decoding[0] = False
+        decoding[0], picking[0] = False, 0.0
         started = time.perf_counter()
         events = step()
         if decoding[0]:
-            spent.append(time.perf_counter() - started)
+            steps.append(time.perf_counter() - started)
+            picks.append(picking[0])
         return events
 
     eng.cache.flush()  # both arms prefill the round's prompts afresh (no radix hit)
     runner.forward, eng.step = watched, timed
+    model_runner.sample_on_device = timed_sample
     try:
         params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
         out = eng.generate(prompts(eng, batch, round_, 0), params)
     finally:
         del runner.forward, eng.step  # the methods show through again
-    return statistics.median(spent) * 1e3, [r.output_ids for r in out]
+        model_runner.sample_on_device = sample
+    ms = statistics.median(steps) * 1e3, statistics.median(picks) * 1e3
+    return *ms, [r.output_ids for r in out]
 
 
 def in_engine(eng: Engine, batches: list[int], tokens: int, rounds: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for batch in batches:
         ms: dict[str, list[float]] = {"torch": [], "kernel": []}
+        pick: dict[str, list[float]] = {"torch": [], "kernel": []}
         same = 0
         decode_round(eng, batch, 8, -1)  # warm-up
         for r in range(rounds):
             outputs = {}
             for side in ("kernel", "torch"):
                 with torch_greedy() if side == "torch" else contextlib.nullcontext():
-                    step_ms, outputs[side] = decode_round(eng, batch, tokens, r)
+                    step_ms, pick_ms, outputs[side] = decode_round(eng, batch, tokens, r)
                 ms[side].append(step_ms)
+                pick[side].append(pick_ms)
             same += sum(a == b for a, b in zip(outputs["kernel"], outputs["torch"], strict=True))
         before, after = statistics.median(ms["torch"]), statistics.median(ms["kernel"])
+        picked = {side: statistics.median(v) for side, v in pick.items()}
         print(
             f"B={batch}: a decode step {before:.2f} ms with torch's pick, {after:.2f} ms with the "
-            f"kernel ({before / after:.3f}x); rounds {[round(x, 2) for x in ms['torch']]} / "
-            f"{[round(x, 2) for x in ms['kernel']]}; same greedy outputs {same} of "
-            f"{batch * rounds}",
+            f"kernel ({before / after:.3f}x; rounds {[round(x, 2) for x in ms['torch']]} / "
+            f"{[round(x, 2) for x in ms['kernel']]}); picking {picked['torch']:.3f} / "
+            f"{picked['kernel']:.3f} ms of it; same greedy outputs {same} of {batch * rounds}",
             flush=True,
         )
         out |= {
             f"step_ms_torch_{batch}": round(before, 3),
             f"step_ms_kernel_{batch}": round(after, 3),
             f"step_speedup_{batch}": round(before / after, 3),
+            f"pick_ms_torch_{batch}": round(picked["torch"], 3),
+            f"pick_ms_kernel_{batch}": round(picked["kernel"], 3),
             f"same_outputs_{batch}": same,
         }
     return out
