@@ -159,8 +159,9 @@ def argmax_cases(dtype: torch.dtype) -> list[torch.Tensor]:
         masked[:, ::3] = float("-inf")
         nan = tied.clone()
         nan[0, vocab // 2] = float("nan")
+        nan[0, -1] = float("inf")  # a NaN before a +inf
         nan[-1, -1] = float("nan")
-        nan[-1, 0] = float("inf")
+        nan[-1, 0] = float("inf")  # and after one
         spread = torch.randn(rows, vocab + 3, generator=gen).to(dtype)
         spread[:, -1] = float("inf")
         cases += [tied, masked, torch.full((rows, vocab), float("-inf"), dtype=dtype), nan]
