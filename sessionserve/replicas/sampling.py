@@ -135,7 +135,9 @@ def filter_logits(
     logits: torch.Tensor, params: SamplingParams | Sequence[SamplingParams]
 ) -> torch.Tensor:
     """Temperature, top-k, top-p, min-p; removed tokens get -inf. `logits` is one row [V] or a
-    batch [B, V] with one params per row (or one for all). One sort serves top-k and top-p."""
+    batch [B, V] with one params per row (or one for all). One sort serves top-k and top-p;
+    it is stable, so equal logits (common in bf16) are taken in vocabulary order and a row's
+    nucleus does not depend on how the sort broke ties."""
     row = logits.dim() == 1
     x = logits[None] if row else logits
     plist = [params] * x.shape[0] if isinstance(params, SamplingParams) else list(params)
@@ -148,7 +150,7 @@ def filter_logits(
     top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in plist]
     top_p = [p.top_p for p in plist]
     if any(top_k) or min(top_p) < 1.0:
-        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        sorted_x, order = torch.sort(x, dim=-1, descending=True, stable=True)
         if any(top_k):
             kth_idx = to_device(torch.tensor([max(k, 1) - 1 for k in top_k]), dev)[:, None]
             kth = sorted_x.gather(-1, kth_idx)
@@ -166,6 +168,104 @@ def filter_logits(
         floor = col(min_p) * probs.max(dim=-1, keepdim=True).values
         x = x.masked_fill(probs < floor, float("-inf"))
     return x[0] if row else x
+
+
+def draw_rows(
+    logits: torch.Tensor, params: Sequence[SamplingParams], u: torch.Tensor
+) -> torch.Tensor:
+    """Row i of `logits` [N, V] filtered by params[i] (`filter_logits`) and drawn at u[i]
+    (`draw`): the tokens [N]. On a CPU, rows with top-k or top-p whose kept tokens lie among
+    their `CANDIDATES` largest logits are filtered and drawn there (`_candidate_draw`); the
+    others take the whole vocabulary."""
+    picks = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+    found = _candidate_draws(logits, params, u) if logits.device.type == "cpu" else {}
+    rest = [i for i in range(len(params)) if i not in found]
+    for i, token in found.items():
+        picks[i] = token
+    if rest:
+        rows = to_device(torch.tensor(rest), logits.device)
+        probs = filter_logits(logits[rows], [params[i] for i in rest]).softmax(-1)
+        picks[rows] = draw(probs, u[rest])
+    return picks
+
+
+# How many of a row's largest logits a top-k / top-p row is filtered among before the whole
+# vocabulary is sorted: a sort of 262,144 logits took ~11 ms a row on 2 cores, `topk` of 1,024
+# ~0.5 ms (docs/benchmarks.md, stop 110). A nucleus past them (a flat distribution, a high
+# temperature) is filtered over the whole vocabulary, as before.
+CANDIDATES = 1024
+
+
+def _candidate_draws(
+    logits: torch.Tensor, params: Sequence[SamplingParams], u: torch.Tensor
+) -> dict[int, int]:
+    """row -> token for the rows with top-k or top-p whose kept set `_candidate_draw` finds
+    among their largest logits."""
+    vocab = logits.shape[-1]
+    which = [i for i, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1.0]
+    # top-k: past the k-th, to see where the tokens that tie it end (bf16 logits often tie)
+    wanted = max(max(params[i].top_k + 1 for i in which), CANDIDATES) if which else 0
+    if not which or wanted >= vocab:
+        return {}
+    x = logits if len(which) == logits.shape[0] else logits[torch.tensor(which)]
+    # the largest logits before the temperature (dividing keeps their order), then divided
+    # as filter_logits divides them: each row of x / temperature, exactly rounded either way
+    top, order = torch.topk(x, wanted, dim=-1)
+    temperature = torch.tensor([params[i].temperature for i in which])[:, None]
+    top = top.float() / temperature
+    # in filter_logits' order: largest first, equal values in vocabulary order
+    order, by_token = order.sort(dim=-1)
+    top, by_value = top.gather(-1, by_token).sort(dim=-1, descending=True, stable=True)
+    order = order.gather(-1, by_value)
+    found = {}
+    for j, i in enumerate(which):
+        token = _candidate_draw(x[j], top[j], order[j], params[i], u[i])
+        if token is not None:
+            found[i] = token
+    return found
+
+
+def _candidate_draw(
+    row: torch.Tensor,
+    top: torch.Tensor,
+    order: torch.Tensor,
+    p: SamplingParams,
+    u: torch.Tensor,
+) -> int | None:
+    """`filter_logits` then `draw` for one row (`row` [V], before the temperature) from its
+    largest values `top` (temperature applied; descending, equal ones in vocabulary order) at
+    `order`; None where
+    the kept set may reach past them (a tie at the k-th value runs to their end, the nucleus
+    holds more than they do or ends in a tie with their last), or the row is not finite at
+    its top."""
+    if not torch.isfinite(top[0]):
+        return None
+    smallest = top[-1]  # the candidates' last value, which tokens past them may tie
+    k = p.top_k if 0 < p.top_k < row.shape[0] else 0
+    if k:
+        kth = top[k - 1]
+        if smallest >= kth:  # tokens past the candidates may tie the k-th
+            return None
+        top = top.masked_fill(top < kth, float("-inf"))
+        total = torch.logsumexp(top, 0)
+    else:
+        # the nucleus' mass is of the whole row
+        total = torch.logsumexp(row.float() / p.temperature, 0)
+    if p.top_p < 1.0:
+        probs = (top - total).exp()
+        if not k and float(probs.sum()) < p.top_p:  # the nucleus reaches past the candidates
+            return None
+        # as filter_logits: drop a token once the mass before it already reaches top_p
+        top = top.masked_fill((probs.cumsum(0) - probs) >= p.top_p, float("-inf"))
+    if p.min_p:
+        probs = top.softmax(0)
+        top = top.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
+    kept = top > float("-inf")
+    if top.shape[0] < row.shape[0] and bool(top[kept][-1] == smallest):
+        return None  # the last kept value ties tokens that may lie past the candidates
+    tokens, by_token = order[kept].sort()  # the draw's CDF runs in vocabulary order
+    values = top[kept][by_token]
+    return int(tokens[draw(values.softmax(0)[None], u.reshape(1, 1))[0]])
 
 
 def sample(
@@ -204,9 +304,9 @@ def sample_on_device(
     chosen = greedy_tokens(logits)
     if sampled:
         rows = to_device(torch.tensor(sampled), logits.device)
-        probs = filter_logits(logits[rows], [params[i] for i in sampled]).softmax(-1)
         u = uniforms([generators[i] for i in sampled])
-        chosen = chosen.index_copy(0, rows, draw(probs, u))
+        picks = draw_rows(logits[rows], [params[i] for i in sampled], u)
+        chosen = chosen.index_copy(0, rows, picks)
     parts = [chosen.double()]
     want = [i for i, p in enumerate(params) if p.logprobs]
     tops = [params[i].top_logprobs for i in want]

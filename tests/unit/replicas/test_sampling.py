@@ -7,8 +7,11 @@ from typing import Any
 import pytest
 import torch
 
+from sessionserve.replicas import sampling
 from sessionserve.replicas.sampling import (
     apply_penalties,
+    draw,
+    draw_rows,
     filter_logits,
     greedy_tokens,
     sample,
@@ -206,3 +209,100 @@ def test_bf16_logits_sample_as_their_fp32_copy() -> None:
     only_greedy = [SamplingParams(temperature=0)] * 5
     picks = sample_on_device(logits, only_greedy, [()] * 5, [()] * 5, [None] * 5).to_host()
     assert picks.token_ids == logits.float().argmax(-1).tolist()
+
+
+def peaked_logits(rows: int, vocab: int, seed: int, dtype: torch.dtype) -> torch.Tensor:
+    """A model's shape of logits: a few large values over a long flat tail (the nucleus of
+    top_p 0.9 is a few tokens), rounded to `dtype` (bf16 rounds many of them into ties)."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, vocab, generator=gen) * 2
+    head = torch.randint(0, vocab, (rows, 12), generator=gen)
+    logits.scatter_(1, head, 12 + 3 * torch.rand(rows, 12, generator=gen))
+    return logits.to(dtype)
+
+
+FILTERS = [
+    SamplingParams(temperature=0.7, top_p=0.9),
+    SamplingParams(temperature=1.0, top_p=0.95),
+    SamplingParams(temperature=0.7, top_k=40),
+    SamplingParams(temperature=0.8, top_k=5, top_p=0.8),
+    SamplingParams(temperature=0.7, top_p=0.9, min_p=0.1),
+]
+
+
+def whole_vocabulary(logits: torch.Tensor, params, u: torch.Tensor) -> torch.Tensor:
+    """The draw over the whole vocabulary: `filter_logits`, softmax, `draw`."""
+    return draw(filter_logits(logits.float(), params).softmax(-1), u)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_top_k_and_top_p_rows_draw_among_their_largest_logits_as_over_all(dtype, monkeypatch):
+    """`draw_rows` filters top-k / top-p rows among their largest logits where the kept set
+    lies there: the same tokens as over the whole vocabulary for the same uniforms, and it
+    took that path for every peaked row (a spy on `_candidate_draw`)."""
+    taken: list[int | None] = []
+    candidate_draw = sampling._candidate_draw
+    monkeypatch.setattr(
+        sampling,
+        "_candidate_draw",
+        lambda *args: taken.append(candidate_draw(*args)) or taken[-1],
+    )
+    for seed in range(12):
+        logits = peaked_logits(6, 5000, seed, dtype)
+        params = [FILTERS[(seed + r) % len(FILTERS)] for r in range(6)]
+        u = torch.rand(6, 1, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+        got = draw_rows(logits.float(), params, u)
+        assert torch.equal(got, whole_vocabulary(logits, params, u))
+    assert len(taken) == 72 and None not in taken
+
+
+def test_rows_whose_kept_set_may_reach_past_the_candidates_take_the_whole_vocabulary() -> None:
+    """A flat row (its nucleus holds most of the vocabulary), a k-th value tied past the
+    candidates, a nucleus that ends in a tie with the last candidate, and a row that is not
+    finite at its top are filtered over the whole vocabulary: `_candidate_draw` says None,
+    and `draw_rows` draws as the whole vocabulary does."""
+    vocab, n = 3000, sampling.CANDIDATES
+    flat = torch.randn(vocab, generator=torch.Generator().manual_seed(0)) * 0.1
+    tied_k = torch.full((vocab,), -5.0)
+    tied_k[:10] = torch.arange(10, 0, -1).float()
+    tied_k[10 : n + 50] = 0.5  # the 11th largest value, tied past the candidates
+    tied_p = torch.full((vocab,), -30.0)
+    tied_p[: n + 100] = 1.0  # the nucleus runs into ties of the last candidate
+    not_finite = peaked_logits(1, vocab, 3, torch.float32)[0]
+    not_finite[7] = float("inf")
+    cases = [
+        (flat, SamplingParams(temperature=1.0, top_p=0.9)),
+        (tied_k, SamplingParams(temperature=1.0, top_k=11)),
+        (tied_p, SamplingParams(temperature=1.0, top_p=0.5)),
+        (not_finite, SamplingParams(temperature=1.0, top_p=0.9)),
+    ]
+    for row, p in cases:
+        top, order = torch.topk(row, n)
+        order, by_token = order.sort()
+        top, by_value = (top[by_token] / p.temperature).sort(descending=True, stable=True)
+        u = torch.tensor([[0.37]], dtype=torch.float64)
+        assert sampling._candidate_draw(row, top, order[by_value], p, u[0]) is None
+        if torch.isfinite(row).all():
+            got = draw_rows(row[None], [p], u)
+            assert torch.equal(got, whole_vocabulary(row[None], [p], u))
+
+
+def test_a_rows_draw_does_not_depend_on_its_batch() -> None:
+    """A row drawn alone or beside a row with a large top-k (which widens the candidates
+    every row is filtered among) gets the same token for the same uniform."""
+    logits = peaked_logits(2, 5000, 5, torch.bfloat16).float()
+    p = SamplingParams(temperature=0.7, top_p=0.9)
+    wide = SamplingParams(temperature=0.7, top_k=2500)
+    for seed in range(20):
+        u = torch.rand(2, 1, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+        alone = draw_rows(logits[:1], [p], u[:1])
+        beside = draw_rows(logits, [p, wide], u)
+        assert alone[0] == beside[0]
+
+
+def test_top_p_takes_equal_logits_in_vocabulary_order() -> None:
+    """The nucleus of tied logits is the lowest-numbered of them (a stable sort), so it
+    does not depend on how a sort broke the ties."""
+    row = torch.zeros(1, 64)
+    kept = filter_logits(row, SamplingParams(temperature=1.0, top_p=0.25))[0]
+    assert torch.isfinite(kept).nonzero().flatten().tolist() == list(range(16))
