@@ -18,7 +18,7 @@ from sessionserve.cache.host_tier import HostTier
 from sessionserve.cache.session_cache import SessionCache
 from sessionserve.config import EngineConfig
 from sessionserve.errors import InvalidConfigError
-from sessionserve.replicas import greedy_kernel, prefill_choice
+from sessionserve.replicas import prefill_choice, sampling_kernel
 from sessionserve.replicas.attention import (
     AttentionBackend,
     attention_scale,
@@ -103,7 +103,7 @@ def build_runner(
         drafter = load_drafter(cfg.spec.drafter_path, model)
     runner = ModelRunner(model, *pool_and_backend(cfg, model, cache), cache)
     if runner.device.type == "cpu":  # built now, not by the first request's step
-        greedy_kernel.load()
+        sampling_kernel.load()
     if drafter is not None:  # before graphs are captured and the forward compiled
         runner.feature_layers = drafter.feature_layers
     if cfg.cuda_graphs and runner.device.type == "cuda":

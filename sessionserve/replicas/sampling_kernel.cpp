@@ -1,15 +1,22 @@
-// Each row's greedy token: the index of its largest logit, the first on a tie, NaN taken as
-// larger than everything (the first NaN wins), as torch's `max(dim=-1).indices` and
-// `argmax(-1)` give it; fp32 or bf16 logits [rows, V], on x86 CPUs with AVX-512 or AVX2.
+// The two per-row scans of sampling on x86 CPUs with AVX-512 or AVX2, as torch ops:
 //
-// Why a hand-written kernel: torch's CPU reduction with an index runs ~1.3 cycles a logit
-// (2 threads; inductor's code for it no faster), so a vocabulary of 262,144 (Gemma 3) took
-// ~0.2 ms a row: 1-1.7 ms of a decode step of 8 requests, ~5% of it (docs/benchmarks.md).
+// `greedy_tokens`: each row's greedy token, the index of its largest logit, the first on a
+// tie, NaN taken as larger than everything (the first NaN wins), as torch's
+// `max(dim=-1).indices` and `argmax(-1)` give it; fp32 or bf16 logits [rows, V]. torch's CPU
+// reduction with an index runs ~1.3 cycles a logit (inductor's code for it no faster), so a
+// vocabulary of 262,144 (Gemma 3) took ~0.2 ms a row, ~5% of a decode step of 8 requests.
 // Here two vector passes over a part of a row: its largest value (and whether it holds a
 // NaN), then the first lane equal to it; the parts of all rows are spread over the threads
 // and joined per row.
 //
-// Built at run time by greedy_kernel.py (g++ with the CPU's vector flags), loaded with
+// `inverse_cdf`: each row's draw at its target, the first index whose running sum of the
+// row's fp32 probabilities, accumulated in float64 in vocabulary order, exceeds u x the
+// row's whole sum: `sampling.draw`'s `probs.double().cumsum(-1)` then `searchsorted(...,
+// right=True)`, the same sums in the same order (so the same picks), without the [rows, V]
+// float64 copy and its cumsum (~1.3 ms a row of 262,144 on 2 cores). The sums are serial, as
+// the cumsum's; rows go to the threads.
+//
+// Built at run time by sampling_kernel.py (g++ with the CPU's vector flags), loaded with
 // torch.ops.load_library.
 
 #include <ATen/ATen.h>
@@ -65,7 +72,7 @@ inline uint32_t equal_lanes(Vec v, Vec m) {
   return static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(v, m, _CMP_EQ_OQ)));
 }
 #else
-#error "greedy_kernel.cpp is built for AVX-512 or AVX2 (native_kernel.py's flags)"
+#error "sampling_kernel.cpp is built for AVX-512 or AVX2 (native_kernel.py's flags)"
 #endif
 
 inline float value(float x) { return x; }
@@ -154,8 +161,48 @@ at::Tensor greedy_tokens(const at::Tensor& logits) {
   return out;
 }
 
+// one row: the first index whose float64 running sum exceeds u x the whole sum (V - 1 if
+// none does: the target at the total itself, or NaN probabilities)
+int64_t draw_row(const float* p, int64_t vocab, double u) {
+  double total = 0.0;
+  for (int64_t i = 0; i < vocab; ++i) total += static_cast<double>(p[i]);
+  const double target = u * total;
+  double running = 0.0;
+  for (int64_t i = 0; i < vocab; ++i) {
+    running += static_cast<double>(p[i]);
+    if (running > target) return i;
+  }
+  return vocab - 1;
+}
+
+at::Tensor inverse_cdf(const at::Tensor& probs, const at::Tensor& u) {
+  TORCH_CHECK(probs.dim() == 2 && probs.size(1) > 0,
+              "inverse_cdf: probabilities [rows, vocab > 0], got ", probs.sizes());
+  TORCH_CHECK(probs.scalar_type() == at::kFloat, "inverse_cdf: fp32 probabilities, got ",
+              probs.scalar_type());
+  TORCH_CHECK(probs.stride(1) == 1, "inverse_cdf: each row's probabilities contiguous");
+  TORCH_CHECK(u.dim() == 1 && u.size(0) == probs.size(0) && u.scalar_type() == at::kDouble,
+              "inverse_cdf: one float64 uniform a row, got ", u.sizes(), " ", u.scalar_type());
+  const int64_t rows = probs.size(0), vocab = probs.size(1), stride = probs.stride(0);
+  at::Tensor out = at::empty({rows}, probs.options().dtype(at::kLong));
+  const float* p = probs.data_ptr<float>();
+  const at::Tensor uc = u.contiguous();
+  const double* up = uc.data_ptr<double>();
+  int64_t* o = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r) o[r] = draw_row(p + r * stride, vocab, up[r]);
+  });
+  return out;
+}
+
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(sessionserve, m) { m.def("greedy_tokens(Tensor logits) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(sessionserve, m) {
+  m.def("greedy_tokens(Tensor logits) -> Tensor");
+  m.def("inverse_cdf(Tensor probs, Tensor u) -> Tensor");
+}
 
-TORCH_LIBRARY_IMPL(sessionserve, CPU, m) { m.impl("greedy_tokens", &greedy_tokens); }
+TORCH_LIBRARY_IMPL(sessionserve, CPU, m) {
+  m.impl("greedy_tokens", &greedy_tokens);
+  m.impl("inverse_cdf", &inverse_cdf);
+}
