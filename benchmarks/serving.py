@@ -1,7 +1,9 @@
 """Serving over HTTP against any OpenAI-compatible server (ours, or a peer such as vLLM), with
 the official `openai` client, streaming; side by side when given several targets.
 
-Workloads (greedy, `ignore_eos` so every server writes exactly the requested tokens):
+Workloads (greedy unless `--temperature` and `--top-p` say otherwise, each request then
+seeded by its place in the workload; `ignore_eos` so every server writes exactly the
+requested tokens):
   multiturn  C conversations taking T turns each, concurrently (~150-token user turns,
              32-token answers; each turn resends the whole history, as a chat client does)
   single     one-turn requests: a ~300-token prompt, 64 tokens, at concurrency 1 and 8
@@ -53,6 +55,7 @@ import json
 import random
 import statistics
 import time
+import zlib
 from dataclasses import dataclass, field
 
 import openai
@@ -117,6 +120,8 @@ class Target:
     model: str
     api: str = "chat"  # or "completions" (`--api`)
     appends: bool = False  # completions: each turn's new text alone, under its session
+    temperature: float = 0.0  # `--temperature`, `--top-p`: sampled requests, seeded
+    top_p: float = 1.0
 
 
 async def one_turn(
@@ -127,12 +132,14 @@ async def one_turn(
     common: dict = {
         "model": target.model,
         "max_tokens": max_tokens,
-        "temperature": 0,
+        "temperature": target.temperature,
         "stream": True,
         "stream_options": {"include_usage": True},
         "extra_body": {"ignore_eos": True},
         "extra_headers": {"x-session-id": sid},
     }
+    if target.temperature > 0:  # the same seed for a request on every server
+        common |= {"top_p": target.top_p, "seed": zlib.crc32(f"{sid}{prompt}".encode())}
     if isinstance(prompt, str):
         stream = await target.client.completions.create(prompt=prompt, **common)
     else:
@@ -317,7 +324,9 @@ async def main_async(args) -> None:
         client = openai.AsyncOpenAI(base_url=url, api_key=args.api_key, timeout=600)
         model = (await client.models.list()).data[0]
         appends = args.api == "completions" and model.owned_by == "sessionserve"
-        targets.append(Target(url, client, model.id, args.api, appends))
+        targets.append(
+            Target(url, client, model.id, args.api, appends, args.temperature, args.top_p)
+        )
         if args.api == "completions":
             how = "each turn's new text (append mode)" if appends else "the whole text"
             print(f"{url}: completions, sending {how}", flush=True)
@@ -387,6 +396,10 @@ def main() -> None:
     ap.add_argument("--pressure-turns", type=int, default=PRESSURE_SHAPE[1])
     ap.add_argument("--pressure-concurrency", type=int, default=PRESSURE_SHAPE[2])
     ap.add_argument("--api-key", default="unused")
+    ap.add_argument(
+        "--temperature", type=float, default=0.0, help="above 0: sampled requests, seeded"
+    )
+    ap.add_argument("--top-p", type=float, default=1.0, help="with --temperature")
     ap.add_argument(
         "--api",
         choices=["chat", "completions"],
