@@ -233,7 +233,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--vocabs", type=int, nargs="+", default=[49152, 128256, 262144])
     ap.add_argument("--model", default="gemma3-270m", help="model.path (default, gemma3-270m)")
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--batches", type=int, nargs="*", default=[1, 8], help="none: skip the engine")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)

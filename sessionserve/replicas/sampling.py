@@ -185,6 +185,8 @@ def draw_rows(
     rest = [i for i in range(len(params)) if i not in found]
     for i, token in found.items():
         picks[i] = token
+    if len(rest) == len(params):
+        return draw(filter_logits(logits, params).softmax(-1), u)
     if rest:
         rows = to_device(torch.tensor(rest), logits.device)
         probs = filter_logits(logits[rows], [params[i] for i in rest]).softmax(-1)
@@ -304,12 +306,17 @@ def sample_on_device(
             apply_penalties(logits[i], params[i], contexts[i], outputs[i])
     elif sampled:
         logits = logits.float()
-    chosen = greedy_tokens(logits)
+    every = len(sampled) == len(params)  # (then no greedy pick, nor a copy of the rows)
+    chosen = None if every else greedy_tokens(logits)
     if sampled:
-        rows = to_device(torch.tensor(sampled), logits.device)
         u = uniforms([generators[i] for i in sampled])
-        picks = draw_rows(logits[rows], [params[i] for i in sampled], u)
-        chosen = chosen.index_copy(0, rows, picks)
+        if every:
+            chosen = draw_rows(logits, params, u)
+        else:
+            rows = to_device(torch.tensor(sampled), logits.device)
+            picks = draw_rows(logits[rows], [params[i] for i in sampled], u)
+            chosen = chosen.index_copy(0, rows, picks)
+    assert chosen is not None
     parts = [chosen.double()]
     want = [i for i, p in enumerate(params) if p.logprobs]
     tops = [params[i].top_logprobs for i in want]
