@@ -8,11 +8,6 @@ test_compiled_decode.py."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -21,6 +16,7 @@ from sessionserve.replicas.attention.inplace_decode import decode_attention, par
 from sessionserve.replicas.compiled_decode import plan_decode_compile, use_attention_kernel
 from sessionserve.replicas.compiled_forward import CompilePlan
 from sessionserve.wire import SamplingParams
+from tests.child_python import run_child
 from tests.models import hf_greedy, tiny_engine, tiny_model
 
 
@@ -102,16 +98,7 @@ def test_the_avx2_form_computes_the_formula_on_an_avx512_cpu(tmp_path) -> None:
     """The 8-lane primitives (the .cpp's AVX2 branch) run on every x86 CI machine: built in a
     child process told the CPU is AVX2, into its own cache (the op can be loaded once per
     process)."""
-    env = {**os.environ, "SESSIONSERVE_CACHE": str(tmp_path)}
-    done = subprocess.run(
-        [sys.executable, "-c", AVX2_BUILD_CHECK],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-        cwd=Path(__file__).parents[3],
-    )
-    assert done.returncode == 0 and "AVX2 build ok" in done.stdout, done.stderr[-3000:]
+    run_child(AVX2_BUILD_CHECK, "AVX2 build ok", SESSIONSERVE_CACHE=str(tmp_path))
     assert any(tmp_path.glob("kernels/cpu_decode_attention-*.so"))
 
 

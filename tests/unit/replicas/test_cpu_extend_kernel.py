@@ -11,11 +11,6 @@ torch's attention."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -23,6 +18,7 @@ import torch.nn.functional as F
 from sessionserve.replicas.attention import cpu_extend_kernel
 from sessionserve.replicas.attention.torch_backend import context_mask
 from sessionserve.wire import SamplingParams
+from tests.child_python import run_child
 from tests.models import tiny_engine, tiny_model
 from tests.unit.replicas.test_loader_and_backends import assert_tie_aware_equal
 
@@ -185,16 +181,7 @@ def test_the_avx2_build_computes_fp32_attention_and_refuses_bf16() -> None:
     bf16 is a clear error there."""
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512", "AMX"):
         pytest.skip("this CPU runs no AVX2 code")
-    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
-    done = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(AVX2_SCRIPT)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert done.returncode == 0 and "AVX2 OK" in done.stdout, done.stderr[-3000:]
+    run_child(AVX2_SCRIPT, "AVX2 OK", ATEN_CPU_CAPABILITY="avx2")
 
 
 @pytest.mark.usefixtures("kernel")

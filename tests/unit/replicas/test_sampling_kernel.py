@@ -7,16 +7,12 @@ need; an engine on a CPU loads it."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
-
 import pytest
 import torch
 
 from sessionserve.replicas import sampling_kernel
 from sessionserve.replicas.sampling import draw, greedy_tokens
+from tests.child_python import run_child
 from tests.unit.replicas.test_sampling import argmax_cases
 
 
@@ -129,17 +125,8 @@ def test_an_engine_on_a_cpu_loads_the_kernel_and_off_it_stays_torchs() -> None:
     """
     out = {}
     for setting in ("1", "0"):
-        env = {**os.environ, "SESSIONSERVE_SAMPLING_KERNEL": setting}
-        done = subprocess.run(
-            [sys.executable, "-c", textwrap.dedent(script)],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=600,
-            check=False,
-        )
-        assert done.returncode == 0, done.stderr[-3000:]
-        out[setting] = dict(line.split(" ", 1) for line in done.stdout.splitlines())
+        stdout = run_child(script, SESSIONSERVE_SAMPLING_KERNEL=setting)
+        out[setting] = dict(line.split(" ", 1) for line in stdout.splitlines())
     if sampling_kernel.load():
         assert out["1"]["loaded"] == "True"
     assert out["0"]["loaded"] == "False"
@@ -170,13 +157,4 @@ def test_the_avx2_build_picks_and_draws_the_same() -> None:
     vectors), in a process of its own."""
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512", "AMX"):
         pytest.skip("this CPU runs no AVX2 code")
-    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
-    done = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(AVX2_SCRIPT)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert done.returncode == 0 and "AVX2 OK" in done.stdout, done.stderr[-3000:]
+    run_child(AVX2_SCRIPT, "AVX2 OK", ATEN_CPU_CAPABILITY="avx2")
