@@ -14,6 +14,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -121,7 +122,7 @@ class NativeKernel:
         ]
         key = hashlib.sha256()
         key.update(self.source.read_bytes())
-        for header in sorted(self.source.parent.glob("*.h")):  # what it may include
+        for header in local_includes(self.source):  # a change to one rebuilds the kernel
             key.update(header.read_bytes())
         key.update(" ".join([torch.__version__, *command[1:]]).encode())
         library = cache_root() / "kernels" / f"{self.source.stem}-{key.hexdigest()[:16]}.so"
@@ -151,6 +152,21 @@ class NativeKernel:
             return f"loading {library} failed: {error}"
         self.after_load()
         return ""
+
+
+def local_includes(source: Path) -> list[Path]:
+    """The headers `source` includes by a quoted path (`#include "attention/cpu_vector.h"`),
+    and those they include, relative to each including file, in a fixed order."""
+    found: set[Path] = set()
+    pending = [source]
+    while pending:
+        including = pending.pop()
+        for name in re.findall(r'^\s*#\s*include\s+"([^"]+)"', including.read_text(), re.M):
+            header = (including.parent / name).resolve()
+            if header not in found and header.is_file():
+                found.add(header)
+                pending.append(header)
+    return sorted(found)
 
 
 def needs_avx512(feature: str, probe: str) -> Callable[[], str]:

@@ -23,57 +23,16 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <immintrin.h>
-
 #include <cmath>
 #include <cstdint>
 #include <limits>
 #include <vector>
 
+#include "attention/cpu_vector.h"  // Vec, kLanes and their primitives, AVX-512 or AVX2
+
 namespace {
 
 constexpr int64_t kPart = 16384;  // logits a work item takes (64 KiB of fp32)
-
-#if defined(__AVX512F__)
-constexpr int kLanes = 16;
-using Vec = __m512;
-inline Vec load(const float* p) { return _mm512_loadu_ps(p); }
-inline Vec load(const c10::BFloat16* p) {  // bf16 is fp32's upper half: exact
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-inline Vec splat(float x) { return _mm512_set1_ps(x); }
-inline Vec vmax(Vec a, Vec b) { return _mm512_max_ps(a, b); }
-inline float reduce_max(Vec v) { return _mm512_reduce_max_ps(v); }
-// lanes that are NaN, and lanes equal to `m`, as bit masks
-inline uint32_t nan_lanes(Vec v) { return _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q); }
-inline uint32_t equal_lanes(Vec v, Vec m) { return _mm512_cmp_ps_mask(v, m, _CMP_EQ_OQ); }
-#elif defined(__AVX2__)
-constexpr int kLanes = 8;
-using Vec = __m256;
-inline Vec load(const float* p) { return _mm256_loadu_ps(p); }
-inline Vec load(const c10::BFloat16* p) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
-inline Vec splat(float x) { return _mm256_set1_ps(x); }
-inline Vec vmax(Vec a, Vec b) { return _mm256_max_ps(a, b); }
-inline float reduce_max(Vec v) {
-  alignas(32) float lanes[kLanes];
-  _mm256_store_ps(lanes, v);
-  float m = lanes[0];
-  for (int i = 1; i < kLanes; ++i) m = lanes[i] > m ? lanes[i] : m;
-  return m;
-}
-inline uint32_t nan_lanes(Vec v) {
-  return static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
-}
-inline uint32_t equal_lanes(Vec v, Vec m) {
-  return static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(v, m, _CMP_EQ_OQ)));
-}
-#else
-#error "sampling_kernel.cpp is built for AVX-512 or AVX2 (native_kernel.py's flags)"
-#endif
 
 inline float value(float x) { return x; }
 inline float value(c10::BFloat16 x) { return static_cast<float>(x); }
@@ -88,14 +47,14 @@ struct Best {
 template <typename T>
 Best best_of(const T* x, int64_t begin, int64_t end) {
   const int64_t whole = begin + (end - begin) / kLanes * kLanes;
-  Vec acc = splat(-std::numeric_limits<float>::infinity());
+  Vec acc = vset1(-std::numeric_limits<float>::infinity());
   uint32_t nan = 0;
   for (int64_t i = begin; i < whole; i += kLanes) {
-    const Vec v = load(x + i);
-    acc = vmax(acc, v);
-    nan |= nan_lanes(v);
+    const Vec v = vload(x + i);
+    acc = vmaximum(acc, v);
+    nan |= vnan_lanes(v);
   }
-  float m = reduce_max(acc);
+  float m = vmax(acc);
   for (int64_t i = whole; i < end; ++i) {
     const float v = value(x[i]);
     if (std::isnan(v)) nan = 1;
@@ -105,9 +64,9 @@ Best best_of(const T* x, int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i)
       if (std::isnan(value(x[i]))) return {std::numeric_limits<float>::quiet_NaN(), i};
   }
-  const Vec target = splat(m);
+  const Vec target = vset1(m);
   for (int64_t i = begin; i < whole; i += kLanes) {
-    const uint32_t hit = equal_lanes(load(x + i), target);
+    const uint32_t hit = vequal_lanes(vload(x + i), target);
     if (hit) return {m, i + __builtin_ctz(hit)};
   }
   for (int64_t i = whole; i < end; ++i)

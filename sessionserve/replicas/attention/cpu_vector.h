@@ -1,11 +1,14 @@
-// The float vector primitives the hand-written CPU attention kernels (decode, extend) are written
-// in: one vector of kLanes fp32 lanes, AVX-512 (16) or AVX2 with FMA (8), whichever the kernel
-// is built for (native_kernel.py picks the flags). Only this code differs between the two ISAs.
+// The float vector primitives the hand-written CPU kernels (the decode and extend attention,
+// sampling) are written in: one vector of kLanes fp32 lanes, AVX-512 (16) or AVX2 with FMA
+// (8), whichever the kernel is built for (native_kernel.py picks the flags). Only this code
+// differs between the two ISAs.
 #pragma once
 
 #include <c10/util/BFloat16.h>
 
 #include <immintrin.h>
+
+#include <cstdint>
 
 #include "cpu_vector_exp.h"
 
@@ -31,6 +34,10 @@ inline Vec vadd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
 inline Vec vfmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline float vsum(Vec v) { return _mm512_reduce_add_ps(v); }
 inline float vmax(Vec v) { return _mm512_reduce_max_ps(v); }
+inline Vec vmaximum(Vec a, Vec b) { return _mm512_max_ps(a, b); }
+// lanes that are NaN, and lanes of a equal to b, as bit masks (lane i: bit i)
+inline uint32_t vnan_lanes(Vec v) { return _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q); }
+inline uint32_t vequal_lanes(Vec a, Vec b) { return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ); }
 inline Vec vexp(Vec x) { return exp512(x); }  // cpu_vector_exp.h
 // v's first n lanes, the others `other`
 inline Vec vfirst(Vec v, int n, float other) {
@@ -96,6 +103,13 @@ inline float vsum(Vec v) {
 inline float vmax(Vec v) {
   return reduce(v, [](__m128 a, __m128 b) { return _mm_max_ps(a, b); });
 }
+inline Vec vmaximum(Vec a, Vec b) { return _mm256_max_ps(a, b); }
+inline uint32_t vnan_lanes(Vec v) {
+  return static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+}
+inline uint32_t vequal_lanes(Vec a, Vec b) {
+  return static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_EQ_OQ)));
+}
 inline Vec vexp(Vec x) { return exp256(x); }  // cpu_vector_exp.h
 inline Vec vfirst(Vec v, int n, float other) {
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
@@ -123,7 +137,7 @@ inline Vec sum_lanes(const float (*v)[kLanes]) {
 }
 
 #else
-#error "the CPU attention kernels need AVX-512 (-mavx512f) or AVX2 with FMA (-mavx2 -mfma)"
+#error "the CPU kernels need AVX-512 (-mavx512f) or AVX2 with FMA (-mavx2 -mfma)"
 #endif
 
 }  // namespace
