@@ -3,10 +3,10 @@
 Why one builder: each kernel (the decode attention, the few-row linear, sampling's scans) is a
 .cpp compiled against this torch for the widest vector ISA the CPU has, cached under the cache
 root (`kernels/`) keyed by its source, the headers it includes, torch's version and the flags,
-so a restart does not
-rebuild it; where the CPU, the compiler or the build falls short, `load()` says why once and
-callers keep what inductor compiles. AOTInductor packages call a kernel through its C
-function ("C shim"), found by name in the process: so the library is loaded globally.
+so a restart does not rebuild it; where the CPU, the compiler or the build falls short,
+`load()` says why once and callers keep what inductor compiles. AOTInductor packages call a
+kernel through its C function ("C shim"), found by name in the process: so the library is
+loaded globally.
 """
 
 from __future__ import annotations

@@ -180,13 +180,13 @@ def draw_rows(
     (`draw`): the tokens [N]. On a CPU, rows with top-k or top-p whose kept tokens lie among
     their `CANDIDATES` largest logits are filtered and drawn there (`_candidate_draw`); the
     others take the whole vocabulary."""
-    picks = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
     found = _candidate_draws(logits, params, u) if logits.device.type == "cpu" else {}
-    rest = [i for i in range(len(params)) if i not in found]
+    if not found:
+        return draw(filter_logits(logits, params).softmax(-1), u)
+    picks = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
     for i, token in found.items():
         picks[i] = token
-    if len(rest) == len(params):
-        return draw(filter_logits(logits, params).softmax(-1), u)
+    rest = [i for i in range(len(params)) if i not in found]
     if rest:
         rows = to_device(torch.tensor(rest), logits.device)
         probs = filter_logits(logits[rows], [params[i] for i in rest]).softmax(-1)
@@ -209,7 +209,8 @@ def _candidate_draws(
     vocab = logits.shape[-1]
     which = [i for i, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1.0]
     # top-k: past the k-th, to see where the tokens that tie it end (bf16 logits often tie)
-    wanted = max(max(params[i].top_k + 1 for i in which), CANDIDATES) if which else 0
+    ks = [params[i].top_k + 1 if 0 < params[i].top_k < vocab else 0 for i in which]
+    wanted = max([*ks, CANDIDATES])
     if not which or wanted >= vocab:
         return {}
     x = logits if len(which) == logits.shape[0] else logits[torch.tensor(which)]
@@ -239,10 +240,9 @@ def _candidate_draw(
 ) -> int | None:
     """`filter_logits` then `draw` for one row (`row` [V], before the temperature) from its
     largest values `top` (temperature applied; descending, equal ones in vocabulary order) at
-    `order`; None where
-    the kept set may reach past them (a tie at the k-th value runs to their end, the nucleus
-    holds more than they do or ends in a tie with their last), or the row is not finite at
-    its top."""
+    `order`; None where the kept set may reach past them (a tie at the k-th value runs to
+    their end, the nucleus holds more than they do or ends in a tie with their last), or the
+    row is not finite at its top."""
     if not torch.isfinite(top[0]):
         return None
     smallest = top[-1]  # the candidates' last value, which tokens past them may tie
@@ -306,17 +306,15 @@ def sample_on_device(
             apply_penalties(logits[i], params[i], contexts[i], outputs[i])
     elif sampled:
         logits = logits.float()
-    every = len(sampled) == len(params)  # (then no greedy pick, nor a copy of the rows)
-    chosen = None if every else greedy_tokens(logits)
-    if sampled:
+    if not sampled:
+        chosen = greedy_tokens(logits)
+    elif len(sampled) == len(params):  # no greedy pick, nor a copy of the rows
+        chosen = draw_rows(logits, params, uniforms(generators))
+    else:
+        rows = to_device(torch.tensor(sampled), logits.device)
         u = uniforms([generators[i] for i in sampled])
-        if every:
-            chosen = draw_rows(logits, params, u)
-        else:
-            rows = to_device(torch.tensor(sampled), logits.device)
-            picks = draw_rows(logits[rows], [params[i] for i in sampled], u)
-            chosen = chosen.index_copy(0, rows, picks)
-    assert chosen is not None
+        picks = draw_rows(logits[rows], [params[i] for i in sampled], u)
+        chosen = greedy_tokens(logits).index_copy(0, rows, picks)
     parts = [chosen.double()]
     want = [i for i, p in enumerate(params) if p.logprobs]
     tops = [params[i].top_logprobs for i in want]
