@@ -60,12 +60,12 @@ def before() -> Iterator[None]:
     saved = (
         sampling_kernel.takes_greedy,
         sampling_kernel.takes_draw,
-        sampling._candidate_draws,
+        sampling._candidates_kept,
         model_runner.sample_on_device,
     )
     sample = model_runner.sample_on_device
     sampling_kernel.takes_greedy = sampling_kernel.takes_draw = lambda x: False
-    sampling._candidate_draws = lambda *args: {}
+    sampling._candidates_kept = lambda *args: {}
     model_runner.sample_on_device = lambda logits, *rest: sample(logits.float(), *rest)
     try:
         yield
@@ -73,7 +73,7 @@ def before() -> Iterator[None]:
         (
             sampling_kernel.takes_greedy,
             sampling_kernel.takes_draw,
-            sampling._candidate_draws,
+            sampling._candidates_kept,
             model_runner.sample_on_device,
         ) = saved
 

@@ -178,20 +178,41 @@ def draw_rows(
 ) -> torch.Tensor:
     """Row i of `logits` [N, V] filtered by params[i] (`filter_logits`) and drawn at u[i]
     (`draw`): the tokens [N]. On a CPU, rows with top-k or top-p whose kept tokens lie among
-    their `CANDIDATES` largest logits are filtered and drawn there (`_candidate_draw`); the
-    others take the whole vocabulary."""
-    found = _candidate_draws(logits, params, u) if logits.device.type == "cpu" else {}
-    if not found:
+    their `CANDIDATES` largest logits (`_candidates_kept`) are drawn over those alone; the
+    others over the whole vocabulary."""
+    kept = _candidates_kept(logits, params)
+    if not kept:
         return draw(filter_logits(logits, params).softmax(-1), u)
     picks = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
-    for i, token in found.items():
-        picks[i] = token
-    rest = [i for i in range(len(params)) if i not in found]
+    for i, (tokens, values) in kept.items():
+        picks[i] = tokens[draw(values.softmax(0)[None], u[i].reshape(1, 1))[0]]
+    rest = [i for i in range(len(params)) if i not in kept]
     if rest:
         rows = to_device(torch.tensor(rest), logits.device)
         probs = filter_logits(logits[rows], [params[i] for i in rest]).softmax(-1)
         picks[rows] = draw(probs, u[rest])
     return picks
+
+
+def filtered_probs(
+    logits: torch.Tensor, params: SamplingParams | Sequence[SamplingParams]
+) -> torch.Tensor:
+    """`filter_logits(logits, params).softmax(-1)` [N, V]: each row's distribution after its
+    filters, zero where they removed a token (what speculative acceptance compares drafts
+    with). Rows whose kept tokens `_candidates_kept` finds get theirs without a sort of the
+    whole vocabulary."""
+    plist = [params] * logits.shape[0] if isinstance(params, SamplingParams) else list(params)
+    kept = _candidates_kept(logits, plist)
+    if not kept:
+        return filter_logits(logits, plist).softmax(-1)
+    probs = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+    for i, (tokens, values) in kept.items():
+        probs[i, tokens] = values.softmax(0)
+    rest = [i for i in range(len(plist)) if i not in kept]
+    if rest:
+        rows = to_device(torch.tensor(rest), logits.device)
+        probs[rows] = filter_logits(logits[rows], [plist[i] for i in rest]).softmax(-1)
+    return probs
 
 
 # How many of a row's largest logits a top-k / top-p row is filtered among before the whole
@@ -201,17 +222,20 @@ def draw_rows(
 CANDIDATES = 1024
 
 
-def _candidate_draws(
-    logits: torch.Tensor, params: Sequence[SamplingParams], u: torch.Tensor
-) -> dict[int, int]:
-    """row -> token for the rows with top-k or top-p whose kept set `_candidate_draw` finds
-    among their largest logits."""
+def _candidates_kept(
+    logits: torch.Tensor, params: Sequence[SamplingParams]
+) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """row -> (its kept tokens in vocabulary order, their logits after the temperature), for
+    the rows of a CPU's `logits` with top-k or top-p whose kept set `_kept_among` finds among
+    their largest logits; the other rows are not in it."""
     vocab = logits.shape[-1]
     which = [i for i, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1.0]
+    if logits.device.type != "cpu" or not which:
+        return {}
     # top-k: past the k-th, to see where the tokens that tie it end (bf16 logits often tie)
     ks = [params[i].top_k + 1 if 0 < params[i].top_k < vocab else 0 for i in which]
     wanted = max([*ks, CANDIDATES])
-    if not which or wanted >= vocab:
+    if wanted >= vocab:
         return {}
     x = logits if len(which) == logits.shape[0] else logits[torch.tensor(which)]
     # the largest logits before the temperature (dividing keeps their order), then divided
@@ -225,24 +249,20 @@ def _candidate_draws(
     order = order.gather(-1, by_value)
     found = {}
     for j, i in enumerate(which):
-        token = _candidate_draw(x[j], top[j], order[j], params[i], u[i])
-        if token is not None:
-            found[i] = token
+        kept = _kept_among(x[j], top[j], order[j], params[i])
+        if kept is not None:
+            found[i] = kept
     return found
 
 
-def _candidate_draw(
-    row: torch.Tensor,
-    top: torch.Tensor,
-    order: torch.Tensor,
-    p: SamplingParams,
-    u: torch.Tensor,
-) -> int | None:
-    """`filter_logits` then `draw` for one row (`row` [V], before the temperature) from its
-    largest values `top` (temperature applied; descending, equal ones in vocabulary order) at
-    `order`; None where the kept set may reach past them (a tie at the k-th value runs to
-    their end, the nucleus holds more than they do or ends in a tie with their last), or the
-    row is not finite at its top."""
+def _kept_among(
+    row: torch.Tensor, top: torch.Tensor, order: torch.Tensor, p: SamplingParams
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`filter_logits` for one row (`row` [V], before the temperature) from its largest
+    values `top` (temperature applied; descending, equal ones in vocabulary order) at
+    `order`: the kept tokens in vocabulary order and their values; None where the kept set
+    may reach past them (a tie at the k-th value runs to their end, the nucleus holds more
+    than they do or ends in a tie with their last), or the row is not finite at its top."""
     if not torch.isfinite(top[0]):
         return None
     smallest = top[-1]  # the candidates' last value, which tokens past them may tie
@@ -268,9 +288,8 @@ def _candidate_draw(
     kept = top > float("-inf")
     if top.shape[0] < row.shape[0] and bool(top[kept][-1] == smallest):
         return None  # the last kept value ties tokens that may lie past the candidates
-    tokens, by_token = order[kept].sort()  # the draw's CDF runs in vocabulary order
-    values = top[kept][by_token]
-    return int(tokens[draw(values.softmax(0)[None], u.reshape(1, 1))[0]])
+    tokens, by_token = order[kept].sort()  # a draw's CDF runs in vocabulary order
+    return tokens, top[kept][by_token]
 
 
 def sample(

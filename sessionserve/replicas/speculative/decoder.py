@@ -43,7 +43,7 @@ from sessionserve.cache.kv_pool import KVPool
 from sessionserve.cache.session_cache import SessionCache
 from sessionserve.replicas.attention.base import to_device
 from sessionserve.replicas.request import Request
-from sessionserve.replicas.sampling import filter_logits, greedy_tokens, token_logprobs
+from sessionserve.replicas.sampling import filtered_probs, greedy_tokens, token_logprobs
 from sessionserve.replicas.speculative.acceptance import (
     accept_greedy,
     accept_greedy_tree,
@@ -329,7 +329,7 @@ class SpeculativeDecoder:
         elif p.is_greedy:
             verdict, depth = accept_greedy(best[row : row + k + 1], chain.tokens), k
         else:
-            probs = filter_logits(target.float(), p).softmax(-1)
+            probs = filtered_probs(target.float(), p)
             verdict = accept_sampled(probs, chain.probs, chain.tokens, req.generator)
             depth = k
         self.cache.commit(req.kv, s.end + verdict.accepted)

@@ -13,6 +13,7 @@ from sessionserve.replicas.sampling import (
     draw,
     draw_rows,
     filter_logits,
+    filtered_probs,
     greedy_tokens,
     sample,
     sample_on_device,
@@ -239,13 +240,11 @@ def whole_vocabulary(logits: torch.Tensor, params, u: torch.Tensor) -> torch.Ten
 def test_top_k_and_top_p_rows_draw_among_their_largest_logits_as_over_all(dtype, monkeypatch):
     """`draw_rows` filters top-k / top-p rows among their largest logits where the kept set
     lies there: the same tokens as over the whole vocabulary for the same uniforms, and it
-    took that path for every peaked row (a spy on `_candidate_draw`)."""
-    taken: list[int | None] = []
-    candidate_draw = sampling._candidate_draw
+    took that path for every peaked row (a spy on `_kept_among`)."""
+    taken: list[object] = []
+    kept_among = sampling._kept_among
     monkeypatch.setattr(
-        sampling,
-        "_candidate_draw",
-        lambda *args: taken.append(candidate_draw(*args)) or taken[-1],
+        sampling, "_kept_among", lambda *args: taken.append(kept_among(*args)) or taken[-1]
     )
     for seed in range(12):
         logits = peaked_logits(6, 5000, seed, dtype)
@@ -256,11 +255,39 @@ def test_top_k_and_top_p_rows_draw_among_their_largest_logits_as_over_all(dtype,
     assert len(taken) == 72 and None not in taken
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_filtered_probs_are_the_filtered_softmax_without_the_sort(dtype, monkeypatch) -> None:
+    """`filtered_probs` (speculative acceptance's target distribution) is
+    `filter_logits(...).softmax(-1)`: the same kept tokens, probabilities within fp32
+    rounding, for peaked rows (taken among the candidates: a spy counts them) and flat ones
+    (the whole row)."""
+    taken: list[object] = []
+    kept_among = sampling._kept_among
+    monkeypatch.setattr(
+        sampling, "_kept_among", lambda *args: taken.append(kept_among(*args)) or taken[-1]
+    )
+    flat = torch.randn(2, 5000, generator=torch.Generator().manual_seed(9)).to(dtype) * 0.1
+    for seed in range(6):
+        logits = torch.cat([peaked_logits(4, 5000, seed, dtype), flat]).float()
+        for p in FILTERS:
+            want = filter_logits(logits, p).softmax(-1)
+            got = filtered_probs(logits, p)
+            assert torch.equal(got > 0, want > 0)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+        mixed = [FILTERS[(seed + r) % len(FILTERS)] for r in range(6)]
+        got = filtered_probs(logits, mixed)
+        want = filter_logits(logits, mixed).softmax(-1)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    found = [t for t in taken if t is not None]
+    # every peaked row by every filter (flat rows under a top-k alone may be taken as well)
+    assert len(found) >= 6 * (len(FILTERS) + 1) * 4
+
+
 def test_rows_whose_kept_set_may_reach_past_the_candidates_take_the_whole_vocabulary() -> None:
     """A flat row (its nucleus holds most of the vocabulary), a k-th value tied past the
     candidates, a nucleus that ends in a tie with the last candidate, and a row that is not
-    finite at its top are filtered over the whole vocabulary: `_candidate_draw` says None,
-    and `draw_rows` draws as the whole vocabulary does."""
+    finite at its top are filtered over the whole vocabulary: `_kept_among` says None, and
+    `draw_rows` draws as the whole vocabulary does."""
     vocab, n = 3000, sampling.CANDIDATES
     flat = torch.randn(vocab, generator=torch.Generator().manual_seed(0)) * 0.1
     tied_k = torch.full((vocab,), -5.0)
@@ -281,7 +308,7 @@ def test_rows_whose_kept_set_may_reach_past_the_candidates_take_the_whole_vocabu
         order, by_token = order.sort()
         top, by_value = (top[by_token] / p.temperature).sort(descending=True, stable=True)
         u = torch.tensor([[0.37]], dtype=torch.float64)
-        assert sampling._candidate_draw(row, top, order[by_value], p, u[0]) is None
+        assert sampling._kept_among(row, top, order[by_value], p) is None
         if torch.isfinite(row).all():
             got = draw_rows(row[None], [p], u)
             assert torch.equal(got, whole_vocabulary(row[None], [p], u))
