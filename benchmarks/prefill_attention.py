@@ -35,12 +35,19 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import bench_config_engine, emit, machine, median, rotated, setup_threads
+from benchmarks.common import (
+    bench_config_engine,
+    best_ms,
+    emit,
+    machine,
+    median,
+    rotated,
+    setup_threads,
+)
 from benchmarks.prefill_package import turn_ms
 from sessionserve.replicas.attention import cpu_extend_kernel
 from sessionserve.replicas.attention.torch_backend import (
@@ -54,17 +61,6 @@ LAYERS = {
     "default": {"full": (9, 3, 64, None)},  # SmolLM2-135M
     "gemma3-270m": {"full": (4, 1, 256, None), "sliding": (4, 1, 256, 512)},
 }
-
-
-def best_ms(fn, rounds: int, calls: int = 10) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(rounds):
-        started = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - started) / calls * 1e3)
-    return best
 
 
 def layer_alone(

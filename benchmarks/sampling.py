@@ -31,12 +31,12 @@ import argparse
 import contextlib
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from benchmarks.common import bench_config_engine, emit, load, machine, setup_threads
+from benchmarks.common import bench_config_engine, best_ms, emit, load, machine, setup_threads
 from benchmarks.decode_package import PROMPT_WORDS, prompts
 from sessionserve.replicas import model_runner, sampling, sampling_kernel
 from sessionserve.replicas.engine import Engine
@@ -76,17 +76,6 @@ def before() -> Iterator[None]:
             sampling._candidates_kept,
             model_runner.sample_on_device,
         ) = saved
-
-
-def best_ms(call: Callable[[], Any], repeats: int = 5, calls: int = 10) -> float:
-    call()
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        for _ in range(calls):
-            call()
-        best = min(best, (time.perf_counter() - started) / calls)
-    return best * 1e3
 
 
 def greedy_alone(rows: list[int], vocabs: list[int]) -> dict[str, float]:
