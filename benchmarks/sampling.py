@@ -1,28 +1,32 @@
-"""Picking and drawing a step's tokens on a CPU, against the path before stop 110, in one
-process, alternating (this 2-core VM drifts by 15% within minutes). Now: greedy picks from
-the sampling kernel (replicas/sampling_kernel.cpp) over the logits in their dtype, top-k /
-top-p rows filtered among their 1,024 largest logits (`sampling.draw_rows`), the inverse-CDF
-draw summed by the kernel. Before: the logits' fp32 copy, torch's `max(dim=-1).indices`, a
+"""Picking and drawing a step's tokens on a CPU, against the path before a stop
+(`--baseline`), in one process, alternating (this 2-core VM drifts by 15% within minutes).
+Now: greedy picks from the sampling kernel (replicas/sampling_kernel.cpp) over the logits in
+their dtype; rows with a temperature and min-p only drawn from their logits by the kernel
+(`temperature_draw`, stop 111); top-k / top-p rows filtered among their 1,024 largest logits
+(`sampling.draw_rows`), the inverse-CDF draw summed by the kernel (stop 110). Before stop 111
+(`--baseline 111`, the default): temperature-only rows filtered by torch over an fp32 copy.
+Before stop 110 (`--baseline 110`): the logits' fp32 copy, torch's `max(dim=-1).indices`, a
 sort of the whole vocabulary for top-k / top-p, and the draw's [rows, V] float64 cumsum.
 
 Greedy picks alone: `--rows` x `--vocabs` logits in fp32 and bf16, best ms a call.
 Draws alone: `sample_on_device` on the model's own logits (an eager forward over a prompt;
 `--rows` of its last positions) for each of `FILTERS`, best ms a call, and whether 20 seeds
-draw the same tokens both ways.
+draw the same tokens both ways (a draw may differ at float32 rounding edges).
 In the engine: the bench configs' engine (bf16, compiled, 2 threads) for `--model` (default
 gemma3-270m, a vocabulary of 262,144; `default`: SmolLM2's 49,152), `--rounds` pairs of
-rounds of B requests (`--tokens` each, greedy, then seeded temperature 0.7 top-p 0.9; the
-radix cache emptied before each); ms a decode step is the wall time of the engine's `step()`
-over the steps that decode only, median of the rounds, and of that the ms in
-`sample_on_device` (which the VM's drift disturbs less). Outputs are compared token for token.
+rounds of B requests (`--tokens` each, for each of `--modes`: greedy, seeded temperature 0.7
+top-p 0.9, seeded temperature 1 (the OpenAI default); the radix cache emptied before each);
+ms a decode step is the wall time of the engine's `step()` over the steps that decode only,
+median of the rounds, and of that the ms in `sample_on_device` (which the VM's drift
+disturbs less). Outputs are compared token for token.
 
-    .venv/bin/python -m benchmarks.sampling [--model gemma3-270m] [--batches 1 8]
+    .venv/bin/python -m benchmarks.sampling [--model gemma3-270m] [--batches 1 8] [--baseline 110]
 
 Last line: JSON with `ms_torch_<dtype>_<rows>x<vocab>`, `ms_kernel_...`, `speedup_...` for
 greedy picks alone; `draw_ms_before_<filter>_<rows>`, `draw_ms_now_...`, `draw_speedup_...`,
 `draw_same_...` for draws alone; `<mode>_step_ms_before_<B>`, `<mode>_step_ms_now_<B>`,
 `<mode>_step_speedup_<B>`, `<mode>_pick_ms_before_<B>`, `<mode>_pick_ms_now_<B>`,
-`<mode>_same_outputs_<B>` (mode: greedy, sampled) for the engine.
+`<mode>_same_outputs_<B>` (mode: greedy, sampled, temperature) for the engine; `baseline`.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import statistics
 import time
 from collections.abc import Iterator
 from typing import Any
+from unittest import mock
 
 import torch
 
@@ -50,32 +55,40 @@ FILTERS = {
     "t0.8_k50_p0.9": SamplingParams(temperature=0.8, top_k=50, top_p=0.9),
     "t0.7_minp0.05": SamplingParams(temperature=0.7, min_p=0.05),
 }
-SAMPLED = SamplingParams(temperature=0.7, top_p=0.9)
+# the engine's requests: greedy, a usual nucleus, and the OpenAI default (temperature 1)
+MODES = {
+    "greedy": SamplingParams(temperature=0),
+    "sampled": SamplingParams(temperature=0.7, top_p=0.9),
+    "temperature": SamplingParams(temperature=1.0),
+}
 
 
 @contextlib.contextmanager
-def before() -> Iterator[None]:
-    """The path before stop 110: the logits' fp32 copy, torch's reduction for greedy picks,
-    the whole vocabulary sorted for top-k / top-p, torch's float64 cumsum for the draw."""
-    saved = (
-        sampling_kernel.takes_greedy,
-        sampling_kernel.takes_draw,
-        sampling._candidates_kept,
-        model_runner.sample_on_device,
-    )
+def before(baseline: str) -> Iterator[None]:
+    """The path before a stop. "110": the logits' fp32 copy, torch's reduction for greedy
+    picks, the whole vocabulary sorted for top-k / top-p, torch's float64 cumsum for the
+    draw. "111": stop 110's path: the kernel's greedy picks and draw, top-k / top-p among the
+    candidates, but rows with a temperature and min-p only filtered by torch (`filter_logits`,
+    softmax) over an fp32 copy of the logits."""
     sample = model_runner.sample_on_device
-    sampling_kernel.takes_greedy = sampling_kernel.takes_draw = lambda x: False
-    sampling._candidates_kept = lambda *args: {}
-    model_runner.sample_on_device = lambda logits, *rest: sample(logits.float(), *rest)
-    try:
+
+    def sampled(params: list[SamplingParams]) -> bool:
+        return any(not p.is_greedy for p in params)
+
+    with contextlib.ExitStack() as stack:
+        patch = stack.enter_context
+        patch(mock.patch.object(sampling, "_drawn_by_temperature", lambda *args: set()))
+        if baseline == "110":
+            patch(mock.patch.object(sampling_kernel, "takes_logits", lambda x: False))
+            patch(mock.patch.object(sampling_kernel, "takes_draw", lambda x: False))
+            patch(mock.patch.object(sampling, "_candidates_kept", lambda *args: {}))
+            copied = lambda logits, params, *rest: sample(logits.float(), params, *rest)  # noqa: E731
+        else:
+            copied = lambda logits, params, *rest: sample(  # noqa: E731
+                logits.float() if sampled(params) else logits, params, *rest
+            )
+        patch(mock.patch.object(model_runner, "sample_on_device", copied))
         yield
-    finally:
-        (
-            sampling_kernel.takes_greedy,
-            sampling_kernel.takes_draw,
-            sampling._candidates_kept,
-            model_runner.sample_on_device,
-        ) = saved
 
 
 def greedy_alone(rows: list[int], vocabs: list[int]) -> dict[str, float]:
@@ -104,7 +117,7 @@ def model_logits(model_path: str, rows: int) -> torch.Tensor:
     return loaded.model(ids).logits[0, -rows:].contiguous()
 
 
-def draws_alone(model_path: str, rows: list[int]) -> dict[str, Any]:
+def draws_alone(model_path: str, rows: list[int], baseline: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     logits = model_logits(model_path, max(rows))
     for n in rows:
@@ -115,10 +128,10 @@ def draws_alone(model_path: str, rows: list[int]) -> dict[str, Any]:
             def run(seed: int, x: torch.Tensor = x, params: list = params) -> list[int]:
                 rows = x.shape[0]
                 gens = [torch.Generator().manual_seed(100 * seed + i) for i in range(rows)]
-                sample = sampling.sample_on_device(x, params, [()] * rows, [()] * rows, gens)
-                return sample.to_host().token_ids
+                out = model_runner.sample_on_device(x, params, [()] * rows, [()] * rows, gens)
+                return out.to_host().token_ids
 
-            with before():
+            with before(baseline):
                 then = best_ms(lambda: run(0), calls=3)
                 old = [run(s) for s in range(20)]
             now = best_ms(lambda: run(0), calls=3)
@@ -175,23 +188,22 @@ def decode_round(
     return *ms, [r.output_ids for r in out]
 
 
-def in_engine(eng: Engine, batches: list[int], tokens: int, rounds: int) -> dict[str, Any]:
+def in_engine(
+    eng: Engine, batches: list[int], tokens: int, rounds: int, modes: list[str], baseline: str
+) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    modes = {
-        "greedy": SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True),
-        "sampled": SAMPLED.model_copy(update={"max_tokens": tokens, "ignore_eos": True}),
-    }
-    for mode, base in modes.items():
+    for mode in modes:
+        base = MODES[mode].model_copy(update={"max_tokens": tokens, "ignore_eos": True})
         for batch in batches:
             ms: dict[str, list[float]] = {"before": [], "now": []}
             pick: dict[str, list[float]] = {"before": [], "now": []}
             same = 0
             decode_round(eng, batch, base.model_copy(update={"max_tokens": 8}), -1)  # warm-up
             for r in range(rounds):
-                params = base.model_copy(update={"seed": r}) if mode == "sampled" else base
+                params = base if base.is_greedy else base.model_copy(update={"seed": r})
                 outputs = {}
                 for side in ("now", "before"):
-                    with before() if side == "before" else contextlib.nullcontext():
+                    with before(baseline) if side == "before" else contextlib.nullcontext():
                         step_ms, pick_ms, outputs[side] = decode_round(eng, batch, params, r)
                     ms[side].append(step_ms)
                     pick[side].append(pick_ms)
@@ -226,17 +238,25 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
+    ap.add_argument(
+        "--baseline",
+        choices=["110", "111"],
+        default="111",
+        help="'before' is the path before this stop (`before`)",
+    )
     args = ap.parse_args()
     setup_threads(args.threads)
     if not sampling_kernel.load():
         why = sampling_kernel.KERNEL.why_not()
         raise SystemExit(f"the sampling kernel cannot be used here: {why}")
     result: dict[str, Any] = {"benchmark": "sampling", "machine": machine(), "model": args.model}
+    result["baseline"] = args.baseline
     result |= greedy_alone(args.rows, args.vocabs)
-    result |= draws_alone(args.model, [r for r in args.rows if r <= 8] or [1])
+    result |= draws_alone(args.model, [r for r in args.rows if r <= 8] or [1], args.baseline)
     if args.batches:
         eng = bench_config_engine(args.threads, "bfloat16", model_path=args.model)
-        result |= in_engine(eng, args.batches, args.tokens, args.rounds)
+        result |= in_engine(eng, args.batches, args.tokens, args.rounds, args.modes, args.baseline)
     emit(result)
 
 

@@ -32,7 +32,7 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     which torch documents with the same tie rule and computes 2.2-2.9x faster than `argmax`
     on a CPU (torch 2.13, 2 threads: [8, 49152] fp32 96 against 279 us). Equal on ties, -inf
     and NaN rows (tests/unit/replicas/test_sampling.py)."""
-    if sampling_kernel.takes_greedy(logits):
+    if sampling_kernel.takes_logits(logits):
         return sampling_kernel.greedy_tokens(logits)
     return logits.max(dim=-1).indices
 
@@ -176,22 +176,53 @@ def filter_logits(
 def draw_rows(
     logits: torch.Tensor, params: Sequence[SamplingParams], u: torch.Tensor
 ) -> torch.Tensor:
-    """Row i of `logits` [N, V] filtered by params[i] (`filter_logits`) and drawn at u[i]
-    (`draw`): the tokens [N]. On a CPU, rows with top-k or top-p whose kept tokens lie among
-    their `CANDIDATES` largest logits (`_candidates_kept`) are drawn over those alone; the
-    others over the whole vocabulary."""
+    """Row i of `logits` [N, V] (any float dtype) filtered by params[i] (`filter_logits`) and
+    drawn at u[i] (`draw`): the tokens [N]. On a CPU, rows with a temperature and min-p only
+    are drawn from their logits by the sampling kernel (`_drawn_by_temperature`); rows with
+    top-k or top-p whose kept tokens lie among their `CANDIDATES` largest logits
+    (`_candidates_kept`) over those alone; the others over the whole vocabulary, in fp32."""
+    n = logits.shape[0]
+    picks = torch.empty(n, dtype=torch.int64, device=logits.device)
+    drawn = _drawn_by_temperature(logits, params, u, picks)
+    if len(drawn) == n:
+        return picks
     kept = _candidates_kept(logits, params)
-    if not kept:
-        return draw(filter_logits(logits, params).softmax(-1), u)
-    picks = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
     for i, (tokens, values) in kept.items():
         picks[i] = tokens[draw(values.softmax(0)[None], u[i].reshape(1, 1))[0]]
-    rest = [i for i in range(len(params)) if i not in kept]
+    rest = [i for i in range(n) if i not in kept and i not in drawn]
+    if len(rest) == n:
+        return draw(filter_logits(logits.float(), params).softmax(-1), u)
     if rest:
         rows = to_device(torch.tensor(rest), logits.device)
-        probs = filter_logits(logits[rows], [params[i] for i in rest]).softmax(-1)
+        probs = filter_logits(logits[rows].float(), [params[i] for i in rest]).softmax(-1)
         picks[rows] = draw(probs, u[rest])
     return picks
+
+
+def _drawn_by_temperature(
+    logits: torch.Tensor, params: Sequence[SamplingParams], u: torch.Tensor, picks: torch.Tensor
+) -> set[int]:
+    """Draws the rows that ask for neither top-k nor top-p (a temperature, maybe min-p: the
+    OpenAI default is T 1) with `sampling_kernel.temperature_draw` into `picks`, where it takes
+    the logits: which rows it drew (not those holding a NaN or an infinite top, left to
+    `filter_logits`)."""
+    vocab = logits.shape[-1]
+    which = [i for i, p in enumerate(params) if p.top_p >= 1.0 and not 0 < p.top_k < vocab]
+    if not which or not sampling_kernel.takes_logits(logits):
+        return set()
+    every = len(which) == logits.shape[0]
+    x = logits if every else logits[torch.tensor(which)]
+    got = sampling_kernel.temperature_draw(
+        x,
+        torch.tensor([params[i].temperature for i in which], dtype=torch.float32),
+        torch.tensor([params[i].min_p for i in which], dtype=torch.float32),
+        u.to(torch.float64).reshape(len(params), -1)[which, 0],
+    )
+    if every:
+        picks.copy_(got)
+    else:
+        picks[torch.tensor(which)] = got
+    return {i for i, token in zip(which, got.tolist(), strict=True) if token >= 0}
 
 
 def filtered_probs(
@@ -220,6 +251,10 @@ def filtered_probs(
 # ~0.5 ms (docs/benchmarks.md, stop 110). A nucleus past them (a flat distribution, a high
 # temperature) is filtered over the whole vocabulary, as before.
 CANDIDATES = 1024
+# How many tokens the kernel's level (`sampling_kernel.nucleus_candidates`) may hand a row:
+# its levels are coarse (e^-2 ... e^-24 under the top), so one may hold a few more than the
+# nucleus; sorting 4,096 values is cheap.
+LEVEL_CANDIDATES = 4 * CANDIDATES
 
 
 def _candidates_kept(
@@ -227,53 +262,93 @@ def _candidates_kept(
 ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     """row -> (its kept tokens in vocabulary order, their logits after the temperature), for
     the rows of a CPU's `logits` with top-k or top-p whose kept set `_kept_among` finds among
-    their largest logits; the other rows are not in it."""
+    their candidates: those the sampling kernel finds above a level (`_level_kept`), else
+    their largest logits (`topk`); the other rows are not in it."""
     vocab = logits.shape[-1]
     which = [i for i, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1.0]
     if logits.device.type != "cpu" or not which:
         return {}
-    # top-k: past the k-th, to see where the tokens that tie it end (bf16 logits often tie)
-    ks = [params[i].top_k + 1 if 0 < params[i].top_k < vocab else 0 for i in which]
-    wanted = max([*ks, CANDIDATES])
-    if wanted >= vocab:
-        return {}
     x = logits if len(which) == logits.shape[0] else logits[torch.tensor(which)]
+    found = _level_kept(x, which, params) if sampling_kernel.takes_logits(x) else {}
+    rest = [j for j, i in enumerate(which) if i not in found]
+    # top-k: past the k-th, to see where the tokens that tie it end (bf16 logits often tie)
+    ks = [params[which[j]].top_k + 1 if 0 < params[which[j]].top_k < vocab else 0 for j in rest]
+    wanted = max([*ks, CANDIDATES])
+    if not rest or wanted >= vocab:
+        return found
+    x = x if len(rest) == x.shape[0] else x[torch.tensor(rest)]
     # the largest logits before the temperature (dividing keeps their order), then divided
     # as filter_logits divides them: each row of x / temperature, exactly rounded either way
     top, order = torch.topk(x, wanted, dim=-1)
-    temperature = torch.tensor([params[i].temperature for i in which])[:, None]
+    temperature = torch.tensor([params[which[j]].temperature for j in rest])[:, None]
     top = top.float() / temperature
     # in filter_logits' order: largest first, equal values in vocabulary order
     order, by_token = order.sort(dim=-1)
     top, by_value = top.gather(-1, by_token).sort(dim=-1, descending=True, stable=True)
     order = order.gather(-1, by_value)
+    for n, j in enumerate(rest):
+        i = which[j]
+        kept = _kept_among(x[n], top[n], order[n], params[i])
+        if kept is not None:
+            found[i] = kept
+    return found
+
+
+def _level_kept(
+    x: torch.Tensor, which: list[int], params: Sequence[SamplingParams]
+) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """`_candidates_kept` for rows `which` (x's rows, on a CPU) from the sampling kernel's
+    candidates (`nucleus_candidates`): tokens above a level of weight that holds the row's
+    k largest and its nucleus, so nothing past them ties them; rows it finds none for (or
+    whose kept set `_kept_among` cannot settle) are not in it."""
+    vocab = x.shape[-1]
+    temperature = torch.tensor([params[i].temperature for i in which], dtype=torch.float32)
+    top_k = torch.tensor([params[i].top_k if 0 < params[i].top_k < vocab else 0 for i in which])
+    top_p = torch.tensor([params[i].top_p for i in which], dtype=torch.float32)
+    tokens, values, counts, log_total = sampling_kernel.nucleus_candidates(
+        x, temperature, top_k, top_p, LEVEL_CANDIDATES
+    )
     found = {}
-    for j, i in enumerate(which):
-        kept = _kept_among(x[j], top[j], order[j], params[i])
+    for j, (i, n) in enumerate(zip(which, counts.tolist(), strict=True)):
+        if n < 0:
+            continue
+        # as filter_logits divides (fp32 by the fp32 temperature), then its order: largest
+        # first, equal values in vocabulary order (the tokens come in vocabulary order)
+        top, by_value = (values[j, :n] / temperature[j]).sort(descending=True, stable=True)
+        kept = _kept_among(x[j], top, tokens[j, :n][by_value], params[i], log_total[j], True)
         if kept is not None:
             found[i] = kept
     return found
 
 
 def _kept_among(
-    row: torch.Tensor, top: torch.Tensor, order: torch.Tensor, p: SamplingParams
+    row: torch.Tensor,
+    top: torch.Tensor,
+    order: torch.Tensor,
+    p: SamplingParams,
+    total: torch.Tensor | None = None,
+    complete: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """`filter_logits` for one row (`row` [V], before the temperature) from its largest
     values `top` (temperature applied; descending, equal ones in vocabulary order) at
     `order`: the kept tokens in vocabulary order and their values; None where the kept set
     may reach past them (a tie at the k-th value runs to their end, the nucleus holds more
-    than they do or ends in a tie with their last), or the row is not finite at its top."""
+    than they do or ends in a tie with their last), or the row is not finite at its top.
+    `complete`: every token past `top` is smaller than all of them (a level's set), so no
+    tie reaches past them. `total`: the row's logsumexp after the temperature, where known."""
     if not torch.isfinite(top[0]):
         return None
     smallest = top[-1]  # the candidates' last value, which tokens past them may tie
     k = p.top_k if 0 < p.top_k < row.shape[0] else 0
     if k:
+        if top.shape[0] < k:
+            return None
         kth = top[k - 1]
-        if smallest >= kth:  # tokens past the candidates may tie the k-th
+        if not complete and smallest >= kth:  # tokens past the candidates may tie the k-th
             return None
         top = top.masked_fill(top < kth, float("-inf"))
         total = torch.logsumexp(top, 0)
-    else:
+    elif total is None:
         # the nucleus' mass is of the whole row
         total = torch.logsumexp(row.float() / p.temperature, 0)
     if p.top_p < 1.0:
@@ -286,7 +361,7 @@ def _kept_among(
         probs = top.softmax(0)
         top = top.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
     kept = top > float("-inf")
-    if top.shape[0] < row.shape[0] and bool(top[kept][-1] == smallest):
+    if not complete and top.shape[0] < row.shape[0] and bool(top[kept][-1] == smallest):
         return None  # the last kept value ties tokens that may lie past the candidates
     tokens, by_token = order[kept].sort()  # a draw's CDF runs in vocabulary order
     return tokens, top[kept][by_token]
@@ -317,14 +392,13 @@ def sample_on_device(
     raw = logits  # (logprobs: `logprob_table` takes them in fp32)
     penalised = [i for i, p in enumerate(params) if p.has_penalties]
     sampled = [i for i, p in enumerate(params) if not p.is_greedy]
-    # penalties and draws compute in fp32; greedy picks read the logits as they are (bf16 to
-    # fp32 is exact), which spares a step of plain greedy rows the copy
+    # penalties compute in fp32; greedy picks and draws read the logits as they are (bf16 to
+    # fp32 is exact; `draw_rows` copies to fp32 only the rows it filters in torch), which
+    # spares most steps the copy
     if penalised:
         logits = logits.to(torch.float32, copy=True)
         for i in penalised:
             apply_penalties(logits[i], params[i], contexts[i], outputs[i])
-    elif sampled:
-        logits = logits.float()
     if not sampled:
         chosen = greedy_tokens(logits)
     elif len(sampled) == len(params):  # no greedy pick, nor a copy of the rows

@@ -35,10 +35,15 @@ inline Vec vfmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline float vsum(Vec v) { return _mm512_reduce_add_ps(v); }
 inline float vmax(Vec v) { return _mm512_reduce_max_ps(v); }
 inline Vec vmaximum(Vec a, Vec b) { return _mm512_max_ps(a, b); }
-// lanes that are NaN, and lanes of a equal to b, as bit masks (lane i: bit i)
+// lanes that are NaN, lanes of a equal to b, and lanes of a >= b, as bit masks (lane i: bit i)
 inline uint32_t vnan_lanes(Vec v) { return _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q); }
 inline uint32_t vequal_lanes(Vec a, Vec b) { return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ); }
+inline uint32_t vge_lanes(Vec a, Vec b) { return _mm512_cmp_ps_mask(a, b, _CMP_GE_OQ); }
 inline Vec vexp(Vec x) { return exp512(x); }  // cpu_vector_exp.h
+// v's lanes where a >= b (ordered: NaN is not), the others 0
+inline Vec vzero_unless_ge(Vec v, Vec a, Vec b) {
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(a, b, _CMP_GE_OQ), v);
+}
 // v's first n lanes, the others `other`
 inline Vec vfirst(Vec v, int n, float other) {
   const __mmask16 valid = n == kLanes ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
@@ -110,7 +115,13 @@ inline uint32_t vnan_lanes(Vec v) {
 inline uint32_t vequal_lanes(Vec a, Vec b) {
   return static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_EQ_OQ)));
 }
+inline uint32_t vge_lanes(Vec a, Vec b) {
+  return static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_GE_OQ)));
+}
 inline Vec vexp(Vec x) { return exp256(x); }  // cpu_vector_exp.h
+inline Vec vzero_unless_ge(Vec v, Vec a, Vec b) {
+  return _mm256_and_ps(v, _mm256_cmp_ps(a, b, _CMP_GE_OQ));
+}
 inline Vec vfirst(Vec v, int n, float other) {
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane));

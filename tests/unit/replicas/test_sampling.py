@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch
 
-from sessionserve.replicas import sampling
+from sessionserve.replicas import sampling, sampling_kernel
 from sessionserve.replicas.sampling import (
     apply_penalties,
     draw,
@@ -236,36 +236,58 @@ def whole_vocabulary(logits: torch.Tensor, params, u: torch.Tensor) -> torch.Ten
     return draw(filter_logits(logits.float(), params).softmax(-1), u)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_top_k_and_top_p_rows_draw_among_their_largest_logits_as_over_all(dtype, monkeypatch):
-    """`draw_rows` filters top-k / top-p rows among their largest logits where the kept set
-    lies there: the same tokens as over the whole vocabulary for the same uniforms, and it
-    took that path for every peaked row (a spy on `_kept_among`)."""
-    taken: list[object] = []
+@pytest.fixture(params=["levels", "topk"])
+def candidates(request, monkeypatch) -> str:
+    """Which candidates top-k / top-p rows are filtered among: the sampling kernel's levels
+    (`_level_kept`, where it loads) or their `topk` largest logits (without it)."""
+    if request.param == "topk":
+        monkeypatch.setattr(sampling_kernel, "takes_logits", lambda x: False)
+    elif not sampling_kernel.load():
+        pytest.skip(f"the sampling kernel cannot be built here: {sampling_kernel.KERNEL.why_not()}")
+    return request.param
+
+
+def spy_on_kept_among(monkeypatch) -> list[tuple[object, bool]]:
+    """(what `_kept_among` returned, whether its candidates were a level's) for each call."""
+    taken: list[tuple[object, bool]] = []
     kept_among = sampling._kept_among
-    monkeypatch.setattr(
-        sampling, "_kept_among", lambda *args: taken.append(kept_among(*args)) or taken[-1]
-    )
+
+    def spy(*args: Any) -> object:
+        taken.append((kept_among(*args), len(args) > 5 and args[5]))
+        return taken[-1][0]
+
+    monkeypatch.setattr(sampling, "_kept_among", spy)
+    return taken
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_top_k_and_top_p_rows_draw_among_their_candidates_as_over_all(
+    dtype, candidates, monkeypatch
+) -> None:
+    """`draw_rows` filters top-k / top-p rows among their candidates where the kept set
+    lies there: the same tokens as over the whole vocabulary for the same uniforms, and it
+    took that path for every peaked row (a spy on `_kept_among`), from the kernel's levels
+    where it is used."""
+    taken = spy_on_kept_among(monkeypatch)
     for seed in range(12):
         logits = peaked_logits(6, 5000, seed, dtype)
         params = [FILTERS[(seed + r) % len(FILTERS)] for r in range(6)]
         u = torch.rand(6, 1, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
-        got = draw_rows(logits.float(), params, u)
+        got = draw_rows(logits, params, u)
         assert torch.equal(got, whole_vocabulary(logits, params, u))
-    assert len(taken) == 72 and None not in taken
+    assert len(taken) == 72 and None not in [kept for kept, _ in taken]
+    assert all(level == (candidates == "levels") for _, level in taken)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_filtered_probs_are_the_filtered_softmax_without_the_sort(dtype, monkeypatch) -> None:
+def test_filtered_probs_are_the_filtered_softmax_without_the_sort(
+    dtype, candidates, monkeypatch
+) -> None:
     """`filtered_probs` (speculative acceptance's target distribution) is
     `filter_logits(...).softmax(-1)`: the same kept tokens, probabilities within fp32
     rounding, for peaked rows (taken among the candidates: a spy counts them) and flat ones
-    (the whole row)."""
-    taken: list[object] = []
-    kept_among = sampling._kept_among
-    monkeypatch.setattr(
-        sampling, "_kept_among", lambda *args: taken.append(kept_among(*args)) or taken[-1]
-    )
+    (the whole row, or a level of the kernel's)."""
+    taken = spy_on_kept_among(monkeypatch)
     flat = torch.randn(2, 5000, generator=torch.Generator().manual_seed(9)).to(dtype) * 0.1
     for seed in range(6):
         logits = torch.cat([peaked_logits(4, 5000, seed, dtype), flat]).float()
@@ -278,16 +300,20 @@ def test_filtered_probs_are_the_filtered_softmax_without_the_sort(dtype, monkeyp
         got = filtered_probs(logits, mixed)
         want = filter_logits(logits, mixed).softmax(-1)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
-    found = [t for t in taken if t is not None]
+    found = [kept for kept, _ in taken if kept is not None]
     # every peaked row by every filter (flat rows under a top-k alone may be taken as well)
     assert len(found) >= 6 * (len(FILTERS) + 1) * 4
 
 
-def test_rows_whose_kept_set_may_reach_past_the_candidates_take_the_whole_vocabulary() -> None:
-    """A flat row (its nucleus holds most of the vocabulary), a k-th value tied past the
+def test_rows_whose_kept_set_may_reach_past_the_candidates_take_the_whole_vocabulary(
+    monkeypatch,
+) -> None:
+    """Among the `topk` candidates (the path where the sampling kernel's levels are not
+    used): a flat row (its nucleus holds most of the vocabulary), a k-th value tied past the
     candidates, a nucleus that ends in a tie with the last candidate, and a row that is not
     finite at its top are filtered over the whole vocabulary: `_kept_among` says None, and
     `draw_rows` draws as the whole vocabulary does."""
+    monkeypatch.setattr(sampling_kernel, "takes_logits", lambda x: False)
     vocab, n = 3000, sampling.CANDIDATES
     flat = torch.randn(vocab, generator=torch.Generator().manual_seed(0)) * 0.1
     tied_k = torch.full((vocab,), -5.0)
@@ -314,9 +340,10 @@ def test_rows_whose_kept_set_may_reach_past_the_candidates_take_the_whole_vocabu
             assert torch.equal(got, whole_vocabulary(row[None], [p], u))
 
 
+@pytest.mark.usefixtures("candidates")
 def test_a_rows_draw_does_not_depend_on_its_batch() -> None:
-    """A row drawn alone or beside a row with a large top-k (which widens the candidates
-    every row is filtered among) gets the same token for the same uniform."""
+    """A row drawn alone or beside a row with a large top-k (which widens the `topk`
+    candidates every row is filtered among) gets the same token for the same uniform."""
     logits = peaked_logits(2, 5000, 5, torch.bfloat16).float()
     p = SamplingParams(temperature=0.7, top_p=0.9)
     wide = SamplingParams(temperature=0.7, top_k=2500)
