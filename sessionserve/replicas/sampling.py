@@ -251,10 +251,6 @@ def filtered_probs(
 # ~0.5 ms (docs/benchmarks.md, stop 110). A nucleus past them (a flat distribution, a high
 # temperature) is filtered over the whole vocabulary, as before.
 CANDIDATES = 1024
-# How many tokens the kernel's level (`sampling_kernel.nucleus_candidates`) may hand a row:
-# its levels are coarse (e^-2 ... e^-24 under the top), so one may hold a few more than the
-# nucleus; sorting 4,096 values is cheap.
-LEVEL_CANDIDATES = 4 * CANDIDATES
 
 
 def _candidates_kept(
@@ -305,8 +301,11 @@ def _level_kept(
     temperature = torch.tensor([params[i].temperature for i in which], dtype=torch.float32)
     top_k = torch.tensor([params[i].top_k if 0 < params[i].top_k < vocab else 0 for i in which])
     top_p = torch.tensor([params[i].top_p for i in which], dtype=torch.float32)
+    # no limit: the first level that holds a row's nucleus is never more than its vocabulary,
+    # and a flat row's (tens of thousands of tokens at T 0.7 on word salad) sorts in a
+    # fraction of the whole row's time
     tokens, values, counts, log_total = sampling_kernel.nucleus_candidates(
-        x, temperature, top_k, top_p, LEVEL_CANDIDATES
+        x, temperature, top_k, top_p, vocab
     )
     found = {}
     for j, (i, n) in enumerate(zip(which, counts.tolist(), strict=True)):

@@ -498,8 +498,10 @@ std::vector<at::Tensor> find_candidates(const at::Tensor& logits, const float* s
     log_total.data_ptr<double>()[r] = double(tops[r].value) * scale[r] + std::log(row.total);
     widest = std::max(widest, count[r]);
   }
-  at::Tensor tokens = at::full({rows, widest}, -1, logits.options().dtype(at::kLong));
-  at::Tensor values = at::zeros({rows, widest}, logits.options().dtype(at::kFloat));
+  // (a row's entries past its count are left as they are: a flat row's level may hold most
+  // of the vocabulary, and the other rows are not filled to its width)
+  at::Tensor tokens = at::empty({rows, widest}, logits.options().dtype(at::kLong));
+  at::Tensor values = at::empty({rows, widest}, logits.options().dtype(at::kFloat));
   at::parallel_for(0, rows * parts, 4, [&](int64_t lo, int64_t hi) {
     for (int64_t w = lo; w < hi; ++w) {
       const int64_t r = w / parts, part = w % parts;

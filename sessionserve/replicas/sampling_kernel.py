@@ -120,9 +120,10 @@ def nucleus_candidates(
     level e^-d (d from 2 to 24) that holds its k largest (top_k[i] > 0) and more than top_p[i]
     of the row's mass (top_p[i] < 1), the first such level holding at most `limit` tokens: a
     set no token past it ties or exceeds, so the row's filter can be applied to it alone.
-    Returns (tokens [rows, C] int64 in vocabulary order, their logits [rows, C] fp32, how many
-    a row has [rows] int64 (-1: no level fits, the row holds a NaN or an infinite top, or it
-    asks for neither filter), the row's logsumexp after the temperature [rows] float64). For
+    Returns (tokens [rows, C] int64 in vocabulary order, their logits [rows, C] fp32, both
+    unset past a row's count, how many a row has [rows] int64 (-1: no level fits, the row
+    holds a NaN or an infinite top, or it asks for neither filter), the row's logsumexp after
+    the temperature [rows] float64). For
     logits `takes_logits`; `temperature`, `top_p` [rows] fp32, `top_k` [rows] int64."""
     tokens, values, counts, log_total = torch.ops.sessionserve.nucleus_candidates(
         logits, temperature, top_k, top_p, limit
