@@ -179,8 +179,9 @@ def draw_rows(
     """Row i of `logits` [N, V] (any float dtype) filtered by params[i] (`filter_logits`) and
     drawn at u[i] (`draw`): the tokens [N]. On a CPU, rows with a temperature and min-p only
     are drawn from their logits by the sampling kernel (`_drawn_by_temperature`); rows with
-    top-k or top-p whose kept tokens lie among their `CANDIDATES` largest logits
-    (`_candidates_kept`) over those alone; the others over the whole vocabulary, in fp32."""
+    top-k or top-p whose kept tokens lie among their candidates (`_candidates_kept`: a weight
+    level of the kernel's, or their `CANDIDATES` largest logits) over those alone; the
+    others over the whole vocabulary, in fp32."""
     n = logits.shape[0]
     picks = torch.empty(n, dtype=torch.int64, device=logits.device)
     drawn = _drawn_by_temperature(logits, params, u, picks)
@@ -210,18 +211,17 @@ def _drawn_by_temperature(
     which = [i for i, p in enumerate(params) if p.top_p >= 1.0 and not 0 < p.top_k < vocab]
     if not which or not sampling_kernel.takes_logits(logits):
         return set()
-    every = len(which) == logits.shape[0]
-    x = logits if every else logits[torch.tensor(which)]
+    rows = None if len(which) == logits.shape[0] else torch.tensor(which)
     got = sampling_kernel.temperature_draw(
-        x,
+        logits if rows is None else logits[rows],
         torch.tensor([params[i].temperature for i in which], dtype=torch.float32),
         torch.tensor([params[i].min_p for i in which], dtype=torch.float32),
         u.to(torch.float64).reshape(len(params), -1)[which, 0],
     )
-    if every:
+    if rows is None:
         picks.copy_(got)
     else:
-        picks[torch.tensor(which)] = got
+        picks[rows] = got
     return {i for i, token in zip(which, got.tolist(), strict=True) if token >= 0}
 
 
