@@ -43,7 +43,6 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
-#include <utility>
 #include <vector>
 
 #include "attention/cpu_vector.h"  // Vec, kLanes and their primitives, AVX-512 or AVX2
@@ -314,34 +313,29 @@ inline bool weighable(const Largest& top) { return !top.nan && std::isfinite(top
 template <typename T>
 void draw_weighted(const at::Tensor& logits, const float* scale, const float* floor,
                    const double* u, int64_t* out) {
-  const int64_t rows = logits.size(0), vocab = logits.size(1);
-  const Parts split(vocab);
+  const int64_t rows = logits.size(0);
+  const Parts split(logits.size(1));
   const int64_t parts = split.count;
   const T* x = logits.data_ptr<T>();
   const int64_t stride = logits.stride(0);
-  auto bounds = [&](int64_t part) {
-    return std::pair<int64_t, int64_t>(split.begin(part), split.end(part));
-  };
   const std::vector<Largest> tops = row_tops(x, rows, stride, split);
   std::vector<RowWeights> row(rows);
-  std::vector<char> usable(rows);
   for (int64_t r = 0; r < rows; ++r) {
     row[r] = {tops[r].value, scale[r], floor[r]};
-    usable[r] = weighable(tops[r]);
     out[r] = -1;
   }
   // each part's weight (a work item: ~16K exponentials, a few microseconds)
   std::vector<double> weight(rows * parts, 0.0);
   at::parallel_for(0, rows * parts, 2, [&](int64_t lo, int64_t hi) {
     for (int64_t w = lo; w < hi; ++w) {
-      if (!usable[w / parts]) continue;
-      const auto [begin, end] = bounds(w % parts);
-      weight[w] = part_weight(x + (w / parts) * stride, begin, end, row[w / parts]);
+      const int64_t r = w / parts, part = w % parts;
+      if (weighable(tops[r]))
+        weight[w] = part_weight(x + r * stride, split.begin(part), split.end(part), row[r]);
     }
   });
   at::parallel_for(0, rows, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t r = lo; r < hi; ++r) {
-      if (!usable[r]) continue;
+      if (!weighable(tops[r])) continue;
       const double* pw = weight.data() + r * parts;
       double total = 0.0;
       for (int64_t p = 0; p < parts; ++p) total += pw[p];
@@ -360,9 +354,8 @@ void draw_weighted(const at::Tensor& logits, const float* scale, const float* fl
         before += pw[p];
       }
       if (part < 0) continue;  // unreachable: the top's weight is 1
-      const auto [begin, end] = bounds(part);
       const double aim = reached ? target : std::numeric_limits<double>::infinity();
-      out[r] = token_at(x + r * stride, begin, end, row[r], at, aim);
+      out[r] = token_at(x + r * stride, split.begin(part), split.end(part), row[r], at, aim);
     }
   });
 }
