@@ -185,6 +185,7 @@ def compile_forwards(
         model,
         1 << (longest - 1).bit_length(),
         cfg.prefill_package_min_tokens(next(model.parameters()).dtype),
+        cfg.compile_prefill_dtype,
     )
     jobs = [CompileJob(plan, functools.partial(setattr, runner, "compiled"), model)]
     decode, step = plan_decode_compile(cfg.compile_decode, plan, model, runner.kv_pool)

@@ -74,19 +74,44 @@ def default_cache_dir() -> Path:
 class _DecoderAndHead(torch.nn.Module):
     """What is exported: token ids and positions [T], the rows wanted [N] -> logits [N, V]
     and the drafter's features [T, F] (the last hidden states after the final norm, or the
-    `feature_layers` concatenated: what an EAGLE / EAGLE-3 head reads)."""
+    `feature_layers` concatenated: what an EAGLE / EAGLE-3 head reads).
 
-    def __init__(self, model: Any, feature_layers: tuple[int, ...] | None = None) -> None:
+    With `compute_dtype` (the prefill package's GEMMs in fp32 beside a bf16 model,
+    `engine.compile_prefill_dtype`; the model given already `in_compute_dtype`), the
+    embeddings are looked up in the model's dtype and the layers run in `compute_dtype`;
+    attention, the KV written, the LM head, the logits and the features stay in the model's
+    dtype, so the package's outputs are those of the bf16 forward it stands in for, computed
+    with fewer roundings."""
+
+    def __init__(
+        self,
+        model: Any,
+        feature_layers: tuple[int, ...] | None = None,
+        compute_dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__()
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
         self.feature_layers = feature_layers
+        self.compute_dtype = compute_dtype
 
     def forward(
         self, ids: torch.Tensor, positions: torch.Tensor, logit_idx: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        last, features = decoder_features(self.decoder, ids, positions, self.feature_layers)
-        return self.lm_head(last[logit_idx]), features
+        if self.compute_dtype is None:
+            last, features = decoder_features(self.decoder, ids, positions, self.feature_layers)
+            return self.lm_head(last[logit_idx]), features
+        embeddings = self.decoder.get_input_embeddings()
+        stored = embeddings.weight.dtype
+        last, features = decoder_features(
+            self.decoder,
+            None,
+            positions,
+            self.feature_layers,
+            inputs_embeds=embeddings(ids).to(self.compute_dtype),
+            attention_dtype=stored,
+        )
+        return self.lm_head(last[logit_idx].to(stored)), features.to(stored)
 
     @staticmethod
     def export_inputs(
@@ -98,6 +123,20 @@ class _DecoderAndHead(torch.nn.Module):
         n = example_tokens
         example = (torch.zeros(n, dtype=torch.int64), torch.arange(n), torch.arange(n - 2, n))
         return tuple(t.to(device) for t in example), ({0: tokens}, {0: tokens}, {0: rows})
+
+
+def in_compute_dtype(model: Any, dtype: torch.dtype) -> Any:
+    """`model` (a copy to export) with its decoder's layers, norms and rotary tables in
+    `dtype`, its input embeddings and LM head as they were (`_DecoderAndHead`'s
+    `compute_dtype`): a bf16 prefill package's GEMMs then run in fp32 for a second copy of
+    the layers' weights (4 bytes a weight, not 2), the embedding table (Gemma 3's is most
+    of its weights) kept at 2."""
+    decoder = model.get_decoder()
+    embeddings = decoder.get_input_embeddings()
+    for child in decoder.children():
+        if child is not embeddings:
+            child.to(dtype)
+    return model
 
 
 def token_dims(max_tokens: int) -> tuple[Any, Any]:
@@ -245,12 +284,14 @@ def package_key(
     example_tokens: int = DECODE_EXAMPLE_TOKENS,
     autotune: bool = True,
     weights: str | None = None,
+    compute_dtype: torch.dtype | None = None,
 ) -> str:
     """What a package's code and constants depend on: the weights (`weights_digest`, unless
     given), the model config (not the path it was loaded from), dtype and device, the token
     limit, the hidden states it returns, the shape its GEMMs are laid out for and whether
-    they were autotuned, the thread count and CPU ISA the kernels were tuned for, and the
-    torch, transformers and sessionserve versions."""
+    they were autotuned, the dtype its layers compute in where not the model's, the thread
+    count and CPU ISA the kernels were tuned for, and the torch, transformers and
+    sessionserve versions."""
     import transformers
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
@@ -277,6 +318,8 @@ def package_key(
         facts["example_tokens"], facts["autotune"] = example_tokens, autotune
     if not autotune:  # such packages merge the GEMMs that share an input (build_package)
         facts["concat_linear"] = True
+    if compute_dtype is not None:  # likewise
+        facts["compute_dtype"] = str(compute_dtype)
     if hasattr(model, "key_facts"):  # what else a module's package depends on (its layout)
         facts.update(model.key_facts())
     digest.update(json.dumps(facts, sort_keys=True).encode())
@@ -291,19 +334,23 @@ def build_package(
     *,
     example_tokens: int = DECODE_EXAMPLE_TOKENS,
     autotune: bool = True,
+    compute_dtype: torch.dtype | None = None,
 ) -> None:
     """Export and compile (minutes on a small CPU; a heartbeat logs progress), writing the
     package atomically to `path`. `model` must not run forwards meanwhile: export swaps its
     parameters for fake ones while it traces (callers pass a copy). The GEMMs are laid out
     (with `autotune`, autotuned) for `example_tokens` rows (2: decode steps; 256: the prefill
-    package). `model` is a transformers model (exported as `_DecoderAndHead`) or a module
-    that says how it is exported (`export_inputs`, as the EAGLE head's step does)."""
+    package). `model` is a transformers model (exported as `_DecoderAndHead`, its layers
+    converted to `compute_dtype` where given) or a module that says how it is exported
+    (`export_inputs`, as the EAGLE head's step does)."""
     device = next(model.parameters()).device
     if hasattr(model, "export_inputs"):
         module = model.eval()
     else:
         install(model)  # whatever it came with, the package runs our paged attention
-        module = _DecoderAndHead(model, feature_layers).eval()
+        if compute_dtype is not None:
+            in_compute_dtype(model, compute_dtype)
+        module = _DecoderAndHead(model, feature_layers, compute_dtype).eval()
     example, dynamic = module.export_inputs(example_tokens, max_tokens, device)
     started = time.monotonic()
     with torch.inference_mode(), _heartbeat(path, started):
@@ -366,6 +413,7 @@ class CompilePlan:
     autotune: bool = True
     only_if_faster: bool = False  # `compile_prefill: auto`: timed against eager first
     weights: str | None = None  # `weights_digest` of the model, for the next plan's key
+    compute_dtype: torch.dtype | None = None  # the layers' dtype where not the model's
     role: str = "forward"  # what the log calls it ("prefill package": compile_prefill's)
     # (package, max_tokens, min_tokens) -> the loaded package; the EAGLE head's: CompiledHead
     loads_as: Callable[[Path, int, int], CompiledForward] = CompiledForward
@@ -409,14 +457,21 @@ def auto_declines(model: Any) -> str | None:
 
 
 def plan_prefill_compile(
-    mode: bool | str, forward: CompilePlan, model: Any, max_tokens: int, min_tokens: int
+    mode: bool | str,
+    forward: CompilePlan,
+    model: Any,
+    max_tokens: int,
+    min_tokens: int,
+    dtype_mode: str = "model",
 ) -> CompilePlan:
     """Resolve `engine.compile_prefill` (auto | true | false) beside the compiled forward
     `forward`: a package for the steps of `min_tokens .. max_tokens` tokens (the forward's
     package keeps the shorter ones: `min_tokens` is at most one past its limit), its
     GEMMs laid out for PREFILL_EXAMPLE_TOKENS rows and not autotuned (as fast here, and built
     in less time). auto: for models of AUTO_MIN_PARAMS+ parameters on CPU, kept only where
-    it is timed faster than the eager forward (prefill_choice.py)."""
+    it is timed faster than the eager forward (prefill_choice.py). `dtype_mode`
+    (`engine.compile_prefill_dtype`: auto | model | float32) says what its layers compute
+    in (`prefill_choice.compute_dtype`)."""
     if not forward.enabled or mode is False:
         return CompilePlan(False, "engine.compile_prefill is false or the forward is not compiled")
     if forward.package is None:
@@ -433,6 +488,23 @@ def plan_prefill_compile(
     key = package_key(
         model, max_tokens, forward.feature_layers, example, autotune=False, weights=forward.weights
     )
+    compute = prefill_choice.compute_dtype(
+        dtype_mode,
+        model,
+        example,
+        forward.package.parent / f"{key}.gemm.json",
+        auto_declines(model) is None,
+    )
+    if compute is not None:
+        key = package_key(
+            model,
+            max_tokens,
+            forward.feature_layers,
+            example,
+            autotune=False,
+            weights=forward.weights,
+            compute_dtype=compute,
+        )
     return CompilePlan(
         True,
         "engine.compile_prefill",
@@ -444,6 +516,7 @@ def plan_prefill_compile(
         autotune=False,
         only_if_faster=mode == "auto",
         role="prefill package",
+        compute_dtype=compute,
     )
 
 
@@ -457,6 +530,7 @@ def build_in_process(model: Any, plan: CompilePlan) -> None:
         plan.feature_layers,
         example_tokens=plan.example_tokens,
         autotune=plan.autotune,
+        compute_dtype=plan.compute_dtype,
     )
 
 
@@ -475,6 +549,7 @@ def build_in_subprocess(model: Any, plan: CompilePlan) -> None:
         argv = [str(model_file), str(path), str(plan.max_tokens), str(torch.get_num_threads())]
         argv.append(",".join(map(str, layers)) if layers is not None else "-")
         argv += [str(plan.example_tokens), str(int(plan.autotune))]
+        argv.append(str(plan.compute_dtype).removeprefix("torch.") if plan.compute_dtype else "-")
         # `nice`, not a preexec_fn: forking a threaded process must not run Python in the child
         command = [sys.executable, "-m", __name__, *argv]
         if shutil.which("nice"):
@@ -494,6 +569,7 @@ def _child_main(
     layers: str,
     example_tokens: str,
     autotune: str,
+    compute_dtype: str,
 ) -> None:
     logging.basicConfig(format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("sessionserve").setLevel(logging.INFO)
@@ -508,6 +584,7 @@ def _child_main(
         feature_layers,
         example_tokens=int(example_tokens),
         autotune=autotune == "1",
+        compute_dtype=None if compute_dtype == "-" else getattr(torch, compute_dtype),
     )
 
 

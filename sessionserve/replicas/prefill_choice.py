@@ -13,11 +13,13 @@ runs one fresh sequence of each size over a scratch KV pool of its own (a backgr
 installs while the engine serves: its pool is not ours to write), the two forwards
 alternating, and `<package>.timing.json` keeps the verdict: later starts read it and do not
 even load a package that lost at every size (it would hold a second copy of the weights for
-nothing).
+nothing). Before any of that, for a bf16 model, what the package's layers compute in
+(`compute_dtype`): a layer's GEMMs timed in bf16 and in fp32, the verdict kept likewise.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -282,3 +284,126 @@ def recorded_split(prefill_package: Path, forward_package: Path) -> SplitTiming 
     except (OSError, ValueError, TypeError):
         return None
     return timing if timing.forward_package == forward_package.name else None
+
+
+# ---- what the prefill package's layers compute in ----
+GEMM_ROUNDS = 5  # alternating rounds of a layer's GEMMs in each dtype, after a warm-up each
+GEMM_MARGIN = 1.15  # fp32 must be this much faster: its package holds the layers at 4 bytes
+
+
+@dataclass(frozen=True)
+class GemmTiming:
+    """One decoder layer's GEMMs at `rows` rows, best ms in the model's dtype and in fp32, on
+    the CPU `cpu` (the verdict is timed again on another)."""
+
+    cpu: str
+    dtype: str
+    rows: int
+    model_ms: float
+    float32_ms: float
+
+    @property
+    def float32_pays(self) -> bool:
+        return self.model_ms >= GEMM_MARGIN * self.float32_ms
+
+
+def compute_dtype(
+    mode: str, model: Any, rows: int, record: Path, timed_models: bool
+) -> torch.dtype | None:
+    """`engine.compile_prefill_dtype` resolved for `model`: the dtype the prefill package's
+    layers compute in where it is not the model's (None: the model's). float32: fp32 for a
+    bf16 or fp16 model. auto (for models `timed_models` says are worth timing, on CPU): fp32
+    where a layer's GEMMs of `rows` rows ran GEMM_MARGIN faster in fp32 than in the model's
+    dtype on this machine, timed once and kept in `record`.
+
+    Why time it: prefill is bound by the GEMMs' arithmetic, and a CPU's bf16 arithmetic is
+    not always its fastest. With AVX512-BF16 but no AMX, an Intel Xeon's bf16 dot products
+    run on one port where its fp32 FMAs run on two: oneDNN's bf16 GEMMs reached 113-149
+    GFLOP/s on 2 threads there, fp32 185-252, and Gemma 3's 210-token prefill took 260 ms
+    through a package computing in fp32 against 366 in bf16 (docs/benchmarks.md). An AMD
+    EPYC Zen 4 ran bf16 1.5-1.7x faster than fp32; AMX tiles faster still."""
+    dtype = next(model.parameters()).dtype
+    if mode == "model" or dtype not in (torch.bfloat16, torch.float16):
+        return None
+    if mode == "float32":
+        return torch.float32
+    if not timed_models or next(model.parameters()).device.type != "cpu":
+        return None
+    timing = _recorded_gemms(record)
+    how = "recorded"
+    if timing is None or timing.cpu != _cpu() or timing.rows != rows:
+        how = "timed"
+        timing = _time_gemms(model, rows)
+        try:
+            record.parent.mkdir(parents=True, exist_ok=True)
+            record.write_text(json.dumps(asdict(timing)))
+        except OSError as e:  # a read-only cache: time again next start
+            log.warning("compile: could not record the GEMM timing: %r", e)
+    choice = "float32 (its layers' weights at 4 bytes)" if timing.float32_pays else timing.dtype
+    log.info(
+        "compile: a layer's GEMMs of %d rows (%s on this machine): %.1f ms in %s, %.1f ms in "
+        "float32 (%.2fx; needs %.2fx): the prefill package computes in %s",
+        rows,
+        how,
+        timing.model_ms,
+        timing.dtype,
+        timing.float32_ms,
+        timing.model_ms / timing.float32_ms,
+        GEMM_MARGIN,
+        choice,
+    )
+    return torch.float32 if timing.float32_pays else None
+
+
+def _recorded_gemms(record: Path) -> GemmTiming | None:
+    try:
+        return GemmTiming(**json.loads(record.read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def _cpu() -> str:
+    """This CPU as /proc/cpuinfo names it (vendor, family, model, model name), with torch's
+    view of its vector unit; where there is no /proc, torch's view alone."""
+    fields = {}
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key in ("vendor_id", "cpu family", "model", "model name") and key not in fields:
+                fields[key] = value.strip()
+    parts = [fields[k] for k in ("vendor_id", "cpu family", "model", "model name") if k in fields]
+    return " / ".join([*parts, torch.backends.cpu.get_cpu_capability()])
+
+
+@torch.inference_mode()
+def _time_gemms(model: Any, rows: int) -> GemmTiming:
+    """The best ms of one decoder layer's GEMMs (each distinct linear shape of the decoder
+    once) on `rows` random rows, in the model's dtype and in fp32, alternating."""
+    dtype = next(model.parameters()).dtype
+    shapes = sorted(
+        {
+            (m.in_features, m.out_features)
+            for m in model.get_decoder().modules()
+            if isinstance(m, torch.nn.Linear)
+        }
+    )
+    g = torch.Generator().manual_seed(0)
+    operands = {
+        d: [
+            (torch.randn(rows, i, generator=g).to(d), torch.randn(o, i, generator=g).to(d) / i)
+            for i, o in shapes
+        ]
+        for d in (dtype, torch.float32)
+    }
+    times: dict[torch.dtype, list[float]] = {d: [] for d in operands}
+    for _ in range(GEMM_ROUNDS + 1):  # the first round warms up (oneDNN builds its kernels)
+        for d, pairs in operands.items():
+            started = time.perf_counter()
+            for x, w in pairs:
+                torch.nn.functional.linear(x, w)
+            times[d].append(1000 * (time.perf_counter() - started))
+    best = {d: round(min(t[1:]), 3) for d, t in times.items()}
+    return GemmTiming(
+        _cpu(), str(dtype).removeprefix("torch."), rows, best[dtype], best[torch.float32]
+    )

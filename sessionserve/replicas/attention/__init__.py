@@ -35,12 +35,30 @@ def paged_attention(
     dropout: float = 0.0,
     paged_meta: ForwardMeta | None = None,
     inline_decode: InlineDecode | None = None,
+    attention_dtype: torch.dtype | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """Write the new tokens' K/V into the pool, then let the backend attend over it: with the
     `paged_meta` the caller passed (eager), or, inside a compiled forward, through the opaque
     op that reads the forward context (paged_op.py). With `inline_decode` (the decode step
-    exported whole, compiled_decode.py), the attention is plain torch ops in the graph."""
+    exported whole, compiled_decode.py), the attention is plain torch ops in the graph. With
+    `attention_dtype` (a forward whose layers compute in fp32 beside a bf16 model's pool and
+    backend: `compiled_forward.PrefillModule`), q/k/v are cast to it and the output back,
+    so the pool holds, and the backend computes, what the model's own dtype would."""
+    if attention_dtype is not None and query.dtype != attention_dtype:
+        out, _ = paged_attention(
+            module,
+            query.to(attention_dtype),
+            key.to(attention_dtype),
+            value.to(attention_dtype),
+            attention_mask,
+            scaling,
+            dropout,
+            paged_meta,
+            inline_decode,
+            **kwargs,
+        )
+        return out.to(query.dtype), None
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     window = kwargs.get("sliding_window")  # transformers passes it for sliding layers
     layer = module.layer_idx

@@ -11,6 +11,7 @@ runs the steps above compile_max_tokens, and `auto`'s timed choice of it (prefil
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -638,6 +639,101 @@ def test_plan_prefill_compile_resolves_the_config(cache_dir) -> None:
     assert compiled_forward.plan_prefill_compile(True, jit, model, 576, 8).enabled is False
     meta = tiny_model().to("meta")  # auto compiles on CPU and CUDA only
     assert "not measured" in compiled_forward.plan_compile("auto", meta, 32, cache_dir).reason
+
+
+def bf16_attention_reference(model):
+    """`model` (bf16) as transformers runs it with its layers in fp32 (its weights and
+    embeddings widened exactly) and each attention on q/k/v rounded to bf16, the rounded K
+    of each layer kept: what a prefill package computing in fp32 stands for."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    keys: dict[int, torch.Tensor] = {}
+
+    def attention(module, q, k, v, mask, **kw):
+        keys[module.layer_idx] = k.bfloat16()
+        out, weights = sdpa_attention_forward(
+            module, q.bfloat16(), k.bfloat16(), v.bfloat16(), mask, **kw
+        )
+        return out.to(q.dtype), weights
+
+    AttentionInterface.register("test_bf16_attention", attention)
+    AttentionMaskInterface.register("test_bf16_attention", sdpa_mask)
+    reference = copy.deepcopy(model).float()
+    reference.set_attn_implementation("test_bf16_attention")
+    return reference, keys
+
+
+def test_a_bf16_prefill_package_computing_in_fp32_is_the_fp32_layers_with_bf16_attention(
+    cache_dir,
+) -> None:
+    """`compile_prefill_dtype: float32` for a bf16 model (Gemma 3: sliding windows, scaled
+    embeddings): the package's layers run in fp32 and its attention on q/k/v rounded to bf16
+    (the pool's dtype), so a 48-token prefill's logits and the K it writes are transformers'
+    layers in fp32 with bf16 attention (`bf16_attention_reference`): every logit within one
+    bf16 rounding and at most 5% of them not equal, where the bf16 model's own logits differ
+    from that on more than half (what a package computing in bf16 would show)."""
+    from sessionserve.cache import KVPool, KVShape
+    from sessionserve.replicas.attention import sliding_windows
+    from sessionserve.replicas.attention.base import ForwardMeta, SeqSpec
+    from sessionserve.replicas.attention.torch_backend import TorchPagedBackend
+
+    model = tiny_model("gemma3", seed=4, sliding_window=12).to(torch.bfloat16)
+    engine = prefill_engine(model, cache_dir, compile_prefill_dtype="float32")
+    package = engine.runner.compiled_prefill
+    tokens = 48
+    pool = KVPool(KVShape.from_hf_config(model.config), tokens + 1, torch.bfloat16)
+    backend = TorchPagedBackend(tokens, sliding_windows(model.config))
+    slots = torch.arange(1, tokens + 1)
+    meta = ForwardMeta(
+        backend, pool, slots, backend.prepare([SeqSpec(tokens, slots)], torch.device("cpu"))
+    )
+    ids = torch.randint(3, model.config.vocab_size, (tokens,), generator=torch.Generator())
+    positions = torch.arange(tokens)
+    with torch.inference_mode():
+        logits, _ = package.run(ids, positions, positions[-1:], meta)
+        reference, keys = bf16_attention_reference(model)
+        hidden = reference.get_decoder()(ids[None]).last_hidden_state[0, -1:]
+        want = model.get_output_embeddings()(hidden.bfloat16())
+        bf16 = model(ids[None]).logits[0, -1:]
+    assert logits.dtype == torch.bfloat16
+    torch.testing.assert_close(logits, want, rtol=2**-7, atol=2**-7)
+    assert (logits != want).float().mean() <= 0.05
+    assert (bf16 != want).float().mean() > 0.5  # the comparison tells the dtypes apart
+    for layer, k in keys.items():
+        stored = pool.layer_kv(layer)[0][slots]  # [T, KVH, D]
+        assert (stored != k[0].transpose(0, 1)).float().mean() <= 0.05
+        torch.testing.assert_close(stored, k[0].transpose(0, 1), rtol=2**-7, atol=2**-7)
+
+
+def test_an_engine_serves_through_a_prefill_package_computing_in_fp32(cache_dir) -> None:
+    """Served through the fp32-computing prefill package (Gemma 3's layout, bf16), greedy
+    answers are the eager bf16 engine's up to a near tie (where they part, the eager engine's
+    top two logprobs lie within 0.1), its long steps ran the package, and session turns and
+    seeded samples go through under the strict memory check."""
+    model = tiny_model("gemma3", seed=4, sliding_window=12).to(torch.bfloat16)
+    compiled = prefill_engine(model, cache_dir, compile_prefill_dtype="float32")
+    steps, packaged = step_sizes(compiled.runner, compiled.runner.compiled_prefill)
+    eager = tiny_engine(model, prefill=PREFILL_CHUNK)
+    greedy = SamplingParams(max_tokens=16, temperature=0, logprobs=True, top_logprobs=2)
+    inputs = prompts(model.config.vocab_size)
+    for got, want in zip(
+        compiled.generate(inputs, greedy), eager.generate(inputs, greedy), strict=True
+    ):
+        for ours, theirs, lp in zip(got.output_ids, want.output_ids, want.logprobs, strict=False):
+            if ours != theirs:
+                (_, first), (_, second) = lp.top[:2]
+                assert first - second < 0.1, (got.output_ids, want.output_ids)
+                break
+    assert any(n > 32 for n in packaged)
+    compiled.check_memory()
+    g = torch.Generator().manual_seed(9)
+    turns = [
+        torch.randint(3, model.config.vocab_size, (n,), generator=g).tolist() for n in (60, 40)
+    ]
+    answers = session_turns(compiled, turns, SamplingParams(max_tokens=10, temperature=0.8, seed=5))
+    assert all(1 <= len(a[0]) <= 10 for a in answers) and answers[-1][1] > 0
 
 
 @pytest.mark.gpu
