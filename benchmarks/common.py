@@ -67,10 +67,12 @@ def bench_config_engine(
     kv_dtype: str = "auto",
     model_path: str = "default",
     compile_decode: bool | str = "auto",
+    compile_prefill_dtype: str = "auto",
 ) -> Engine:
     """The engine of `serve-cpu-bench*.yaml` in this process: the default model (or
     `model_path`) in `dtype`, compiled (the build waited for; `compile_decode` as
-    `engine.compile_decode`), `threads` torch threads, `kv_tokens` of KV or 1 GiB of the
+    `engine.compile_decode`, the prefill package's layers as `compile_prefill_dtype`), `threads`
+    torch threads, `kv_tokens` of KV or 1 GiB of the
     default model's (in `kv_dtype`, `cache.kv_dtype`), `max_running` requests a step (the
     configs' 32)."""
     model = ModelConfig(path=model_path, torch_threads=threads, dtype=dtype)
@@ -86,6 +88,7 @@ def bench_config_engine(
         scheduler=SchedulerConfig(max_running_requests=max_running, max_prefill_tokens=512),
         compile=True,
         compile_decode=compile_decode,
+        compile_prefill_dtype=compile_prefill_dtype,
     )
     eng = Engine(cfg, load(model_path, model.torch_dtype()))
     if eng.runner.compiling is not None:

@@ -166,11 +166,11 @@ def measure(model: Any, run_package: RunPackage, sizes: list[int]) -> PrefillTim
         hidden, _ = decoder_features(decoder, ids, positions, None, paged_meta=meta)
         head_logits(head, hidden[last])
 
-    ms = _best_ms_by_size(model, sizes, {"eager": eager, "package": run_package})
+    ms = best_ms_by_size(model, sizes, {"eager": eager, "package": run_package})
     return PrefillTiming(list(sizes), ms["eager"], ms["package"])
 
 
-def _best_ms_by_size(
+def best_ms_by_size(
     model: Any, sizes: list[int], forwards: dict[str, Callable[..., Any]]
 ) -> dict[str, list[float]]:
     """`_best_ms` at each of `sizes`: each forward's list of best ms, in the order of `sizes`."""
@@ -254,7 +254,7 @@ def split_point(
     if timing is None:
         how = "timed"
         sizes = [t for t in SPLIT_TOKENS if t <= forward_max]
-        ms = _best_ms_by_size(model, sizes, {"forward": forward.run, "package": prefill.run})
+        ms = best_ms_by_size(model, sizes, {"forward": forward.run, "package": prefill.run})
         timing = SplitTiming(forward.package.name, sizes, ms["forward"], ms["package"])
         try:
             split_file(prefill.package).write_text(json.dumps(asdict(timing)))
@@ -333,7 +333,7 @@ def compute_dtype(
     how = "recorded"
     if timing is None or timing.cpu != _cpu() or timing.rows != rows:
         how = "timed"
-        timing = _time_gemms(model, rows)
+        timing = time_gemms(model, rows)
         try:
             record.parent.mkdir(parents=True, exist_ok=True)
             record.write_text(json.dumps(asdict(timing)))
@@ -377,7 +377,7 @@ def _cpu() -> str:
 
 
 @torch.inference_mode()
-def _time_gemms(model: Any, rows: int) -> GemmTiming:
+def time_gemms(model: Any, rows: int) -> GemmTiming:
     """The best ms of one decoder layer's GEMMs (each distinct linear shape of the decoder
     once) on `rows` random rows, in the model's dtype and in fp32, alternating."""
     dtype = next(model.parameters()).dtype

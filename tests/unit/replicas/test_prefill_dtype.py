@@ -20,7 +20,7 @@ def bf16_model():
 
 
 def faked_timing(monkeypatch, model_ms: float, float32_ms: float) -> list[int]:
-    """`_time_gemms` returning these timings; the list counts its calls."""
+    """`time_gemms` returning these timings; the list counts its calls."""
     calls: list[int] = []
 
     def timed(model, rows):
@@ -29,7 +29,7 @@ def faked_timing(monkeypatch, model_ms: float, float32_ms: float) -> list[int]:
             prefill_choice._cpu(), "bfloat16", rows, model_ms, float32_ms
         )
 
-    monkeypatch.setattr(prefill_choice, "_time_gemms", timed)
+    monkeypatch.setattr(prefill_choice, "time_gemms", timed)
     return calls
 
 
@@ -75,9 +75,9 @@ def test_auto_times_once_per_cpu_and_keeps_the_verdict(
 
 
 def test_the_gemm_timing_times_the_decoders_linears(bf16_model) -> None:
-    """What `_time_gemms` reports: the model's dtype, the rows, this CPU, two timings (their
+    """What `time_gemms` reports: the model's dtype, the rows, this CPU, two timings (their
     values are not asserted: tests do not time things)."""
-    timing = prefill_choice._time_gemms(bf16_model, 8)
+    timing = prefill_choice.time_gemms(bf16_model, 8)
     assert (timing.dtype, timing.rows, timing.cpu) == ("bfloat16", 8, prefill_choice._cpu())
     assert timing.model_ms > 0 and timing.float32_ms > 0
 
