@@ -318,16 +318,16 @@ def compute_dtype(
 
     Why time it: prefill is bound by the GEMMs' arithmetic, and a CPU's bf16 arithmetic is
     not always its fastest. With AVX512-BF16 but no AMX, an Intel Xeon's bf16 dot products
-    run on one port where its fp32 FMAs run on two: oneDNN's bf16 GEMMs reached 113-149
-    GFLOP/s on 2 threads there, fp32 185-252, and Gemma 3's 210-token prefill took 260 ms
-    through a package computing in fp32 against 366 in bf16 (docs/benchmarks.md). An AMD
-    EPYC Zen 4 ran bf16 1.5-1.7x faster than fp32; AMX tiles faster still."""
-    dtype = next(model.parameters()).dtype
-    if mode == "model" or dtype not in (torch.bfloat16, torch.float16):
+    run on one port where its fp32 FMAs run on two: its bf16 GEMMs reached 113-149 GFLOP/s
+    on 2 threads there, fp32 185-252, and Gemma 3's first token of a 210-token prompt came in
+    272 ms through a package computing in fp32 against 375 in bf16 (docs/benchmarks.md). An
+    AMD EPYC Zen 4 ran bf16 1.5-1.7x faster than fp32; AMX tiles faster still."""
+    param = next(model.parameters())
+    if mode == "model" or param.dtype not in (torch.bfloat16, torch.float16):
         return None
     if mode == "float32":
         return torch.float32
-    if not timed_models or next(model.parameters()).device.type != "cpu":
+    if not timed_models or param.device.type != "cpu":
         return None
     timing = _recorded_gemms(record)
     how = "recorded"

@@ -43,7 +43,8 @@ def paged_attention(
     op that reads the forward context (paged_op.py). With `inline_decode` (the decode step
     exported whole, compiled_decode.py), the attention is plain torch ops in the graph. With
     `attention_dtype` (a forward whose layers compute in fp32 beside a bf16 model's pool and
-    backend: `compiled_forward.PrefillModule`), q/k/v are cast to it and the output back,
+    backend: the prefill package of `compiled_forward._DecoderAndHead`'s `compute_dtype`),
+    q/k/v are cast to it and the output back,
     so the pool holds, and the backend computes, what the model's own dtype would."""
     if attention_dtype is not None and query.dtype != attention_dtype:
         out, _ = paged_attention(
