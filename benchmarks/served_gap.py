@@ -42,6 +42,7 @@ from benchmarks.serving import (
     PRESSURE_SHAPE,
     multiturn_order,
     pressure_order,
+    turn_text,
     user_text,
 )
 from benchmarks.step_phases import timed
@@ -98,14 +99,16 @@ def in_process(
     workloads: dict[str, list[ConversationsRun]] | None = None,
     kv_tokens: int | None = None,
     kv_dtype: str = "auto",
+    model_path: str = "default",
 ) -> list[tuple]:
     """`n` requests one after another (TTFT, ms per token each), then with `batch` the
     `batched` rounds, whose rates go to `batch_rates`, then two rounds of each
     `serving.py` conversation workload named in `workloads` (its runs go there). KV:
-    `kv_tokens` (in `kv_dtype`), or 1 GiB as the bench configs."""
+    `kv_tokens` (in `kv_dtype`), or 1 GiB as the bench configs. The model: `model_path`
+    (`model.path`: match the server's)."""
     batch_rates = batch_rates if batch_rates is not None else []
     setup_threads(threads)
-    eng = bench_config_engine(threads, dtype, kv_tokens, kv_dtype=kv_dtype)
+    eng = bench_config_engine(threads, dtype, kv_tokens, kv_dtype=kv_dtype, model_path=model_path)
     out = [decode_one(eng, prompt(i, words), tokens) for i in range(n)]
     for rate in batched(eng, batch, words, tokens):
         print(f"in-process, {batch} requests at once: {rate:.1f} output tok/s", flush=True)
@@ -150,15 +153,20 @@ def batched(eng: Engine, n: int, words: int, tokens: int, rounds: int = 2) -> li
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
     rng, rates = random.Random(11), []
     for r in range(rounds + 1 if n else 0):
-        ids = [
-            chat_input_ids(eng.tokenizer, "", [{"role": "user", "content": user_text(rng, words)}])
-            for _ in range(n)
-        ]
+        ids = [single_prompt_ids(eng, user_text(rng, words)) for _ in range(n)]
         started = time.perf_counter()
         eng.generate(ids, params)
         if r:  # the first round is the warm-up
             rates.append(n * tokens / (time.perf_counter() - started))
     return rates
+
+
+def single_prompt_ids(eng: Engine, message: str) -> list[int]:
+    """`message` as serving.py's single workload sends it: a chat request, or for a base model
+    (no chat template) the `--api completions` prompt."""
+    if eng.tokenizer.chat_template is None:
+        return eng.tokenizer(turn_text(message, first=True)).input_ids
+    return chat_input_ids(eng.tokenizer, "", [{"role": "user", "content": message}])
 
 
 @dataclass
@@ -293,6 +301,12 @@ def main() -> None:
     )
     ap.add_argument("--model", help="model id (default: the server's first)")
     ap.add_argument(
+        "--model-path",
+        default="default",
+        help="the in-process engine's model.path (match the server's: e.g. gemma3-270m for "
+        "serve-gemma3-bench-bf16.yaml)",
+    )
+    ap.add_argument(
         "--requests",
         type=int,
         default=4,
@@ -358,6 +372,7 @@ def main() -> None:
             workloads,
             args.kv_tokens,
             args.kv_dtype,
+            args.model_path,
         )
         ttft, gap = medians(local)
         print(f"machine: {machine()}; in-process TTFT {ttft:.3f} s, {1000 * gap:.1f} ms/token")
@@ -394,7 +409,9 @@ def main() -> None:
         )
         return
     remote = served(args.target, args.model, args.requests, args.words, args.tokens)
-    local = in_process(args.requests, args.words, args.tokens, args.threads, args.dtype)
+    local = in_process(
+        args.requests, args.words, args.tokens, args.threads, args.dtype, model_path=args.model_path
+    )
     print(f"machine: {machine()}")
     print(
         f"{'request':>7} {'served TTFT s':>14} {'served ms/tok':>14} {'local TTFT s':>13} "

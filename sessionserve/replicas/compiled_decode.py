@@ -524,9 +524,9 @@ def plan_int4_decode_compile(
     (`decode`, exported from `dense`; `forward`: the compiled forward's plan): a second
     decode step package whose decoder linears and LM head are the quantized weights of the
     GGUF the model was loaded from (`source`), run by the block-quantized kernel
-    (block_linear.py), for steps of up to `gguf_int4.max_tokens()` tokens (12; 48 where the
-    kernel takes wide steps on AMX tiles), where such steps read weights more than they
-    compute.
+    (block_linear.py), for steps of up to `gguf_int4.MAX_TOKENS` tokens (48: its int8 terms,
+    or on AMX CPUs its tiles, beat the dense packages' GEMMs there), where such steps read
+    weights more than they compute.
     Only for a bf16 model (the kernel's int8 pairs hold a row about as finely as bf16, not as
     fp32), whose GGUF stores linears or the LM head quantized (as stored where the kernel
     reads the kind, re-blocked as 8-bit where not: gguf_int4.py), on a CPU with AVX-512 VNNI;
@@ -572,7 +572,7 @@ def plan_int4_decode_compile(
     # after the file's check: building the kernel (once per machine) is for files it serves
     if not block_linear.load():
         return declined(f"the block-quantized kernel cannot run here: {block_linear.why_not()}")
-    max_tokens = gguf_int4.max_tokens()
+    max_tokens = gguf_int4.MAX_TOKENS
     plan = CompilePlan(
         True,
         "engine.gguf_int4_decode",

@@ -42,18 +42,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from sessionserve.replicas import block_linear
 from sessionserve.replicas.block_linear import BLOCK, BlockLinear, BlockWeight, fits, pack
 
 INT4_FORMAT = 4  # bump when what a packed weight holds changes (the package key has it)
-# the largest step (tokens) the package runs where the kernel takes every row as int8 terms:
-# past it the dense package's bf16 GEMMs on AMX tiles win (docs/benchmarks.md, stop 100)
-MAX_TOKENS = 12
-# ... and where it takes wide steps on AMX tiles itself (`block_linear.tile_rows`): a step's
-# linears at 16 rows read 1.57x, 32 1.84x, 64 2.69x faster than as int8 terms; in process the
-# steps of 10-48 requests read 1.04-1.33x the dense package, 64 1.00x (docs/benchmarks.md,
-# stop 101)
-MAX_TOKENS_ON_TILES = 48
+# the widest step (tokens) the 4-bit package runs. On AMX CPUs the kernel takes wide steps on
+# tiles (`block_linear.tile_rows`): a step's linears at 16 rows read 1.57x, 32 1.84x, 64 2.69x
+# faster than as int8 terms, and in process steps of 10-48 requests read 1.04-1.33x the dense
+# package, 64 1.00x (docs/benchmarks.md, stop 101). Without tiles the rows are int8 terms,
+# which past 12 rows lost to the dense package's bf16 GEMMs on an AMX box (stop 100), but on a
+# CPU without AMX the dense side is the prefill package's slower GEMMs: on an Intel Xeon
+# without AMX, Gemma 3's decode steps of 12-32 requests ran 1.8-2.3x faster in the 4-bit
+# package than in the (fp32) prefill package (stop 113)
+MAX_TOKENS = 48
 # bytes of a ggml block (32 weights): Q4_1's fp16 d, fp16 m and 16 bytes of nibbles; Q4_0's d
 # and nibbles; Q8_0's d and 32 bytes; Q5_0's d, 4 bytes of fifth bits and nibbles (Q5_1's with
 # m); Q4_K's super-block of 256: fp16 d and dmin, 12 bytes of 6-bit scales and mins, 128 of
@@ -293,12 +293,6 @@ def _reblocked(tensor: Any, name: str, linear: torch.nn.Linear) -> BlockWeight |
         return None
     u, d, m = eight_bit_blocks(linear.weight)
     return pack(u, d, m, 8) if _in_fp16(name, d, m) else None
-
-
-def max_tokens() -> int:
-    """The widest step the 4-bit package takes on this machine (loads the kernel first)."""
-    tiles = block_linear.load() and block_linear.tile_rows() > 0
-    return MAX_TOKENS_ON_TILES if tiles else MAX_TOKENS
 
 
 def read_block_linears(

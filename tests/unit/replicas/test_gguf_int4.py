@@ -279,7 +279,7 @@ def test_the_plan_says_when_the_4bit_package_applies(tmp_path, caplog, monkeypat
     dense = DecodeStep(model, CHUNKS)
     plan, step = plan_int4_decode_compile(True, forward, decode, dense, model, str(path))
     assert plan.enabled and step is not None and step.int4_source == (path, "model")
-    assert plan.max_tokens == gguf_int4.max_tokens() and plan.package.parent == tmp_path
+    assert plan.max_tokens == gguf_int4.MAX_TOKENS and plan.package.parent == tmp_path
     assert step.key_facts()["gguf_int4"][0] == gguf_int4.INT4_FORMAT
     assert "gguf_int4" not in dense.key_facts()
     for mode in (True, "auto"):
