@@ -382,7 +382,9 @@ class EngineConfig(_Strict):
         "(its block's range / 510) of the file's; unquantized tensors stay dense. The kernel "
         "takes each block of 32 of a row as two int8 terms, about as fine as bf16 (measured "
         "against the file's exact weights in docs/benchmarks.md); attention and KV stay as "
-        "in the decode step package. auto and true: build (or load) it where it applies "
+        "in the decode step package. Where it is planned, the prefill package's LM head is "
+        "the file's blocks too (a prefill step's few rows of logits read the whole head). "
+        "auto and true: build (or load) it where it applies "
         "(true logs why it does not); false: those steps run the decode step package.",
     )
     compile_prefill_min_tokens: int | None = Field(

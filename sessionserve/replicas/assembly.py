@@ -179,6 +179,11 @@ def compile_forwards(
     # the longest step (a full prefill chunk beside a decode row per request), rounded up to
     # a power of two so that configs differing a little share one package (each is a build)
     longest = cfg.scheduler.max_prefill_tokens + cfg.scheduler.max_running_requests
+    decode, step = plan_decode_compile(cfg.compile_decode, plan, model, runner.kv_pool)
+    # the 4-bit package is exported from the dense step, whether or not that one is built
+    int4, int4_step = plan_int4_decode_compile(
+        cfg.gguf_int4_decode, plan, decode, step, model, weights_source
+    )
     prefill = plan_prefill_compile(
         cfg.compile_prefill,
         plan,
@@ -186,13 +191,10 @@ def compile_forwards(
         1 << (longest - 1).bit_length(),
         cfg.prefill_package_min_tokens(next(model.parameters()).dtype),
         cfg.compile_prefill_dtype,
+        # where the later tokens' logits come from the file's LM head, so do the first's
+        head_gguf=int4_step.int4_source[0] if int4_step and int4_step.int4_source else None,
     )
     jobs = [CompileJob(plan, functools.partial(setattr, runner, "compiled"), model)]
-    decode, step = plan_decode_compile(cfg.compile_decode, plan, model, runner.kv_pool)
-    # the 4-bit package is exported from the dense step, whether or not that one is built
-    int4, int4_step = plan_int4_decode_compile(
-        cfg.gguf_int4_decode, plan, decode, step, model, weights_source
-    )
     dense_declined = dense_step_declines(cfg.compile_decode, model)
     if step is not None and dense_declined is None:  # before the prefill package: decode
         # steps are most of the steps

@@ -49,12 +49,13 @@ from typing import Any
 import torch
 
 import sessionserve
-from sessionserve.replicas import prefill_choice
+from sessionserve.replicas import block_linear, gguf_int4, prefill_choice
 from sessionserve.replicas.attention import install
 from sessionserve.replicas.attention.base import ForwardMeta
 from sessionserve.replicas.attention.paged_op import forward_context
 from sessionserve.replicas.hidden_states import decoder_features
 from sessionserve.replicas.loader import cache_root
+from sessionserve.replicas.native_kernel import SHIMS_CONFIG
 
 log = logging.getLogger(__name__)
 AUTO_MIN_PARAMS = 50_000_000  # `compile: auto` skips smaller models (tests' tiny ones): a
@@ -81,19 +82,33 @@ class _DecoderAndHead(torch.nn.Module):
     embeddings are looked up in the model's dtype and the layers run in `compute_dtype`;
     attention, the KV written, the LM head, the logits and the features stay in the model's
     dtype, so the package's outputs are those of the bf16 forward it stands in for, computed
-    with fewer roundings."""
+    with fewer roundings.
+
+    With `head` (a `BlockLinear`: the GGUF's own LM head, `gguf_int4.block_head`), the logits
+    come from the file's blocks through the block kernel, as the 4-bit decode step package's
+    do: a prefill step's few rows of logits read the whole head, Gemma 3's 262,144 x 640 at
+    1.06 bytes a weight instead of bf16's 2."""
 
     def __init__(
         self,
         model: Any,
         feature_layers: tuple[int, ...] | None = None,
         compute_dtype: torch.dtype | None = None,
+        head: torch.nn.Module | None = None,
     ) -> None:
         super().__init__()
         self.decoder = model.get_decoder()
-        self.lm_head = model.get_output_embeddings()
+        self.lm_head = head if head is not None else model.get_output_embeddings()
         self.feature_layers = feature_layers
         self.compute_dtype = compute_dtype
+
+    @property
+    def inductor_configs(self) -> dict[str, Any]:
+        """The block kernel's C function where the head is the file's blocks (`build_package`
+        compiles with what a module asks for)."""
+        if isinstance(self.lm_head, block_linear.BlockLinear):
+            return {SHIMS_CONFIG: block_linear.c_shims()}
+        return {}
 
     def forward(
         self, ids: torch.Tensor, positions: torch.Tensor, logit_idx: torch.Tensor
@@ -285,13 +300,14 @@ def package_key(
     autotune: bool = True,
     weights: str | None = None,
     compute_dtype: torch.dtype | None = None,
+    gguf_head: bool = False,
 ) -> str:
     """What a package's code and constants depend on: the weights (`weights_digest`, unless
     given), the model config (not the path it was loaded from), dtype and device, the token
     limit, the hidden states it returns, the shape its GEMMs are laid out for and whether
-    they were autotuned, the dtype its layers compute in where not the model's, the thread
-    count and CPU ISA the kernels were tuned for, and the torch, transformers and
-    sessionserve versions."""
+    they were autotuned, the dtype its layers compute in where not the model's, whether its
+    LM head is the GGUF's blocks (`gguf_head`: the kernel's format), the thread count and CPU
+    ISA the kernels were tuned for, and the torch, transformers and sessionserve versions."""
     import transformers
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
@@ -320,6 +336,8 @@ def package_key(
         facts["concat_linear"] = True
     if compute_dtype is not None:  # likewise
         facts["compute_dtype"] = str(compute_dtype)
+    if gguf_head:  # likewise
+        facts["gguf_head"] = [gguf_int4.INT4_FORMAT, *block_linear.key_fact()]
     if hasattr(model, "key_facts"):  # what else a module's package depends on (its layout)
         facts.update(model.key_facts())
     digest.update(json.dumps(facts, sort_keys=True).encode())
@@ -335,22 +353,27 @@ def build_package(
     example_tokens: int = DECODE_EXAMPLE_TOKENS,
     autotune: bool = True,
     compute_dtype: torch.dtype | None = None,
+    head_gguf: Path | None = None,
 ) -> None:
     """Export and compile (minutes on a small CPU; a heartbeat logs progress), writing the
     package atomically to `path`. `model` must not run forwards meanwhile: export swaps its
     parameters for fake ones while it traces (callers pass a copy). The GEMMs are laid out
     (with `autotune`, autotuned) for `example_tokens` rows (2: decode steps; 256: the prefill
     package). `model` is a transformers model (exported as `_DecoderAndHead`, its layers
-    converted to `compute_dtype` where given) or a module that says how it is exported
-    (`export_inputs`, as the EAGLE head's step does)."""
+    converted to `compute_dtype` where given, its LM head the blocks of the GGUF `head_gguf`
+    where given) or a module that says how it is exported (`export_inputs`, as the EAGLE
+    head's step does)."""
     device = next(model.parameters()).device
     if hasattr(model, "export_inputs"):
         module = model.eval()
     else:
         install(model)  # whatever it came with, the package runs our paged attention
+        head = gguf_int4.block_head(head_gguf, model) if head_gguf is not None else None
+        if head_gguf is not None and head is None:
+            log.info("compile: %s's LM head is not blocks the kernel reads: dense", head_gguf.name)
         if compute_dtype is not None:
             in_compute_dtype(model, compute_dtype)
-        module = _DecoderAndHead(model, feature_layers, compute_dtype).eval()
+        module = _DecoderAndHead(model, feature_layers, compute_dtype, head).eval()
     example, dynamic = module.export_inputs(example_tokens, max_tokens, device)
     started = time.monotonic()
     with torch.inference_mode(), _heartbeat(path, started):
@@ -414,6 +437,7 @@ class CompilePlan:
     only_if_faster: bool = False  # `compile_prefill: auto`: timed against eager first
     weights: str | None = None  # `weights_digest` of the model, for the next plan's key
     compute_dtype: torch.dtype | None = None  # the layers' dtype where not the model's
+    head_gguf: Path | None = None  # the GGUF whose LM head blocks the package's head runs
     role: str = "forward"  # what the log calls it ("prefill package": compile_prefill's)
     # (package, max_tokens, min_tokens) -> the loaded package; the EAGLE head's: CompiledHead
     loads_as: Callable[[Path, int, int], CompiledForward] = CompiledForward
@@ -463,6 +487,7 @@ def plan_prefill_compile(
     max_tokens: int,
     min_tokens: int,
     dtype_mode: str = "model",
+    head_gguf: Path | None = None,
 ) -> CompilePlan:
     """Resolve `engine.compile_prefill` (auto | true | false) beside the compiled forward
     `forward`: a package for the steps of `min_tokens .. max_tokens` tokens (the forward's
@@ -471,7 +496,9 @@ def plan_prefill_compile(
     in less time). auto: for models of AUTO_MIN_PARAMS+ parameters on CPU, kept only where
     it is timed faster than the eager forward (prefill_choice.py). `dtype_mode`
     (`engine.compile_prefill_dtype`: auto | model | float32) says what its layers compute
-    in (`prefill_choice.compute_dtype`)."""
+    in (`prefill_choice.compute_dtype`). `head_gguf`: the GGUF whose LM head the package
+    reads as blocks (where the 4-bit decode step package runs the file's weights: the
+    first token's logits then come from the same head as the later tokens')."""
     if not forward.enabled or mode is False:
         return CompilePlan(False, "engine.compile_prefill is false or the forward is not compiled")
     if forward.package is None:
@@ -495,7 +522,7 @@ def plan_prefill_compile(
         forward.package.parent / f"{key}.gemm.json",
         auto_declines(model) is None,
     )
-    if compute is not None:
+    if compute is not None or head_gguf is not None:
         key = package_key(
             model,
             max_tokens,
@@ -504,6 +531,7 @@ def plan_prefill_compile(
             autotune=False,
             weights=forward.weights,
             compute_dtype=compute,
+            gguf_head=head_gguf is not None,
         )
     return CompilePlan(
         True,
@@ -517,6 +545,7 @@ def plan_prefill_compile(
         only_if_faster=mode == "auto",
         role="prefill package",
         compute_dtype=compute,
+        head_gguf=head_gguf,
     )
 
 
@@ -531,6 +560,7 @@ def build_in_process(model: Any, plan: CompilePlan) -> None:
         example_tokens=plan.example_tokens,
         autotune=plan.autotune,
         compute_dtype=plan.compute_dtype,
+        head_gguf=plan.head_gguf,
     )
 
 
@@ -550,6 +580,7 @@ def build_in_subprocess(model: Any, plan: CompilePlan) -> None:
         argv.append(",".join(map(str, layers)) if layers is not None else "-")
         argv += [str(plan.example_tokens), str(int(plan.autotune))]
         argv.append(str(plan.compute_dtype).removeprefix("torch.") if plan.compute_dtype else "-")
+        argv.append(str(plan.head_gguf) if plan.head_gguf is not None else "-")
         # `nice`, not a preexec_fn: forking a threaded process must not run Python in the child
         command = [sys.executable, "-m", __name__, *argv]
         if shutil.which("nice"):
@@ -570,6 +601,7 @@ def _child_main(
     example_tokens: str,
     autotune: str,
     compute_dtype: str,
+    head_gguf: str,
 ) -> None:
     logging.basicConfig(format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("sessionserve").setLevel(logging.INFO)
@@ -585,6 +617,7 @@ def _child_main(
         example_tokens=int(example_tokens),
         autotune=autotune == "1",
         compute_dtype=None if compute_dtype == "-" else getattr(torch, compute_dtype),
+        head_gguf=None if head_gguf == "-" else Path(head_gguf),
     )
 
 

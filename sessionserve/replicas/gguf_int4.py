@@ -344,6 +344,19 @@ def read_block_linears(
     return taken
 
 
+def block_head(gguf_path: Path, model: Any) -> BlockLinear | None:
+    """`model`'s LM head as the file's blocks (its own tensor, or the embedding it is tied
+    to; checked against the loaded weight as `read_block_linears` checks), for a package
+    whose other linears stay dense (the prefill package's: one or a few rows of logits a
+    step, which read the whole head); None where the file's head is not blocks the kernel
+    reads, or differs from the loaded one."""
+    head = model.get_output_embeddings()
+    weight = read_block_linears(gguf_path, torch.nn.Module(), "", model.config, head).get("lm_head")
+    if weight is None:
+        return None
+    return BlockLinear(weight, head.bias, head.weight.dtype)
+
+
 def swap_block_linears(module: torch.nn.Module, weights: dict[str, BlockWeight]) -> int:
     """Replace each `nn.Linear` among `module`'s descendants named in `weights` (names as in
     `module`) by a `BlockLinear`; how many were replaced. For the copy a package is exported

@@ -405,3 +405,68 @@ def test_the_built_4bit_package_matches_the_eager_step(tmp_path, package_cache) 
     # tie-aware: equal tokens up to a split at a near-tie, logprobs within 5e-2
     assert assert_tie_aware_equal(want, got, margin=0.1, logprob_tol=5e-2) >= 9
     engine.check_memory()
+
+
+@needs_kernel
+def test_the_prefill_package_reads_the_files_lm_head(tmp_path, package_cache) -> None:
+    """Where the 4-bit decode step package runs a GGUF's weights, the prefill package's LM
+    head is the file's Q8_0 blocks too (a real AOTInductor build by a build process, a tiny
+    bf16 Llama): keyed apart from the dense-head package, its logits are exactly the block
+    kernel's over its own last hidden states and within bf16 of the dense head's, and an
+    engine prefilling through it answers as the eager engine up to a near tie, under the
+    strict memory check."""
+    from sessionserve.cache import KVPool, KVShape
+    from sessionserve.replicas.attention.base import ForwardMeta, SeqSpec
+    from sessionserve.replicas.attention.torch_backend import TorchPagedBackend
+
+    model = tiny_model("llama", seed=7).to(torch.bfloat16)
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, model)
+    model = model.to(torch.bfloat16)  # the file's weights, rounded as loading in bf16 does
+    forward = compiled_forward.plan_compile(True, model, 16, package_cache)
+    dense = compiled_forward.plan_prefill_compile(True, forward, model, 64, 17)
+    plan = compiled_forward.plan_prefill_compile(True, forward, model, 64, 17, head_gguf=path)
+    assert plan.enabled and plan.head_gguf == path and plan.package != dense.package
+    build = copy.deepcopy(model)
+    compiled_forward.build_once(
+        plan.package, lambda: compiled_forward.build_in_subprocess(build, plan), "building"
+    )
+    built = plan.loads_as(plan.package, plan.max_tokens, plan.min_tokens)
+    tokens = 40
+    pool = KVPool(KVShape.from_hf_config(model.config), tokens + 1, torch.bfloat16)
+    backend = TorchPagedBackend(tokens)
+    slots = torch.arange(1, tokens + 1)
+    spec = [SeqSpec(tokens, slots)]
+    meta = ForwardMeta(backend, pool, slots, backend.prepare(spec, torch.device("cpu")))
+    ids = torch.randint(3, model.config.vocab_size, (tokens,), generator=torch.Generator())
+    positions = torch.arange(tokens)
+    rows = positions[-3:]
+    with torch.inference_mode():
+        logits, last = built.run(ids, positions, rows, meta)
+        head = gguf_int4.block_head(path, model)
+        assert head is not None
+        assert torch.equal(logits, head(last[rows]))
+        want = model.lm_head(last[rows])
+    torch.testing.assert_close(logits.float(), want.float(), rtol=2**-6, atol=2e-2)
+
+    engine = tiny_engine(model, prefill=40)
+    engine.runner.compiled_prefill = built
+    calls, run = [0], built.run
+
+    def counted(*args):
+        calls[0] += 1
+        return run(*args)
+
+    built.run = counted
+    eager = tiny_engine(model, prefill=40)
+    greedy = SamplingParams(max_tokens=8, temperature=0, logprobs=True, top_logprobs=2)
+    inputs = [[(7 * i + j) % 90 + 3 for j in range(n)] for i, n in enumerate((30, 45, 60))]
+    answers = engine.generate(inputs, greedy)
+    assert calls[0] >= 3  # each prompt's first chunk at least
+    for got, ref in zip(answers, eager.generate(inputs, greedy), strict=True):
+        for ours, theirs, lp in zip(got.output_ids, ref.output_ids, ref.logprobs, strict=False):
+            if ours != theirs:
+                (_, first), (_, second) = lp.top[:2]
+                assert first - second < 0.1, (got.output_ids, ref.output_ids)
+                break
+    engine.check_memory()

@@ -97,10 +97,14 @@ def test_the_prefill_plan_keys_its_package_by_what_its_layers_compute_in(
 def test_a_build_process_is_told_what_the_layers_compute_in(
     bf16_model, tmp_path, monkeypatch
 ) -> None:
-    """`build_in_subprocess` hands the plan's compute dtype to the child's `build_package`
-    (the child run in this process from the argv the parent would start it with)."""
+    """`build_in_subprocess` hands the plan's compute dtype and the GGUF whose LM head it
+    reads to the child's `build_package` (the child run in this process from the argv the
+    parent would start it with)."""
     forward = compiled_forward.plan_compile(True, bf16_model, 32, str(tmp_path))
-    plan = compiled_forward.plan_prefill_compile(True, forward, bf16_model, 576, 8, "float32")
+    gguf = tmp_path / "model.gguf"
+    plan = compiled_forward.plan_prefill_compile(
+        True, forward, bf16_model, 576, 8, "float32", head_gguf=gguf
+    )
     built = []
 
     def child(command, check):
@@ -116,4 +120,9 @@ def test_a_build_process_is_told_what_the_layers_compute_in(
     compiled_forward.build_in_subprocess(bf16_model, plan)
     ((path, max_tokens, dtype, kw),) = built
     assert (path, max_tokens, dtype) == (plan.package, 576, torch.bfloat16)
-    assert kw == {"example_tokens": 256, "autotune": False, "compute_dtype": torch.float32}
+    assert kw == {
+        "example_tokens": 256,
+        "autotune": False,
+        "compute_dtype": torch.float32,
+        "head_gguf": gguf,
+    }
