@@ -195,6 +195,70 @@ def median(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
+def first_token_ms(
+    arms: dict[str, Callable[[list[int]], Any]],
+    tokens: int,
+    rounds: int,
+    vocab: int,
+    g: torch.Generator,
+) -> tuple[dict[str, float], int]:
+    """Each arm's median ms to answer a fresh `tokens`-token prompt (an arm: a function of
+    the prompt that generates its first token, returning the result with `output_ids`), over
+    `rounds` rounds after one warm-up round, the arms' order alternating round by round; and
+    in how many of the `rounds + 1` rounds all arms' tokens were equal."""
+    names = list(arms)
+    ms: dict[str, list[float]] = {name: [] for name in names}
+    agree = 0
+    for r in range(rounds + 1):  # a fresh prompt each round: no prefix is reused
+        prompt = torch.randint(3, vocab, (tokens,), generator=g).tolist()
+        answers = {}
+        for name in names if r % 2 == 0 else names[::-1]:
+            started = time.perf_counter()
+            answers[name] = arms[name](prompt)
+            if r > 0:  # the first round warms up
+                ms[name].append(1000 * (time.perf_counter() - started))
+        agree += len({tuple(a.output_ids) for a in answers.values()}) == 1
+    return {name: median(v) for name, v in ms.items()}, agree
+
+
+def compare_prefill_arms(
+    arms: dict[str, Callable[[list[int]], Any]],
+    package_ms: dict[str, list[float]],
+    tokens: list[int],
+    rounds: int,
+    vocab: int,
+    summary: dict[str, Any],
+) -> None:
+    """Two arms' prefills, per T of `tokens`: their packages' best ms (`package_ms`, in the
+    order of `tokens`) and their first tokens (`first_token_ms`, fresh seeded prompts), printed
+    with ratios first arm / second (above 1: the second is faster) and put in `summary`:
+    `package_speedup_<T>`, `first_token_speedup_<T>`, `first_token_ms_<arm>_<T>`,
+    `same_first_tokens`."""
+    a, b = arms
+    g = torch.Generator().manual_seed(0)
+    print(
+        f"{'T':>5} {'package ' + a:>14} {b:>8} {'ratio':>6} {'first token ' + a:>18} "
+        f"{b:>8} {'ratio':>6}"
+    )
+    agree = 0
+    for i, t in enumerate(tokens):
+        served, same = first_token_ms(arms, t, rounds, vocab, g)
+        agree += same
+        package = package_ms[a][i] / package_ms[b][i]
+        ratio = served[a] / served[b]
+        print(
+            f"{t:>5} {package_ms[a][i]:>14.1f} {package_ms[b][i]:>8.1f} {package:>6.2f} "
+            f"{served[a]:>18.1f} {served[b]:>8.1f} {ratio:>6.2f}"
+        )
+        summary[f"package_speedup_{t}"] = round(package, 3)
+        summary[f"first_token_speedup_{t}"] = round(ratio, 3)
+        for arm in arms:
+            summary[f"first_token_ms_{arm}_{t}"] = round(served[arm], 2)
+    total = len(tokens) * (rounds + 1)
+    summary["same_first_tokens"] = f"{agree}/{total}"
+    print(f"greedy first tokens equal on {agree} of {total} prompts")
+
+
 def emit(summary: dict[str, Any]) -> None:
     """The last line of every benchmark: one JSON object."""
     print(json.dumps(summary, sort_keys=True))

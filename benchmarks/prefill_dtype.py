@@ -22,11 +22,14 @@ Last line: JSON with `gemm_ratio`, `package_speedup_<T>`, `first_token_speedup_<
 from __future__ import annotations
 
 import argparse
-import time
 
-import torch
-
-from benchmarks.common import bench_config_engine, emit, machine, median, setup_threads
+from benchmarks.common import (
+    bench_config_engine,
+    compare_prefill_arms,
+    emit,
+    machine,
+    setup_threads,
+)
 from sessionserve.replicas import prefill_choice
 from sessionserve.wire import SamplingParams
 
@@ -62,39 +65,10 @@ def main() -> None:
     for _ in range(max(1, args.rounds // prefill_choice.ROUNDS)):
         ms = prefill_choice.best_ms_by_size(model, args.tokens, runs)
         best = {d: [min(a, b) for a, b in zip(best[d], ms[d], strict=True)] for d in DTYPES}
-    g = torch.Generator().manual_seed(0)
-    vocab = model.config.vocab_size
     one = SamplingParams(max_tokens=1, temperature=0)
-    agree = total = 0
-    print(
-        f"{'T':>5} {'package bf16':>13} {'fp32':>8} {'ratio':>6} {'first token bf16':>17} "
-        f"{'fp32':>8} {'ratio':>6}"
-    )
-    for i, tokens in enumerate(args.tokens):
-        first: dict[str, list[float]] = {d: [] for d in DTYPES}
-        for r in range(args.rounds + 1):  # a fresh prompt each round: no prefix is reused
-            prompt = torch.randint(3, vocab, (tokens,), generator=g).tolist()
-            answers = {}
-            for dtype in DTYPES if r % 2 == 0 else DTYPES[::-1]:
-                started = time.perf_counter()
-                (answers[dtype],) = engines[dtype].generate([prompt], one)
-                if r > 0:  # the first round warms up
-                    first[dtype].append(1000 * (time.perf_counter() - started))
-            agree += answers["model"].output_ids == answers["float32"].output_ids
-            total += 1
-        package = best["model"][i] / best["float32"][i]
-        served = {d: median(first[d]) for d in DTYPES}
-        ratio = served["model"] / served["float32"]
-        print(
-            f"{tokens:>5} {best['model'][i]:>13.1f} {best['float32'][i]:>8.1f} {package:>6.2f} "
-            f"{served['model']:>17.1f} {served['float32']:>8.1f} {ratio:>6.2f}"
-        )
-        summary[f"package_speedup_{tokens}"] = round(package, 3)
-        summary[f"first_token_speedup_{tokens}"] = round(ratio, 3)
-        for d in DTYPES:
-            summary[f"first_token_ms_{d}_{tokens}"] = round(served[d], 2)
-    summary["same_first_tokens"] = f"{agree}/{total}"
-    print(f"greedy first tokens equal on {agree} of {total} prompts")
+    arms = {d: lambda prompt, e=engines[d]: e.generate([prompt], one)[0] for d in DTYPES}
+    vocab = model.config.vocab_size
+    compare_prefill_arms(arms, best, args.tokens, args.rounds, vocab, summary)
     emit(summary)
 
 

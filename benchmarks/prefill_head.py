@@ -23,11 +23,15 @@ from __future__ import annotations
 
 import argparse
 import copy
-import time
+import functools
 
-import torch
-
-from benchmarks.common import bench_config_engine, emit, machine, median, setup_threads
+from benchmarks.common import (
+    bench_config_engine,
+    compare_prefill_arms,
+    emit,
+    machine,
+    setup_threads,
+)
 from sessionserve.replicas import compiled_forward, prefill_choice
 from sessionserve.replicas.compiled_forward import CompiledForward
 from sessionserve.wire import SamplingParams
@@ -88,41 +92,17 @@ def main() -> None:
     for _ in range(max(1, args.rounds // prefill_choice.ROUNDS)):
         ms = prefill_choice.best_ms_by_size(model, args.tokens, runs)
         best = {h: [min(a, b) for a, b in zip(best[h], ms[h], strict=True)] for h in HEADS}
-    g = torch.Generator().manual_seed(0)
     one = SamplingParams(max_tokens=1, temperature=0)
-    agree = total = 0
-    print(
-        f"{'T':>5} {'package dense':>14} {'blocks':>8} {'ratio':>6} {'first token dense':>18} "
-        f"{'blocks':>8} {'ratio':>6}"
-    )
-    for i, tokens in enumerate(args.tokens):
-        first: dict[str, list[float]] = {h: [] for h in HEADS}
-        for r in range(args.rounds + 1):  # a fresh prompt each round: no prefix is reused
-            prompt = torch.randint(3, model.config.vocab_size, (tokens,), generator=g).tolist()
-            answers = {}
-            for head in HEADS if r % 2 == 0 else HEADS[::-1]:
-                runner.compiled_prefill = packages[head]
-                engine.cache.flush()  # the other arm's prompt is no prefix to reuse
-                started = time.perf_counter()
-                (answers[head],) = engine.generate([prompt], one)
-                if r > 0:  # the first round warms up
-                    first[head].append(1000 * (time.perf_counter() - started))
-            agree += answers["dense"].output_ids == answers["blocks"].output_ids
-            total += 1
-        package = best["dense"][i] / best["blocks"][i]
-        served = {h: median(first[h]) for h in HEADS}
-        ratio = served["dense"] / served["blocks"]
-        print(
-            f"{tokens:>5} {best['dense'][i]:>14.1f} {best['blocks'][i]:>8.1f} {package:>6.2f} "
-            f"{served['dense']:>18.1f} {served['blocks']:>8.1f} {ratio:>6.2f}"
-        )
-        summary[f"package_speedup_{tokens}"] = round(package, 3)
-        summary[f"first_token_speedup_{tokens}"] = round(ratio, 3)
-        for h in HEADS:
-            summary[f"first_token_ms_{h}_{tokens}"] = round(served[h], 2)
+
+    def first_token(head: str, prompt: list[int]):
+        runner.compiled_prefill = packages[head]
+        engine.cache.flush()  # the other arm's prompt is no prefix to reuse
+        return engine.generate([prompt], one)[0]
+
+    arms = {h: functools.partial(first_token, h) for h in HEADS}
+    vocab = model.config.vocab_size
+    compare_prefill_arms(arms, best, args.tokens, args.rounds, vocab, summary)
     runner.compiled_prefill = blocks
-    summary["same_first_tokens"] = f"{agree}/{total}"
-    print(f"greedy first tokens equal on {agree} of {total} prompts")
     emit(summary)
 
 
