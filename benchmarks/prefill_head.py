@@ -33,6 +33,7 @@ from benchmarks.common import (
     setup_threads,
 )
 from sessionserve.replicas import compiled_forward, prefill_choice
+from sessionserve.replicas.assembly import prefill_package_max_tokens
 from sessionserve.replicas.compiled_forward import CompiledForward
 from sessionserve.wire import SamplingParams
 
@@ -47,12 +48,11 @@ def dense_head_package(engine, blocks: CompiledForward) -> CompiledForward:
     forward = compiled_forward.plan_compile(
         True, model, runner.compiled.max_tokens, str(blocks.package.parent), runner.feature_layers
     )
-    longest = cfg.scheduler.max_prefill_tokens + cfg.scheduler.max_running_requests
     plan = compiled_forward.plan_prefill_compile(
         True,
         forward,
         model,
-        1 << (longest - 1).bit_length(),  # as assembly.compile_forwards plans it
+        prefill_package_max_tokens(cfg),
         blocks.min_tokens,
         cfg.compile_prefill_dtype,
     )

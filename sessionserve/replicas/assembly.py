@@ -176,9 +176,6 @@ def compile_forwards(
         install_decode_kernel(runner.backend, model, runner.kv_pool, plan.package.parent)
         if eagle is not None:  # the head's chain steps and catch-ups too
             install_decode_kernel(eagle.backend, eagle.drafter, eagle.pool, plan.package.parent)
-    # the longest step (a full prefill chunk beside a decode row per request), rounded up to
-    # a power of two so that configs differing a little share one package (each is a build)
-    longest = cfg.scheduler.max_prefill_tokens + cfg.scheduler.max_running_requests
     decode, step = plan_decode_compile(cfg.compile_decode, plan, model, runner.kv_pool)
     # the 4-bit package is exported from the dense step, whether or not that one is built
     int4, int4_step = plan_int4_decode_compile(
@@ -188,7 +185,7 @@ def compile_forwards(
         cfg.compile_prefill,
         plan,
         model,
-        1 << (longest - 1).bit_length(),
+        prefill_package_max_tokens(cfg),
         cfg.prefill_package_min_tokens(next(model.parameters()).dtype),
         cfg.compile_prefill_dtype,
         # where the later tokens' logits come from the file's LM head, so do the first's
@@ -251,6 +248,14 @@ def install_decode_kernel(
         attention_scale(model, shape.head_dim),
     )
     backend.decode_kernel = decode_kernel_for(layout, cache_dir, next(model.parameters()).dtype)
+
+
+def prefill_package_max_tokens(cfg: EngineConfig) -> int:
+    """The longest step the prefill package is exported for: a full prefill chunk beside a
+    decode row per request, rounded up to a power of two so that configs differing a little
+    share one package (each is a build)."""
+    longest = cfg.scheduler.max_prefill_tokens + cfg.scheduler.max_running_requests
+    return 1 << (longest - 1).bit_length()
 
 
 def compiled_max_tokens(cfg: EngineConfig, runner: ModelRunner) -> int:
