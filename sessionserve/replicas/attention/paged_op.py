@@ -8,11 +8,18 @@ everything around it (norms, rotary, activations, the GEMMs' epilogues). The op 
 tensors and numbers; the forward's metadata (pool, plan, slots) is the one `ForwardMeta` the
 caller makes current with `forward_context` for the duration of the forward, as vLLM's
 forward context does. Its body is the eager path: write the new K/V, run the backend.
+
+The current metadata is the calling thread's: a package's ops run on the thread that runs it,
+and two threads may run forwards at once (the engine's step, and a first start's background
+thread timing two packages against each other, `prefill_choice.split_point`, over a scratch
+pool of its own). One metadata for the process let each thread's attention read the other's
+pool and slots.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 
 import torch
@@ -20,18 +27,23 @@ import torch
 from sessionserve.cache.kv_pool import as_stored
 from sessionserve.replicas.attention.base import ForwardMeta
 
-_current: ForwardMeta | None = None
+_current = threading.local()  # .meta: the ForwardMeta of the forward this thread runs
 
 
 @contextlib.contextmanager
 def forward_context(meta: ForwardMeta) -> Iterator[None]:
     """Make `meta` the metadata every `paged_attention` op of this forward reads."""
-    global _current
-    previous, _current = _current, meta
+    previous = current_meta()
+    _current.meta = meta
     try:
         yield
     finally:
-        _current = previous
+        _current.meta = previous
+
+
+def current_meta() -> ForwardMeta | None:
+    """The metadata `forward_context` made current on this thread (None: outside one)."""
+    return getattr(_current, "meta", None)
 
 
 def attend(
@@ -69,7 +81,7 @@ def paged_attention_op(
     """`attend` with the current forward's metadata (`window` 0: full attention). The pool
     write is a side effect the compiler does not see; it stays ordered because each layer's
     op consumes the previous layer's output."""
-    meta = _current
+    meta = current_meta()
     if meta is None:
         raise RuntimeError("sessionserve::paged_attention ran outside forward_context")
     return attend(meta, layer, query, key, value, scaling, window or None)
