@@ -191,39 +191,57 @@ def compile_forwards(
         # where the later tokens' logits come from the file's LM head, so do the first's
         head_gguf=int4_step.int4_source[0] if int4_step and int4_step.int4_source else None,
     )
-    jobs = [CompileJob(plan, functools.partial(setattr, runner, "compiled"), model)]
+
+    def settle_split() -> None:
+        """Where `compile_prefill_min_tokens` is not set, the prefill package takes the steps
+        from where it was timed faster than the forward's package on this machine (for
+        models `compile: auto` would compile; a tiny model's timings mean nothing). Timed
+        once both are installed, whichever came second; until then the prefill package
+        takes every step from its plan's `min_tokens` on."""
+        prefill_package, forward = runner.compiled_prefill, runner.compiled
+        if (
+            prefill_package is not None
+            and forward is not None
+            and cfg.compile_prefill_min_tokens is None
+            and auto_declines(model) is None
+        ):
+            prefill_package.min_tokens = prefill_choice.split_point(
+                model, forward, prefill_package, plan.max_tokens
+            )
+
+    def install_forward(compiled: CompiledForward) -> None:
+        runner.compiled = compiled
+        settle_split()
+
+    def install_prefill(compiled: CompiledForward) -> None:
+        runner.compiled_prefill = compiled
+        settle_split()
+
+    # In the order a first start gains most from (each is a build of minutes there, the
+    # replica serving eagerly meanwhile): decode steps are most steps, and the fastest
+    # package for them goes first; then the prefill package (first tokens); then the
+    # packages that take what those leave: rows the 4-bit package declines (the dense decode
+    # step's), steps too short for the prefill package (the forward's).
+    first: list[CompileJob] = []
+    last: list[CompileJob] = []
+    if int4_step is not None:
+        install_int4 = functools.partial(setattr, runner, "compiled_int4_decode")
+        first.append(CompileJob(int4, install_int4, int4_step))
+    else:
+        log.debug("compile: no 4-bit decode step package (%s)", int4.reason)
     dense_declined = dense_step_declines(cfg.compile_decode, model)
-    if step is not None and dense_declined is None:  # before the prefill package: decode
-        # steps are most of the steps
-        jobs.append(CompileJob(decode, functools.partial(setattr, runner, "compiled_decode"), step))
+    if step is not None and dense_declined is None:
+        install_decode = functools.partial(setattr, runner, "compiled_decode")
+        (last if first else first).append(CompileJob(decode, install_decode, step))
     else:
         log.debug(
             "compile: decode steps run the compiled forward (%s)", dense_declined or decode.reason
         )
-    if int4_step is not None:
-        install_int4 = functools.partial(setattr, runner, "compiled_int4_decode")
-        jobs.append(CompileJob(int4, install_int4, int4_step))
-    else:
-        log.debug("compile: no 4-bit decode step package (%s)", int4.reason)
-
-    def install_prefill(compiled: CompiledForward) -> None:
-        """Where `compile_prefill_min_tokens` is not set, the prefill package takes the steps
-        from where it was timed faster than the forward's package on this machine (for
-        models `compile: auto` would compile; a tiny model's timings mean nothing)."""
-        if (
-            cfg.compile_prefill_min_tokens is None
-            and runner.compiled is not None
-            and auto_declines(model) is None
-        ):
-            compiled.min_tokens = prefill_choice.split_point(
-                model, runner.compiled, compiled, plan.max_tokens
-            )
-        runner.compiled_prefill = compiled
-
     if prefill.enabled:
-        jobs.append(CompileJob(prefill, install_prefill, model))
+        first.append(CompileJob(prefill, install_prefill, model))
     else:
         log.debug("compile: longer steps run eagerly (%s)", prefill.reason)
+    jobs = [*first, *last, CompileJob(plan, install_forward, model)]
     if eagle is not None:
         eagle.compiled_max_tokens = plan.max_tokens
         eagle.pieces_past_package = next(eagle.drafter.parameters()).dtype != torch.float32

@@ -586,6 +586,69 @@ def test_the_prefill_package_takes_the_steps_from_where_it_was_timed_faster(
     assert fixed.runner.compiled_prefill.min_tokens == 8 and not split.exists()
 
 
+def test_a_first_start_builds_the_prefill_package_first_and_splits_when_both_are_in(
+    cache_dir, tmp_path, monkeypatch
+) -> None:
+    """On a first start (`compile: auto`, builds in the background) the prefill package is
+    built before the forward's, which takes only the steps too short for it. Until the
+    forward's arrives the prefill package takes every step from its plan's start (6 tokens)
+    and nothing is timed; when it arrives the split is timed (faked: tests do not time
+    things) and moves the prefill package's start, and both serve the eager tokens."""
+    from sessionserve.replicas import prefill_choice
+
+    model = model_for("llama")
+    built = prefill_engine(model, cache_dir).runner  # real packages, built once
+    packages = {
+        "prefill package": built.compiled_prefill.package,
+        "forward": built.compiled.package,
+    }
+    order: list[str] = []
+    forward_started, release_forward = threading.Event(), threading.Event()
+
+    def build(model, plan):
+        order.append(plan.role)
+        if plan.role == "forward":
+            forward_started.set()
+            assert release_forward.wait(60)
+        shutil.copy(packages[plan.role], plan.package)
+
+    timed: list[int] = []
+
+    def faster_from_12(model, tokens, forwards):
+        timed.append(tokens)
+        return {"forward": 10.0, "package": 9.0 if tokens >= 12 else 11.0}
+
+    monkeypatch.setattr(compiled_forward, "AUTO_MIN_PARAMS", 0)
+    monkeypatch.setattr(compiled_forward, "build_in_subprocess", build)
+    monkeypatch.setattr(prefill_choice, "_best_ms", faster_from_12)
+    engine = tiny_engine(
+        model,
+        compile="auto",
+        compile_decode=False,
+        compile_prefill=True,
+        prefill=PREFILL_CHUNK,
+        compile_cache_dir=str(tmp_path),
+    )
+    greedy = SamplingParams(max_tokens=8, temperature=0)
+    inputs = prompts(model.config.vocab_size)
+    want = tiny_engine(model).generate(inputs, greedy)  # eager
+    assert forward_started.wait(60)  # the prefill package is in, the forward's building
+    runner = engine.runner
+    assert order == ["prefill package", "forward"]
+    assert runner.compiled is None and runner.compiled_prefill.min_tokens == 6 and not timed
+    steps, packaged = step_sizes(runner, runner.compiled_prefill)
+    meanwhile = engine.generate(inputs, greedy)
+    assert [s for s in steps if s >= 6] == packaged and packaged  # from 6 tokens on
+    release_forward.set()
+    runner.compiling.join(60)
+    assert runner.compiled is not None and timed == [4, 5, 6, 8, 12, 16, 24, 32]
+    assert runner.compiled_prefill.min_tokens == 12
+    after = engine.generate(inputs, greedy)
+    engine.check_memory()
+    for got in (meanwhile, after):
+        assert [o.output_ids for o in got] == [o.output_ids for o in want]
+
+
 def _counting(loads: list):
     real = compiled_forward.CompiledForward
 
