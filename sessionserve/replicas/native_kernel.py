@@ -41,6 +41,27 @@ def vector_lanes() -> int:
     return 16 if capability in ("AMX", "AVX512") else 8 if capability == "AVX2" else 0
 
 
+KERNELS: list[NativeKernel] = []  # every kernel defined in this process (`prefetch`)
+
+
+def prefetch() -> list[threading.Thread]:
+    """Build and load every kernel defined so far at once, each on a thread of its own (g++
+    runs outside the GIL), and return those threads: where a replica starts, before it
+    loads its model. Why: on a fresh machine the engine asked for them one after another
+    once the model was converted and loaded, ~15-25 s each, ~80 s of a first start on 2
+    cores before the replica could answer; started first they overlap the conversion and
+    each other. A kernel the engine asks for meanwhile waits for its build (`load`'s lock;
+    replicas sharing a cache build each once, `build_once`'s file lock); a built one only
+    loads (a fraction of a second)."""
+    threads = [
+        threading.Thread(target=kernel.load, name=f"kernel-{kernel.source.stem}", daemon=True)
+        for kernel in KERNELS
+    ]
+    for thread in threads:
+        thread.start()
+    return threads
+
+
 class NativeKernel:
     """One .cpp: `load()` builds it (once per machine) and loads its ops; False, with the
     reason logged once and kept in `why_not()`, where it cannot be used here.
@@ -67,6 +88,7 @@ class NativeKernel:
         self.log = logger
         self._lock = threading.Lock()
         self._state: dict[str, str | bool] = {}  # "loaded": bool, "why": the reason it is not
+        KERNELS.append(self)
 
     def load(self) -> bool:
         with self._lock:

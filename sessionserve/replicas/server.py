@@ -29,7 +29,7 @@ from sessionserve.errors import (
 )
 from sessionserve.faults import fault_point
 from sessionserve.metrics import RayEngineMetrics
-from sessionserve.replicas import client_error_logs
+from sessionserve.replicas import client_error_logs, native_kernel
 from sessionserve.replicas.caller_watch import CallerWatch
 from sessionserve.replicas.engine import Engine
 from sessionserve.replicas.engine_loop import EngineLoop
@@ -89,6 +89,8 @@ class ReplicaServer:
         metrics = (
             RayEngineMetrics(self.replica_id, served_model_name(cfg.model)) if served else None
         )
+        if cfg.model.device_type == "cpu" and cfg.compile is not False:
+            native_kernel.prefetch()  # the kernels build while the model loads
         # on a thread that exits: its OpenMP team must not outlive the build (replicas/openmp.py)
         return run_on_passing_thread(
             lambda: Engine(cfg, metrics=metrics, reclaim_sessions_at_limit=True),

@@ -30,3 +30,38 @@ def test_the_shipped_kernels_include_the_vector_primitives() -> None:
         names = [p.name for p in local_includes(replicas / source)]
         assert names == ["cpu_vector.h", "cpu_vector_exp.h"], (source, names)
     assert local_includes(replicas / "block_linear.cpp") == []
+
+
+def test_every_shipped_kernel_is_one_prefetch_builds() -> None:
+    from sessionserve.replicas import block_linear, cpu_linear, native_kernel, sampling_kernel
+    from sessionserve.replicas.attention import cpu_decode_kernel, cpu_extend_kernel
+
+    shipped = [cpu_decode_kernel, cpu_extend_kernel, block_linear, cpu_linear, sampling_kernel]
+    assert all(any(m.KERNEL is k for k in native_kernel.KERNELS) for m in shipped)
+
+
+def test_prefetch_builds_the_kernels_at_once_each_on_a_thread_of_its_own(monkeypatch) -> None:
+    """Each fake kernel's build waits until all have started: built one after another, the
+    first would wait alone and the barrier break."""
+    import threading
+
+    from sessionserve.replicas import native_kernel
+
+    started = threading.Barrier(3)
+    builders: list[threading.Thread] = []
+
+    class Fake:
+        def __init__(self, name: str) -> None:
+            self.source = Path(f"{name}.cpp")
+
+        def load(self) -> bool:
+            started.wait(10)
+            builders.append(threading.current_thread())
+            return True
+
+    monkeypatch.setattr(native_kernel, "KERNELS", [Fake("a"), Fake("b"), Fake("c")])
+    threads = native_kernel.prefetch()
+    for thread in threads:
+        thread.join(20)
+    assert len(set(builders)) == 3 and threading.current_thread() not in builders
+    assert sorted(t.name for t in threads) == ["kernel-a", "kernel-b", "kernel-c"]

@@ -58,6 +58,28 @@ def test_a_replica_builds_its_engine_off_the_serving_threads(tmp_path, monkeypat
         srv.shutdown()
 
 
+@pytest.mark.parametrize("compile_setting", ["auto", False])
+def test_a_cpu_replica_that_may_compile_starts_its_kernels_builds_first(
+    compile_setting, tmp_path, monkeypatch
+) -> None:
+    """Before its model loads (the kernels' builds overlap it), unless it never compiles."""
+    save_tiny_model(tmp_path)
+    events: list[str] = []
+    real_engine = server_module.Engine
+    monkeypatch.setattr(server_module.native_kernel, "prefetch", lambda: events.append("kernels"))
+
+    def recording_engine(*args, **kwargs):
+        events.append("engine")
+        return real_engine(*args, **kwargs)
+
+    monkeypatch.setattr(server_module, "Engine", recording_engine)
+    srv = ReplicaServer({"model": {"path": str(tmp_path)}, "compile": compile_setting})
+    try:
+        assert events == (["kernels", "engine"] if compile_setting else ["engine"])
+    finally:
+        srv.shutdown()
+
+
 def test_a_replica_that_cannot_build_says_why(tmp_path) -> None:
     with pytest.raises(ModelNotFoundError, match="not a local model directory"):
         ReplicaServer({"model": {"path": str(tmp_path / "missing")}})
