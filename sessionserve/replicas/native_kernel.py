@@ -92,12 +92,15 @@ class NativeKernel:
 
     def load(self) -> bool:
         with self._lock:
-            if "loaded" not in self._state:
+            # the state this call read is the one it fills: a test that swaps in an empty
+            # one to be asked afresh is not answered by a load already under way (`prefetch`)
+            state = self._state
+            if "loaded" not in state:
                 why = self._unavailable() or self._build_and_load()
-                self._state["loaded"], self._state["why"] = not why, why
+                state["loaded"], state["why"] = not why, why
                 if why:
                     self.log.warning("%s not used: %s", self.what, why)
-            return bool(self._state["loaded"])
+            return bool(state["loaded"])
 
     def require(self) -> None:
         """`load()`, raising with the reason where the kernel cannot be used here: for a

@@ -4,6 +4,7 @@ it again (and a header it does not include does not)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from sessionserve.replicas.native_kernel import local_includes
@@ -65,3 +66,41 @@ def test_prefetch_builds_the_kernels_at_once_each_on_a_thread_of_its_own(monkeyp
         thread.join(20)
     assert len(set(builders)) == 3 and threading.current_thread() not in builders
     assert sorted(t.name for t in threads) == ["kernel-a", "kernel-b", "kernel-c"]
+
+
+def test_a_load_under_way_fills_the_state_it_read_not_one_swapped_in_meanwhile(
+    monkeypatch, tmp_path
+) -> None:
+    """Tests ask a kernel afresh by swapping in an empty state (with the kernel disabled,
+    say) while a replica's `prefetch` may still be loading it: that load must not answer
+    them."""
+    import logging
+    import threading
+
+    from sessionserve.replicas import native_kernel
+
+    monkeypatch.setattr(native_kernel, "KERNELS", [])  # this one is not the process's
+    kernel = native_kernel.NativeKernel(
+        tmp_path / "k.cpp", "SS_TEST_KERNEL", "a test kernel", lambda: None, logging.getLogger()
+    )
+    building, finish = threading.Event(), threading.Event()
+
+    def slow_build() -> str:
+        building.set()
+        assert finish.wait(10)
+        return ""  # built and loaded
+
+    monkeypatch.setattr(
+        kernel, "_unavailable", lambda: "off" if os.environ.get("SS_TEST_KERNEL") == "0" else ""
+    )
+    monkeypatch.setattr(kernel, "_build_and_load", slow_build)
+    first: list[bool] = []
+    prefetching = threading.Thread(target=lambda: first.append(kernel.load()))
+    prefetching.start()
+    assert building.wait(10)
+    monkeypatch.setattr(kernel, "_state", {})
+    monkeypatch.setenv("SS_TEST_KERNEL", "0")
+    finish.set()
+    assert kernel.load() is False and kernel.why_not() == "off"  # asked afresh
+    prefetching.join(10)
+    assert first == [True]
