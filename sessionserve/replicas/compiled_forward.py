@@ -798,6 +798,10 @@ class CompileJob:
     model: Any
 
 
+# a background build's package serving its first step (benchmarks/first_start.py reads it)
+INSTALLED_LOG = "compile: steps of %d-%d tokens of the %s now run compiled"
+
+
 def start_compile(jobs: list[CompileJob], background: bool) -> threading.Thread | None:
     """Load or build each job's package in turn and install it (a prefill package with
     `only_if_faster` only where prefill_choice.py times it faster than eager, and for the
@@ -825,7 +829,7 @@ def start_compile(jobs: list[CompileJob], background: bool) -> threading.Thread 
         job.install(compiled)
         if build is build_in_subprocess:
             log.info(  # the installed range: installing may move its start (split_point)
-                "compile: steps of %d-%d tokens of the %s now run compiled",
+                INSTALLED_LOG,
                 compiled.min_tokens,
                 compiled.max_tokens,
                 plan.role,
