@@ -145,18 +145,27 @@ def decode_one(eng: Engine, text: str, tokens: int) -> tuple[float, float]:
     return first, (total - first) / (tokens - 1)
 
 
-def batched(eng: Engine, n: int, words: int, tokens: int, rounds: int = 2) -> list[float]:
+def batched(
+    eng: Engine,
+    n: int,
+    words: int,
+    tokens: int,
+    rounds: int = 2,
+    seed: int = 11,
+    warm_up: bool = True,
+) -> list[float]:
     """Output tokens/s of `rounds` rounds of `n` requests submitted together, after a warm-up
-    round; none when `n` is 0. The prompts are `benchmarks/serving.py`'s single workload's
-    (a chat-templated request of `words` random words, each one new), so this is what that
-    workload at concurrency n asks of a server, without the server."""
+    round (unless not `warm_up`); none when `n` is 0. The prompts are `benchmarks/serving.py`'s
+    single workload's (a chat-templated request of `words` random words, each one new; from
+    `seed`, so calls with other seeds meet no cached prefix), so this is what that workload at
+    concurrency n asks of a server, without the server."""
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
-    rng, rates = random.Random(11), []
-    for r in range(rounds + 1 if n else 0):
+    rng, rates = random.Random(seed), []
+    for r in range(rounds + warm_up if n else 0):
         ids = [single_prompt_ids(eng, user_text(rng, words)) for _ in range(n)]
         started = time.perf_counter()
         eng.generate(ids, params)
-        if r:  # the first round is the warm-up
+        if r >= warm_up:  # the first round is the warm-up
             rates.append(n * tokens / (time.perf_counter() - started))
     return rates
 
