@@ -6,6 +6,8 @@ proxy and controller, the GCS, the client) wake up beside it.
 
     .venv/bin/python -m benchmarks.outside_load --model-path gemma3-270m --dtype bfloat16 \\
         --load 0.25/1 --load 0.15/1,0.15/1
+    # the priorities of a served replica (a Ray worker, nice 15) and of what runs beside it
+    .venv/bin/python -m benchmarks.outside_load ... --engine-nice 15 --spinner-priority 19
 
 Why: a forward's OpenMP threads wait for each other at every parallel region's end, so a
 burst that preempts one of them can hold both; on 2 cores the serving processes took
@@ -17,6 +19,7 @@ and loaded tok/s and `ratio` (loaded / quiet).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -27,8 +30,12 @@ from benchmarks.common import bench_config_engine, emit, machine, setup_threads
 from benchmarks.served_gap import batched
 
 SPIN = """
-import sys, time
+import os, sys, time
 busy, period = float(sys.argv[1]) / 1e3, float(sys.argv[2]) / 1e3
+if sys.argv[3] == "idle":
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+elif sys.argv[3] != "normal":
+    os.nice(int(sys.argv[3]))
 while True:
     started = time.perf_counter()
     while time.perf_counter() - started < busy:
@@ -50,8 +57,10 @@ def parse_load(text: str) -> list[tuple[float, float]]:
 
 
 @contextmanager
-def spinning(bursts: list[tuple[float, float]]) -> Iterator[None]:
-    procs = [subprocess.Popen([sys.executable, "-c", SPIN, str(b), str(p)]) for b, p in bursts]
+def spinning(bursts: list[tuple[float, float]], priority: str) -> Iterator[None]:
+    procs = [
+        subprocess.Popen([sys.executable, "-c", SPIN, str(b), str(p), priority]) for b, p in bursts
+    ]
     try:
         yield
     finally:
@@ -69,6 +78,19 @@ def main() -> None:
         required=True,
         help="BUSY/PERIOD ms per spinning process, commas for several; repeatable",
     )
+    ap.add_argument(
+        "--spinner-priority",
+        default="normal",
+        help="the spinning processes' CPU priority: normal, idle (SCHED_IDLE) or a niceness "
+        "increment (e.g. 19)",
+    )
+    ap.add_argument(
+        "--engine-nice",
+        type=int,
+        default=0,
+        help="raise this process's niceness by this much first (a Ray worker, a served "
+        "replica included, runs at nice 15)",
+    )
     ap.add_argument("--model-path", default="default")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--requests", type=int, default=8, help="requests at once per round")
@@ -76,6 +98,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--pairs", type=int, default=3, help="quiet and loaded rounds, alternating")
     args = ap.parse_args()
+    os.nice(args.engine_nice)
     setup_threads(2)
     eng = bench_config_engine(2, args.dtype, model_path=args.model_path)
     seeds = iter(range(1000, 10**6))  # new prompts every round: no cached prefix
@@ -93,7 +116,7 @@ def main() -> None:
         quiet, loaded = [], []
         for _ in range(args.pairs):
             quiet.append(one_round())
-            with spinning(bursts):
+            with spinning(bursts, args.spinner_priority):
                 loaded.append(one_round())
             print(f"load {name}: quiet {quiet[-1]:.1f}, loaded {loaded[-1]:.1f} tok/s", flush=True)
         q, lo = statistics.median(quiet), statistics.median(loaded)
