@@ -19,6 +19,7 @@ and loaded tok/s and `ratio` (loaded / quiet).
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import statistics
 import subprocess
@@ -56,6 +57,16 @@ def parse_load(text: str) -> list[tuple[float, float]]:
     return bursts
 
 
+def parse_priority(text: str) -> str:
+    """normal, idle or a niceness increment (an int): what SPIN takes as its third argument."""
+    if text not in ("normal", "idle"):
+        try:
+            int(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"{text!r}: normal, idle or an int") from e
+    return text
+
+
 @contextmanager
 def spinning(bursts: list[tuple[float, float]], priority: str) -> Iterator[None]:
     procs = [
@@ -81,6 +92,7 @@ def main() -> None:
     ap.add_argument(
         "--spinner-priority",
         default="normal",
+        type=parse_priority,
         help="the spinning processes' CPU priority: normal, idle (SCHED_IDLE) or a niceness "
         "increment (e.g. 19)",
     )
@@ -101,7 +113,7 @@ def main() -> None:
     os.nice(args.engine_nice)
     setup_threads(2)
     eng = bench_config_engine(2, args.dtype, model_path=args.model_path)
-    seeds = iter(range(1000, 10**6))  # new prompts every round: no cached prefix
+    seeds = itertools.count(1000)  # new prompts every round: no cached prefix
 
     def one_round() -> float:
         (rate,) = batched(
