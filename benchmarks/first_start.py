@@ -86,6 +86,9 @@ def one_start(tree: Path, config: str, wanted: tuple[str, ...], timeout_s: float
             time.sleep(1)
         else:
             print(f"  stopped waiting after {time.monotonic() - started:.0f} s", flush=True)
+            if server.poll() is not None:  # it exited: why, before its log goes
+                tail = log_path.read_text(errors="replace").splitlines()[-20:]
+                print("  serve run exited; its log ends:\n    " + "\n    ".join(tail))
     finally:
         subprocess.run([str(serve), "shutdown", "-y"], cwd=tree, env=env, capture_output=True)
         server.terminate()
