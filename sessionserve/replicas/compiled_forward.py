@@ -49,7 +49,7 @@ from typing import Any
 import torch
 
 import sessionserve
-from sessionserve.replicas import block_linear, gguf_int4, prefill_choice
+from sessionserve.replicas import block_linear, build_lock, gguf_int4, prefill_choice
 from sessionserve.replicas.attention import install
 from sessionserve.replicas.attention.base import ForwardMeta
 from sessionserve.replicas.attention.paged_op import forward_context
@@ -744,19 +744,11 @@ def _mapped_dirs(proc: Path, root: Path) -> set[str]:
 def build_once(
     package: Path, build: Callable[[], None], announce: str, logger: logging.Logger = log
 ) -> None:
-    """Run `build`, which writes `package`, unless the package exists: under the package's
-    file lock, so that replicas sharing a cache build it once (the others wait, then find it),
-    after removing what killed builds left. `announce` goes to `logger` when a build starts."""
-    from filelock import FileLock
-
-    if package.exists():
-        return
-    package.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(package) + ".lock"):
-        remove_stale_build_files(package)
-        if not package.exists():
-            logger.info("%s", announce)
-            build()
+    """`build_lock.build_once` for a package: `build` writes `package` unless it exists, once
+    among the replicas sharing a cache, after removing what killed builds left beside it."""
+    build_lock.build_once(
+        package, build, announce, logger, before_build=lambda: remove_stale_build_files(package)
+    )
 
 
 def load_or_build(

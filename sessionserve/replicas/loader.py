@@ -125,24 +125,47 @@ def _load_dir(directory: Path, dtype: torch.dtype, name: str) -> LoadedModel:
 
 
 def _load_gguf(gguf: Path, dtype: torch.dtype) -> LoadedModel:
+    """The GGUF's conversion, made by one of the processes that start with it (`build_once`:
+    `make serve`'s two replicas started together both converted it, each on the other's core,
+    and the second copy was dropped) and loaded by the others."""
+    from sessionserve.replicas.build_lock import build_once
+
     converted = _converted_root() / f"{gguf.stem}-{_file_hash(gguf)[:16]}"
-    if (converted / "config.json").exists():
-        loaded = _load_dir(converted, dtype, name=gguf.stem)
-        loaded.gguf = str(gguf)
-        return loaded
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    made: list[LoadedModel] = []
+
+    def convert() -> None:
+        partial = f".{converted.name}.converting-"
+        for stale in converted.parent.glob(partial + "*"):  # under the lock: a killed one's
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = Path(tempfile.mkdtemp(dir=converted.parent, prefix=partial))
+        try:
+            made.append(_convert_gguf(gguf, tmp))
+            os.replace(tmp, converted)  # atomic: a crashed conversion never looks complete
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
 
     # what takes the time is reading the file's metadata (gguf's reader walks the vocabulary
     # element by element), which transformers does for the tokenizer, the config and the
     # weights: `one_gguf_reader` parses the file once for all three, 23 -> 17 s for
     # SmolLM2-135M's 49K tokens and 69 -> 42 s for Gemma 3's 262K on 2 cores
     # (benchmarks/model_conversion.py)
-    log.warning(
-        "converting %s to safetensors once (on 2 cores ~17 s for a 49K-token vocabulary, "
-        "~45 s for 262K); cached in %s",
-        gguf,
-        converted,
+    announce = (
+        f"converting {gguf} to safetensors once (on 2 cores ~17 s for a 49K-token vocabulary, "
+        f"~45 s for 262K); cached in {converted}"
     )
+    if build_once(converted, convert, announce, log, level=logging.WARNING):
+        (loaded,) = made
+        loaded.model = loaded.model.to(dtype)
+        return loaded
+    loaded = _load_dir(converted, dtype, name=gguf.stem)
+    loaded.gguf = str(gguf)
+    return loaded
+
+
+def _convert_gguf(gguf: Path, out: Path) -> LoadedModel:
+    """The GGUF's model (fp32) and tokenizer, saved as a HF directory in `out`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     t0 = time.monotonic()
     kw = {"gguf_file": gguf.name, "local_files_only": True}
     with one_gguf_reader():
@@ -153,16 +176,10 @@ def _load_gguf(gguf: Path, dtype: torch.dtype) -> LoadedModel:
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    converted.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=converted.parent, prefix=".converting-"))
-    try:
-        model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        os.replace(tmp, converted)  # atomic: a crashed conversion never looks complete
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)  # another process finished first: use its copy
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
     log.warning("converted in %.1f s", time.monotonic() - t0)
-    return LoadedModel(model.to(dtype), tok, gguf.stem, str(gguf), gguf=str(gguf))
+    return LoadedModel(model, tok, gguf.stem, str(gguf), gguf=str(gguf))
 
 
 _GGUF_READER_SWAP = threading.Lock()

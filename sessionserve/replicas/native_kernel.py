@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from sessionserve.replicas.build_lock import build_once
 from sessionserve.replicas.loader import cache_root
 
 FLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp")
@@ -162,9 +163,6 @@ class NativeKernel:
                 if done.returncode != 0:
                     raise RuntimeError(f"its build failed: {done.stderr.strip()[-2000:]}")
                 os.replace(built, library)
-
-        # imported here: compiled_forward imports the attention package, which imports this
-        from sessionserve.replicas.compiled_forward import build_once
 
         try:
             build_once(library, build, f"building {self.what} (once per machine, ~15 s)", self.log)

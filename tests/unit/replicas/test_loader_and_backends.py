@@ -51,12 +51,77 @@ def test_gguf_conversion_is_cached_and_reloads_identically(tmp_path, monkeypatch
     monkeypatch.setenv("SESSIONSERVE_CACHE_DIR", str(tmp_path))
     first = load_model()  # converts the GGUF once
     assert len(parsed) == 1 and gguf.GGUFReader is counted  # (restored after the conversion)
-    (converted,) = [p for p in tmp_path.iterdir() if not p.name.startswith(".")]
+    (converted,) = [p for p in tmp_path.iterdir() if p.is_dir() and not p.name.startswith(".")]
     assert (converted / "config.json").exists() and list(converted.glob("*.safetensors"))
     second = load_model()  # loads the conversion
     ids = torch.tensor([[1, 504, 3458, 314, 4649, 30]])
     with torch.no_grad():
         torch.testing.assert_close(first.model(ids).logits, second.model(ids).logits)
+
+
+def test_loads_that_start_together_convert_a_gguf_once(tmp_path, monkeypatch) -> None:
+    """Two loads of one GGUF at once (`make serve` starts two replicas): one converts while
+    the other waits on the conversion's lock, says so, then loads the copy made; what a
+    killed conversion of this GGUF left is removed first, another model's is not. The
+    conversion itself is faked (a tiny model written where transformers' would be)."""
+    import logging
+    import threading
+
+    from sessionserve.replicas import loader
+    from tests.models import save_tiny_model
+
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"never parsed: the conversion is faked")
+    root = tmp_path / "converted"
+    monkeypatch.setenv("SESSIONSERVE_CACHE_DIR", str(root))
+    name = f"model-{loader._file_hash(gguf)[:16]}"
+    root.mkdir()
+    (root / f".{name}.converting-killed").mkdir()
+    (root / ".other-0123.converting-live").mkdir()
+    converting, finish, waiting = threading.Event(), threading.Event(), threading.Event()
+    conversions: list[str] = []
+
+    def fake_convert(path, out):
+        conversions.append(path.name)
+        converting.set()
+        assert finish.wait(30)
+        save_tiny_model(out)
+        return loader.LoadedModel(tiny_model(), word_tokenizer(), path.stem, str(path), str(path))
+
+    class Waiting(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "waiting for another process" in record.getMessage():
+                waiting.set()
+
+    handler = Waiting()
+    logging.getLogger(loader.__name__).addHandler(handler)
+    monkeypatch.setattr(loader, "_convert_gguf", fake_convert)
+    got: dict[str, loader.LoadedModel] = {}
+
+    def load(who: str) -> None:
+        got[who] = loader._load_gguf(gguf, torch.float32)
+
+    try:
+        first = threading.Thread(target=load, args=("first",))
+        first.start()
+        assert converting.wait(30)
+        second = threading.Thread(target=load, args=("second",))
+        second.start()
+        assert waiting.wait(30)  # the second waits on the lock, not converting too
+        finish.set()
+        first.join(30)
+        second.join(30)
+    finally:
+        finish.set()
+        logging.getLogger(loader.__name__).removeHandler(handler)
+    assert conversions == ["model.gguf"]
+    assert got["first"].source == str(gguf) and got["second"].source == str(root / name)
+    assert got["first"].gguf == got["second"].gguf == str(gguf)
+    ids = torch.tensor([[5, 6, 7]])
+    with torch.no_grad():
+        torch.testing.assert_close(got["first"].model(ids).logits, got["second"].model(ids).logits)
+    left = sorted(p.name for p in root.iterdir() if p.is_dir())
+    assert left == [".other-0123.converting-live", name]
 
 
 def test_one_variable_moves_the_whole_cache(tmp_path, monkeypatch) -> None:
