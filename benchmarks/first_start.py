@@ -53,9 +53,12 @@ def first_answer(base: str) -> bool:
         return False
 
 
-def one_start(tree: Path, config: str, wanted: tuple[str, ...], timeout_s: float) -> dict:
+def one_start(
+    tree: Path, config: str, wanted: tuple[str, ...], timeout_s: float, keep_log: Path | None
+) -> dict:
     """`serve run config` from `tree` (its code first on PYTHONPATH) with fresh caches;
-    seconds from the start to the first answer and to each package's first step."""
+    seconds from the start to the first answer and to each package's first step. Its log is
+    copied to `keep_log` when given (the scratch directory it is written in goes)."""
     serve = Path(sys.executable).with_name("serve")
     ray = Path(sys.executable).with_name("ray")
     subprocess.run([str(ray), "stop", "--force"], capture_output=True, check=False)
@@ -97,6 +100,9 @@ def one_start(tree: Path, config: str, wanted: tuple[str, ...], timeout_s: float
         except subprocess.TimeoutExpired:
             server.kill()
         subprocess.run([str(ray), "stop", "--force"], capture_output=True, check=False)
+        if keep_log is not None:
+            keep_log.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(log_path, keep_log)
         shutil.rmtree(scratch, ignore_errors=True)
     return times
 
@@ -107,6 +113,7 @@ def main() -> None:
     ap.add_argument("--baseline-tree", type=Path, help="a checkout started first, as baseline")
     ap.add_argument("--until", choices=sorted(UNTIL), default="prefill")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per start at most")
+    ap.add_argument("--logs", type=Path, help="a folder to keep each start's log in (<start>.log)")
     args = ap.parse_args()
     starts = {"this": HERE}
     if args.baseline_tree is not None:
@@ -115,7 +122,8 @@ def main() -> None:
     results = {}
     for name, tree in starts.items():
         print(f"{name}: serve run {args.config} from {tree}, caches empty", flush=True)
-        results[name] = one_start(tree, args.config, UNTIL[args.until], args.timeout)
+        keep = args.logs / f"{name}.log" if args.logs is not None else None
+        results[name] = one_start(tree, args.config, UNTIL[args.until], args.timeout, keep)
         for what, seconds in sorted(results[name].items(), key=lambda kv: kv[1]):
             print(f"  {what}: {seconds:.0f} s ({seconds / 60:.1f} min)")
             summary[f"{name}_{what.replace(' ', '_')}_s"] = seconds
