@@ -127,11 +127,14 @@ def _load_dir(directory: Path, dtype: torch.dtype, name: str) -> LoadedModel:
 def _load_gguf(gguf: Path, dtype: torch.dtype) -> LoadedModel:
     """The GGUF's conversion, made by one of the processes that start with it (`build_once`:
     `make serve`'s two replicas started together both converted it, each on the other's core,
-    and the second copy was dropped) and loaded by the others."""
+    and the second copy was dropped), then loaded from the copy by every process, the one that
+    made it included. Why not keep the converted model in memory: it differs from the copy
+    loaded later (its config's dtype stays fp32 after `.to(dtype)`), and the compiled
+    packages are keyed by the config, so a first start and every later one would build them
+    twice."""
     from sessionserve.replicas.build_lock import build_once
 
     converted = _converted_root() / f"{gguf.stem}-{_file_hash(gguf)[:16]}"
-    made: list[LoadedModel] = []
 
     def convert() -> None:
         partial = f".{converted.name}.converting-"
@@ -139,7 +142,7 @@ def _load_gguf(gguf: Path, dtype: torch.dtype) -> LoadedModel:
             shutil.rmtree(stale, ignore_errors=True)
         tmp = Path(tempfile.mkdtemp(dir=converted.parent, prefix=partial))
         try:
-            made.append(_convert_gguf(gguf, tmp))
+            _convert_gguf(gguf, tmp)
             os.replace(tmp, converted)  # atomic: a crashed conversion never looks complete
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -153,16 +156,13 @@ def _load_gguf(gguf: Path, dtype: torch.dtype) -> LoadedModel:
         f"converting {gguf} to safetensors once (on 2 cores ~17 s for a 49K-token vocabulary, "
         f"~45 s for 262K); cached in {converted}"
     )
-    if build_once(converted, convert, announce, log, level=logging.WARNING):
-        (loaded,) = made
-        loaded.model = loaded.model.to(dtype)
-        return loaded
+    build_once(converted, convert, announce, log, level=logging.WARNING)
     loaded = _load_dir(converted, dtype, name=gguf.stem)
     loaded.gguf = str(gguf)
     return loaded
 
 
-def _convert_gguf(gguf: Path, out: Path) -> LoadedModel:
+def _convert_gguf(gguf: Path, out: Path) -> None:
     """The GGUF's model (fp32) and tokenizer, saved as a HF directory in `out`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -179,7 +179,6 @@ def _convert_gguf(gguf: Path, out: Path) -> LoadedModel:
     model.save_pretrained(out)
     tok.save_pretrained(out)
     log.warning("converted in %.1f s", time.monotonic() - t0)
-    return LoadedModel(model, tok, gguf.stem, str(gguf), gguf=str(gguf))
 
 
 _GGUF_READER_SWAP = threading.Lock()

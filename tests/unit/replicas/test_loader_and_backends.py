@@ -38,8 +38,13 @@ def test_default_model_is_found_inside_its_package() -> None:
 @needs_default_model
 def test_gguf_conversion_is_cached_and_reloads_identically(tmp_path, monkeypatch) -> None:
     """The conversion parses the GGUF once for transformers' three reads of it (tokenizer,
-    config, weights: `one_gguf_reader`), and what it caches loads back identically."""
+    config, weights: `one_gguf_reader`), and what it caches loads back identically: the same
+    logits, and in bf16 the same compiled packages' key (a first start that kept the fp32
+    conversion in memory, cast, keyed its packages by a config that still said fp32, and
+    every later start built them again)."""
     import gguf
+
+    from sessionserve.replicas.compiled_forward import package_key
 
     parsed, reader = [], gguf.GGUFReader
 
@@ -49,14 +54,15 @@ def test_gguf_conversion_is_cached_and_reloads_identically(tmp_path, monkeypatch
 
     monkeypatch.setattr(gguf, "GGUFReader", counted)
     monkeypatch.setenv("SESSIONSERVE_CACHE_DIR", str(tmp_path))
-    first = load_model()  # converts the GGUF once
+    first = load_model(dtype=torch.bfloat16)  # converts the GGUF once
     assert len(parsed) == 1 and gguf.GGUFReader is counted  # (restored after the conversion)
     (converted,) = [p for p in tmp_path.iterdir() if p.is_dir() and not p.name.startswith(".")]
     assert (converted / "config.json").exists() and list(converted.glob("*.safetensors"))
-    second = load_model()  # loads the conversion
+    second = load_model(dtype=torch.bfloat16)  # loads the conversion
     ids = torch.tensor([[1, 504, 3458, 314, 4649, 30]])
     with torch.no_grad():
         torch.testing.assert_close(first.model(ids).logits, second.model(ids).logits)
+    assert package_key(first.model, 8) == package_key(second.model, 8)
 
 
 def test_loads_that_start_together_convert_a_gguf_once(tmp_path, monkeypatch) -> None:
@@ -81,12 +87,11 @@ def test_loads_that_start_together_convert_a_gguf_once(tmp_path, monkeypatch) ->
     converting, finish, waiting = threading.Event(), threading.Event(), threading.Event()
     conversions: list[str] = []
 
-    def fake_convert(path, out):
+    def fake_convert(path, out) -> None:
         conversions.append(path.name)
         converting.set()
         assert finish.wait(30)
         save_tiny_model(out)
-        return loader.LoadedModel(tiny_model(), word_tokenizer(), path.stem, str(path), str(path))
 
     class Waiting(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
@@ -115,7 +120,8 @@ def test_loads_that_start_together_convert_a_gguf_once(tmp_path, monkeypatch) ->
         finish.set()
         logging.getLogger(loader.__name__).removeHandler(handler)
     assert conversions == ["model.gguf"]
-    assert got["first"].source == str(gguf) and got["second"].source == str(root / name)
+    # both load the copy, the converting one too (the package keys then match, see below)
+    assert got["first"].source == got["second"].source == str(root / name)
     assert got["first"].gguf == got["second"].gguf == str(gguf)
     ids = torch.tensor([[5, 6, 7]])
     with torch.no_grad():
