@@ -23,17 +23,16 @@ def build_once(
     logger: logging.Logger = log,
     before_build: Callable[[], None] | None = None,
     level: int = logging.INFO,
-) -> bool:
+) -> None:
     """Run `build`, which must make `target` appear whole (an atomic rename), unless `target`
     exists; under its file lock, so that processes sharing a cache build it once: the others
     wait (saying so), then find it. `before_build` runs under the lock first (removing what a
     killed build left: none of this target's builds runs then). `announce` goes to `logger`
-    when this process builds, and the wait when another does, at `level`. Returns whether
-    this process built it."""
+    when this process builds, and the wait when another does, at `level`."""
     from filelock import FileLock, Timeout
 
     if target.exists():
-        return False
+        return
     target.parent.mkdir(parents=True, exist_ok=True)
     lock = FileLock(str(target) + ".lock")
     try:
@@ -43,11 +42,10 @@ def build_once(
         lock.acquire()
     try:
         if target.exists():
-            return False
+            return
         if before_build is not None:
             before_build()
         logger.log(level, "%s", announce)
         build()
-        return True
     finally:
         lock.release()

@@ -30,6 +30,7 @@ import torch
 
 from sessionserve.config import PACKAGED_MODELS
 from sessionserve.errors import SessionServeError
+from sessionserve.replicas.build_lock import build_once
 
 log = logging.getLogger(__name__)
 
@@ -128,12 +129,10 @@ def _load_gguf(gguf: Path, dtype: torch.dtype) -> LoadedModel:
     """The GGUF's conversion, made by one of the processes that start with it (`build_once`:
     `make serve`'s two replicas started together both converted it, each on the other's core,
     and the second copy was dropped), then loaded from the copy by every process, the one that
-    made it included. Why not keep the converted model in memory: it differs from the copy
-    loaded later (its config's dtype stays fp32 after `.to(dtype)`), and the compiled
-    packages are keyed by the config, so a first start and every later one would build them
-    twice."""
-    from sessionserve.replicas.build_lock import build_once
-
+    made it included. Why not keep the converted model in memory and cast it: it differs
+    from the copy every later start loads (its config still says fp32, and `.to(dtype)` also
+    rounds its RoPE frequencies), so in bf16 it answered slightly differently, and the
+    compiled packages, keyed by the config, were built again on the next start."""
     converted = _converted_root() / f"{gguf.stem}-{_file_hash(gguf)[:16]}"
 
     def convert() -> None:
