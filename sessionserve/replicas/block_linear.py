@@ -60,6 +60,8 @@ KERNEL = NativeKernel(
     log,
     extra_flags=("-mavx512vnni",),
     needs=_needs,
+    # the 4-bit package serves bf16 models only (compiled_decode.plan_int4_decode_compile)
+    dtypes=(torch.bfloat16,),
 )
 # build (once per machine) and load the op; False, with the reason logged once and in
 # `why_not()`, where it cannot be used here

@@ -35,7 +35,15 @@ def _register_fake() -> None:
         return x.new_empty((*x.shape[:-1], packed.shape[0] * packed.shape[2]))
 
 
-KERNEL = NativeKernel(SOURCE, DISABLE_ENV, "the CPU few-row linear kernel", _register_fake, log)
+# fp32 models only (`usable_for`): a bf16 model's first start does not build it
+KERNEL = NativeKernel(
+    SOURCE,
+    DISABLE_ENV,
+    "the CPU few-row linear kernel",
+    _register_fake,
+    log,
+    dtypes=(torch.float32,),
+)
 # build (once per machine) and load the op; False, with the reason logged once and in
 # `why_not()`, where it cannot be used here
 load = KERNEL.load

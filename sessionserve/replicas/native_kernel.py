@@ -45,18 +45,22 @@ def vector_lanes() -> int:
 KERNELS: list[NativeKernel] = []  # every kernel defined in this process (`prefetch`)
 
 
-def prefetch() -> list[threading.Thread]:
-    """Build and load every kernel defined so far at once, each on a thread of its own (g++
-    runs outside the GIL), and return those threads: where a replica starts, before it
-    loads its model. Why: on a fresh machine the engine asked for them one after another
-    once the model was converted and loaded, ~15-25 s each, ~80 s of a first start on 2
-    cores before the replica could answer; started first they overlap the conversion and
-    each other. A kernel the engine asks for meanwhile waits for its build (`load`'s lock;
-    replicas sharing a cache build each once, `build_once`'s file lock); a built one only
-    loads (a fraction of a second)."""
+def prefetch(dtype: torch.dtype | None = None) -> list[threading.Thread]:
+    """Build and load every kernel defined so far that a model served in `dtype` runs (None:
+    every kernel) at once, each on a thread of its own (g++ runs outside the GIL), and return
+    those threads: where a replica starts, before it loads its model. Why: on a fresh machine
+    the engine asked for them one after another once the model was converted and loaded,
+    ~15-25 s each, ~80 s of a first start on 2 cores before the replica could answer; started
+    first they overlap the conversion and each other. A kernel the model's dtype never runs
+    (the few-row fp32 linear under a bf16 model, the block-quantized one under an fp32 model:
+    `NativeKernel.dtypes`) is not built: its ~15-20 s of a core went to the others. A kernel
+    the engine asks for meanwhile waits for its build (`load`'s lock; replicas sharing a cache
+    build each once, `build_once`'s file lock); a built one only loads (a fraction of a
+    second); one not prefetched builds when first asked for."""
     threads = [
         threading.Thread(target=kernel.load, name=f"kernel-{kernel.source.stem}", daemon=True)
         for kernel in KERNELS
+        if dtype is None or kernel.dtypes is None or dtype in kernel.dtypes
     ]
     for thread in threads:
         thread.start()
@@ -68,7 +72,8 @@ class NativeKernel:
     reason logged once and kept in `why_not()`, where it cannot be used here.
     `disable_env`="0" turns it off; `after_load` registers what Python adds (fake impls).
     `needs`: what the kernel needs beyond the vector code it is built for (`extra_flags`):
-    returns why this CPU falls short, or ''."""
+    returns why this CPU falls short, or ''. `dtypes`: the model dtypes whose steps run it
+    (None: any), which `prefetch` reads."""
 
     def __init__(
         self,
@@ -79,8 +84,10 @@ class NativeKernel:
         logger: logging.Logger,
         extra_flags: tuple[str, ...] = (),
         needs: Callable[[], str] | None = None,
+        dtypes: tuple[torch.dtype, ...] | None = None,
     ) -> None:
         self.source = source
+        self.dtypes = dtypes
         self.extra_flags = extra_flags
         self.needs = needs
         self.disable_env = disable_env

@@ -90,7 +90,8 @@ class ReplicaServer:
             RayEngineMetrics(self.replica_id, served_model_name(cfg.model)) if served else None
         )
         if cfg.model.device_type == "cpu" and cfg.compile is not False:
-            native_kernel.prefetch()  # the kernels build while the model loads
+            # the kernels its dtype runs build while the model loads
+            native_kernel.prefetch(cfg.model.torch_dtype())
         # on a thread that exits: its OpenMP team must not outlive the build (replicas/openmp.py)
         return run_on_passing_thread(
             lambda: Engine(cfg, metrics=metrics, reclaim_sessions_at_limit=True),

@@ -68,6 +68,30 @@ def test_prefetch_builds_the_kernels_at_once_each_on_a_thread_of_its_own(monkeyp
     assert sorted(t.name for t in threads) == ["kernel-a", "kernel-b", "kernel-c"]
 
 
+def test_prefetch_builds_only_the_kernels_a_models_dtype_runs(monkeypatch) -> None:
+    """A bf16 model never runs the few-row fp32 linear, an fp32 model never the 4-bit
+    package's block kernel: a first start does not spend a core on building them."""
+    import torch
+
+    from sessionserve.replicas import block_linear, cpu_linear, native_kernel
+
+    built: list[str] = []
+    for kernel in native_kernel.KERNELS:
+        monkeypatch.setattr(kernel, "load", lambda k=kernel: built.append(k.source.stem))
+
+    def prefetched(dtype: torch.dtype | None) -> set[str]:
+        built.clear()
+        for thread in native_kernel.prefetch(dtype):
+            thread.join(10)
+        return set(built)
+
+    every = {k.source.stem for k in native_kernel.KERNELS}  # the five shipped (test above)
+    linear, blocks = cpu_linear.KERNEL.source.stem, block_linear.KERNEL.source.stem
+    assert prefetched(torch.bfloat16) == every - {linear}
+    assert prefetched(torch.float32) == every - {blocks}
+    assert prefetched(None) == every
+
+
 def test_a_load_under_way_fills_the_state_it_read_not_one_swapped_in_meanwhile(
     monkeypatch, tmp_path
 ) -> None:

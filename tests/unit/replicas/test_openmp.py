@@ -7,6 +7,7 @@ import threading
 
 import pytest
 
+from sessionserve.config import EngineConfig
 from sessionserve.errors import InvalidConfigError
 from sessionserve.replicas import server as server_module
 from sessionserve.replicas.loader import ModelNotFoundError
@@ -66,7 +67,9 @@ def test_a_cpu_replica_that_may_compile_starts_its_kernels_builds_first(
     save_tiny_model(tmp_path)
     events: list[str] = []
     real_engine = server_module.Engine
-    monkeypatch.setattr(server_module.native_kernel, "prefetch", lambda: events.append("kernels"))
+    monkeypatch.setattr(
+        server_module.native_kernel, "prefetch", lambda dtype: events.append(f"kernels {dtype}")
+    )
 
     def recording_engine(*args, **kwargs):
         events.append("engine")
@@ -75,7 +78,9 @@ def test_a_cpu_replica_that_may_compile_starts_its_kernels_builds_first(
     monkeypatch.setattr(server_module, "Engine", recording_engine)
     srv = ReplicaServer({"model": {"path": str(tmp_path)}, "compile": compile_setting})
     try:
-        assert events == (["kernels", "engine"] if compile_setting else ["engine"])
+        # the dtype `auto` resolves to on this CPU: prefetch builds the kernels it runs
+        dtype = EngineConfig.model_validate({"model": {"path": str(tmp_path)}}).model.torch_dtype()
+        assert events == ([f"kernels {dtype}", "engine"] if compile_setting else ["engine"])
     finally:
         srv.shutdown()
 
