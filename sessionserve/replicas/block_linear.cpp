@@ -27,7 +27,10 @@
 // Built at run time by block_linear.py (g++ -mavx512f -mavx512vnni ...), loaded with
 // torch.ops.load_library; AOTInductor packages call it through the C function at the end.
 
-#include <ATen/ATen.h>
+// the ATen headers this file uses, not <ATen/ATen.h> (every op's declarations: 1-4 s more of
+// g++ a kernel on a first start, docs/benchmarks.md stop 116)
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
 #include <torch/csrc/inductor/aoti_torch/utils.h>

@@ -35,7 +35,12 @@
 // Built at run time by sampling_kernel.py (g++ with the CPU's vector flags), loaded with
 // torch.ops.load_library.
 
-#include <ATen/ATen.h>
+// the ATen headers this file uses, not <ATen/ATen.h> (every op's declarations: 1-4 s more of
+// g++ a kernel on a first start, docs/benchmarks.md stop 116)
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

@@ -19,7 +19,11 @@
 // not the dispatcher: a package run through its C entry points (aoti_call.py) has no proxy
 // executor to dispatch custom ops with.
 
-#include <ATen/ATen.h>
+// the ATen headers this file uses, not <ATen/ATen.h> (every op's declarations: 1-4 s more of
+// g++ a kernel on a first start, docs/benchmarks.md stop 116)
+#include <ATen/TensorOperators.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>

@@ -30,7 +30,10 @@
 // and loaded with torch.ops.load_library; its fake (shape) implementation is registered there,
 // in Python.
 
-#include <ATen/ATen.h>
+// the ATen headers this file uses, not <ATen/ATen.h> (every op's declarations: 1-4 s more of
+// g++ a kernel on a first start, docs/benchmarks.md stop 116)
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
