@@ -35,14 +35,15 @@ def _register_fake() -> None:
         return x.new_empty((*x.shape[:-1], packed.shape[0] * packed.shape[2]))
 
 
-# fp32 models only (`usable_for`): a bf16 model's first start does not build it
+# the models whose packages run it (`usable_for`): a bf16 model's first start does not build it
+MODEL_DTYPES = (torch.float32,)
 KERNEL = NativeKernel(
     SOURCE,
     DISABLE_ENV,
     "the CPU few-row linear kernel",
     _register_fake,
     log,
-    dtypes=(torch.float32,),
+    dtypes=MODEL_DTYPES,
 )
 # build (once per machine) and load the op; False, with the reason logged once and in
 # `why_not()`, where it cannot be used here
@@ -69,7 +70,7 @@ def supports(linear: torch.nn.Module) -> bool:
 def usable_for(model: torch.nn.Module) -> bool:
     """Whether `model`'s packages run the kernel: fp32 weights, at least one linear it
     supports, and the kernel built and loaded here (otherwise the reason is logged once)."""
-    if next(model.parameters()).dtype != torch.float32:
+    if next(model.parameters()).dtype not in MODEL_DTYPES:
         return False
     return any(supports(m) for m in model.modules()) and load()
 

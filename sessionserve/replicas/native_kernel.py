@@ -53,7 +53,7 @@ def prefetch(dtype: torch.dtype | None = None) -> list[threading.Thread]:
     ~15-25 s each, ~80 s of a first start on 2 cores before the replica could answer; started
     first they overlap the conversion and each other. A kernel the model's dtype never runs
     (the few-row fp32 linear under a bf16 model, the block-quantized one under an fp32 model:
-    `NativeKernel.dtypes`) is not built: its ~15-20 s of a core went to the others. A kernel
+    `NativeKernel.dtypes`) is not built: its 11-20 s of a core went to the others. A kernel
     the engine asks for meanwhile waits for its build (`load`'s lock; replicas sharing a cache
     build each once, `build_once`'s file lock); a built one only loads (a fraction of a
     second); one not prefetched builds when first asked for."""
