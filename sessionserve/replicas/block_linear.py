@@ -50,6 +50,10 @@ def _register_fake() -> None:
 
 
 _needs = needs_avx512("AVX-512 VNNI", "_is_vnni_supported")
+# the models whose packages run it: the 4-bit package serves bf16 models only (its int8 pairs
+# hold a row about as finely as bf16, not as fp32; compiled_decode.plan_int4_decode_compile),
+# so an fp32 model's first start does not build it
+MODEL_DTYPES = (torch.bfloat16,)
 
 
 KERNEL = NativeKernel(
@@ -60,8 +64,7 @@ KERNEL = NativeKernel(
     log,
     extra_flags=("-mavx512vnni",),
     needs=_needs,
-    # the 4-bit package serves bf16 models only (compiled_decode.plan_int4_decode_compile)
-    dtypes=(torch.bfloat16,),
+    dtypes=MODEL_DTYPES,
 )
 # build (once per machine) and load the op; False, with the reason logged once and in
 # `why_not()`, where it cannot be used here

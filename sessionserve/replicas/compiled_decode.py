@@ -543,7 +543,7 @@ def plan_int4_decode_compile(
         return CompilePlan(False, "engine.gguf_int4_decode is false"), None
     if not decode.enabled or dense is None or decode.package is None:
         return declined(f"there is no decode step package ({decode.reason})")
-    if next(model.parameters()).dtype != torch.bfloat16:
+    if next(model.parameters()).dtype not in block_linear.MODEL_DTYPES:
         return declined("the model is not served in bf16")
     gguf = Path(source) if source else None
     if gguf is None or gguf.suffix != ".gguf" or not gguf.is_file():
