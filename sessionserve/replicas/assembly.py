@@ -224,9 +224,11 @@ def compile_forwards(
     # step's), steps too short for the prefill package (the forward's).
     first: list[CompileJob] = []
     last: list[CompileJob] = []
+    int4_job = None
     if int4_step is not None:
         install_int4 = functools.partial(setattr, runner, "compiled_int4_decode")
-        first.append(CompileJob(int4, install_int4, int4_step))
+        int4_job = CompileJob(int4, install_int4, int4_step)
+        first.append(int4_job)
     else:
         log.debug("compile: no 4-bit decode step package (%s)", int4.reason)
     dense_declined = dense_step_declines(cfg.compile_decode, model)
@@ -242,10 +244,15 @@ def compile_forwards(
     else:
         log.debug("compile: longer steps run eagerly (%s)", prefill.reason)
     jobs = [*first, *last, CompileJob(plan, install_forward, model)]
+    if cfg.gguf_int4_decode_only:  # batch generation: its decode steps, nothing else
+        jobs = [int4_job] if int4_job is not None else []
+        if int4_job is None:
+            log.info("compile: no 4-bit decode step package (%s): every step eager", int4.reason)
     if eagle is not None:
         eagle.compiled_max_tokens = plan.max_tokens
         eagle.pieces_past_package = next(eagle.drafter.parameters()).dtype != torch.float32
-        jobs += head_compile_jobs(plan, eagle.drafter, model.config, eagle.compiled)
+        if not cfg.gguf_int4_decode_only:
+            jobs += head_compile_jobs(plan, eagle.drafter, model.config, eagle.compiled)
     runner.compiling = start_compile(jobs, background=cfg.compile == "auto")
 
 

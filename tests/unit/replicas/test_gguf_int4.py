@@ -322,6 +322,42 @@ def test_the_plan_says_when_the_4bit_package_applies(tmp_path, caplog, monkeypat
     engine.check_memory()
 
 
+@needs_kernel
+def test_int4_decode_only_builds_the_4bit_package_alone(tmp_path, monkeypatch) -> None:
+    """`engine.gguf_int4_decode_only` (what `train-drafter` generates with): of the packages
+    `compile: true` plans for a bf16 model read from a GGUF, only the 4-bit decode step
+    package is loaded or built; without the flag the prefill, decode step and forward
+    packages come too; a model with no 4-bit package (fp32) builds nothing with it."""
+    from sessionserve.config import EngineConfig
+    from sessionserve.replicas import assembly
+
+    started: list[list[str]] = []
+    monkeypatch.setattr(
+        assembly,
+        "start_compile",
+        lambda jobs, background: started.append([job.plan.role for job in jobs]),
+    )
+    bf16 = tiny_model("llama", seed=3).to(torch.bfloat16)
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, bf16)
+    fp32 = tiny_model("llama", seed=3)
+    for model, only in ((bf16, True), (bf16, False), (fp32, True)):
+        cfg = EngineConfig(  # (auto declines a tiny model's packages)
+            compile=True,
+            compile_decode=True,
+            compile_prefill=True,
+            gguf_int4_decode_only=only,
+            compile_cache_dir=str(tmp_path / "pkg"),
+        )
+        assembly.compile_forwards(cfg, model, tiny_engine(model).runner, None, str(path))
+    int4_alone, everything, nothing = started
+    assert int4_alone == ["4-bit decode step package"]
+    assert everything[0] == "4-bit decode step package"
+    assert {"prefill package", "decode step package", "forward"} <= set(everything)
+    assert nothing == []
+    assert not list((tmp_path / "pkg").glob("*.pt2"))  # nothing built by the plans alone
+
+
 def int4_step(model, gguf_path) -> DecodeStep:
     """The 4-bit `DecodeStep` of `model`, its linears swapped as the build's export does."""
     ours = copy.deepcopy(model)
