@@ -6,7 +6,8 @@ Self-distillation in three phases, each resumable from files in the output direc
    answers them and the shipped prompts (greedy, through our own engine, batched, in the
    dtype it serves in); the token sequences go to `dataset.pt`.
 2. features: one target forward per sequence (in that dtype too: the head learns the states
-   and greedy tokens it will meet when served) gives the hidden states the head learns from
+   and greedy tokens it will meet when served; in fp32 where this CPU's fp32 GEMMs are the
+   faster, as the served prefill package's layers are) gives the hidden states the head learns from
    (recomputed on resume: cheaper than storing them): the last one for EAGLE, three layers'
    concatenated for EAGLE-3.
 3. train: from `(x[q+1], h[q])` the head learns token `x[q+2]` (cross-entropy over the draft
@@ -44,6 +45,8 @@ DATASET = "dataset.pt"
 STATE = "train_state.pt"
 ARCHS = ("eagle", "eagle3")
 FEATURE_BATCH_TOKENS = 4096  # tokens (padding included) per forward of the features phase
+REFILL = 16  # generation: prompts handed to the engine at a time (`_run`)
+FEATURE_GEMM_ROWS = 1024  # rows of the GEMMs timed to pick the features phase's dtype
 
 
 @dataclass(frozen=True)
@@ -94,7 +97,7 @@ def train_drafter(cfg: TrainConfig) -> DraftHead:
     model = loaded.model
     served = _in_serving_dtype(cfg, loaded)
     print(
-        f"target {loaded.name}: loaded in {time.monotonic() - t0:.1f} s; text and hidden states "
+        f"target {loaded.name}: loaded in {time.monotonic() - t0:.1f} s; its answers written "
         f"in {str(served.model.dtype).removeprefix('torch.')}; output in {out}"
     )
     seqs, vocab = _dataset(cfg, out, served)
@@ -105,7 +108,7 @@ def train_drafter(cfg: TrainConfig) -> DraftHead:
         raise InvalidConfigError(
             f"EAGLE-3 reads the target's layers {list(layers)}: it needs at least 3 layers"
         )
-    feats, labels = _features(served.model, seqs, layers)
+    feats, labels = _features(_feature_model(served.model, model), seqs, layers)
     torch.manual_seed(cfg.seed)  # the head's initial weights
     if layers is None:
         drafter: DraftHead = initial_drafter(model, vocab)
@@ -199,14 +202,34 @@ def _generate(cfg: TrainConfig, loaded: Any, prompts: list[str]) -> list[list[in
     from sessionserve.wire import SamplingParams
 
     tok = loaded.tokenizer
+    # decode steps of up to 48 rows through the 4-bit package where the model has one (a
+    # bf16 model read from a GGUF): 2.9x the eager forward's tokens a second on 2 cores, its
+    # first build ~2 min (docs/benchmarks.md); every other model's steps eager, as before
+    packaged = _has_4bit_package(loaded)
+    if packaged:
+        print(
+            "generate: loading the 4-bit decode step package for the answers (its first "
+            "build takes ~2 min on 2 cores; cached after)"
+        )
+    t0 = time.monotonic()
     engine = Engine(
         EngineConfig(
             cache=CacheConfig(num_slots=32768, max_rows=80),
-            scheduler=SchedulerConfig(max_running_requests=48, max_prefill_tokens=1024),
-            compile=False,  # batches of 48: compute-bound, and no build racing the training
+            # prompts handed over together start together (`_run`), in one wider step
+            scheduler=SchedulerConfig(
+                max_running_requests=48, max_prefill_tokens=1024, prefill_batch_tokens=None
+            ),
+            compile=packaged,
+            gguf_int4_decode_only=True,
         ),
         loaded,
     )
+    if packaged:
+        ready = engine.runner.compiled_int4_decode is not None
+        print(
+            f"generate: the 4-bit decode step package {'ready' if ready else 'unavailable'} "
+            f"in {time.monotonic() - t0:.0f} s{'' if ready else ' (answers run eagerly)'}"
+        )
     if cfg.self_prompts:
         prompts = prompts + _self_prompts(engine, tok, cfg.self_prompts, cfg.seed, set(prompts))
     if not prompts:
@@ -229,14 +252,37 @@ def _generate(cfg: TrainConfig, loaded: Any, prompts: list[str]) -> list[list[in
     return [ids + answer.output_ids for (ids, _), answer in zip(jobs, answers, strict=True)]
 
 
+def _has_4bit_package(loaded: Any) -> bool:
+    """Whether the engine could run `loaded`'s decode steps through the 4-bit package (a bf16
+    model read from a GGUF, on a CPU; `compiled_decode.plan_int4_decode_compile` decides the
+    rest, among it the CPU's VNNI): no other model builds anything for the answers."""
+    from sessionserve.replicas import block_linear
+
+    param = next(loaded.model.parameters())
+    return (
+        loaded.gguf is not None
+        and param.device.type == "cpu"
+        and param.dtype in block_linear.MODEL_DTYPES
+    )
+
+
 def _run(engine: Any, jobs: list[tuple[list[int], Any]], desc: str) -> list[Any]:
     """Every job through `engine` (batched by its scheduler), with a progress bar; their
-    results in the jobs' order."""
+    results in the jobs' order.
+
+    Jobs are handed over REFILL at a time, once that many running ones have ended, not one
+    as each ends: a step that starts a prompt is a prefill step, which the 4-bit decode
+    package does not run, so a prompt joining the batch at every other step kept most steps
+    off it; sixteen prompts at once cost one or two such steps (wider GEMMs, too)."""
     bar = tqdm(total=len(jobs), desc=desc, unit="seq", dynamic_ncols=True)
     done: dict[str, Any] = {}
-    rids = [engine.submit(ids, params) for ids, params in jobs]
+    rids: list[str] = []
+    most = engine.config.scheduler.max_running_requests
     generated = 0
-    while engine.has_work():
+    while len(rids) < len(jobs) or engine.has_work():
+        if len(rids) < len(jobs) and len(rids) - len(done) <= most - min(REFILL, most):
+            take = jobs[len(rids) : len(rids) + most - (len(rids) - len(done))]
+            rids += [engine.submit(ids, params) for ids, params in take]
         for event in engine.step():
             generated += len(event.new_token_ids)
             if event.result is not None:
@@ -324,6 +370,28 @@ def _draft_vocab(seqs: list[list[int]], vocab_size: int, size: int, loaded: Any)
 
 
 # ---- phase 2: target hidden states ----
+def _feature_model(served: Any, fp32: Any) -> Any:
+    """The target whose forward gives the hidden states and labels: the one in the serving
+    dtype, or its fp32 copy (the one the head trains beside) where this CPU's fp32 GEMMs beat
+    that dtype's by the margin at which the served prefill package computes its layers in
+    fp32 too (`prefill_choice.time_gemms`, timed here in about a second). An Intel Xeon with
+    AVX512-BF16 and no AMX took this phase 1.5x faster in fp32; states a bf16 rounding apart
+    did not move what the head learns (1.44 against 1.43 tokens a verify, docs/benchmarks.md)."""
+    from sessionserve.replicas import prefill_choice
+
+    param = next(served.parameters())
+    if served is fp32 or param.dtype == torch.float32 or param.device.type != "cpu":
+        return served
+    timing = prefill_choice.time_gemms(served, FEATURE_GEMM_ROWS)
+    if not timing.float32_pays:
+        return served
+    print(
+        f"features: in float32, whose GEMMs ran {timing.model_ms / timing.float32_ms:.2f}x as "
+        f"fast as {timing.dtype}'s on this CPU"
+    )
+    return fp32
+
+
 @torch.no_grad()
 def _features(
     model: Any, seqs: list[list[int]], layers: tuple[int, ...] | None

@@ -251,3 +251,88 @@ def test_batched_features_equal_one_sequence_at_a_time(deep_target_dir, layers, 
         )
         torch.testing.assert_close(f, alone, rtol=1e-4, atol=1e-5)
         assert torch.equal(y, head(last).argmax(-1))
+
+
+def test_answers_are_handed_over_in_groups_and_come_back_in_order(monkeypatch) -> None:
+    """`_run` starts `REFILL` prompts at a time once that many have ended (so a prompt does
+    not join every other step, which the 4-bit decode package would not run), and returns
+    each job's result in the jobs' order: the answer each prompt gets alone."""
+    engine = tiny_engine()
+    scheduler = engine.config.scheduler.model_copy(update={"max_running_requests": 6})
+    engine.config = engine.config.model_copy(update={"scheduler": scheduler})
+    monkeypatch.setattr(training, "REFILL", 4)
+    groups: list[list[int]] = []  # [running when handed over, how many], per group
+    running, stepped = [0], [True]
+    submit, step = engine.submit, engine.step
+
+    def counted_submit(ids, params):
+        if stepped[0]:
+            groups.append([running[0], 0])
+            stepped[0] = False
+        groups[-1][1] += 1
+        running[0] += 1
+        return submit(ids, params)
+
+    def counted_step():
+        events = step()
+        running[0] -= sum(e.result is not None for e in events)
+        stepped[0] = True
+        return events
+
+    monkeypatch.setattr(engine, "submit", counted_submit)
+    monkeypatch.setattr(engine, "step", counted_step)
+    jobs = [
+        ([5 + i, 9 + i, 40 + 2 * i], SamplingParams(max_tokens=3 + i % 7, temperature=0))
+        for i in range(17)
+    ]
+    got = training._run(engine, jobs, "answers")
+    alone = tiny_engine()
+    for (ids, params), result in zip(jobs, got, strict=True):
+        assert result.output_ids == alone.generate([ids], params)[0].output_ids
+    assert groups[0] == [0, 6]  # the first fills the batch
+    # later ones once 4 have ended (at most 2 running), filling it again; the last takes
+    # what is left
+    assert all(before <= 2 and before + handed == 6 for before, handed in groups[1:-1])
+    assert groups[-1][0] <= 2 and sum(groups[-1]) <= 6 and len(groups) >= 4
+    assert sum(handed for _, handed in groups) == len(jobs)
+    engine.check_memory()
+
+
+def test_answers_run_the_4bit_package_only_for_a_bf16_model_read_from_a_gguf() -> None:
+    from sessionserve.replicas.loader import LoadedModel
+
+    bf16 = tiny_engine().runner.model.to(torch.bfloat16)
+    fp32 = tiny_engine().runner.model
+
+    def loaded(model, gguf):
+        return LoadedModel(model=model, tokenizer=None, name="t", source="t", gguf=gguf)
+
+    assert training._has_4bit_package(loaded(bf16, "/x/model.gguf"))
+    assert not training._has_4bit_package(loaded(bf16, None))  # a transformers directory
+    assert not training._has_4bit_package(loaded(fp32, "/x/model.gguf"))  # fp32: no such package
+
+
+def test_features_run_in_fp32_only_where_its_gemms_are_the_faster(monkeypatch, capsys) -> None:
+    """The features phase takes the fp32 copy where this CPU's fp32 GEMMs beat the serving
+    dtype's by the prefill package's margin (timed by `prefill_choice.time_gemms`), else the
+    model in the serving dtype; an fp32 target is used as it is, untimed."""
+    from sessionserve.replicas import prefill_choice
+
+    fp32 = tiny_engine().runner.model
+    bf16 = tiny_engine().runner.model.to(torch.bfloat16)
+    timed: list[int] = []
+
+    def timing(ms_bf16: float, ms_fp32: float):
+        def time_gemms(model, rows):
+            timed.append(rows)
+            return prefill_choice.GemmTiming("cpu", "bfloat16", rows, ms_bf16, ms_fp32)
+
+        return time_gemms
+
+    monkeypatch.setattr(prefill_choice, "time_gemms", timing(3.0, 2.0))
+    assert training._feature_model(bf16, fp32) is fp32
+    assert "in float32, whose GEMMs ran 1.50x as fast as bfloat16's" in capsys.readouterr().out
+    monkeypatch.setattr(prefill_choice, "time_gemms", timing(2.1, 2.0))  # under the margin
+    assert training._feature_model(bf16, fp32) is bf16
+    assert timed == [training.FEATURE_GEMM_ROWS] * 2
+    assert training._feature_model(fp32, fp32) is fp32 and len(timed) == 2
