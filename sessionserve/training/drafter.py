@@ -375,8 +375,8 @@ def _feature_model(served: Any, fp32: Any) -> Any:
     dtype, or its fp32 copy (the one the head trains beside) where this CPU's fp32 GEMMs beat
     that dtype's by the margin at which the served prefill package computes its layers in
     fp32 too (`prefill_choice.time_gemms`, timed here in about a second). An Intel Xeon with
-    AVX512-BF16 and no AMX took this phase 1.5x faster in fp32; states a bf16 rounding apart
-    did not move what the head learns (1.44 against 1.43 tokens a verify, docs/benchmarks.md)."""
+    AVX512-BF16 and no AMX took this phase in 4 min 14 s in fp32 against 5 min 37 s in bf16;
+    states a bf16 rounding apart did not move what the head learns (docs/benchmarks.md)."""
     from sessionserve.replicas import prefill_choice
 
     param = next(served.parameters())
