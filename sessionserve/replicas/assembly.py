@@ -245,9 +245,9 @@ def compile_forwards(
         log.debug("compile: longer steps run eagerly (%s)", prefill.reason)
     jobs = [*first, *last, CompileJob(plan, install_forward, model)]
     if cfg.gguf_int4_decode_only:  # batch generation: its decode steps, nothing else
-        jobs = [int4_job] if int4_job is not None else []
         if int4_job is None:
             log.info("compile: no 4-bit decode step package (%s): every step eager", int4.reason)
+        jobs = [int4_job] if int4_job is not None else []
     if eagle is not None:
         eagle.compiled_max_tokens = plan.max_tokens
         eagle.pieces_past_package = next(eagle.drafter.parameters()).dtype != torch.float32

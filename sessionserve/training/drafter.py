@@ -380,7 +380,7 @@ def _feature_model(served: Any, fp32: Any) -> Any:
     from sessionserve.replicas import prefill_choice
 
     param = next(served.parameters())
-    if served is fp32 or param.dtype == torch.float32 or param.device.type != "cpu":
+    if param.dtype == torch.float32 or param.device.type != "cpu":  # (served is then fp32)
         return served
     timing = prefill_choice.time_gemms(served, FEATURE_GEMM_ROWS)
     if not timing.float32_pays:

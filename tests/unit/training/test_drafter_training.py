@@ -20,7 +20,7 @@ from sessionserve.replicas.speculative.checkpoint import load_drafter
 from sessionserve.training import drafter as training
 from sessionserve.training.drafter import TrainConfig, train_drafter
 from sessionserve.wire import SamplingParams
-from tests.models import save_tiny_model, tiny_engine, word_tokenizer
+from tests.models import save_tiny_model, tiny_engine, tiny_model, word_tokenizer
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
@@ -301,8 +301,8 @@ def test_answers_are_handed_over_in_groups_and_come_back_in_order(monkeypatch) -
 def test_answers_run_the_4bit_package_only_for_a_bf16_model_read_from_a_gguf() -> None:
     from sessionserve.replicas.loader import LoadedModel
 
-    bf16 = tiny_engine().runner.model.to(torch.bfloat16)
-    fp32 = tiny_engine().runner.model
+    bf16 = tiny_model("llama").to(torch.bfloat16)
+    fp32 = tiny_model("llama")
 
     def loaded(model, gguf):
         return LoadedModel(model=model, tokenizer=None, name="t", source="t", gguf=gguf)
@@ -318,8 +318,8 @@ def test_features_run_in_fp32_only_where_its_gemms_are_the_faster(monkeypatch, c
     model in the serving dtype; an fp32 target is used as it is, untimed."""
     from sessionserve.replicas import prefill_choice
 
-    fp32 = tiny_engine().runner.model
-    bf16 = tiny_engine().runner.model.to(torch.bfloat16)
+    fp32 = tiny_model("llama")
+    bf16 = tiny_model("llama").to(torch.bfloat16)
     timed: list[int] = []
 
     def timing(ms_bf16: float, ms_fp32: float):
