@@ -445,6 +445,17 @@ class EngineConfig(_Strict):
     memory_check_period_s: float = Field(
         10.0, gt=0, description="Seconds between checks under memory_check: periodic."
     )
+    seed: int | None = Field(
+        None,
+        ge=0,
+        lt=2**63,
+        description="The randomness of sampled requests that bring no `seed`. None (the "
+        "default): drawn from the OS at startup, so replicas and restarts sample differently "
+        "(with a fixed seed every replica gives a prompt's first unseeded answer alike). An "
+        "integer: a fresh engine's unseeded samples repeat run after run, for the same "
+        "requests in the same order (tests, debugging). A request's own `seed` always fixes "
+        "its tokens.",
+    )
 
     def overlap_mode(self) -> Literal["off", "thread", "inline"]:
         """`overlap_schedule` resolved for `model.device`."""

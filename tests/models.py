@@ -161,6 +161,7 @@ def tiny_engine(
     overlap: bool | Literal["auto"] = False,
     metrics=None,
     reclaim_sessions_at_limit: bool = False,
+    seed: int | None = None,
     **session_kw,
 ) -> Engine:
     """An engine (checking memory every step unless told otherwise) around a (copy of a) tiny
@@ -171,7 +172,7 @@ def tiny_engine(
     timing); `min_draft_confidence`: 0 here, so the head's chains are full (a tiny random
     head is rarely confident). `overlap`: `engine.overlap_schedule`. `metrics`,
     `reclaim_sessions_at_limit`: as `Engine` takes them (a served replica's exporter; its
-    session reclaiming). `kv_dtype`: `cache.kv_dtype`."""
+    session reclaiming). `kv_dtype`: `cache.kv_dtype`. `seed`: `engine.seed`."""
     device = device or engine_device()
     model = copy.deepcopy(model) if model is not None else tiny_model()
     head = drafter(model) if drafter is not None else None  # built on CPU, moved with it
@@ -209,6 +210,7 @@ def tiny_engine(
         cuda_graphs=cuda_graphs,
         memory_check=memory_check,
         memory_check_period_s=memory_check_period_s,
+        seed=seed,
         compile=compile,
         compile_prefill=compile_prefill,
         compile_prefill_dtype=compile_prefill_dtype,

@@ -31,6 +31,7 @@ after the lock is released.
 from __future__ import annotations
 
 import itertools
+import secrets
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -70,7 +71,7 @@ _rid_counter = itertools.count(1)
 
 
 def draft_seed(seed: int) -> int:
-    """A seeded request's EAGLE-head seed: fixed by its own seed, a stream apart from it."""
+    """The EAGLE head's seed beside `seed` (a request's or the engine's): a stream apart."""
     return (seed * 0x9E3779B97F4A7C15 + 1) % (1 << 63)
 
 
@@ -125,8 +126,10 @@ class Engine:
         self.checker = MemoryChecker(self.cache)
         self.check_schedule = CheckSchedule(cfg.memory_check, cfg.memory_check_period_s)
         self.eos_ids = eos_token_ids(model, self.tokenizer)
-        self.generator = torch.Generator().manual_seed(0)
-        self.draft_generator = torch.Generator().manual_seed(1)  # the head's (Request's doc)
+        # unseeded requests draw from these; the head's own stream (Request's doc)
+        seed = cfg.seed if cfg.seed is not None else secrets.randbits(63)
+        self.generator = torch.Generator().manual_seed(seed)
+        self.draft_generator = torch.Generator().manual_seed(draft_seed(seed))
         self.lock = threading.RLock()
         self._grammars: Grammars | None = None
         self.forwards: ForwardThread | None = None  # overlap scheduling's forward thread

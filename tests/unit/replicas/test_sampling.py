@@ -42,6 +42,31 @@ def test_same_seed_same_output_whatever_the_batch(model) -> None:
     assert other != alone
 
 
+def test_unseeded_samples_differ_between_engines_unless_the_engine_is_seeded(model) -> None:
+    """Replicas start alike, so with one fixed seed each would give a prompt's first unseeded
+    sampled answer alike, and a restart would repeat them all (vLLM's default seed 0 did so
+    on 8 GPUs, vllm-project/vllm#11953): by default each engine draws its own seed.
+    `engine.seed` makes a fresh engine's unseeded samples repeat; a request's own seed fixes
+    its tokens whatever the engine's."""
+    unseeded = SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True)
+    seeded = unseeded.model_copy(update={"seed": 5})
+
+    def first_answers(engine) -> tuple[list[int], list[int]]:
+        (a,) = engine.generate([PROMPT], unseeded)
+        (b,) = engine.generate([PROMPT], seeded)
+        return a.output_ids, b.output_ids
+
+    default_a, default_b = first_answers(tiny_engine(model)), first_answers(tiny_engine(model))
+    fixed_a, fixed_b = (
+        first_answers(tiny_engine(model, seed=3)),
+        first_answers(tiny_engine(model, seed=3)),
+    )
+    other = first_answers(tiny_engine(model, seed=4))
+    assert default_a[0] != default_b[0]  # 16 tokens drawn at temperature 1 from ~256 ids
+    assert fixed_a[0] == fixed_b[0] and other[0] != fixed_a[0]
+    assert default_a[1] == default_b[1] == fixed_a[1] == other[1]
+
+
 def test_top_k_one_is_greedy_and_greedy_matches_generate(model) -> None:
     engine = tiny_engine(model)
     want = hf_greedy(model, PROMPT, 10)
