@@ -15,6 +15,7 @@ step.
 
 from __future__ import annotations
 
+import json
 from collections import OrderedDict
 from typing import Any
 
@@ -27,6 +28,54 @@ CACHED_SCHEMAS = 64  # compiled grammars kept (least recently used dropped first
 # JSON's layout is fixed (no free whitespace): with free whitespace a model can pad an answer
 # with blank lines until max_tokens and never finish it
 JSON_LAYOUT = {"whitespace_flexible": False}
+
+
+# where a schema keeps its subschemas (JSON Schema 2020-12 and draft 7), for `closed_objects`
+SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+SCHEMA_VALUES = (
+    "additionalProperties",
+    "unevaluatedProperties",
+    "items",
+    "additionalItems",
+    "unevaluatedItems",
+    "contains",
+    "propertyNames",
+    "not",
+    "if",
+    "then",
+    "else",
+)
+OPEN_ENDED = ("additionalProperties", "patternProperties", "unevaluatedProperties", "$ref")
+
+
+def closed_objects(schema: Any, in_all_of: bool = False) -> Any:
+    """`schema` with each object that lists its `properties` closed to them
+    (`additionalProperties: false`) where it does not say what else it takes. JSON Schema lets
+    such an object carry any other key, and a small model takes that up: asked for
+    {name, age}, SmolLM2-135M added keys until max_tokens cut its JSON off. xgrammar, the
+    default grammar engine of vLLM and SGLang, closes them too (its strict mode); an answer
+    still validates against the schema as written. Left open: objects under `allOf` and ones
+    that have one (each part lists only some of the keys), and ones beside a `$ref`."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed_objects(sub) for name, sub in out[key].items()}
+    for key in SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed_objects(sub) for sub in out[key]]
+    if isinstance(out.get("allOf"), list):
+        out["allOf"] = [closed_objects(sub, in_all_of=True) for sub in out["allOf"]]
+    for key in SCHEMA_VALUES:
+        if key in out:
+            out[key] = closed_objects(out[key])
+    lists_keys = isinstance(out.get("properties"), dict)
+    if lists_keys and not in_all_of and "allOf" not in out:
+        if not any(key in out for key in OPEN_ENDED):
+            out["additionalProperties"] = False
+    return out
 
 
 class Grammars:
@@ -74,8 +123,11 @@ class Grammars:
             if lark:
                 grammar = LLMatcher.grammar_from_lark(text)
             else:
-                grammar = LLMatcher.grammar_from_json_schema(text, defaults=JSON_LAYOUT)
-        except Exception as e:  # not JSON, or a schema llguidance refuses
+                schema = closed_objects(json.loads(text))
+                grammar = LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
+        except json.JSONDecodeError as e:
+            raise _unusable(f"the schema is not JSON ({e})", param) from None
+        except Exception as e:  # a schema llguidance refuses
             raise _unusable(str(e), param) from None
         matcher = LLMatcher(self.info, grammar)
         if matcher.is_error():

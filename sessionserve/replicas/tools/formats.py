@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sessionserve.errors import InvalidRequestError
+from sessionserve.replicas.grammar import closed_objects
 from sessionserve.wire import ToolCall, ToolSpec, ToolUse
 
 SEPARATOR = "\n"  # between two calls of one answer
@@ -225,7 +226,7 @@ def _call_schema(tool: ToolSpec, syntax: CallSyntax) -> dict[str, Any]:
         "type": "object",
         "properties": {
             "name": {"const": tool.name},
-            syntax.args_key: tool.parameters or ANY_OBJECT,
+            syntax.args_key: closed_objects(tool.parameters) if tool.parameters else ANY_OBJECT,
         },
         "required": ["name", syntax.args_key],
         "additionalProperties": False,
@@ -236,7 +237,7 @@ ANY_OBJECT = {"type": "object"}
 
 
 def _fixed(schema_text: str) -> str:
-    schema = json.loads(schema_text)
+    schema = closed_objects(json.loads(schema_text))
     if isinstance(schema, dict):
         schema = {**schema, "x-guidance": FIXED_LAYOUT}
     return json.dumps(schema)

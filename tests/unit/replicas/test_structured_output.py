@@ -65,6 +65,63 @@ SCHEMAS = st.dictionaries(
 )
 
 
+def test_objects_that_list_their_keys_are_closed_to_them(engine) -> None:
+    """A schema that lists an object's properties and says nothing of others gets answers
+    with those keys only (`closed_objects`, as xgrammar's strict mode in vLLM and SGLang):
+    JSON Schema would allow any other key, and a hot random model takes that up until
+    max_tokens cuts its JSON off. Saying what else an object takes keeps it open."""
+    person = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 6}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+    }
+    seeds = range(6)
+    answers = [engine.generate([PROMPT], constrained(person, seed))[0] for seed in seeds]
+    for r in answers:
+        assert r.finish_reason is FinishReason.STOP, (r.finish_reason, r.text)
+        assert set(json.loads(r.text)) == {"name", "age"}
+    # open on purpose: extra keys, each an integer, are the schema's to allow
+    extra = {**person, "additionalProperties": {"type": "integer", "minimum": 0, "maximum": 9}}
+    widened = [engine.generate([PROMPT], constrained(extra, s))[0] for s in range(12)]
+    keys = [set(json.loads(r.text)) for r in widened if r.finish_reason is FinishReason.STOP]
+    assert any(k > {"name", "age"} for k in keys), [r.text for r in widened]
+    engine.checker.check_idle()
+
+
+def test_closing_objects_leaves_what_the_schema_says_of_other_keys() -> None:
+    """Closed at any depth and in anyOf branches; left as written where the schema speaks of
+    other keys (additionalProperties, patternProperties, $ref) or where allOf combines parts;
+    a property named like a keyword is a property, not a keyword."""
+    from sessionserve.replicas.grammar import closed_objects
+
+    leaf = {"type": "string"}
+    nested = {"type": "object", "properties": {"x": leaf}}
+    schema = {
+        "type": "object",
+        "properties": {"properties": nested, "items": {"type": "array", "items": nested}},
+        "$defs": {"d": nested},
+        "anyOf": [nested, {"type": "object"}],
+    }
+    closed = closed_objects(schema)
+    shut = {**nested, "additionalProperties": False}
+    assert closed == {
+        **schema,
+        "properties": {"properties": shut, "items": {"type": "array", "items": shut}},
+        "$defs": {"d": shut},
+        "anyOf": [shut, {"type": "object"}],  # a free-form object stays free
+        "additionalProperties": False,
+    }
+    for open_ in (
+        {**nested, "additionalProperties": {"type": "integer"}},
+        {**nested, "patternProperties": {"^y": leaf}},
+        {**nested, "$ref": "#/$defs/d"},
+        {"allOf": [nested, {"properties": {"y": leaf}}]},
+        {**nested, "allOf": [{"properties": {"y": leaf}}]},
+    ):
+        assert closed_objects(open_) == open_
+    assert "additionalProperties" not in nested  # the caller's schema is left as it was
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
 @given(schema=SCHEMAS, seed=st.integers(0, 2**31))
 def test_every_finished_answer_validates(engine, schema, seed) -> None:
@@ -128,7 +185,7 @@ def test_a_constrained_request_is_not_speculated_and_still_validates() -> None:
 @pytest.mark.parametrize(
     ("schema", "why"),
     [
-        ("{not json", "key must be a string"),
+        ("{not json", "the schema is not JSON"),
         (json.dumps({"type": "frobnicate"}), "frobnicate"),
         (json.dumps({"type": "string", "pattern": "(("}), "regex"),
     ],
