@@ -102,9 +102,14 @@ def integral_floats_as_ints(value: Any) -> Any:
 
 
 # the one rule on a structured answer's schema that a schema cannot state: it is compiled
+CLOSED_RULE = (
+    "An object that lists its properties takes only those keys unless the schema says what "
+    "else it takes (additionalProperties, patternProperties, $ref; allOf parts stay open)."
+)
 SCHEMA_RULE = (
     "A JSON schema ({} = any JSON). One the grammar engine cannot compile, or any JSON format "
-    "on a model whose tokenizer cannot be constrained, is a 400 naming response_format."
+    "on a model whose tokenizer cannot be constrained, is a 400 naming response_format. "
+    + CLOSED_RULE
 )
 
 
@@ -169,7 +174,8 @@ class FunctionSpec(RequestBody):
     name: str = FUNCTION_NAME
     description: str | None = None
     parameters: dict[str, Any] | None = Field(
-        None, description="A JSON schema of the arguments object (omitted: any object)."
+        None,
+        description="A JSON schema of the arguments object (omitted: any object). " + CLOSED_RULE,
     )
     strict: bool | None = Field(None, description="Calls always follow the schema.")
 
