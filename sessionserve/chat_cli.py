@@ -9,6 +9,14 @@ from __future__ import annotations
 import time
 import uuid
 
+# where a turn's reused prompt tokens came from (the answer's `session.cached_source`)
+REUSED_FROM = {
+    "session": " from the session",
+    "radix": " from the prefix cache (shared with other requests)",
+    "host": " from the session, copied back from host memory",
+    "none": "",
+}
+
 
 def run_chat(base_url: str, model: str | None, max_tokens: int, session_id: str | None) -> int:
     import httpx
@@ -32,7 +40,7 @@ def run_chat(base_url: str, model: str | None, max_tokens: int, session_id: str 
         if not line:
             break
         messages.append({"role": "user", "content": line})
-        t0, ttft, parts, usage = time.monotonic(), None, [], None
+        t0, ttft, parts, usage, source = time.monotonic(), None, [], None, None
         stream = client.chat.completions.create(
             model=model,
             messages=messages,
@@ -45,6 +53,7 @@ def run_chat(base_url: str, model: str | None, max_tokens: int, session_id: str 
         for chunk in stream:
             if chunk.usage is not None:
                 usage = chunk.usage
+            source = (chunk.model_extra or {}).get("session", {}).get("cached_source", source)
             for choice in chunk.choices:
                 if choice.delta.content:
                     ttft = ttft or time.monotonic() - t0
@@ -55,7 +64,7 @@ def run_chat(base_url: str, model: str | None, max_tokens: int, session_id: str 
         prompt = usage.prompt_tokens if usage else 0
         print(
             f"\n   [TTFT {1000 * (ttft or 0):.0f} ms, prompt {prompt} tokens, "
-            f"{cached} reused from the session]"
+            f"{cached} reused{REUSED_FROM.get(source or 'none', f' ({source})')}]"
         )
     httpx.delete(f"{base_url.rstrip('/')}/v1/sessions/{sid}", timeout=30)
     print("session closed")

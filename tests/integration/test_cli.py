@@ -22,9 +22,10 @@ def test_chat_holds_a_multi_turn_conversation(served) -> None:
         timeout=120,
         check=True,
     ).stdout
-    turns = [ln for ln in out.splitlines() if "reused from the session" in ln]
+    turns = [ln for ln in out.splitlines() if " reused" in ln]
     assert len(turns) == 2
-    assert "0 reused" in turns[0] and "0 reused" not in turns[1]
+    assert turns[0].endswith(" 0 reused]")  # a new session's first turn: nothing to reuse
+    assert turns[1].endswith(" reused from the session]") and " 0 reused" not in turns[1]
     assert "session closed" in out
 
 
