@@ -133,8 +133,9 @@ class SessionConfig(_Strict):
         ge=1,
         description="Host memory (pinned on CUDA) for the KV of idle sessions evicted from "
         "the pool, LRU within it: their next turn copies it back instead of re-prefilling "
-        "the history. Allocated and written through at startup, as pages of 16 tokens; it "
-        "must hold one page. None = no host tier (evicted sessions re-prefill).",
+        "the history. Allocated at startup, as pages of 16 tokens, and paged in by a thread "
+        "meanwhile (startup does not wait); it must hold one page. None = no host tier "
+        "(evicted sessions re-prefill).",
     )
     migrate_on_shutdown_s: float = Field(
         10.0,

@@ -5,8 +5,9 @@ whole history. With it, eviction first copies the KV out into host memory; the n
 copies it back and prefills only the new tokens. Least recently parked goes first when the
 tier is full; a session dropped from the tier falls back to re-prefill, as before.
 
-The tier's memory is allocated once, when the replica starts, and written through then, as
-pages of `page_size` tokens (its own, not the pool's) of every pool's full-attention layers
+The tier's memory is allocated once, when the replica starts, and paged in then (by a thread,
+so that startup does not wait: cache/prefault.py), as pages of `page_size` tokens (its own,
+not the pool's) of every pool's full-attention layers
 (`[pages, 2, layers, page_size, kv_heads, head_dim]` a pool, pinned on CUDA): a spill copies
 a session's KV into free pages, a restore copies them back, an eviction frees them. Why not
 a tensor a parked session, as before: memory a process has not written before costs a page
@@ -38,6 +39,7 @@ from sessionserve.cache.kv_snapshot import (
     scatter_window,
     whole_pages,
 )
+from sessionserve.cache.prefault import prefault
 from sessionserve.cache.sliding import SlidingSlots
 from sessionserve.errors import InvalidConfigError
 
@@ -68,9 +70,9 @@ class HostTier:
     def __init__(
         self, budget_bytes: int, pools: Sequence[KVPool], page_size: int = HOST_PAGE_TOKENS
     ) -> None:
-        """Allocates and writes through `budget_bytes // page_bytes` pages now (the startup
-        cost is logged), for `pools`: the ones the session cache copies (target, drafter),
-        the only ones this tier copies from and to."""
+        """Allocates `budget_bytes // page_bytes` pages now, paged in by a thread meanwhile
+        (`prefaulting`; both costs logged), for `pools`: the ones the session cache copies
+        (target, drafter), the only ones this tier copies from and to."""
         if budget_bytes < 1:
             raise InvalidConfigError(f"host tier budget {budget_bytes} bytes: must be >= 1")
         if not pools or page_size < 1:
@@ -88,6 +90,8 @@ class HostTier:
         pinned = any(pool.k.is_cuda for pool in pools)
         self.pools = list(pools)
         self.arenas = [_arena(pool, num_pages, page_size, pinned) for pool in pools]
+        # pinned memory is resident once allocated; pageable memory is paged in meanwhile
+        self.prefaulting = None if pinned else prefault(self.arenas, "host tier")
         self.free_pages: list[int] = list(range(num_pages - 1, -1, -1))  # pop: lowest first
         self.entries: OrderedDict[str, ParkedKV] = OrderedDict()  # least recent first
         self.bytes_in_use = 0
@@ -97,8 +101,7 @@ class HostTier:
         self.restore_seconds: deque[float] = deque(maxlen=1024)  # drained by the metrics
         self._staging_buffers: list[torch.Tensor | None] = [None] * len(pools)
         logger.info(
-            "host tier: %.2f GiB of %s host memory as %d pages of %d tokens, written "
-            "through in %.1f s",
+            "host tier: %.2f GiB of %s host memory as %d pages of %d tokens, in %.1f s",
             num_pages * self.page_bytes / 2**30,
             "pinned" if pinned else "pageable",
             num_pages,
@@ -344,10 +347,7 @@ def _token_bytes(pool: KVPool) -> int:
 def _arena(pool: KVPool, num_pages: int, page_size: int, pinned: bool) -> torch.Tensor:
     layers, _, heads, dim = pool.k.shape
     shape = (num_pages, 2, layers, page_size, heads, dim)
-    arena = torch.empty(shape, dtype=pool.dtype, pin_memory=pinned)
-    if not pinned:  # write every page now: its page faults are taken here, not in a turn
-        arena.zero_()
-    return arena
+    return torch.empty(shape, dtype=pool.dtype, pin_memory=pinned)
 
 
 def _copy_pages(
