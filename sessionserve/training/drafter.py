@@ -108,7 +108,7 @@ def train_drafter(cfg: TrainConfig) -> DraftHead:
         raise InvalidConfigError(
             f"EAGLE-3 reads the target's layers {list(layers)}: it needs at least 3 layers"
         )
-    feats, labels = _features(_feature_model(served.model, model), seqs, layers)
+    feats, labels = target_features(_feature_model(served.model, model), seqs, layers)
     torch.manual_seed(cfg.seed)  # the head's initial weights
     if layers is None:
         drafter: DraftHead = initial_drafter(model, vocab)
@@ -236,7 +236,7 @@ def _generate(cfg: TrainConfig, loaded: Any, prompts: list[str]) -> list[list[in
         raise InvalidConfigError("no prompts to answer: give a prompt file (--prompts FILE)")
     inputs = [_chat_ids(tok, p) for p in prompts]
     # greedy answers are what greedy serving meets; sampled ones widen the data (labels are
-    # the target's argmax either way, see `_features`)
+    # the target's argmax either way, see `target_features`)
     jobs = [(ids, SamplingParams(max_tokens=cfg.max_new_tokens, temperature=0)) for ids in inputs]
     for n in range(cfg.sampled_answers):
         jobs += [
@@ -393,7 +393,7 @@ def _feature_model(served: Any, fp32: Any) -> Any:
 
 
 @torch.no_grad()
-def _features(
+def target_features(
     model: Any, seqs: list[list[int]], layers: tuple[int, ...] | None
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """What the head reads at every position (the target's last hidden state after its final
@@ -516,7 +516,7 @@ def _train(
         sched.load_state_dict(state["scheduler"])
         step = state["step"]
         print(f"train: resuming at step {step}/{total} from {state_path}")
-    t2d = _target_to_draft(drafter, target.config.vocab_size)
+    t2d = target_to_draft(drafter, target.config.vocab_size)
     gen = torch.Generator().manual_seed(cfg.seed)  # input noise; saved with the state
     if state_path.exists():
         gen.set_state(state["noise_rng"])
@@ -615,7 +615,46 @@ def _validate(
     return correct / max(1.0, count)
 
 
-def _target_to_draft(drafter: DraftHead, vocab_size: int) -> torch.Tensor:
+@torch.no_grad()
+def chain_acceptance(
+    drafter: DraftHead,
+    seq: list[int],
+    feat: torch.Tensor,
+    greedy: torch.Tensor,
+    answer_start: int,
+    k: int,
+    t2d: torch.Tensor,
+) -> list[int]:
+    """Tokens a verify would commit for a chain of `k` drafts started at each position of
+    `seq`'s answer (which begins at `answer_start`) that leaves room for all `k`: 1 + the
+    drafts in a row that equal the target's greedy tokens (`greedy` and `feat` from
+    `target_features`; `t2d` from `target_to_draft`). The chain is training's unrolled
+    formulation (`_sequence_loss`): the first draft reads the target's states, each next one
+    the head's previous outputs at every row; offline it ranked heads as serving measured
+    them (docs/benchmarks.md)."""
+    ids, hidden = torch.tensor(seq), feat[:-1]
+    hits = []
+    for step in range(k):
+        n = hidden.shape[0]
+        if n < 1:
+            return []
+        f = drafter.features(
+            ids[None, 1 + step : 1 + step + n], hidden[None], torch.arange(step, step + n)[None]
+        )[0]
+        hits.append(drafter.draft_logits(f).argmax(-1) == t2d[greedy[1 + step : 1 + step + n]])
+        hidden = f[:-1]
+    # row i's chain is verified after token i + 1, an answer token from row answer_start - 1
+    runs = []
+    for i in range(max(0, answer_start - 1), hits[-1].shape[0]):
+        run = 0
+        while run < k and bool(hits[run][i]):
+            run += 1
+        runs.append(run + 1)
+    return runs
+
+
+def target_to_draft(drafter: DraftHead, vocab_size: int) -> torch.Tensor:
+    """Each target token's id in the head's draft vocabulary (-100: not in it)."""
     ids = drafter.draft_ids
     t2d = torch.full((vocab_size,), -100, dtype=torch.long)
     if ids is None:

@@ -243,7 +243,7 @@ def test_batched_features_equal_one_sequence_at_a_time(deep_target_dir, layers, 
     seqs = [torch.randint(5, 250, (n,), generator=gen).tolist() for n in (7, 30, 12, 30, 1, 19)]
     monkeypatch.setattr(training, "FEATURE_BATCH_TOKENS", 64)  # several batches, padding
     assert len(training._length_batches(seqs, 64)) > 1
-    feats, labels = training._features(model, seqs, layers)
+    feats, labels = training.target_features(model, seqs, layers)
     head = model.get_output_embeddings()
     for s, f, y in zip(seqs, feats, labels, strict=True):
         last, alone = decoder_features(
@@ -336,3 +336,38 @@ def test_features_run_in_fp32_only_where_its_gemms_are_the_faster(monkeypatch, c
     assert training._feature_model(bf16, fp32) is bf16
     assert timed == [training.FEATURE_GEMM_ROWS] * 2
     assert training._feature_model(fp32, fp32) is fp32 and len(timed) == 2
+
+
+def test_chain_acceptance_counts_each_answer_positions_run_of_right_drafts() -> None:
+    """`chain_acceptance` (benchmarks/drafter_quality.py's measure): one chain per answer
+    position with room for all k drafts, each 1 + its drafts in a row that match the target's
+    greedy tokens; the vectorized chains equal each chain run alone over its own prefix, and
+    labels the head always (never) drafts make every first draft right (wrong)."""
+    from tests.models import random_drafter
+
+    target = tiny_model(seed=3)
+    head = random_drafter(target, seed=5)
+    vocab, k, start = target.config.vocab_size, 3, 9
+    seq = torch.randint(5, vocab, (30,), generator=torch.Generator().manual_seed(1)).tolist()
+    (feat,), (greedy,) = training.target_features(target, [seq], None)
+    t2d = training.target_to_draft(head, vocab)
+
+    runs = training.chain_acceptance(head, seq, feat, greedy, start, k, t2d)
+    assert len(runs) == len(seq) - k - (start - 1)  # rows start-1 .. len-k-1
+    for i, run in zip(range(start - 1, len(seq) - k), runs, strict=True):
+        # the chain from row i alone: the prefix up to the last token it reads
+        alone = training.chain_acceptance(
+            head, seq[: i + k + 1], feat[: i + k + 1], greedy[: i + k + 1], i + 1, k, t2d
+        )
+        assert alone[-1] == run
+    # labels set to the head's own first drafts: every first draft is right
+    with torch.no_grad():
+        first = head.draft_logits(
+            head.features(torch.tensor(seq[1:])[None], feat[:-1][None], torch.arange(29)[None])[0]
+        ).argmax(-1)
+    drafted = greedy.clone()
+    drafted[1:] = first
+    assert min(training.chain_acceptance(head, seq, feat, drafted, start, k, t2d)) >= 2
+    wrong = greedy.clone()
+    wrong[1:] = (first + 1) % vocab  # never what the head drafts first
+    assert set(training.chain_acceptance(head, seq, feat, wrong, start, k, t2d)) == {1}
