@@ -104,7 +104,8 @@ def integral_floats_as_ints(value: Any) -> Any:
 # the one rule on a structured answer's schema that a schema cannot state: it is compiled
 CLOSED_RULE = (
     "An object that lists its properties takes only those keys unless the schema says what "
-    "else it takes (additionalProperties, patternProperties, $ref; allOf parts stay open)."
+    "else it takes (additionalProperties, patternProperties, $ref; parts under allOf, "
+    "if/then/else, not and dependentSchemas stay open, as do objects that have them)."
 )
 SCHEMA_RULE = (
     "A JSON schema ({} = any JSON). One the grammar engine cannot compile, or any JSON format "

@@ -30,8 +30,9 @@ CACHED_SCHEMAS = 64  # compiled grammars kept (least recently used dropped first
 JSON_LAYOUT = {"whitespace_flexible": False}
 
 
-# where a schema keeps its subschemas (JSON Schema 2020-12 and draft 7), for `closed_objects`
-SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+# where a schema keeps its subschemas (JSON Schema 2020-12 and draft 7), for `closed_objects`:
+# whole schemas of other instances (a property's value, an item, a definition) ...
+SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
 SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
 SCHEMA_VALUES = (
     "additionalProperties",
@@ -41,40 +42,52 @@ SCHEMA_VALUES = (
     "unevaluatedItems",
     "contains",
     "propertyNames",
-    "not",
+)
+# ... and parts that constrain the same instance as their parent, each listing some keys only
+PART_LISTS = ("allOf",)
+PART_VALUES = ("if", "then", "else", "not")
+PART_MAPS = ("dependentSchemas",)
+# an object with one of these says what else it takes, or takes keys its parts add
+OPEN_ENDED = (
+    "additionalProperties",
+    "patternProperties",
+    "unevaluatedProperties",
+    "$ref",
+    "allOf",
     "if",
     "then",
     "else",
+    "dependentSchemas",
 )
-OPEN_ENDED = ("additionalProperties", "patternProperties", "unevaluatedProperties", "$ref")
 
 
-def closed_objects(schema: Any, in_all_of: bool = False) -> Any:
+def closed_objects(schema: Any, part: bool = False) -> Any:
     """`schema` with each object that lists its `properties` closed to them
     (`additionalProperties: false`) where it does not say what else it takes. JSON Schema lets
     such an object carry any other key, and a small model takes that up: asked for
     {name, age}, SmolLM2-135M added keys until max_tokens cut its JSON off. xgrammar, the
     default grammar engine of vLLM and SGLang, closes them too (its strict mode); an answer
-    still validates against the schema as written. Left open: objects under `allOf` and ones
-    that have one (each part lists only some of the keys), and ones beside a `$ref`."""
+    still validates against the schema as written. Left open: `part`s (under `allOf`, `if`,
+    `then`, `else`, `not`, `dependentSchemas`: each lists only some of the instance's keys),
+    objects that have such parts, and objects beside a `$ref`."""
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
-    for key in SCHEMA_MAPS:
-        if isinstance(out.get(key), dict):
-            out[key] = {name: closed_objects(sub) for name, sub in out[key].items()}
-    for key in SCHEMA_LISTS:
-        if isinstance(out.get(key), list):
-            out[key] = [closed_objects(sub) for sub in out[key]]
-    if isinstance(out.get("allOf"), list):
-        out["allOf"] = [closed_objects(sub, in_all_of=True) for sub in out["allOf"]]
-    for key in SCHEMA_VALUES:
-        if key in out:
-            out[key] = closed_objects(out[key])
+    for keys, is_part in ((SCHEMA_MAPS, False), (PART_MAPS, True)):
+        for key in keys:
+            if isinstance(out.get(key), dict):
+                out[key] = {name: closed_objects(sub, is_part) for name, sub in out[key].items()}
+    for keys, is_part in ((SCHEMA_LISTS, False), (PART_LISTS, True)):
+        for key in keys:
+            if isinstance(out.get(key), list):
+                out[key] = [closed_objects(sub, is_part) for sub in out[key]]
+    for keys, is_part in ((SCHEMA_VALUES, False), (PART_VALUES, True)):
+        for key in keys:
+            if key in out:
+                out[key] = closed_objects(out[key], is_part)
     lists_keys = isinstance(out.get("properties"), dict)
-    if lists_keys and not in_all_of and "allOf" not in out:
-        if not any(key in out for key in OPEN_ENDED):
-            out["additionalProperties"] = False
+    if lists_keys and not part and not any(key in out for key in OPEN_ENDED):
+        out["additionalProperties"] = False
     return out
 
 

@@ -90,8 +90,9 @@ def test_objects_that_list_their_keys_are_closed_to_them(engine) -> None:
 
 def test_closing_objects_leaves_what_the_schema_says_of_other_keys() -> None:
     """Closed at any depth and in anyOf branches; left as written where the schema speaks of
-    other keys (additionalProperties, patternProperties, $ref) or where allOf combines parts;
-    a property named like a keyword is a property, not a keyword."""
+    other keys (additionalProperties, patternProperties, $ref) or where parts constrain the
+    same object (allOf, if/then/else, not, dependentSchemas); a property named like a keyword
+    is a property, not a keyword."""
     from sessionserve.replicas.grammar import closed_objects
 
     leaf = {"type": "string"}
@@ -117,8 +118,12 @@ def test_closing_objects_leaves_what_the_schema_says_of_other_keys() -> None:
         {**nested, "$ref": "#/$defs/d"},
         {"allOf": [nested, {"properties": {"y": leaf}}]},
         {**nested, "allOf": [{"properties": {"y": leaf}}]},
+        {**nested, "if": nested, "then": {"properties": {"y": leaf}, "required": ["y"]}},
+        {**nested, "dependentSchemas": {"x": {"properties": {"y": leaf}}}},
     ):
         assert closed_objects(open_) == open_
+    # `not` says what the object is not: the object is closed, what it is not stays as written
+    assert closed_objects({**nested, "not": nested}) == {**shut, "not": nested}
     assert "additionalProperties" not in nested  # the caller's schema is left as it was
 
 
