@@ -46,12 +46,12 @@ def _madvise() -> Callable[[int, int, int], int] | None:
 def populate(buffer: torch.Tensor) -> bool:
     """Fault in every page of `buffer` (contiguous, on the host) for writing, leaving its
     contents as they are; False where this kernel or libc cannot (nothing done then)."""
+    if buffer.numel() == 0:
+        return True
     madvise = _madvise()
-    if madvise is None or buffer.numel() == 0:
-        return buffer.numel() == 0
     start = buffer.data_ptr() & ~(PAGE - 1)
     end = buffer.data_ptr() + buffer.numel() * buffer.element_size()
-    return madvise(start, end - start, MADV_POPULATE_WRITE) == 0
+    return madvise is not None and madvise(start, end - start, MADV_POPULATE_WRITE) == 0
 
 
 def prefault(buffers: Sequence[torch.Tensor], what: str) -> threading.Thread | None:
