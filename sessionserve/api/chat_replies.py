@@ -15,18 +15,21 @@ from sessionserve.wire import LogprobEntry, ToolCallDelta, TurnDelta, TurnResult
 Kind = Literal["chat", "completion"]
 
 
-def usage(final: TurnResult) -> dict[str, Any]:
-    """OpenAI's usage object. With speculative decoding, the drafts the model kept and threw
+def usage(*finals: TurnResult) -> dict[str, Any]:
+    """OpenAI's usage object, of one answer or of a request's choices (`n`: the prompt once,
+    the completions summed). With speculative decoding, the drafts the model kept and threw
     away are reported in OpenAI's predicted-output fields (the closest existing meaning)."""
+    first = finals[0]
+    completion = sum(f.completion_tokens for f in finals)
     body = {
-        "prompt_tokens": final.prompt_tokens,
-        "completion_tokens": final.completion_tokens,
-        "total_tokens": final.prompt_tokens + final.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": final.cached_tokens},
+        "prompt_tokens": first.prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": first.prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": first.cached_tokens},
     }
-    drafted = final.spec_drafted
+    drafted = sum(f.spec_drafted for f in finals)
     if drafted:
-        accepted = final.spec_accepted
+        accepted = sum(f.spec_accepted for f in finals)
         body["completion_tokens_details"] = {
             "accepted_prediction_tokens": accepted,
             "rejected_prediction_tokens": drafted - accepted,
@@ -83,6 +86,13 @@ class Reply:
         self.id = new_id("chatcmpl" if kind == "chat" else "cmpl")
         self.created = now()
         self.text_len = 0
+        self.index = 0  # the choice this reply's chunks are of
+
+    def choice(self, index: int) -> Reply:
+        """The chunks of choice `index` of the same answer (`n` > 1: same id and time)."""
+        other = Reply(self.kind, self.model, self.want_logprobs)
+        other.id, other.created, other.index = self.id, self.created, index
+        return other
 
     def _logprobs(self, entries: list[LogprobEntry], offset: int) -> dict[str, Any] | None:
         if not self.want_logprobs:
@@ -97,8 +107,28 @@ class Reply:
     def response(
         self, text: str, logprobs: list[LogprobEntry], final: TurnResult
     ) -> dict[str, Any]:
+        return self.choices_response([(text, logprobs, final)])
+
+    def choices_response(
+        self, answers: list[tuple[str, list[LogprobEntry], TurnResult]]
+    ) -> dict[str, Any]:
+        """The whole response of one answer or of several choices (`n`), in choice order."""
+        finals = [final for _, _, final in answers]
+        return {
+            "id": self.id,
+            "object": "chat.completion" if self.kind == "chat" else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [self._choice(i, *answer) for i, answer in enumerate(answers)],
+            "usage": usage(*finals),
+            "session": session_info(finals[0]),
+        }
+
+    def _choice(
+        self, index: int, text: str, logprobs: list[LogprobEntry], final: TurnResult
+    ) -> dict[str, Any]:
         choice: dict[str, Any] = {
-            "index": 0,
+            "index": index,
             "finish_reason": final.finish_reason,
             "logprobs": self._logprobs(logprobs, 0),
         }
@@ -117,15 +147,7 @@ class Reply:
             choice["message"] = message
         else:
             choice["text"] = text
-        return {
-            "id": self.id,
-            "object": "chat.completion" if self.kind == "chat" else "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": [choice],
-            "usage": usage(final),
-            "session": session_info(final),
-        }
+        return choice
 
     # ---- stream ----
     def _chunk(
@@ -137,7 +159,11 @@ class Reply:
         role: bool = False,
         calls: list[ToolCallDelta] | None = None,
     ) -> str:
-        choice: dict[str, Any] = {"index": 0, "logprobs": logprobs, "finish_reason": finish}
+        choice: dict[str, Any] = {
+            "index": self.index,
+            "logprobs": logprobs,
+            "finish_reason": finish,
+        }
         if self.kind == "chat":
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if delta_text is not None and (delta_text or not calls):
@@ -172,6 +198,16 @@ class Reply:
         out = self._chunk(piece.text, None, logprobs, calls=piece.tool_calls)
         self.text_len += len(piece.text)
         return out
+
+    def finish_chunk(self, final: TurnResult) -> str:
+        """A choice's finish chunk alone (`n` > 1: the last chunk comes after all of them)."""
+        return self._chunk(None if self.kind == "chat" else "", final.finish_reason, None)
+
+    def last_chunk(self, finals: list[TurnResult], include_usage: bool) -> str:
+        """After the choices' finish chunks: their usage (when asked for) and the `session`
+        object (choice 0's), in a chunk with no choices."""
+        extra = {"usage": usage(*finals)} if include_usage else {}
+        return self._stream_object([], **extra, session=session_info(finals[0]))
 
     def closing(self, final: TurnResult, include_usage: bool) -> list[str]:
         """The finish chunk, the usage chunk when asked for, then [DONE]. The last chunk

@@ -20,6 +20,13 @@ from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from ray import serve
 
 from sessionserve.api.chat_replies import Reply
+from sessionserve.api.choices import (
+    check_choices,
+    choice_calls,
+    collect_choices,
+    open_choices,
+    relay_choices,
+)
 from sessionserve.api.errors import ERRORS, error_response, install_error_handlers, response_for
 from sessionserve.api.memory_trace import MemoryTrace
 from sessionserve.api.openapi import published_schema
@@ -198,6 +205,7 @@ class Ingress:
     @app.post("/v1/chat/completions", responses=GENERATE)
     async def chat(self, body: ChatCompletionRequest, request: Request):
         tools = body.tool_use()  # checked before a session is touched
+        check_choices(body.n, self._names_session(request, body.session_id))
         session = await self._session_fields(request, body.session_id, body.model)
         messages = [m.wire() for m in body.messages]
         call = GenerateCall(
@@ -207,6 +215,7 @@ class Ingress:
 
     @app.post("/v1/completions", responses=GENERATE)
     async def completions(self, body: CompletionRequest, request: Request):
+        check_choices(body.n, self._names_session(request, body.session_id))
         session = await self._session_fields(request, body.session_id, body.model)
         # append mode: the new prompt extends the replica's history of the session
         call = GenerateCall(sampling(body), mode="append", prompt=body.prompt, **session)
@@ -253,6 +262,9 @@ class Ingress:
         if model is not None and model != self.model:
             raise UnknownModelError(model, self.model)
 
+    def _names_session(self, request: Request, body_sid: str | None) -> bool:
+        return body_sid is not None or self.cfg.session_header in request.headers
+
     async def _session_fields(
         self, request: Request, body_sid: str | None, model: str | None
     ) -> dict[str, Any]:
@@ -265,7 +277,9 @@ class Ingress:
         self, call: GenerateCall, body: Any, reply: Reply, owner_id: str | None = None
     ):
         """A chat or completion turn: one body, or (`stream: true`) its chunks; the finished
-        turn recorded in the directory either way."""
+        turn recorded in the directory either way. `n` > 1: `_choices`."""
+        if body.n > 1:
+            return await self._choices(call, body, reply, owner_id)
         try:
             stream, first = await self.turns.open(call, owner_id)
         except Exception as e:
@@ -276,6 +290,19 @@ class Ingress:
         text, logprobs, final = await self.turns.collect(stream, first)
         await self.turns.commit(call, final)
         return JSONResponse(reply.response(text, logprobs, self.turns.stamped(final)))
+
+    async def _choices(self, call: GenerateCall, body: Any, reply: Reply, owner_id: str | None):
+        """`n` sessionless turns (api/choices.py) as one answer's choices."""
+        try:
+            opened = await open_choices(self.turns, choice_calls(call, body.n), owner_id)
+        except Exception as e:
+            return response_for(e)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return sse(relay_choices(opened, reply, self.turns.stamped, include_usage))
+        answers = await collect_choices(self.turns, opened)
+        stamped = [(text, lps, self.turns.stamped(final)) for text, lps, final in answers]
+        return JSONResponse(reply.choices_response(stamped))
 
     def _chunks(
         self,

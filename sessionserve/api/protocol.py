@@ -279,6 +279,9 @@ ChatMessage = Annotated[
 ]
 
 
+MAX_CHOICES = 16  # `n` at most: each choice holds a batch row and its KV like a request
+
+
 class _SamplingFields(RequestBody):
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
@@ -295,7 +298,14 @@ class _SamplingFields(RequestBody):
     stop: Annotated[str | list[str] | None, nullable(STOP_SCHEMA)] = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
-    n: int = Field(1, ge=1, le=1, description="Only n=1 is supported.")
+    n: int = Field(
+        1,
+        ge=1,
+        le=MAX_CHOICES,
+        description="Choices to sample, each a request of its own (with a seed, choice i "
+        "samples with seed + i). A session turn takes n = 1 (its next turn continues one "
+        "answer): n > 1 with a session is a 400.",
+    )
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None

@@ -11,11 +11,12 @@ use it; tests drive it with fake handles.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from sessionserve.api.errors import response_for
 from sessionserve.directory.client import DirectoryClient
@@ -30,6 +31,7 @@ from sessionserve.wire import GenerateCall, TurnDelta, TurnResult
 
 log = logging.getLogger(__name__)
 MOVED_RETRIES = 2  # a turn routed to a replica its session just left is re-routed this often
+T = TypeVar("T")
 
 
 class TurnStream(Protocol):
@@ -38,6 +40,25 @@ class TurnStream(Protocol):
     def __anext__(self) -> Awaitable[TurnDelta | TurnResult]: ...
 
     def cancel(self) -> None: ...
+
+
+def own_request(coro: Awaitable[T]) -> asyncio.Task[T]:
+    """`coro` as a task whose Serve handle calls carry an internal request id of their own.
+    A handle call inherits the id of the request it is made in, and Serve's router indexes
+    the calls it has yet to place by that id (`RequestRouter._pending_requests_by_id`): of
+    several calls made at once within one request (`n` choices), only the first was placed,
+    and the others waited for ever while the router probed replicas' queues."""
+    from ray.serve import context as serve_context
+    from ray.serve._private.utils import generate_request_id
+
+    def fresh_id() -> None:
+        current = serve_context._get_serve_request_context()
+        own = replace(current, _internal_request_id=generate_request_id())
+        serve_context._serve_request_context.set(own)
+
+    context = contextvars.copy_context()
+    context.run(fresh_id)
+    return asyncio.get_running_loop().create_task(coro, context=context)
 
 
 class TurnTransport:

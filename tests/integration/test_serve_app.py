@@ -298,3 +298,36 @@ def test_replica_death_repins_the_session_and_loses_no_turn(client, served, http
     assert t2["choices"][0]["text"] == ref.choices[0].text
     t3 = http.post("/v1/completions", json={"prompt": [32], "max_tokens": 2}, headers=hdr).json()
     assert t3["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # held again, new replica
+
+
+def test_n_choices_answer_as_single_requests_with_their_seeds(client) -> None:
+    """`n` > 1 through the official client: choice i is what one request with seed + i
+    answers (whole and streamed), the usage counts the prompt once and every choice's
+    tokens, completions take n too; a session turn asks for one choice (a 400 naming n)."""
+    import openai
+
+    messages = [{"role": "user", "content": words(31, 32, 33)}]
+    kw = {"model": None, "messages": messages, "max_tokens": 6, "temperature": 1.0}
+    many = client.chat.completions.create(n=3, seed=40, **kw)
+    singles = [client.chat.completions.create(seed=40 + i, **kw) for i in range(3)]
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    want = [s.choices[0].message.content for s in singles]
+    assert [c.message.content for c in many.choices] == want
+    assert many.usage.prompt_tokens == singles[0].usage.prompt_tokens
+    assert many.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles)
+    stream = client.chat.completions.create(
+        n=3, seed=40, stream=True, stream_options={"include_usage": True}, **kw
+    )
+    text, usage = ["", "", ""], None
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            text[c.index] += c.delta.content or ""
+    assert text == want and usage.completion_tokens == many.usage.completion_tokens
+    plain = client.completions.create(
+        model=None, prompt=words(31, 32), max_tokens=5, temperature=1.0, seed=7, n=2
+    )
+    assert [c.index for c in plain.choices] == [0, 1]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(n=2, extra_headers={"x-session-id": "any"}, **kw)
+    assert err.value.body["param"] == "n"
