@@ -5,8 +5,10 @@ turn stays short and fits the context whatever its input), and asks for plain te
 answer format depends on what no schema can state (a compilable schema, a tokenizer that can
 write JSON; the test model's word tokenizer cannot), as the field's description says, and so
 without tools (their calls are constrained the same way; a named tool_choice must name one of
-the tools, which no schema can state); those 400s are tested on their own. Other bodies are
-sent as made."""
+the tools, which no schema can state); those 400s are tested on their own. A session turn
+asks for one choice: `n` > 1 beside a session (named by the header or the body) is a 400, a
+rule between a header and a body field that the schema states in words only (`n`'s
+description; tests/integration/test_serve_app.py checks it). Other bodies are sent as made."""
 
 from __future__ import annotations
 
@@ -31,6 +33,10 @@ def before_call(context, case, kwargs) -> None:
         body[field] = MAX_NEW_TOKENS
     for field in ("tools", "tool_choice"):
         body.pop(field, None)
+    headers = {k.lower() for k in (case.headers or {})}
+    session = body.get("session_id") is not None or "x-session-id" in headers
+    if session and isinstance(body.get("n"), int | float) and body["n"] is not True:
+        body["n"] = 1  # (5.0 is a valid n as well)
     if isinstance(body.get("response_format"), dict):
         body["response_format"] = {"type": "text"}
     if isinstance(body.get("text"), dict) and isinstance(body["text"].get("format"), dict):
