@@ -20,32 +20,16 @@ from sessionserve.api.choices import (
 )
 from sessionserve.errors import InvalidRequestError, KVCacheFullError
 from sessionserve.wire import SEED_RANGE, GenerateCall, TurnDelta, TurnResult
-
-
-class FakeStream:
-    """A replica's stream: its pieces, each after `delay` seconds; `cancel` is recorded."""
-
-    def __init__(self, pieces: list[Any], delay: float = 0.0) -> None:
-        self.pieces, self.delay, self.cancelled = list(pieces), delay, False
-
-    async def __anext__(self) -> Any:
-        await asyncio.sleep(self.delay)
-        piece = self.pieces.pop(0)
-        if isinstance(piece, Exception):
-            raise piece
-        return piece
-
-    def cancel(self) -> None:
-        self.cancelled = True
+from tests.unit.api.streams import PieceStream
 
 
 def final(tokens: int, prompt: int = 7) -> TurnResult:
     return TurnResult("length", None, "", list(range(tokens)), prompt, tokens, 3, "radix", 0, [])
 
 
-def answer(words: list[str], delay: float = 0.0) -> FakeStream:
+def answer(words: list[str], delay: float = 0.0) -> PieceStream:
     deltas = [TurnDelta([i], w) for i, w in enumerate(words)]
-    return FakeStream([*deltas, final(len(words))], delay)
+    return PieceStream([*deltas, final(len(words))], delay)
 
 
 def events(chunks: list[str]) -> list[Any]:
@@ -100,7 +84,7 @@ def test_choices_stream_under_their_index_and_share_one_usage() -> None:
 
 
 def test_a_failing_choice_ends_the_others_and_a_gone_client_cancels_all() -> None:
-    bad = FakeStream([TurnDelta([1], "p"), RuntimeError("replica died")], 0.001)
+    bad = PieceStream([TurnDelta([1], "p"), RuntimeError("replica died")], 0.001)
     slow = answer(["q"] * 50, 0.01)
     opened = [(bad, TurnDelta([0], "o")), (slow, TurnDelta([0], "s"))]
     got = events(asyncio.run(relayed(opened)))
@@ -116,7 +100,7 @@ def test_a_whole_answer_whose_choice_fails_cancels_the_others() -> None:
     from sessionserve.api.choices import collect_choices
     from sessionserve.api.turns import TurnTransport
 
-    bad = FakeStream([TurnDelta([1], "p"), RuntimeError("replica died")], 0.001)
+    bad = PieceStream([TurnDelta([1], "p"), RuntimeError("replica died")], 0.001)
     slow = answer(["q"] * 50, 0.01)
     with pytest.raises(RuntimeError, match="replica died"):
         asyncio.run(
@@ -126,7 +110,7 @@ def test_a_whole_answer_whose_choice_fails_cancels_the_others() -> None:
 
 
 def test_a_choice_that_cannot_start_cancels_the_started_ones() -> None:
-    started: list[FakeStream] = []
+    started: list[PieceStream] = []
 
     class Turns:
         async def open(self, call: GenerateCall, owner: str | None):

@@ -19,6 +19,7 @@ from sessionserve.directory.state import SessionDirectoryState
 from sessionserve.errors import SessionLogNeededError, SessionMovedError, UnknownSessionError
 from sessionserve.router import pin_cache
 from sessionserve.wire import GenerateCall, TurnResult
+from tests.unit.api.streams import PieceStream
 
 
 class FakeReplicaHandle:
@@ -225,22 +226,6 @@ def test_a_turn_follows_its_moved_session_a_bounded_number_of_times() -> None:
     with pytest.raises(SessionMovedError):
         asyncio.run(TurnTransport(replica, DirectoryCalls(state), "i").open(GenerateCall({}, sid)))
     assert replica.calls == MOVED_RETRIES + 1
-
-
-class PieceStream:
-    """A replica's stream of pieces; `cancelled` records a client disconnect."""
-
-    def __init__(self, pieces: list[object]) -> None:
-        self.pieces, self.cancelled = list(pieces), False
-
-    async def __anext__(self) -> object:
-        piece = self.pieces.pop(0)
-        if isinstance(piece, Exception):
-            raise piece
-        return piece
-
-    def cancel(self) -> None:
-        self.cancelled = True
 
 
 def relayed(stream: PieceStream, take: int | None = None) -> list[str]:
