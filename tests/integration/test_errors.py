@@ -25,7 +25,7 @@ FORCE_G = {"type": "function", "function": {"name": "g"}}
         (CHAT, {"messages": MSG, "temperature": "hot"}, 400, "temperature", "number"),
         (CHAT, {"messages": MSG, "foo": 1}, 400, "foo", "unrecognized request argument"),
         (CHAT, {"messages": []}, 400, "messages", "at least 1"),
-        (CHAT, {"messages": MSG, "n": 2}, 400, "n", "less than or equal"),
+        (CHAT, {"messages": MSG, "n": 17}, 400, "n", "less than or equal"),
         (CHAT, {"messages": MSG, "model": "gpt-9"}, 404, "model", "does not exist"),
         (CHAT, {"messages": MSG, "session_id": "nope"}, 404, None, "'nope' does not exist"),
         (
