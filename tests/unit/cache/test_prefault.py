@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import mmap
 
 import pytest
 import torch
@@ -26,15 +27,17 @@ def resident_share(buffer: torch.Tensor) -> float:
     return sum(b & 1 for b in vec) / pages
 
 
-def fresh(nbytes: int) -> torch.Tensor:
-    buffer = torch.empty(nbytes, dtype=torch.uint8)  # big enough to be its own mapping
-    if resident_share(buffer) > 0.5:
-        pytest.skip("the allocator handed out memory already written (not a fresh mapping)")
-    return buffer
+def fresh(nbytes: int) -> tuple[mmap.mmap, torch.Tensor]:
+    """A private anonymous mapping no one has written, as a tensor (keep the mapping alive
+    while the tensor is used): the allocator may hand out memory written before."""
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buffer = torch.frombuffer(mapping, dtype=torch.uint8)
+    assert resident_share(buffer) == 0.0
+    return mapping, buffer
 
 
 def test_paging_in_makes_the_pages_resident_and_keeps_what_was_written() -> None:
-    buffer = fresh(48 * MIB)
+    _mapping, buffer = fresh(48 * MIB)
     if not populate(buffer[:PAGE]):
         pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux < 5.14)")
     buffer[5 * MIB : 6 * MIB] = 7  # a copy the engine made before the thread got there
