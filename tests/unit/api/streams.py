@@ -1,8 +1,10 @@
-"""A fake of what a streaming replica call returns, for the ingress's tests."""
+"""A fake of what a streaming replica call returns, and a client reading an SSE stream, for
+the ingress's tests."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 
 
 class PieceStream:
@@ -21,3 +23,14 @@ class PieceStream:
 
     def cancel(self) -> None:
         self.cancelled = True
+
+
+async def read(chunks: AsyncIterator[str], take: int | None = None) -> list[str]:
+    """What a client reads of `chunks`: all, or the first `take`, then it goes away."""
+    out = []
+    async for chunk in chunks:
+        out.append(chunk)
+        if take is not None and len(out) == take:
+            await chunks.aclose()  # the client went away
+            break
+    return out

@@ -20,7 +20,7 @@ from sessionserve.api.choices import (
 )
 from sessionserve.errors import InvalidRequestError, KVCacheFullError
 from sessionserve.wire import SEED_RANGE, GenerateCall, TurnDelta, TurnResult
-from tests.unit.api.streams import PieceStream
+from tests.unit.api.streams import PieceStream, read
 
 
 def final(tokens: int, prompt: int = 7) -> TurnResult:
@@ -37,14 +37,8 @@ def events(chunks: list[str]) -> list[Any]:
 
 
 async def relayed(opened, include_usage=True, stop_after: int | None = None) -> list[str]:
-    out = []
     gen = relay_choices(opened, Reply("chat", "m", False), lambda f: f, include_usage)
-    async for chunk in gen:
-        out.append(chunk)
-        if stop_after is not None and len(out) == stop_after:
-            await gen.aclose()  # the client went away
-            break
-    return out
+    return await read(gen, stop_after)
 
 
 def test_each_choice_samples_with_its_own_seed_and_a_session_takes_one() -> None:

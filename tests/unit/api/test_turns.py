@@ -19,7 +19,7 @@ from sessionserve.directory.state import SessionDirectoryState
 from sessionserve.errors import SessionLogNeededError, SessionMovedError, UnknownSessionError
 from sessionserve.router import pin_cache
 from sessionserve.wire import GenerateCall, TurnResult
-from tests.unit.api.streams import PieceStream
+from tests.unit.api.streams import PieceStream, read
 
 
 class FakeReplicaHandle:
@@ -238,17 +238,8 @@ def relayed(stream: PieceStream, take: int | None = None) -> list[str]:
     async def fail(body: dict) -> list[str]:
         return [f"error:{body['error']['type']}"]
 
-    async def read() -> list[str]:
-        chunks = TurnTransport.relay(stream, first, ["open"], lambda d: d.text, finish, fail)
-        out = []
-        async for chunk in chunks:
-            out.append(chunk)
-            if take is not None and len(out) == take:
-                await chunks.aclose()  # the client went away
-                break
-        return out
-
-    return asyncio.run(read())
+    chunks = TurnTransport.relay(stream, first, ["open"], lambda d: d.text, finish, fail)
+    return asyncio.run(read(chunks, take))
 
 
 def test_relay_streams_deltas_then_the_end_and_cancels_on_disconnect() -> None:
