@@ -67,12 +67,17 @@ def score(
     starts: list[int],
     turns: list[int],
     k: int,
+    states: dict[Any, tuple[list, list]],
 ) -> dict[str, Any]:
     """A head's chains over the answers: mean tokens a verify, per turn and in all. The
-    target's states come from `served` (the dtype it answers in); the head is attached to the
-    fp32 copy `fp32`, as training attaches it."""
+    target's states come from `served` (the dtype it answers in), once for each set of layers
+    a head reads (`states`, shared by the heads scored); the head is attached to the fp32
+    copy `fp32`, as training attaches it."""
     head = load_drafter(path, fp32.model).eval()
-    feats, labels = target_features(served.model, seqs, head.feature_layers)
+    layers = head.feature_layers
+    if layers not in states:
+        states[layers] = target_features(served.model, seqs, layers)
+    feats, labels = states[layers]
     t2d = target_to_draft(head, fp32.model.config.vocab_size)
     runs: dict[int, list[int]] = {1: [], 2: []}
     for seq, feat, greedy, start, turn in zip(seqs, feats, labels, starts, turns, strict=True):
@@ -108,13 +113,13 @@ def main() -> None:
         f"({time.monotonic() - started:.0f} s)"
     )
     heads = {"drafter": args.drafter} | ({"baseline": args.baseline} if args.baseline else {})
-    results = {}
+    results, states = {}, {}
     print(
         f"{'head':<10} {'tokens a verify':>16} {'turn 1':>7} {'turn 2':>7} {'first draft':>12}"
         "  histogram (1 .. k+1 tokens)"
     )
     for name, path in heads.items():
-        r = score(path, loaded, fp32, seqs, starts, turns, args.k)
+        r = score(path, loaded, fp32, seqs, starts, turns, args.k, states)
         results[name] = r
         print(
             f"{name:<10} {r['accept_len']:>16.3f} {r['accept_len_turn1']:>7.3f} "

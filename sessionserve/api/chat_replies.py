@@ -212,14 +212,11 @@ class Reply:
     def closing(self, final: TurnResult, include_usage: bool) -> list[str]:
         """The finish chunk, the usage chunk when asked for, then [DONE]. The last chunk
         before [DONE] carries the `session` object, as a non-streamed answer does."""
-        session, text = session_info(final), None if self.kind == "chat" else ""
         if include_usage:
-            out = [
-                self._chunk(text, final.finish_reason, None),
-                self._stream_object([], usage=usage(final), session=session),
-            ]
+            out = [self.finish_chunk(final), self.last_chunk([final], include_usage)]
         else:
-            out = [self._chunk(text, final.finish_reason, None, session)]
+            text = None if self.kind == "chat" else ""
+            out = [self._chunk(text, final.finish_reason, None, session_info(final))]
         return [*out, "data: [DONE]\n\n"]
 
     @staticmethod
