@@ -76,7 +76,7 @@ def score(
     head = load_drafter(path, fp32.model).eval()
     layers = head.feature_layers
     if layers not in states:
-        states[layers] = target_features(served.model, seqs, layers)
+        states[layers] = target_features(served.model, seqs, layers)[:2]
     feats, labels = states[layers]
     t2d = target_to_draft(head, fp32.model.config.vocab_size)
     runs: dict[int, list[int]] = {1: [], 2: []}

@@ -133,6 +133,15 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--max-new-tokens", type=int, help="answer length per prompt")
     train.add_argument("--epochs", type=int, help="passes over the data")
     train.add_argument("--lr", type=float, help="peak learning rate")
+    train.add_argument(
+        "--unroll", type=int, help="chain steps trained, 2+ on the head's own outputs (default 2)"
+    )
+    train.add_argument(
+        "--soft-labels",
+        type=int,
+        help="learn the target's K likeliest next tokens and their probabilities, not only "
+        "its greedy token (default 32; 0: the greedy token alone)",
+    )
     train.add_argument("--draft-vocab", type=int, help="draft vocabulary size (0 = all)")
     train.add_argument("--threads", type=int, help="torch threads")
     train.add_argument("--seed", type=int, help="shuffling and noise seed")

@@ -11,8 +11,10 @@ Self-distillation in three phases, each resumable from files in the output direc
    (recomputed on resume: cheaper than storing them): the last one for EAGLE, three layers'
    concatenated for EAGLE-3.
 3. train: from `(x[q+1], h[q])` the head learns token `x[q+2]` (cross-entropy over the draft
-   vocabulary) and, for EAGLE, also `h[q+1]` (smooth L1; an EAGLE-3 head's output is its own,
-   not a target state, so only tokens teach it). `unroll` chain steps are trained, step 2+
+   vocabulary against the target's `soft_labels` likeliest tokens there and their
+   probabilities, as EAGLE's loss uses the target's distribution; with 0, its greedy token)
+   and, for EAGLE, also `h[q+1]` (smooth L1; an EAGLE-3 head's output is its own, not a
+   target state, so only tokens teach it). `unroll` chain steps are trained, step 2+
    feeding the head its own output as serving does (EAGLE-3's training-time test);
    `train_state.pt` holds the optimizer and position every few steps, so an interrupted run
    continues where it stopped.
@@ -69,6 +71,10 @@ class TrainConfig:
     draft_vocab: int = 8192  # 0 = the whole vocabulary
     token_loss_weight: float = 0.3
     noise: float = 0.2  # Gaussian noise on input hidden states, relative to their RMS
+    # the target's k likeliest next tokens and their probabilities teach each draft (EAGLE's
+    # loss over the target's distribution; 8: +2.5%, 32: +4% tokens a verify over the greedy
+    # token alone, docs/benchmarks.md); 0: its greedy token alone
+    soft_labels: int = 32
     threads: int | None = None
     seed: int = 0
     save_every: int = 25  # optimizer steps between resumable train states
@@ -108,13 +114,18 @@ def train_drafter(cfg: TrainConfig) -> DraftHead:
         raise InvalidConfigError(
             f"EAGLE-3 reads the target's layers {list(layers)}: it needs at least 3 layers"
         )
-    feats, labels = target_features(_feature_model(served.model, model), seqs, layers)
     torch.manual_seed(cfg.seed)  # the head's initial weights
     if layers is None:
         drafter: DraftHead = initial_drafter(model, vocab)
     else:
         drafter = initial_eagle3(model, vocab, layers)
-    _train(cfg, out, drafter, model, seqs, feats, labels)
+    feats, labels, soft = target_features(
+        _feature_model(served.model, model),
+        seqs,
+        layers,
+        (drafter.draft_ids, cfg.soft_labels) if cfg.soft_labels else None,
+    )
+    _train(cfg, out, drafter, model, seqs, feats, labels, soft)
     meta = {
         "target": loaded.name,
         "train_config": asdict(cfg),
@@ -392,17 +403,38 @@ def _feature_model(served: Any, fp32: Any) -> Any:
     return fp32
 
 
+@dataclass
+class SoftLabels:
+    """The target's `k` likeliest next tokens within a draft vocabulary at each position of
+    a sequence, and their probabilities renormalised over those `k`: EAGLE's loss teaches a
+    draft the target's distribution, not only its argmax (`TrainConfig.soft_labels`)."""
+
+    draft_ids: torch.Tensor  # (positions, k) int32, ids in the draft vocabulary
+    probs: torch.Tensor  # (positions, k) float16, each row sums to 1
+
+    def cross_entropy(self, logits: torch.Tensor, rows: slice) -> torch.Tensor:
+        """Mean over `rows` of -sum p log q, q the head's softmax over `logits` (one row each)."""
+        logq = F.log_softmax(logits.float(), dim=-1).gather(1, self.draft_ids[rows].long())
+        return -(self.probs[rows].float() * logq).sum(-1).mean()
+
+
 @torch.no_grad()
 def target_features(
-    model: Any, seqs: list[list[int]], layers: tuple[int, ...] | None
-) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    model: Any,
+    seqs: list[list[int]],
+    layers: tuple[int, ...] | None,
+    soft: tuple[torch.Tensor | None, int] | None = None,
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[SoftLabels] | None]:
     """What the head reads at every position (the target's last hidden state after its final
     norm, or `layers`' states concatenated: what serving hands it, `decoder_features`), and
-    the target's greedy next token there: what a draft must match to be accepted."""
+    the target's greedy next token there: what a draft must match to be accepted. With
+    `soft` = (the draft vocabulary's target ids or None for all, k), also each sequence's
+    `SoftLabels`, from the same logits (else None)."""
     model.set_attn_implementation("sdpa")  # the engine switched it to paged attention
     decoder, head = model.get_decoder(), model.get_output_embeddings()
     feats: list[torch.Tensor] = [torch.empty(0)] * len(seqs)
     labels: list[torch.Tensor] = [torch.empty(0)] * len(seqs)
+    softs = [SoftLabels(torch.empty(0), torch.empty(0))] * len(seqs)
     bar = tqdm(total=len(seqs), desc="features", unit="seq", dynamic_ncols=True)
     for batch in _length_batches(seqs, FEATURE_BATCH_TOKENS):
         # right-padded: under the causal mask a sequence's own positions never see the pad
@@ -415,10 +447,19 @@ def target_features(
         for row, i in enumerate(batch):
             n = len(seqs[i])
             feats[i] = feat[row, :n].to(torch.float32, copy=True)  # (not a view of the batch)
-            labels[i] = head(last[row, :n]).argmax(-1)
+            logits = head(last[row, :n])
+            labels[i] = logits.argmax(-1)
+            if soft is not None:
+                softs[i] = _soft_labels(logits, *soft)
         bar.update(len(batch))
     bar.close()
-    return feats, labels
+    return feats, labels, (softs if soft is not None else None)
+
+
+def _soft_labels(logits: torch.Tensor, vocab: torch.Tensor | None, k: int) -> SoftLabels:
+    within = logits.float() if vocab is None else logits.float()[:, vocab]
+    top, ids = within.topk(min(k, within.shape[-1]), dim=-1)
+    return SoftLabels(ids.to(torch.int32), torch.softmax(top, dim=-1).to(torch.float16))
 
 
 def _length_batches(seqs: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -494,6 +535,7 @@ def _train(
     seqs: list[list[int]],
     feats: list[torch.Tensor],
     labels: list[torch.Tensor],
+    soft: list[SoftLabels] | None,
 ) -> None:
     order = list(range(len(seqs)))
     random.Random(cfg.seed).shuffle(order)
@@ -508,6 +550,8 @@ def _train(
     schedule = {"total_steps": total, "batch_seqs": cfg.batch_seqs, "lr": cfg.lr}
     if cfg.arch != "eagle":  # (states saved before EAGLE-3 existed stay resumable)
         schedule["arch"] = cfg.arch
+    if cfg.soft_labels:  # (likewise states saved before soft labels existed)
+        schedule["soft_labels"] = cfg.soft_labels
     if state_path.exists():
         state = torch.load(state_path, weights_only=False)
         _same_run(state_path, state.get("schedule"), schedule)
@@ -531,7 +575,9 @@ def _train(
         tokens_in_batch = sum(len(seqs[j]) - 1 for j in batch)
         stats = torch.zeros(3)
         for j in batch:
-            loss, s = _sequence_loss(cfg, drafter, seqs[j], feats[j], labels[j], t2d, gen)
+            loss, s = _sequence_loss(
+                cfg, drafter, seqs[j], feats[j], labels[j], t2d, gen, soft[j] if soft else None
+            )
             (loss * (len(seqs[j]) - 1) / tokens_in_batch).backward()
             stats += s
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -559,6 +605,7 @@ def _sequence_loss(
     greedy: torch.Tensor,
     t2d: torch.Tensor,
     gen: torch.Generator | None,
+    soft: SoftLabels | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """EAGLE's loss on one sequence, over `cfg.unroll` chain steps; returns (loss, [loss sum,
     correct first drafts, count]).
@@ -585,7 +632,10 @@ def _sequence_loss(
         )[0]
         labels = t2d[greedy[1 + step : 1 + step + n]]  # -100: outside the draft vocabulary
         logits = drafter.draft_logits(f)
-        token_loss = F.cross_entropy(logits, labels, ignore_index=-100)
+        if soft is not None:
+            token_loss = soft.cross_entropy(logits, slice(1 + step, 1 + step + n))
+        else:
+            token_loss = F.cross_entropy(logits, labels, ignore_index=-100)
         loss = loss + token_weight * token_loss
         if regress:
             loss = loss + F.smooth_l1_loss(f / scale, feat[1 + step : 1 + step + n] / scale)

@@ -243,7 +243,7 @@ def test_batched_features_equal_one_sequence_at_a_time(deep_target_dir, layers, 
     seqs = [torch.randint(5, 250, (n,), generator=gen).tolist() for n in (7, 30, 12, 30, 1, 19)]
     monkeypatch.setattr(training, "FEATURE_BATCH_TOKENS", 64)  # several batches, padding
     assert len(training._length_batches(seqs, 64)) > 1
-    feats, labels = training.target_features(model, seqs, layers)
+    feats, labels, _ = training.target_features(model, seqs, layers)
     head = model.get_output_embeddings()
     for s, f, y in zip(seqs, feats, labels, strict=True):
         last, alone = decoder_features(
@@ -251,6 +251,52 @@ def test_batched_features_equal_one_sequence_at_a_time(deep_target_dir, layers, 
         )
         torch.testing.assert_close(f, alone, rtol=1e-4, atol=1e-5)
         assert torch.equal(y, head(last).argmax(-1))
+
+
+def test_soft_labels_are_the_targets_likeliest_draft_tokens(deep_target_dir) -> None:
+    """With soft labels the features phase also keeps, per position, the target's k likeliest
+    tokens within the draft vocabulary (as draft ids) and their probabilities renormalised
+    over those k, from the logits that give the greedy labels."""
+    from sessionserve.replicas.hidden_states import decoder_features
+
+    model = load_model(deep_target_dir).model
+    gen = torch.Generator().manual_seed(5)
+    vocab_size = model.config.vocab_size
+    vocab = torch.randperm(vocab_size, generator=gen)[:64].sort().values
+    seqs = [torch.randint(5, 250, (n,), generator=gen).tolist() for n in (9, 21)]
+    feats, labels, soft = training.target_features(model, seqs, None, (vocab, 4))
+    head = model.get_output_embeddings()
+    checked_greedy = 0
+    for s, y, labels_s in zip(seqs, labels, soft, strict=True):
+        last, _ = decoder_features(model.get_decoder(), torch.tensor(s), torch.arange(len(s)), None)
+        within = head(last)[:, vocab]
+        top, ids = within.topk(4, dim=-1)
+        assert labels_s.draft_ids.shape == (len(s), 4)
+        assert torch.equal(labels_s.draft_ids.long(), ids)
+        torch.testing.assert_close(
+            labels_s.probs.float(), torch.softmax(top, -1), atol=1e-3, rtol=0
+        )
+        in_vocab = torch.isin(y, vocab)
+        assert torch.equal(vocab[labels_s.draft_ids[in_vocab, 0].long()], y[in_vocab])
+        checked_greedy += int(in_vocab.sum())
+    assert checked_greedy > 0
+
+
+def test_one_soft_label_trains_as_the_greedy_token_and_more_train_otherwise(target_dir, tmp_path):
+    """Over the whole vocabulary a soft label of one token is the greedy token with
+    probability 1: the loss, hence the trained head, is the greedy labels' (so the soft path
+    is the same loss where it should be); with four tokens the head learns something else.
+    A run resumes only with the soft labels it started with."""
+    hard = train_drafter(_cfg(target_dir, tmp_path / "hard", draft_vocab=0, soft_labels=0))
+    one = train_drafter(_cfg(target_dir, tmp_path / "one", draft_vocab=0, soft_labels=1))
+    four = train_drafter(_cfg(target_dir, tmp_path / "four", draft_vocab=0, soft_labels=4))
+    a, b, c = hard.state_dict(), one.state_dict(), four.state_dict()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5, msg=k)
+    assert any(not torch.allclose(a[k], c[k], rtol=1e-3, atol=1e-4) for k in a)
+    (tmp_path / "four" / "model.safetensors").unlink()
+    with pytest.raises(InvalidConfigError, match="re-run with the same options"):
+        train_drafter(_cfg(target_dir, tmp_path / "four", draft_vocab=0, soft_labels=2))
 
 
 def test_answers_are_handed_over_in_groups_and_come_back_in_order(monkeypatch) -> None:
@@ -349,7 +395,7 @@ def test_chain_acceptance_counts_each_answer_positions_run_of_right_drafts() -> 
     head = random_drafter(target, seed=5)
     vocab, k, start = target.config.vocab_size, 3, 9
     seq = torch.randint(5, vocab, (30,), generator=torch.Generator().manual_seed(1)).tolist()
-    (feat,), (greedy,) = training.target_features(target, [seq], None)
+    (feat,), (greedy,), _ = training.target_features(target, [seq], None)
     t2d = training.target_to_draft(head, vocab)
 
     runs = training.chain_acceptance(head, seq, feat, greedy, start, k, t2d)
