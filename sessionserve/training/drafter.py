@@ -94,6 +94,8 @@ def train_drafter(cfg: TrainConfig) -> DraftHead:
         raise InvalidConfigError(f"--arch {cfg.arch!r}: choose one of {', '.join(ARCHS)}")
     if cfg.self_prompts < 0 or cfg.sampled_answers < 0:
         raise InvalidConfigError("--self-prompts and --sampled-answers count prompts: >= 0")
+    if cfg.soft_labels < 0:
+        raise InvalidConfigError("--soft-labels counts tokens a position keeps: >= 0")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     out = Path(cfg.out).expanduser()

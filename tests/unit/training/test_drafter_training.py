@@ -297,6 +297,8 @@ def test_one_soft_label_trains_as_the_greedy_token_and_more_train_otherwise(targ
     (tmp_path / "four" / "model.safetensors").unlink()
     with pytest.raises(InvalidConfigError, match="re-run with the same options"):
         train_drafter(_cfg(target_dir, tmp_path / "four", draft_vocab=0, soft_labels=2))
+    with pytest.raises(InvalidConfigError, match="--soft-labels"):
+        train_drafter(_cfg(target_dir, tmp_path / "negative", soft_labels=-1))
 
 
 def test_answers_are_handed_over_in_groups_and_come_back_in_order(monkeypatch) -> None:
