@@ -23,6 +23,7 @@ The result is a checkpoint in the published layout (`config.json`, `model.safete
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import random
@@ -434,9 +435,19 @@ def target_features(
     `SoftLabels`, from the same logits (else None)."""
     model.set_attn_implementation("sdpa")  # the engine switched it to paged attention
     decoder, head = model.get_decoder(), model.get_output_embeddings()
-    feats: list[torch.Tensor] = [torch.empty(0)] * len(seqs)
-    labels: list[torch.Tensor] = [torch.empty(0)] * len(seqs)
-    softs = [SoftLabels(torch.empty(0), torch.empty(0))] * len(seqs)
+    # What the phase keeps goes into one buffer each, allocated up front; a sequence's share
+    # is a view. Kept in tensors of their own, a sequence's small results sat between the
+    # freed logits of ever longer sequences, and glibc reused none of that heap: with soft
+    # labels ~15 MB a sequence, killed for memory at 1,600 of them (24 GiB).
+    ends = list(itertools.accumulate(len(s) for s in seqs))
+    spans = [slice(end - len(s), end) for s, end in zip(seqs, ends, strict=True)]
+    total = ends[-1] if ends else 0
+    feat_store = torch.empty(total, model.config.hidden_size * (len(layers) if layers else 1))
+    label_store = torch.empty(total, dtype=torch.long)
+    vocab, k = soft if soft is not None else (None, 0)
+    k = min(k, model.config.vocab_size if vocab is None else vocab.numel())
+    ids_store = torch.empty(total, k, dtype=torch.int32)
+    probs_store = torch.empty(total, k, dtype=torch.float16)
     bar = tqdm(total=len(seqs), desc="features", unit="seq", dynamic_ncols=True)
     for batch in _length_batches(seqs, FEATURE_BATCH_TOKENS):
         # right-padded: under the causal mask a sequence's own positions never see the pad
@@ -447,21 +458,22 @@ def target_features(
         positions = torch.arange(width).expand(len(batch), width)
         last, feat = decoder_features(decoder, ids, positions, layers)
         for row, i in enumerate(batch):
-            n = len(seqs[i])
-            feats[i] = feat[row, :n].to(torch.float32, copy=True)  # (not a view of the batch)
+            n, at = len(seqs[i]), spans[i]
+            feat_store[at] = feat[row, :n]
             logits = head(last[row, :n])
-            labels[i] = logits.argmax(-1)
-            if soft is not None:
-                softs[i] = _soft_labels(logits, *soft)
+            label_store[at] = logits.argmax(-1)
+            if k:
+                within = logits.float() if vocab is None else logits.float()[:, vocab]
+                top, top_ids = within.topk(k, dim=-1)
+                ids_store[at] = top_ids
+                probs_store[at] = torch.softmax(top, dim=-1)
         bar.update(len(batch))
     bar.close()
-    return feats, labels, (softs if soft is not None else None)
-
-
-def _soft_labels(logits: torch.Tensor, vocab: torch.Tensor | None, k: int) -> SoftLabels:
-    within = logits.float() if vocab is None else logits.float()[:, vocab]
-    top, ids = within.topk(min(k, within.shape[-1]), dim=-1)
-    return SoftLabels(ids.to(torch.int32), torch.softmax(top, dim=-1).to(torch.float16))
+    feats = [feat_store[at] for at in spans]
+    labels = [label_store[at] for at in spans]
+    if soft is None:
+        return feats, labels, None
+    return feats, labels, [SoftLabels(ids_store[at], probs_store[at]) for at in spans]
 
 
 def _length_batches(seqs: list[list[int]], max_tokens: int) -> list[list[int]]:
