@@ -50,6 +50,7 @@ ARCHS = ("eagle", "eagle3")
 FEATURE_BATCH_TOKENS = 4096  # tokens (padding included) per forward of the features phase
 REFILL = 16  # generation: prompts handed to the engine at a time (`_run`)
 FEATURE_GEMM_ROWS = 1024  # rows of the GEMMs timed to pick the features phase's dtype
+LENGTH_POOL = 16  # training: batches' worth of sequences sorted by length together
 
 
 @dataclass(frozen=True)
@@ -122,13 +123,15 @@ def train_drafter(cfg: TrainConfig) -> DraftHead:
         drafter: DraftHead = initial_drafter(model, vocab)
     else:
         drafter = initial_eagle3(model, vocab, layers)
+    features_from = _feature_model(served.model, model)
     feats, labels, soft = target_features(
-        _feature_model(served.model, model),
+        features_from,
         seqs,
         layers,
         (drafter.draft_ids, cfg.soft_labels) if cfg.soft_labels else None,
     )
-    _train(cfg, out, drafter, model, seqs, feats, labels, soft)
+    matmuls = next(features_from.parameters()).dtype  # bf16 where its GEMMs are the faster
+    _train(cfg, out, drafter, model, seqs, feats, labels, soft, matmuls)
     meta = {
         "target": loaded.name,
         "train_config": asdict(cfg),
@@ -550,7 +553,10 @@ def _train(
     feats: list[torch.Tensor],
     labels: list[torch.Tensor],
     soft: list[SoftLabels] | None,
+    matmuls: torch.dtype = torch.float32,
 ) -> None:
+    """The optimizer's loop over `cfg.epochs` of the sequences (5% held out), the head's
+    matrix products in `matmuls` (`_mixed_precision`)."""
     order = list(range(len(seqs)))
     random.Random(cfg.seed).shuffle(order)
     n_val = max(1, len(order) // 20)
@@ -580,20 +586,15 @@ def _train(
         gen.set_state(state["noise_rng"])
     bar = tqdm(total=total, initial=step, desc="train", unit="step", dynamic_ncols=True)
     drafter.train()
+    lengths = [len(s) for s in seqs]
     while step < total:
         epoch, i = divmod(step, steps_per_epoch)
-        epoch_order = train[:]
-        random.Random(cfg.seed + epoch).shuffle(epoch_order)
-        batch = epoch_order[i * cfg.batch_seqs : (i + 1) * cfg.batch_seqs]
+        batch = _epoch_batches(train, lengths, cfg.batch_seqs, cfg.seed + epoch)[i]
         opt.zero_grad(set_to_none=True)
-        tokens_in_batch = sum(len(seqs[j]) - 1 for j in batch)
-        stats = torch.zeros(3)
-        for j in batch:
-            loss, s = _sequence_loss(
-                cfg, drafter, seqs[j], feats[j], labels[j], t2d, gen, soft[j] if soft else None
-            )
-            (loss * (len(seqs[j]) - 1) / tokens_in_batch).backward()
-            stats += s
+        examples = [(seqs[j], feats[j], labels[j], soft[j] if soft else None) for j in batch]
+        with _mixed_precision(matmuls):
+            loss, stats = _batch_loss(cfg, drafter, examples, t2d, gen)
+        loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         sched.step()
@@ -605,75 +606,145 @@ def _train(
         if step % cfg.save_every == 0 or step == total:
             _save_state(state_path, drafter, opt, sched, step, gen, schedule)
         if step % steps_per_epoch == 0 or step == total:
-            acc = _validate(cfg, drafter, [(seqs[j], feats[j], labels[j]) for j in val], t2d)
+            held_out = [(seqs[j], feats[j], labels[j], None) for j in val]
+            acc = _validate(cfg, drafter, held_out, t2d)
             bar.write(f"epoch {epoch + 1}: held-out next-token accuracy {acc:.3f}")
     bar.close()
     drafter.eval()
 
 
-def _sequence_loss(
+def _mixed_precision(matmuls: torch.dtype) -> torch.autocast:
+    """The head's matrix products in bf16 (weights, gradients and optimizer state stay fp32)
+    where the target's were timed faster so (`_feature_model`): its training steps ran 1.49x
+    as fast on 2 cores of an AMD EPYC Zen 4, and the head scored as in fp32
+    (docs/benchmarks.md)."""
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=matmuls == torch.bfloat16)
+
+
+def _epoch_batches(
+    order: list[int], lengths: list[int], batch_seqs: int, seed: int
+) -> list[list[int]]:
+    """One epoch's batches of `order`'s sequences: shuffled, then within each pool of
+    `LENGTH_POOL` batches' worth sorted by length and cut into batches (a batch is padded to
+    its longest sequence: similar lengths waste little), the batches shuffled again. The
+    same `seed` gives the same batches, so a resumed run continues with the batch it left."""
+    rng = random.Random(seed)
+    shuffled = order[:]
+    rng.shuffle(shuffled)
+    pool = batch_seqs * LENGTH_POOL
+    batches = []
+    for at in range(0, len(shuffled), pool):
+        group = sorted(shuffled[at : at + pool], key=lambda j: lengths[j])
+        batches += [group[b : b + batch_seqs] for b in range(0, len(group), batch_seqs)]
+    rng.shuffle(batches)
+    return batches
+
+
+# a sequence for `_batch_loss`: its tokens, the target's features and greedy tokens, its soft
+# labels (None: greedy tokens alone)
+Example = tuple[list[int], torch.Tensor, torch.Tensor, SoftLabels | None]
+
+
+def _batch_loss(
     cfg: TrainConfig,
     drafter: DraftHead,
-    seq: list[int],
-    feat: torch.Tensor,
-    greedy: torch.Tensor,
+    examples: list[Example],
     t2d: torch.Tensor,
     gen: torch.Generator | None,
-    soft: SoftLabels | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """EAGLE's loss on one sequence, over `cfg.unroll` chain steps; returns (loss, [loss sum,
-    correct first drafts, count]).
+    """EAGLE's loss over a batch of sequences, `cfg.unroll` chain steps, one forward of the
+    head per step for the whole batch; returns (loss, [loss sum, correct first drafts,
+    count]). The loss is each sequence's mean over its positions, weighted by its positions.
 
-    Step 1 pairs token x[q+1] with the target's h[q] and learns the target's greedy token
-    after x[q+1] (and, for an EAGLE head, h[q+1]). Step j > 1 replaces h with the head's own
-    step j-1 output, as chained drafting at serving time does (training on true features
-    only leaves later drafts poor).
+    Step 1 pairs token x[q+1] with the target's h[q] and learns the target's next token after
+    x[q+1] (and, for an EAGLE head, h[q+1]). Step j > 1 replaces h with the head's own step
+    j-1 output, as chained drafting at serving time does (training on true features only
+    leaves later drafts poor). Sequences are right-padded: under the head's causal attention
+    a sequence's positions never see its padding, whose losses are masked out. (One
+    sequence at a time, as before, took ~2x as long on 2 cores: docs/benchmarks.md.)
     """
-    ids = torch.tensor(seq)
-    hidden = feat[:-1]
     regress = not isinstance(drafter, Eagle3Drafter)  # its outputs are not target states
     token_weight = cfg.token_loss_weight if regress else 1.0
-    scale = feat.pow(2).mean().sqrt()  # regress in units of the sequence's RMS
+    steps = max(1, cfg.unroll)
+    rows = len(examples)
+    n = torch.tensor([len(seq) - 1 for seq, *_ in examples])  # positions step 1 trains
+    width = int(n.max())
+    padded = width + 1 + steps  # every step's window [1 + step, 1 + step + width) exists
+    feat_dim = examples[0][1].shape[-1]
+    ids = torch.zeros(rows, padded, dtype=torch.long)
+    greedy = torch.zeros(rows, padded, dtype=torch.long)
+    feat = torch.zeros(rows, padded, feat_dim)
+    soft = [s for *_, s in examples]
+    k = soft[0].draft_ids.shape[1] if soft[0] is not None else 0
+    soft_ids = torch.zeros(rows, padded, k, dtype=torch.long)
+    soft_probs = torch.zeros(rows, padded, k)
+    for r, (seq, f, y, labels) in enumerate(examples):
+        ids[r, : len(seq)] = torch.tensor(seq)
+        greedy[r, : len(seq)] = y
+        feat[r, : len(seq)] = f
+        if labels is not None:
+            soft_ids[r, : len(seq)] = labels.draft_ids.long()
+            soft_probs[r, : len(seq)] = labels.probs.float()
+    # regress in units of each sequence's RMS (over its own positions, not the padding)
+    scale = (feat.pow(2).sum((1, 2)) / ((n + 1) * feat_dim)).sqrt()[:, None, None]
+    hidden = feat[:, :width]
     if gen is not None and cfg.noise:
         hidden = hidden + cfg.noise * scale * torch.randn(hidden.shape, generator=gen)
-    loss, first = torch.zeros(()), None
-    for step in range(max(1, cfg.unroll)):
-        n = hidden.shape[0]
-        if n < 2:
+    at = torch.arange(width)
+    row_loss = torch.zeros(rows)
+    correct = count = torch.zeros(rows)
+    for step in range(steps):
+        live = n - step  # positions this step trains per sequence (one fewer each step)
+        mask = (at[None] < live[:, None]) & (live[:, None] >= 2)
+        if not bool(mask.any()):
             break
-        f = drafter.features(
-            ids[None, 1 + step : 1 + step + n], hidden[None], torch.arange(step, step + n)[None]
-        )[0]
-        labels = t2d[greedy[1 + step : 1 + step + n]]  # -100: outside the draft vocabulary
+        window = slice(1 + step, 1 + step + width)
+        positions = (step + at)[None].expand(rows, width)
+        f = drafter.features(ids[:, window], hidden, positions)
         logits = drafter.draft_logits(f)
-        if soft is not None:
-            token_loss = soft.cross_entropy(logits, slice(1 + step, 1 + step + n))
+        labels = t2d[greedy[:, window]].masked_fill(~mask, -100)  # -100: not trained
+        if k:
+            logq = F.log_softmax(logits.float(), dim=-1).gather(-1, soft_ids[:, window])
+            token = -(soft_probs[:, window] * logq).sum(-1)
+            counted = mask
         else:
-            token_loss = F.cross_entropy(logits, labels, ignore_index=-100)
-        loss = loss + token_weight * token_loss
+            token = F.cross_entropy(
+                logits.flatten(0, 1).float(),
+                labels.flatten(),
+                ignore_index=-100,
+                reduction="none",
+            ).view(rows, width)
+            counted = labels >= 0
+        loss = token_weight * _row_mean(token, counted)
         if regress:
-            loss = loss + F.smooth_l1_loss(f / scale, feat[1 + step : 1 + step + n] / scale)
-        if first is None:
+            l1 = F.smooth_l1_loss(f / scale, feat[:, window] / scale, reduction="none")
+            loss = loss + _row_mean(l1.mean(-1), mask)
+        row_loss = row_loss + loss  # (0 for a sequence this step has no positions of)
+        if step == 0:
             valid = labels >= 0
-            correct = (logits.argmax(-1) == labels)[valid].sum().item()
-            first = (correct, max(1, int(valid.sum())))
-        hidden = f[:-1]
-    correct, count = first or (0, 1)
-    return loss, torch.tensor([loss.item() * count, correct, count], dtype=torch.float)
+            correct = ((logits.argmax(-1) == labels) & valid).sum(1).float()
+            count = valid.sum(1).clamp(min=1).float()
+        hidden = f
+    total = (row_loss * n).sum() / n.sum()
+    row_loss = row_loss.detach()
+    return total, torch.stack([(row_loss * count).sum(), correct.sum(), count.sum()])
+
+
+def _row_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Each row's mean of `values` [rows, T] where `mask` holds (0 for a row with none)."""
+    kept = torch.where(mask, values, 0.0)
+    return kept.sum(1) / mask.sum(1).clamp(min=1)
 
 
 @torch.no_grad()
 def _validate(
-    cfg: TrainConfig,
-    drafter: DraftHead,
-    data: list[tuple[list[int], torch.Tensor, torch.Tensor]],
-    t2d: torch.Tensor,
+    cfg: TrainConfig, drafter: DraftHead, data: list[Example], t2d: torch.Tensor
 ) -> float:
     """Held-out first-draft accuracy (teacher-forced)."""
     drafter.eval()
     correct = count = 0.0
-    for seq, feat, greedy in data:
-        _, s = _sequence_loss(cfg, drafter, seq, feat, greedy, t2d, None)
+    for at in range(0, len(data), cfg.batch_seqs):
+        _, s = _batch_loss(cfg, drafter, data[at : at + cfg.batch_seqs], t2d, None)
         correct, count = correct + s[1].item(), count + s[2].item()
     drafter.train()
     return correct / max(1.0, count)
@@ -693,7 +764,7 @@ def chain_acceptance(
     `seq`'s answer (which begins at `answer_start`) that leaves room for all `k`: 1 + the
     drafts in a row that equal the target's greedy tokens (`greedy` and `feat` from
     `target_features`; `t2d` from `target_to_draft`). The chain is training's unrolled
-    formulation (`_sequence_loss`): the first draft reads the target's states, each next one
+    formulation (`_batch_loss`): the first draft reads the target's states, each next one
     the head's previous outputs at every row; offline it ranked heads as serving measured
     them (docs/benchmarks.md)."""
     ids, hidden = torch.tensor(seq), feat[:-1]

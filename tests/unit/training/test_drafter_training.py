@@ -419,3 +419,99 @@ def test_chain_acceptance_counts_each_answer_positions_run_of_right_drafts() -> 
     wrong = greedy.clone()
     wrong[1:] = (first + 1) % vocab  # never what the head drafts first
     assert set(training.chain_acceptance(head, seq, feat, wrong, start, k, t2d)) == {1}
+
+
+def _one_sequence_loss(cfg, head, seq, feat, greedy, soft, t2d) -> torch.Tensor:
+    """The loss of one sequence as EAGLE defines it, written from its slices (no padding):
+    step j feeds token x[q+j] and the previous step's states (the target's at step 1), and
+    learns the target's token after it (and, for an EAGLE head, its next state)."""
+    regress = not isinstance(head, training.Eagle3Drafter)
+    ids, hidden, loss = torch.tensor(seq), feat[:-1], torch.zeros(())
+    scale = feat.pow(2).mean().sqrt()
+    for step in range(cfg.unroll):
+        n = hidden.shape[0]
+        if n < 2:
+            break
+        rows = slice(1 + step, 1 + step + n)
+        f = head.features(ids[None, rows], hidden[None], torch.arange(step, step + n)[None])[0]
+        logits = head.draft_logits(f)
+        if soft is None:  # (no label in the draft vocabulary: nothing to learn, not NaN)
+            target = t2d[greedy[rows]]
+            token = torch.nn.functional.cross_entropy(logits, target, ignore_index=-100)
+            token = token if bool((target >= 0).any()) else torch.zeros(())
+        else:
+            token = soft.cross_entropy(logits, rows)
+        loss = loss + (cfg.token_loss_weight if regress else 1.0) * token
+        if regress:
+            loss = loss + torch.nn.functional.smooth_l1_loss(f / scale, feat[rows] / scale)
+        hidden = f[:-1]
+    return loss
+
+
+@pytest.mark.parametrize(("layers", "soft_k"), [(None, 0), (None, 4), ((1, 2, 3), 4)])
+def test_a_batch_trains_as_its_sequences_one_at_a_time(deep_target_dir, layers, soft_k) -> None:
+    """Training puts a batch's sequences of different lengths through the head together,
+    right-padded: the loss and its gradients are each sequence's own (`_one_sequence_loss`)
+    weighted by its positions, and the first-draft statistics count every sequence."""
+    model = load_model(deep_target_dir).model
+    gen = torch.Generator().manual_seed(7)
+    vocab = torch.randperm(model.config.vocab_size, generator=gen)[:64].sort().values
+    seqs = [torch.randint(5, 250, (n,), generator=gen).tolist() for n in (9, 23, 2, 16, 3)]
+    soft_arg = (vocab, soft_k) if soft_k else None
+    feats, labels, soft = training.target_features(model, seqs, layers, soft_arg)
+    torch.manual_seed(0)
+    if layers is None:
+        head = training.initial_drafter(model, vocab)
+    else:
+        head = training.initial_eagle3(model, vocab, layers)
+    t2d = training.target_to_draft(head, model.config.vocab_size)
+    cfg = TrainConfig(unroll=3, soft_labels=soft_k)
+    soft = soft or [None] * len(seqs)
+    params = [p for p in head.parameters() if p.requires_grad]
+
+    examples = list(zip(seqs, feats, labels, soft, strict=True))
+    batched, stats = training._batch_loss(cfg, head, examples, t2d, None)
+    grads = torch.autograd.grad(batched, params)
+    positions = [len(s) - 1 for s in seqs]
+    one_by_one = sum(
+        _one_sequence_loss(cfg, head, s, f, y, sl, t2d) * n
+        for s, f, y, sl, n in zip(seqs, feats, labels, soft, positions, strict=True)
+    ) / sum(positions)
+    expected = torch.autograd.grad(one_by_one, params)
+    torch.testing.assert_close(batched, one_by_one, rtol=1e-4, atol=1e-5)
+    for got, want in zip(grads, expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-5)
+    assert batched.item() > 0
+    # first drafts counted: a sequence's positions with a label in the draft vocabulary (at
+    # least 1; a 2-token sequence trains none)
+    counted = [
+        max(1, int((t2d[y[1:]] >= 0).sum())) if len(s) > 2 else 1
+        for s, y in zip(seqs, labels, strict=True)
+    ]
+    assert stats[2].item() == sum(counted)
+
+
+def test_the_heads_products_run_in_bf16_only_where_the_target_runs_in_bf16(target_dir) -> None:
+    """`_mixed_precision(bf16)` computes the head's matrix products in bf16: a loss a bf16
+    rounding from fp32's, its gradients still fp32 for fp32 weights; with fp32 nothing
+    changes."""
+    model = load_model(target_dir).model
+    gen = torch.Generator().manual_seed(2)
+    seqs = [torch.randint(5, 250, (n,), generator=gen).tolist() for n in (12, 20)]
+    feats, labels, _ = training.target_features(model, seqs, None)
+    torch.manual_seed(0)
+    head = training.initial_drafter(model, torch.arange(model.config.vocab_size))
+    t2d = training.target_to_draft(head, model.config.vocab_size)
+    examples = [(s, f, y, None) for s, f, y in zip(seqs, feats, labels, strict=True)]
+    cfg = TrainConfig()
+    losses = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        with training._mixed_precision(dtype):
+            losses[dtype], _ = training._batch_loss(cfg, head, examples, t2d, None)
+        head.zero_grad()
+        losses[dtype].backward()
+        assert all(p.grad.dtype == torch.float32 for p in head.parameters() if p.requires_grad)
+    plain, _ = training._batch_loss(cfg, head, examples, t2d, None)
+    assert torch.equal(losses[torch.float32], plain)
+    assert not torch.equal(losses[torch.bfloat16], plain)
+    torch.testing.assert_close(losses[torch.bfloat16], plain, rtol=3e-2, atol=0)
