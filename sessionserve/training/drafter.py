@@ -15,9 +15,10 @@ Self-distillation in three phases, each resumable from files in the output direc
    probabilities, as EAGLE's loss uses the target's distribution; with 0, its greedy token)
    and, for EAGLE, also `h[q+1]` (smooth L1; an EAGLE-3 head's output is its own, not a
    target state, so only tokens teach it). `unroll` chain steps are trained, step 2+
-   feeding the head its own output as serving does (EAGLE-3's training-time test);
-   `train_state.pt` holds the optimizer and position every few steps, so an interrupted run
-   continues where it stopped.
+   feeding the head its own output as serving does (EAGLE-3's training-time test); a
+   batch of sequences goes through the head at once, its products in bf16 where the
+   features phase's were; `train_state.pt` holds the optimizer and position every few
+   steps, so an interrupted run continues where it stopped.
 The result is a checkpoint in the published layout (`config.json`, `model.safetensors`).
 """
 
@@ -66,7 +67,10 @@ class TrainConfig:
     max_new_tokens: int = 128
     sampled_answers: int = 0  # per prompt, at temperature 0.7, besides the greedy one
     dtype: str = "auto"  # the target's, for the text, hidden states and labels (as served)
-    epochs: int = 4
+    # 8 passes over the text: training in batches and bf16 made room, and the head read 3.5%
+    # more tokens a verify than after 4 (docs/benchmarks.md); twice the text
+    # (`sampled_answers=1`) over 4 passes read 5.7% more, in ~26 min on a bf16 CPU
+    epochs: int = 8
     unroll: int = 2  # chain steps trained (step 2+ feeds the head its own output)
     lr: float = 2e-3
     batch_seqs: int = 8  # sequences per optimizer step
@@ -661,7 +665,7 @@ def _batch_loss(
     j-1 output, as chained drafting at serving time does (training on true features only
     leaves later drafts poor). Sequences are right-padded: under the head's causal attention
     a sequence's positions never see its padding, whose losses are masked out. (One
-    sequence at a time, as before, took ~2x as long on 2 cores: docs/benchmarks.md.)
+    sequence at a time, as before, took 1.27x as long on 2 cores: docs/benchmarks.md.)
     """
     regress = not isinstance(drafter, Eagle3Drafter)  # its outputs are not target states
     token_weight = cfg.token_loss_weight if regress else 1.0
