@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         "--sampled-answers",
         type=int,
         help="answers per prompt at temperature 0.7, besides the greedy one (default 0; 1 "
-        "with --epochs 4: twice the text as long, a better head in ~1.3x the time)",
+        "with --epochs 4: twice the text, a better head in ~1.3x the time)",
     )
     train.add_argument(
         "--dtype",

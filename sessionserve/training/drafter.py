@@ -591,9 +591,12 @@ def _train(
     bar = tqdm(total=total, initial=step, desc="train", unit="step", dynamic_ncols=True)
     drafter.train()
     lengths = [len(s) for s in seqs]
+    batches: dict[int, list[list[int]]] = {}  # this epoch's
     while step < total:
         epoch, i = divmod(step, steps_per_epoch)
-        batch = _epoch_batches(train, lengths, cfg.batch_seqs, cfg.seed + epoch)[i]
+        if epoch not in batches:
+            batches = {epoch: _epoch_batches(train, lengths, cfg.batch_seqs, cfg.seed + epoch)}
+        batch = batches[epoch][i]
         opt.zero_grad(set_to_none=True)
         examples = [(seqs[j], feats[j], labels[j], soft[j] if soft else None) for j in batch]
         with _mixed_precision(matmuls):
@@ -620,8 +623,8 @@ def _train(
 def _mixed_precision(matmuls: torch.dtype) -> torch.autocast:
     """The head's matrix products in bf16 (weights, gradients and optimizer state stay fp32)
     where the target's were timed faster so (`_feature_model`): its training steps ran 1.49x
-    as fast on 2 cores of an AMD EPYC Zen 4, and the head scored as in fp32
-    (docs/benchmarks.md)."""
+    as fast on 2 cores of an AMD EPYC Zen 4, and the head scored within what two fp32
+    trainings differ by (docs/benchmarks.md)."""
     return torch.autocast("cpu", dtype=torch.bfloat16, enabled=matmuls == torch.bfloat16)
 
 
