@@ -69,7 +69,7 @@ class TrainConfig:
     dtype: str = "auto"  # the target's, for the text, hidden states and labels (as served)
     # 8 passes over the text: training in batches and bf16 made room, and the head read 3.5%
     # more tokens a verify than after 4 (docs/benchmarks.md); twice the text
-    # (`sampled_answers=1`) over 4 passes read 5.7% more, in ~26 min on a bf16 CPU
+    # (`sampled_answers=1`) over 4 passes read 5.7% more, in ~26-28 min on a bf16 CPU
     epochs: int = 8
     unroll: int = 2  # chain steps trained (step 2+ feeds the head its own output)
     lr: float = 2e-3
