@@ -422,11 +422,6 @@ class SoftLabels:
     draft_ids: torch.Tensor  # (positions, k) int32, ids in the draft vocabulary
     probs: torch.Tensor  # (positions, k) float16, each row sums to 1
 
-    def cross_entropy(self, logits: torch.Tensor, rows: slice) -> torch.Tensor:
-        """Mean over `rows` of -sum p log q, q the head's softmax over `logits` (one row each)."""
-        logq = F.log_softmax(logits.float(), dim=-1).gather(1, self.draft_ids[rows].long())
-        return -(self.probs[rows].float() * logq).sum(-1).mean()
-
 
 @torch.no_grad()
 def target_features(

@@ -440,7 +440,9 @@ def _one_sequence_loss(cfg, head, seq, feat, greedy, soft, t2d) -> torch.Tensor:
             token = torch.nn.functional.cross_entropy(logits, target, ignore_index=-100)
             token = token if bool((target >= 0).any()) else torch.zeros(())
         else:
-            token = soft.cross_entropy(logits, rows)
+            # mean over the positions of -sum p log q, q the head's softmax
+            logq = torch.log_softmax(logits.float(), -1).gather(1, soft.draft_ids[rows].long())
+            token = -(soft.probs[rows].float() * logq).sum(-1).mean()
         loss = loss + (cfg.token_loss_weight if regress else 1.0) * token
         if regress:
             loss = loss + torch.nn.functional.smooth_l1_loss(f / scale, feat[rows] / scale)
