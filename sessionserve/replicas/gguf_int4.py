@@ -140,6 +140,18 @@ def eight_bit_blocks(weight: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.n
     return u.reshape(n, k), d.astype(np.float32), m.astype(np.float32)
 
 
+def eight_bit_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> BlockLinear | None:
+    """A dense linear no file holds as blocks (an EAGLE head's) as the kernel's 8-bit records
+    (`eight_bit_blocks`); None where it does not fill whole records or its scales exceed
+    fp16."""
+    if not fits(*weight.shape):
+        return None
+    u, d, m = eight_bit_blocks(weight)
+    if not (np.isfinite(d.astype(np.float16)).all() and np.isfinite(m.astype(np.float16)).all()):
+        return None
+    return BlockLinear(pack(u, d, m, 8), bias, weight.dtype)
+
+
 def _fp16_toward(x: np.ndarray, direction: float) -> np.ndarray:
     """`x` rounded to fp16, then one fp16 step toward `direction` where that rounded the
     other way (float64 out: every fp16 value is exact in it)."""

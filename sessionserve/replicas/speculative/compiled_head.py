@@ -14,22 +14,28 @@ fixed in a package: an EAGLE-1/2 head reads the target's last hidden state and f
 own (both h wide), so one package serves it; an EAGLE-3 head reads three target layers (3h)
 when catching up and its own output (h) when chaining, so it gets a package for each.
 The target's embedding and LM head, which the head borrows, are registered here so that export
-sees them as weights (and the package key hashes them). With `linear_kernel` (fp32 heads on a
-CPU the few-row GEMM kernel builds on, cpu_linear.py) its linears and its draft-vocabulary
-GEMM run that kernel, swapped in on the copy that is exported, as the target's decode step
-package's do.
+sees them as weights (and the package key hashes them).
+
+Its linears and its draft-vocabulary GEMM (`HeadLinears`, swapped in on the copy that is
+exported, as the target's decode step packages' are): an fp32 head's run the few-row GEMM
+kernel (cpu_linear.py) where it builds; a bf16 head's run the block kernel (block_linear.py)
+on 8-bit records of its weights where that loads (AVX-512 VNNI): a step of one row reads
+half the bytes, and its GEMMs took 0.20 ms against 1.15 ms as bf16 on 2 cores of an AMD
+EPYC Zen 4 (docs/benchmarks.md). The records hold each weight within half a step of 1/255 of
+its block's range: the drafts may differ from the dense head's, the served tokens never do
+(the target verifies them).
 """
 
 from __future__ import annotations
 
 import functools
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
-from sessionserve.replicas import cpu_linear
+from sessionserve.replicas import block_linear, cpu_linear, gguf_int4
 from sessionserve.replicas.attention.base import ForwardMeta
 from sessionserve.replicas.attention.paged_op import forward_context
 from sessionserve.replicas.compiled_forward import (
@@ -42,11 +48,17 @@ from sessionserve.replicas.compiled_forward import (
 from sessionserve.replicas.native_kernel import SHIMS_CONFIG
 from sessionserve.replicas.speculative.drafter import DraftHead
 
+# what a head package's linears run: inductor's GEMMs ("dense"), the fp32 few-row kernel
+# ("packed", cpu_linear.py) or 8-bit records on the block kernel ("blocks", block_linear.py)
+HeadLinears = Literal["dense", "packed", "blocks"]
+
 
 class HeadStep(nn.Module):
     """One drafter forward and its draft logits, for inputs `input_width` wide."""
 
-    def __init__(self, drafter: DraftHead, input_width: int, linear_kernel: bool = False) -> None:
+    def __init__(
+        self, drafter: DraftHead, input_width: int, linears: HeadLinears = "dense"
+    ) -> None:
         super().__init__()
         self.drafter = drafter
         embedding, lm_head = drafter._borrowed()
@@ -54,9 +66,9 @@ class HeadStep(nn.Module):
         self.borrowed_lm_head = lm_head
         self.config = drafter.config
         self.input_width = input_width
-        self.linear_kernel = linear_kernel
-        # the EAGLE-1/2 head's draft-vocabulary GEMM as a packed linear (`export_inputs`)
-        self.draft_vocab: cpu_linear.PackedLinear | None = None
+        self.linears = linears
+        # the EAGLE-1/2 head's draft-vocabulary GEMM on a kernel (`export_inputs`)
+        self.draft_vocab: nn.Module | None = None
         if hasattr(drafter, "head_weight"):  # the EAGLE-1/2 head's cached draft-vocabulary
             drafter.head_weight()  # rows: made here, not assigned while export traces
 
@@ -76,13 +88,18 @@ class HeadStep(nn.Module):
         self, example_tokens: int, max_tokens: int, device: torch.device
     ) -> tuple[tuple[torch.Tensor, ...], tuple[dict[int, Any], ...]]:
         """As `_DecoderAndHead.export_inputs`, with the input hidden states beside the ids."""
-        if self.linear_kernel:  # on the copy that is exported
-            cpu_linear.swap_linears(self.drafter)  # not the borrowed LM head: unused here
-            # the EAGLE-1/2 head's draft-vocabulary rows (an EAGLE-3 head's own `lm_head` is
-            # one of the linears swapped above)
-            weight = self.drafter.head_weight() if hasattr(self.drafter, "head_weight") else None
+        # on the copy that is exported; not the borrowed LM head (unused here). The EAGLE-1/2
+        # head's draft-vocabulary rows are swapped apart (an EAGLE-3 head's own `lm_head` is
+        # one of its linears)
+        weight = self.drafter.head_weight() if hasattr(self.drafter, "head_weight") else None
+        if self.linears == "packed":
+            cpu_linear.swap_linears(self.drafter)
             if weight is not None and cpu_linear.fits(weight):
                 self.draft_vocab = cpu_linear.PackedLinear(weight)
+        elif self.linears == "blocks":
+            swap_eight_bit_linears(self.drafter)
+            if weight is not None:
+                self.draft_vocab = gguf_int4.eight_bit_linear(weight, None)
         tokens, rows = token_dims(max_tokens)
         n = example_tokens
         dtype = next(self.drafter.parameters()).dtype
@@ -102,23 +119,44 @@ class HeadStep(nn.Module):
             "input_width": self.input_width,
             "feature_layers": list(self.drafter.feature_layers or ()),
             # only where used: packages built before stay valid
-            **({"linear_kernel": cpu_linear.key_fact()} if self.linear_kernel else {}),
+            **({"linear_kernel": cpu_linear.key_fact()} if self.linears == "packed" else {}),
+            **({"eight_bit_blocks": block_linear.key_fact()} if self.linears == "blocks" else {}),
         }
 
     @property
     def inductor_configs(self) -> dict[str, Any]:
         """The kernel's C function, for a package that calls it (`build_package`)."""
-        return {SHIMS_CONFIG: cpu_linear.c_shims()} if self.linear_kernel else {}
+        if self.linears == "dense":
+            return {}
+        kernel = cpu_linear if self.linears == "packed" else block_linear
+        return {SHIMS_CONFIG: kernel.c_shims()}
+
+
+def swap_eight_bit_linears(module: nn.Module) -> int:
+    """Replace every `nn.Linear` among `module`'s descendants that fills the block kernel's
+    records by its 8-bit records (`gguf_int4.eight_bit_linear`); how many were replaced."""
+    replaced = 0
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                blocks = gguf_int4.eight_bit_linear(child.weight, child.bias)
+                if blocks is not None:
+                    setattr(parent, name, blocks)
+                    replaced += 1
+    return replaced
 
 
 class CompiledHead(CompiledForward):
     """A loaded head package: `run(ids, hidden, positions, logit_idx, meta)`."""
 
     def __init__(
-        self, package: Path, max_tokens: int, min_tokens: int = 1, linear_kernel: bool = False
+        self, package: Path, max_tokens: int, min_tokens: int = 1, linears: HeadLinears = "dense"
     ) -> None:
-        if linear_kernel:  # the package calls the kernel by name: the op must exist first
+        # the package calls its kernel by name: the op must exist first
+        if linears == "packed":
             cpu_linear.load()
+        elif linears == "blocks":
+            block_linear.load()
         super().__init__(package, max_tokens, min_tokens)
 
     def run(  # type: ignore[override] - the head's step also takes its input hidden states
@@ -155,9 +193,9 @@ def head_compile_jobs(
     if not forward.enabled or forward.package is None:
         return []
     jobs = []
-    linear_kernel = cpu_linear.usable_for(drafter)
+    linears = head_linears(drafter)
     for width in head_input_widths(drafter, target_config):
-        step = HeadStep(drafter, width, linear_kernel)
+        step = HeadStep(drafter, width, linears)
         key = package_key(step, forward.max_tokens)
         plan = CompilePlan(
             True,
@@ -165,7 +203,20 @@ def head_compile_jobs(
             Path(forward.package).parent / f"{key}.pt2",
             forward.max_tokens,
             role=f"EAGLE head ({width}-wide inputs)",
-            loads_as=functools.partial(CompiledHead, linear_kernel=linear_kernel),
+            loads_as=functools.partial(CompiledHead, linears=linears),
         )
         jobs.append(CompileJob(plan, functools.partial(installed.__setitem__, width), step))
     return jobs
+
+
+def head_linears(drafter: DraftHead) -> HeadLinears:
+    """What the head's package runs its linears on here: an fp32 head the few-row kernel where
+    it builds (`cpu_linear.usable_for`), a bf16 head on a CPU 8-bit blocks where the block
+    kernel loads (otherwise the reason is logged once), else inductor's GEMMs."""
+    if cpu_linear.usable_for(drafter):
+        return "packed"
+    weight = next(drafter.parameters())
+    if weight.device.type == "cpu" and weight.dtype in block_linear.MODEL_DTYPES:
+        if block_linear.load():
+            return "blocks"
+    return "dense"
