@@ -147,9 +147,7 @@ def eight_bit_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> BlockLi
     if not fits(*weight.shape):
         return None
     u, d, m = eight_bit_blocks(weight)
-    if not (np.isfinite(d.astype(np.float16)).all() and np.isfinite(m.astype(np.float16)).all()):
-        return None
-    return BlockLinear(pack(u, d, m, 8), bias, weight.dtype)
+    return BlockLinear(pack(u, d, m, 8), bias, weight.dtype) if _fp16_holds(d, m) else None
 
 
 def _fp16_toward(x: np.ndarray, direction: float) -> np.ndarray:
@@ -259,10 +257,15 @@ def _fills_records(tensor: Any, name: str, linear: torch.nn.Linear) -> bool:
 def _in_fp16(name: str, d: np.ndarray, m: np.ndarray) -> bool:
     """Whether the records' fp16 holds a weight's scales and offsets; if not, a log line says
     it stays dense."""
-    if np.isfinite(d.astype(np.float16)).all() and np.isfinite(m.astype(np.float16)).all():
+    if _fp16_holds(d, m):
         return True
     log.warning("gguf blocks: %s exceeds fp16's range; it stays dense", name)
     return False
+
+
+def _fp16_holds(d: np.ndarray, m: np.ndarray) -> bool:
+    """Whether the records' fp16 scales and offsets hold `d` and `m` (none overflows)."""
+    return bool(np.isfinite(d.astype(np.float16)).all() and np.isfinite(m.astype(np.float16)).all())
 
 
 def _checked(tensor: Any, processor: Any, name: str, linear: torch.nn.Linear) -> BlockWeight | None:
