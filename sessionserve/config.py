@@ -219,7 +219,7 @@ class SpecConfig(_Strict):
         "this; 0 = always `num_drafts`. A draft that is unlikely to be kept still costs a head "
         "step and a verify column: with SmolLM2's trained head on a CPU, 0.1 kept the same 1.48 "
         "tokens a verify with 2.8 drafts instead of 4, and 0.4, once the head's steps ran as "
-        "8-bit blocks, 1.47 with 1.4 drafts: forced drafting 1.01-1.06x against 0.91-0.92x at "
+        "8-bit blocks, 1.47 with 1.4 drafts: forced drafting 0.97-1.06x against 0.91-0.92x at "
         "one request and 0.69x against 0.49x at 8 (docs/benchmarks.md). The head's first "
         "draft is always verified (on a GPU too, where the head's chain graphs draft every "
         "step and the drafts past the stop are dropped). A tree (`tree_topk` "
