@@ -140,14 +140,14 @@ def eight_bit_blocks(weight: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.n
     return u.reshape(n, k), d.astype(np.float32), m.astype(np.float32)
 
 
-def eight_bit_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> BlockLinear | None:
-    """A dense linear no file holds as blocks (an EAGLE head's) as the kernel's 8-bit records
+def eight_bit_weight(weight: torch.Tensor) -> BlockWeight | None:
+    """A dense weight no file holds as blocks (an EAGLE head's) as the kernel's 8-bit records
     (`eight_bit_blocks`); None where it does not fill whole records or its scales exceed
     fp16."""
     if not fits(*weight.shape):
         return None
     u, d, m = eight_bit_blocks(weight)
-    return BlockLinear(pack(u, d, m, 8), bias, weight.dtype) if _fp16_holds(d, m) else None
+    return pack(u, d, m, 8) if _fp16_holds(d, m) else None
 
 
 def _fp16_toward(x: np.ndarray, direction: float) -> np.ndarray:

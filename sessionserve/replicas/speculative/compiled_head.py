@@ -97,9 +97,16 @@ class HeadStep(nn.Module):
             if weight is not None and cpu_linear.fits(weight):
                 self.draft_vocab = cpu_linear.PackedLinear(weight)
         elif self.linears == "blocks":
-            swap_eight_bit_linears(self.drafter)
-            if weight is not None:
-                self.draft_vocab = gguf_int4.eight_bit_linear(weight, None)
+            records = {
+                name: blocks
+                for name, child in self.drafter.named_modules()
+                if type(child) is nn.Linear
+                and (blocks := gguf_int4.eight_bit_weight(child.weight)) is not None
+            }
+            gguf_int4.swap_block_linears(self.drafter, records)
+            vocab = gguf_int4.eight_bit_weight(weight) if weight is not None else None
+            if vocab is not None:
+                self.draft_vocab = block_linear.BlockLinear(vocab, None, weight.dtype)
         tokens, rows = token_dims(max_tokens)
         n = example_tokens
         dtype = next(self.drafter.parameters()).dtype
@@ -130,20 +137,6 @@ class HeadStep(nn.Module):
             return {}
         kernel = cpu_linear if self.linears == "packed" else block_linear
         return {SHIMS_CONFIG: kernel.c_shims()}
-
-
-def swap_eight_bit_linears(module: nn.Module) -> int:
-    """Replace every `nn.Linear` among `module`'s descendants that fills the block kernel's
-    records by its 8-bit records (`gguf_int4.eight_bit_linear`); how many were replaced."""
-    replaced = 0
-    for parent in list(module.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear:
-                blocks = gguf_int4.eight_bit_linear(child.weight, child.bias)
-                if blocks is not None:
-                    setattr(parent, name, blocks)
-                    replaced += 1
-    return replaced
 
 
 class CompiledHead(CompiledForward):

@@ -138,24 +138,25 @@ def test_the_block_linear_computes_with_the_files_weights(kind) -> None:
 
 
 @needs_kernel
-def test_a_dense_linear_as_eight_bit_records_or_none_where_they_cannot_hold_it() -> None:
-    """`eight_bit_linear` (an EAGLE head's linears): the records compute with the re-blocked
-    weights and keep the bias; a shape that does not fill whole records, or a block whose
-    least weight is past fp16's range, gives None (the linear stays dense)."""
+def test_a_dense_weight_as_eight_bit_records_or_none_where_they_cannot_hold_it() -> None:
+    """`eight_bit_weight` (an EAGLE head's linears): the records compute with the re-blocked
+    weights; a shape that does not fill whole records, or a block whose least weight is past
+    fp16's range, gives None (the linear stays dense)."""
     rng = np.random.default_rng(6)
     weight = torch.from_numpy(rng.normal(0, 0.05, (32, 64)).astype(np.float32)).bfloat16()
     bias = torch.randn(32).bfloat16()
-    linear = gguf_int4.eight_bit_linear(weight, bias)
-    assert isinstance(linear, BlockLinear) and linear.bits == 8
+    records = gguf_int4.eight_bit_weight(weight)
+    assert records is not None and records.bits == 8
+    linear = BlockLinear(records, bias, torch.bfloat16)
     x = torch.randn(3, 64).bfloat16()
     rounded = gguf_int4.dequantized(*gguf_int4.eight_bit_blocks(weight))
     want = torch.nn.functional.linear(x.float(), rounded, bias.float())
     torch.testing.assert_close(linear(x).float(), want, atol=3e-2, rtol=3e-2)
-    assert gguf_int4.eight_bit_linear(weight[:24], None) is None  # 24 outputs: not whole
-    assert gguf_int4.eight_bit_linear(weight[:, :48], None) is None  # 48 inputs: likewise
+    assert gguf_int4.eight_bit_weight(weight[:24]) is None  # 24 outputs: not whole
+    assert gguf_int4.eight_bit_weight(weight[:, :48]) is None  # 48 inputs: likewise
     wide = weight.float().clone()
     wide[0, :32] = -1e6  # a block's least weight past fp16's 65504
-    assert gguf_int4.eight_bit_linear(wide, None) is None
+    assert gguf_int4.eight_bit_weight(wide) is None
 
 
 def permuted(weight: np.ndarray, heads: int) -> np.ndarray:
